@@ -1,0 +1,24 @@
+"""`ascendc`: page transfers on Memfabric's fused kv_exchange_copy kernel."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvtier import Availability, TransferEngine
+
+from . import KVTIER_INTERFACE_VERSION
+from ._probe import probe_memfabric, probe_npu
+
+
+class AscendCTransferEngine(TransferEngine):
+    name = "ascendc"
+    interface_version = KVTIER_INTERFACE_VERSION
+
+    @dataclass(frozen=True)
+    class Config:
+        device_id: int = 0
+
+    @classmethod
+    def probe(cls) -> Availability:
+        npu = probe_npu()
+        return npu if not npu.ok else probe_memfabric()

@@ -1,0 +1,22 @@
+"""The package's backends are discovered and report honestly why they can or cannot run."""
+
+import subprocess
+import sys
+
+from kvtier import registry
+
+
+def test_backends_discovered_with_reason():
+    recs = [r for r in registry.records() if r.distribution == "kvtier-ascend"]
+    assert recs, "the package's entry points are not registered"
+    for rec in recs:
+        assert rec.error is None, rec.error
+        av = registry.probe(rec)
+        assert av.ok or av.reason, f"{rec.name}: unavailable without a reason"
+
+
+def test_import_loads_no_vendor_runtime():
+    code = ("import sys, kvtier, kvtier_ascend; from kvtier import registry; registry.discover(); "
+            "bad = [m for m in sys.modules if m.split('.')[0] in "
+            "('torch_npu', 'mori', 'cuda', 'memfabric_hybrid')]; print(bad); assert not bad")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,1 @@
+"""Host allocators shipped with kvtier-core (registered as entry points)."""

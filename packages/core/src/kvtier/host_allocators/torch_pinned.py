@@ -1,0 +1,65 @@
+"""`torch-pinned`: torch's pinned host allocation where a CUDA/ROCm runtime exists, plain
+host memory otherwise -- and ``backing`` says which."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import AllocationError, InvalidArgumentError
+from ..interfaces import INTERFACE_VERSION, Availability, Capabilities, HostAllocator, HostBuffer
+
+
+def check_nbytes(nbytes: object, backend: str) -> int:
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+        raise InvalidArgumentError(f"{backend}: nbytes must be a positive int, got {nbytes!r}",
+                                   argument="nbytes", value=nbytes)
+    return nbytes
+
+
+def _gpu_runtime() -> str | None:
+    """'cuda' or 'hip' when torch sees a GPU runtime, else None."""
+    try:
+        if torch.cuda.is_available():
+            return "hip" if getattr(torch.version, "hip", None) else "cuda"
+    except Exception:  # a broken driver install: treat as no GPU
+        return None
+    return None
+
+
+class TorchPinnedAllocator(HostAllocator):
+    name = "torch-pinned"
+    interface_version = INTERFACE_VERSION
+
+    @dataclass(frozen=True)
+    class Config:
+        #: Pin when a GPU runtime exists. With ``require_pinned`` a missing runtime is an error.
+        require_pinned: bool = False
+
+    @classmethod
+    def probe(cls) -> Availability:
+        t = torch.empty(16, dtype=torch.uint8)
+        t.fill_(1)
+        rt = _gpu_runtime()
+        return Availability.available(f"pinned via {rt}" if rt else
+                                      "no GPU runtime: plain (pageable) host memory")
+
+    @classmethod
+    def capabilities(cls) -> Capabilities:
+        return Capabilities(device_addressable=_gpu_runtime() is not None)
+
+    def allocate(self, nbytes: int) -> HostBuffer:
+        nbytes = check_nbytes(nbytes, self.name)
+        rt = _gpu_runtime()
+        if rt is None and self.config.require_pinned:
+            raise AllocationError(f"{self.name}: require_pinned is set but torch sees no "
+                                  "CUDA/ROCm runtime", backend=self.name, nbytes=nbytes)
+        try:
+            t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=rt is not None)
+        except RuntimeError as exc:
+            raise AllocationError(f"{self.name}: allocating {nbytes} bytes failed: {exc}",
+                                  backend=self.name, nbytes=nbytes) from exc
+        return HostBuffer(ptr=t.data_ptr(), nbytes=nbytes, tensor=t,
+                          backing=f"{rt}-pinned" if rt else "torch-cpu",
+                          device_addressable=rt is not None)

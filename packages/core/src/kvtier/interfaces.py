@@ -1,0 +1,331 @@
+"""The three extension points: host allocators, L3 stores and transfer engines.
+
+A backend is a subclass of one of these, registered under the matching entry-point group
+(``kvtier.host_allocators``, ``kvtier.l3_stores``, ``kvtier.transfer_engines``). Every backend
+declares ``name``, the ``INTERFACE_VERSION`` it implements, a frozen-dataclass ``Config`` and a
+classmethod ``probe()`` that exercises its runtime and says why it cannot run.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Sequence
+
+import torch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .device_pool import DeviceKVPool
+    from .host_pool import HostKVPool
+    from .spec import KVSpec
+
+#: Version of the backend interfaces below; a backend built for another one is refused.
+INTERFACE_VERSION = 1
+
+HOST_ALLOCATORS = "kvtier.host_allocators"
+L3_STORES = "kvtier.l3_stores"
+TRANSFER_ENGINES = "kvtier.transfer_engines"
+GROUPS = (HOST_ALLOCATORS, L3_STORES, TRANSFER_ENGINES)
+
+
+@dataclass(frozen=True)
+class Availability:
+    """Whether a backend can run here; when not, why and how to fix it."""
+
+    ok: bool
+    reason: str = ""
+    hint: str = ""
+
+    @classmethod
+    def available(cls, note: str = "") -> "Availability":
+        return cls(True, note, "")
+
+    @classmethod
+    def unavailable(cls, reason: str, hint: str = "") -> "Availability":
+        return cls(False, reason, hint)
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do, as flags rather than surprises."""
+
+    directions: tuple[str, ...] = ()        # transfer engines: "h2d", "d2h"
+    layerwise: bool = False                 # per-layer completion (wait_layer)
+    device_types: tuple[str, ...] = ()      # torch device types it moves data for
+    host_layouts: tuple[str, ...] = ("page_first", "layer_first")
+    max_ctas: int | None = None             # SM/CTA budget a kernel engine uses
+    zero_copy: bool = False                 # stores: reads/writes host pages in place
+    shared_across_processes: bool = False   # stores: other processes see the same objects
+    persistent: bool = False                # stores: survives process exit
+    device_addressable: bool = False        # allocators: device can address the memory
+
+
+class Backend(abc.ABC):
+    """Common part of every backend class."""
+
+    #: The name users ask for (the entry-point name must equal it).
+    name: ClassVar[str] = ""
+    #: INTERFACE_VERSION this backend was built for. Deliberately no default: every backend
+    #: declares it (vendor packages from their own constant), so a stale build is caught.
+    interface_version: ClassVar[int]
+
+    @dataclass(frozen=True)
+    class Config:
+        """Typed configuration; subclasses define their own frozen dataclass."""
+
+    @classmethod
+    @abc.abstractmethod
+    def probe(cls) -> Availability:
+        """Exercise the runtime this backend needs (not just find_spec) and report."""
+
+    @classmethod
+    def capabilities(cls) -> Capabilities:
+        return Capabilities()
+
+    @classmethod
+    def example_config(cls, workdir: str) -> dict[str, Any]:
+        """A small config that works on this machine (contract tests, ``kvtier backends``);
+        ``workdir`` is a scratch directory the backend may use."""
+        return {}
+
+
+# --------------------------------------------------------------------------------------------
+# Host allocators
+# --------------------------------------------------------------------------------------------
+@dataclass
+class HostBuffer:
+    """A block of host memory and an honest account of what backs it."""
+
+    ptr: int
+    nbytes: int
+    tensor: torch.Tensor                    # 1-D uint8 view of the whole block
+    backing: str                            # e.g. "hugetlb-2MiB", "thp", "anonymous", "cuda-pinned"
+    numa_node: int | None = None            # where the pages really are, None if unknown
+    device_addressable: bool = False        # a device can DMA/address it directly (pinned etc.)
+    page_size_bytes: int = 4096             # OS page size backing it
+    details: dict[str, Any] = field(default_factory=dict)
+    _release: Any = field(default=None, repr=False)
+    _closed: bool = field(default=False, repr=False)
+
+    def close(self) -> None:
+        """Release the memory; idempotent. Views of ``tensor`` must not be used afterwards."""
+        if self._closed:
+            return
+        self._closed = True
+        release, self._release = self._release, None
+        self.tensor = torch.empty(0, dtype=torch.uint8)
+        if release is not None:
+            release()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> "HostBuffer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class HostAllocator(Backend):
+    """Allocates host memory for the L2 pool."""
+
+    def __init__(self, config: Any = None):
+        from .config import build_config
+        self.config = build_config(type(self).Config, config, section=self.name)
+
+    @abc.abstractmethod
+    def allocate(self, nbytes: int) -> HostBuffer:
+        """Allocate ``nbytes`` (no power-of-two rounding visible to the caller)."""
+
+
+# --------------------------------------------------------------------------------------------
+# L3 stores
+# --------------------------------------------------------------------------------------------
+@dataclass
+class StoreStats:
+    """Counters every store keeps; stores may add their own in ``extra``."""
+
+    gets: int = 0
+    get_hits: int = 0
+    sets: int = 0
+    set_ok: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    errors: int = 0
+    corrupted: int = 0
+    evictions: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.update(d.pop("extra"))
+        return d
+
+
+class L3Store(Backend):
+    """Page-granular object store for KV pages, attached to a host pool.
+
+    Reads go straight into host-pool pages; writes come straight from them. ``batch_get`` and
+    ``batch_set`` return one bool per key and callers act only on leading successes. A store
+    never returns bytes it cannot vouch for: a corrupted or truncated object is a miss and a
+    counted error. Store failures are misses and counted errors, not exceptions, except for
+    caller mistakes (bad arguments), which raise typed errors before anything is touched.
+    """
+
+    def __init__(self, config: Any = None, *, spec: "KVSpec"):
+        from .config import build_config
+        self.config = build_config(type(self).Config, config, section=self.name)
+        self.spec = spec
+        self.host_pool: "HostKVPool | None" = None
+        self._stats = StoreStats()
+        self._stats_lock = threading.Lock()
+
+    def attach(self, host_pool: "HostKVPool") -> None:
+        """Bind to the host pool whose pages are read into / written from."""
+        from .errors import ConfigError
+        if host_pool.spec.fingerprint != self.spec.fingerprint:
+            raise ConfigError(f"{self.name}: host pool spec {host_pool.spec} does not match the "
+                              f"store's {self.spec}", key="spec")
+        self.host_pool = host_pool
+
+    @abc.abstractmethod
+    def batch_exists(self, keys: Sequence[bytes]) -> int:
+        """Number of consecutive leading keys that exist."""
+
+    @abc.abstractmethod
+    def batch_get(self, keys: Sequence[bytes], host_pages: Sequence[int]) -> list[bool]:
+        """Read each key into the given host page; True where the page now holds it."""
+
+    @abc.abstractmethod
+    def batch_set(self, keys: Sequence[bytes], host_pages: Sequence[int]) -> list[bool]:
+        """Write each host page under its key; True where it is stored."""
+
+    @abc.abstractmethod
+    def delete(self, keys: Sequence[bytes]) -> int:
+        """Delete keys; returns how many existed."""
+
+    @abc.abstractmethod
+    def clear(self) -> None:
+        """Delete everything this store holds (for its namespace)."""
+
+    def _check_batch(self, keys: Sequence[bytes], host_pages: Sequence[int] | None = None
+                     ) -> list[int]:
+        """Validate a batch before anything is touched; returns the pages as ints."""
+        from .errors import InvalidArgumentError
+        check_keys(keys, self.name)
+        if host_pages is None:
+            return []
+        if self.host_pool is None:
+            raise InvalidArgumentError(f"{self.name}: store is not attached to a host pool; "
+                                       "call attach(host_pool) first", argument="host_pool")
+        pages = self.host_pool.check_pages(host_pages).tolist()
+        if len(pages) != len(keys):
+            raise InvalidArgumentError(f"{self.name}: {len(keys)} keys but {len(pages)} host "
+                                       "pages", argument="host_pages", value=len(pages))
+        return pages
+
+    def stats(self) -> dict[str, Any]:
+        with self._stats_lock:
+            return self._stats.as_dict()
+
+    def _count(self, **deltas: int) -> None:
+        with self._stats_lock:
+            for k, v in deltas.items():
+                setattr(self._stats, k, getattr(self._stats, k) + v)
+
+    def close(self) -> None:
+        """Release resources; idempotent."""
+
+    def __enter__(self) -> "L3Store":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def check_keys(keys: Sequence[bytes], backend: str = "") -> None:
+    """Keys must be a sequence of non-empty bytes; raise a typed error naming the bad one."""
+    from .errors import InvalidArgumentError
+    if isinstance(keys, (bytes, str)) or not isinstance(keys, Sequence):
+        raise InvalidArgumentError(f"{backend}: keys must be a sequence of bytes, got "
+                                   f"{type(keys).__name__}", argument="keys")
+    for i, k in enumerate(keys):
+        if not isinstance(k, bytes) or not k:
+            raise InvalidArgumentError(f"{backend}: key {i} must be non-empty bytes, got {k!r}",
+                                       argument="keys", value=k)
+
+
+# --------------------------------------------------------------------------------------------
+# Transfer engines
+# --------------------------------------------------------------------------------------------
+class TransferHandle(abc.ABC):
+    """Completion of one load/backup: whole (``wait``/``done``) or per layer (``wait_layer``)."""
+
+    @abc.abstractmethod
+    def wait(self) -> None:
+        """Make the caller's stream (or thread, on CPU) wait for every layer."""
+
+    @abc.abstractmethod
+    def wait_layer(self, layer: int) -> None:
+        """Make the caller wait for layer ``layer`` only."""
+
+    @abc.abstractmethod
+    def done(self) -> bool:
+        """True once every layer has landed (non-blocking)."""
+
+
+class CompletedHandle(TransferHandle):
+    """A handle for work that finished synchronously."""
+
+    def __init__(self, num_layers: int):
+        self.num_layers = num_layers
+
+    def wait(self) -> None:
+        return None
+
+    def wait_layer(self, layer: int) -> None:
+        if not 0 <= layer < self.num_layers:
+            from .errors import LayoutError
+            raise LayoutError(f"layer {layer} out of range [0, {self.num_layers})")
+
+    def done(self) -> bool:
+        return True
+
+
+class TransferEngine(Backend):
+    """Moves pages between a device pool (layer_first) and a host pool.
+
+    ``load`` is host -> device, ``backup`` device -> host. Index lists may be Python sequences or
+    int64 tensors (on the device, to avoid a host sync). No hidden stream synchronisation.
+    """
+
+    def __init__(self, device_pool: "DeviceKVPool", host_pool: "HostKVPool", config: Any = None):
+        from .config import build_config
+        from .errors import ConfigError
+        self.config = build_config(type(self).Config, config, section=self.name)
+        if device_pool.spec.fingerprint != host_pool.spec.fingerprint:
+            raise ConfigError(f"{self.name}: device pool spec {device_pool.spec} differs from "
+                              f"host pool spec {host_pool.spec}", key="spec")
+        self.device_pool = device_pool
+        self.host_pool = host_pool
+        self.spec = device_pool.spec
+
+    @abc.abstractmethod
+    def load(self, host_pages: Sequence[int] | torch.Tensor,
+             device_pages: Sequence[int] | torch.Tensor) -> TransferHandle:
+        """Copy host pages into device pages (H2D), layer by layer."""
+
+    @abc.abstractmethod
+    def backup(self, device_pages: Sequence[int] | torch.Tensor,
+               host_pages: Sequence[int] | torch.Tensor) -> TransferHandle:
+        """Copy device pages into host pages (D2H)."""
+
+    def close(self) -> None:
+        """Release resources; idempotent."""

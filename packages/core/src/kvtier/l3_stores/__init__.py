@@ -1,0 +1,1 @@
+"""L3 stores shipped with kvtier-core (registered as entry points)."""

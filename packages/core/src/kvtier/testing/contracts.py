@@ -1,0 +1,379 @@
+"""The contract suites: one behaviour, every backend.
+
+Subclass a suite in a package's tests and set ``distribution`` (or leave it None for every
+discovered backend). Backends get their config from ``example_config(workdir)``; override
+``make_config`` in the subclass to test other settings.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import Any
+
+import pytest
+import torch
+
+from .. import registry
+from ..errors import (InvalidArgumentError, KVTierError, LayoutError, PageIndexError)
+from ..interfaces import HOST_ALLOCATORS, L3_STORES, TRANSFER_ENGINES, HostBuffer
+from ..spec import KVSpec
+from .data import fill_random, make_device_pool, make_host_pool, random_specs, spec_id
+
+
+def backend_params(group: str, distribution: str | None = None) -> list[Any]:
+    """``pytest.param`` per discovered backend of ``group``; unavailable ones are skipped
+    with the registry's reason."""
+    params = []
+    for rec in registry.records(group):
+        if distribution is not None and rec.distribution != distribution:
+            continue
+        av = registry.probe(rec)
+        marks = [] if av.ok else [pytest.mark.skip(reason=f"{rec.name}: {av.reason}"
+                                                   + (f" ({av.hint})" if av.hint else ""))]
+        params.append(pytest.param(rec.name, id=rec.name, marks=marks))
+    if not params:
+        params.append(pytest.param(None, id="none", marks=pytest.mark.skip(
+            reason=f"no backend of {group} from {distribution or 'any distribution'}")))
+    return params
+
+
+def raw_bytes(t: torch.Tensor) -> torch.Tensor:
+    """Bytes of a tensor on the CPU, for bitwise comparison (-0.0 != 0.0 here)."""
+    t = t.detach().contiguous().cpu()
+    return t.view(-1).view(torch.uint8)
+
+
+def assert_bitwise_equal(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
+    ra, rb = raw_bytes(a), raw_bytes(b)
+    assert ra.shape == rb.shape, f"{what}: {tuple(a.shape)} vs {tuple(b.shape)}"
+    if not torch.equal(ra, rb):
+        bad = int((ra != rb).nonzero()[0])
+        raise AssertionError(f"{what}: tensors differ (first differing byte {bad} of "
+                             f"{ra.numel()})")
+
+
+class _Suite:
+    group: str = ""
+    distribution: str | None = None
+
+    def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
+        if "backend_name" in metafunc.fixturenames:
+            metafunc.parametrize("backend_name",
+                                 backend_params(self.group, self.distribution))
+
+    def backend_class(self, backend_name: str) -> type:
+        return registry.get_backend_class(self.group, backend_name)
+
+    def make_config(self, backend_name: str, workdir: str) -> dict[str, Any]:
+        return self.backend_class(backend_name).example_config(workdir)
+
+
+# --------------------------------------------------------------------------------------------
+class HostAllocatorContract(_Suite):
+    group = HOST_ALLOCATORS
+
+    @pytest.fixture
+    def allocator(self, backend_name, tmp_path):
+        cls = self.backend_class(backend_name)
+        return cls(self.make_config(backend_name, str(tmp_path)))
+
+    @pytest.mark.parametrize("nbytes", [1, 4095, 4097, 3 * 1024 * 1024 + 17])
+    def test_allocate_write_read(self, allocator, nbytes):
+        buf = allocator.allocate(nbytes)
+        try:
+            assert isinstance(buf, HostBuffer)
+            assert buf.nbytes >= nbytes
+            assert buf.tensor.dtype == torch.uint8 and buf.tensor.numel() >= nbytes
+            assert buf.ptr == buf.tensor.data_ptr()
+            assert isinstance(buf.backing, str) and buf.backing
+            data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+            buf.tensor[:nbytes].copy_(data)
+            assert torch.equal(buf.tensor[:nbytes], data)
+        finally:
+            buf.close()
+        assert buf.closed
+        buf.close()  # idempotent
+
+    def test_buffers_are_independent(self, allocator):
+        a, b = allocator.allocate(8192 + 3), allocator.allocate(8192 + 3)
+        try:
+            a.tensor.fill_(0x5A)
+            b.tensor.fill_(0xA5)
+            assert int(a.tensor.min()) == 0x5A and int(b.tensor.max()) == 0xA5
+        finally:
+            a.close()
+            b.close()
+
+    @pytest.mark.parametrize("nbytes", [0, -1, 1.5, "8", True])
+    def test_bad_size_is_typed_error(self, allocator, nbytes):
+        with pytest.raises(InvalidArgumentError):
+            allocator.allocate(nbytes)
+
+    def test_backs_a_host_pool(self, backend_name, allocator):
+        spec = random_specs()[0]
+        from ..host_pool import HostKVPool
+        pool = HostKVPool(spec, 7, allocator=allocator)
+        try:
+            fill_random(pool.raw)
+            page = pool.page_bytes_view(3).clone()
+            assert torch.equal(pool.page_bytes_view(3), page)
+        finally:
+            pool.close()
+
+
+# --------------------------------------------------------------------------------------------
+class L3StoreContract(_Suite):
+    group = L3_STORES
+    num_pages = 23
+
+    @pytest.fixture(params=random_specs()[:3], ids=spec_id)
+    def spec(self, request) -> KVSpec:
+        return request.param
+
+    @pytest.fixture(params=["page_first", "layer_first"])
+    def layout(self, request) -> str:
+        return request.param
+
+    @pytest.fixture
+    def pool(self, spec, layout):
+        p = make_host_pool(spec, self.num_pages, layout)
+        yield p
+        p.close()
+
+    @pytest.fixture
+    def store(self, backend_name, spec, pool, tmp_path):
+        cls = self.backend_class(backend_name)
+        s = cls(self.make_config(backend_name, str(tmp_path)), spec=spec)
+        s.attach(pool)
+        s.clear()
+        yield s
+        try:
+            s.clear()
+        finally:
+            s.close()
+
+    @staticmethod
+    def keys(n: int, tag: str = "") -> list[bytes]:
+        salt = os.urandom(6).hex() + tag
+        return [f"k-{salt}-{i}".encode().ljust(32, b".") for i in range(n)]
+
+    def snapshot(self, pool, pages):
+        return [pool.view[p].clone() for p in pages]
+
+    def test_set_get_roundtrip_bitwise(self, store, pool):
+        rng = random.Random(1)
+        src = rng.sample(range(pool.num_pages), 9)
+        dst = rng.sample([p for p in range(pool.num_pages) if p not in src], 9)
+        keys = self.keys(9)
+        want = self.snapshot(pool, src)
+        assert store.batch_set(keys, src) == [True] * 9
+        fill_random(pool.raw)                      # poison everything, sources included
+        got = store.batch_get(keys, dst)
+        assert got == [True] * 9
+        for i, p in enumerate(dst):
+            assert_bitwise_equal(pool.view[p], want[i], f"page {i} read into host page {p}")
+
+    def test_exists_counts_leading_hits(self, store, pool):
+        keys = self.keys(6)
+        assert store.batch_exists(keys) == 0
+        store.batch_set(keys[:4], [0, 1, 2, 3])
+        assert store.batch_exists(keys) == 4
+        assert store.batch_exists(keys[:2]) == 2
+        assert store.batch_exists([keys[5]] + keys[:4]) == 0
+        store.delete([keys[1]])
+        assert store.batch_exists(keys) == 1
+        assert store.batch_exists([]) == 0
+
+    def test_missing_keys_are_misses_and_leave_pages_alone(self, store, pool):
+        keys = self.keys(3)
+        store.batch_set(keys[:1], [5])
+        before = pool.view[7].clone()
+        got = store.batch_get([keys[1], keys[0]], [7, 8])
+        assert got == [False, True]
+        assert_bitwise_equal(pool.view[7], before, "a miss must not touch the page")
+
+    def test_overwrite_and_delete_and_clear(self, store, pool):
+        keys = self.keys(3)
+        assert store.batch_set(keys, [1, 2, 3]) == [True] * 3
+        want = pool.view[4].clone()
+        assert store.batch_set(keys[:1], [4]) == [True]   # same key, new content
+        fill_random(pool.raw)
+        assert store.batch_get(keys[:1], [9]) == [True]
+        assert_bitwise_equal(pool.view[9], want, "overwritten key")
+        assert store.delete(keys[1:2] + [b"never-set"]) == 1
+        assert store.batch_get(keys[1:2], [9]) == [False]
+        store.clear()
+        assert store.batch_exists(keys) == 0
+
+    def test_stats_count_io(self, store, pool, spec):
+        keys = self.keys(2)
+        before = store.stats()
+        store.batch_set(keys, [0, 1])
+        store.batch_get(keys + self.keys(1), [2, 3, 4])
+        after = store.stats()
+        assert after["sets"] - before["sets"] == 2
+        assert after["gets"] - before["gets"] == 3
+        assert after["get_hits"] - before["get_hits"] == 2
+        assert after["bytes_read"] - before["bytes_read"] == 2 * spec.page_bytes
+
+    def test_bad_arguments_are_typed_errors(self, store, pool):
+        keys = self.keys(2)
+        with pytest.raises(InvalidArgumentError):
+            store.batch_set(keys, [0])                     # length mismatch
+        with pytest.raises(PageIndexError):
+            store.batch_set(keys, [0, pool.num_pages])     # out of range
+        with pytest.raises(PageIndexError):
+            store.batch_get(keys, [-1, 0])
+        with pytest.raises(InvalidArgumentError):
+            store.batch_set(["str-key", keys[1]], [0, 1])  # type: ignore[list-item]
+        with pytest.raises(InvalidArgumentError):
+            store.batch_exists(b"not-a-list")              # type: ignore[arg-type]
+        assert store.batch_exists(keys) == 0, "a rejected call must not store anything"
+
+    def test_unattached_store_refuses_io(self, backend_name, spec, tmp_path):
+        cls = self.backend_class(backend_name)
+        s = cls(self.make_config(backend_name, str(tmp_path / "unattached")), spec=spec)
+        try:
+            with pytest.raises(KVTierError):
+                s.batch_get(self.keys(1), [0])
+        finally:
+            s.close()
+
+    def test_foreign_pool_is_refused(self, store):
+        other = KVSpec.mha(num_layers=1, num_kv_heads=1, head_dim=8, page_size=2,
+                           dtype="float32")
+        p = make_host_pool(other, 2)
+        try:
+            with pytest.raises(KVTierError):
+                store.attach(p)
+        finally:
+            p.close()
+
+
+# --------------------------------------------------------------------------------------------
+def _devices() -> list[str]:
+    devs = ["cpu"]
+    if torch.cuda.is_available():
+        devs.append("cuda")
+    return devs
+
+
+class TransferEngineContract(_Suite):
+    group = TRANSFER_ENGINES
+    device_pages = 19
+    host_pages = 29
+
+    def devices(self, backend_name: str) -> list[str]:
+        """Devices this backend moves data for (subclasses narrow it)."""
+        types = self.backend_class(backend_name).capabilities().device_types
+        return [d for d in _devices() if not types or d in types or "any torch device" in types]
+
+    @pytest.fixture(params=random_specs(), ids=spec_id)
+    def spec(self, request) -> KVSpec:
+        return request.param
+
+    @pytest.fixture(params=["page_first", "layer_first"])
+    def layout(self, request) -> str:
+        return request.param
+
+    @pytest.fixture
+    def setup(self, backend_name, spec, layout, tmp_path):
+        caps = self.backend_class(backend_name).capabilities()
+        if layout not in caps.host_layouts:
+            pytest.skip(f"{backend_name} does not support host layout {layout}")
+        devices = self.devices(backend_name)
+        if not devices:
+            pytest.skip(f"{backend_name}: no device here")
+        dev = devices[-1]
+        dpool = make_device_pool(spec, self.device_pages, dev)
+        hpool = make_host_pool(spec, self.host_pages, layout)
+        cls = self.backend_class(backend_name)
+        engine = cls(dpool, hpool, self.make_config(backend_name, str(tmp_path)))
+        yield engine, dpool, hpool
+        engine.close()
+        hpool.close()
+
+    @staticmethod
+    def _pairs(n: int, a: int, b: int, seed: int) -> tuple[list[int], list[int]]:
+        rng = random.Random(seed)
+        return rng.sample(range(a), n), rng.sample(range(b), n)
+
+    def test_backup_then_load_bitwise(self, setup, spec):
+        engine, dpool, hpool = setup
+        dev_src, host = self._pairs(11, dpool.num_pages, hpool.num_pages, 3)
+        want = [[[dpool.page(c, l, p).clone() for p in dev_src]
+                 for l in range(spec.num_layers)] for c in range(spec.num_components)]
+        engine.backup(dev_src, host).wait()
+        _sync(dpool)
+        for c in range(spec.num_components):
+            for l in range(spec.num_layers):
+                for i, p in enumerate(host):
+                    assert_bitwise_equal(hpool.view[p, l, c], want[c][l][i],
+                                         f"backup comp {c} layer {l} host page {p}")
+        for comp in dpool.layers:                  # poison the device pool
+            for t in comp:
+                fill_random(t)
+        dev_dst = random.Random(4).sample(range(dpool.num_pages), 11)
+        h = engine.load(host, dev_dst)
+        for layer in range(spec.num_layers):
+            h.wait_layer(layer)
+            _sync(dpool)
+            for c in range(spec.num_components):
+                for i, p in enumerate(dev_dst):
+                    assert_bitwise_equal(dpool.page(c, layer, p), want[c][layer][i],
+                                         f"load comp {c} layer {layer} device page {p}")
+        h.wait()
+        assert h.done()
+
+    def test_untouched_pages_stay_untouched(self, setup):
+        engine, dpool, hpool = setup
+        from ..layout import logical_view
+        before = hpool.raw.clone()
+        old = logical_view(before, hpool.spec, hpool.num_pages, hpool.layout)
+        engine.backup([2, 0], [5, 1]).wait()
+        _sync(dpool)
+        changed = {p for p in range(hpool.num_pages)
+                   if not torch.equal(raw_bytes(old[p]), raw_bytes(hpool.view[p]))}
+        assert changed == {5, 1}
+
+    def test_repeated_and_tensor_indices(self, setup, spec):
+        engine, dpool, hpool = setup
+        for rep in range(3):
+            dev, host = self._pairs(5, dpool.num_pages, hpool.num_pages, 10 + rep)
+            fill_random(hpool.raw)
+            want = [hpool.view[p].clone() for p in host]
+            d_idx = torch.tensor(dev, dtype=torch.int64, device=dpool.device)
+            engine.load(torch.tensor(host), d_idx).wait()
+            _sync(dpool)
+            for i, p in enumerate(dev):
+                for c in range(spec.num_components):
+                    for l in range(spec.num_layers):
+                        assert_bitwise_equal(dpool.page(c, l, p), want[i][l, c],
+                                             f"rep {rep} page {p}")
+
+    def test_empty_transfer(self, setup):
+        engine, _, _ = setup
+        h = engine.load([], [])
+        h.wait()
+        assert h.done()
+
+    def test_bad_indices_are_typed_errors(self, setup):
+        engine, dpool, hpool = setup
+        with pytest.raises(PageIndexError):
+            engine.load([0, hpool.num_pages], [0, 1])
+        with pytest.raises(PageIndexError):
+            engine.backup([dpool.num_pages], [0])
+        with pytest.raises(PageIndexError):
+            engine.load([0.5], [1])                               # type: ignore[list-item]
+        with pytest.raises(InvalidArgumentError):
+            engine.load([0, 1], [0])
+        h = engine.load([0], [0])
+        with pytest.raises(LayoutError):
+            h.wait_layer(engine.spec.num_layers)
+        h.wait()
+
+
+def _sync(dpool) -> None:
+    if dpool.device.type == "cuda":
+        torch.cuda.synchronize(dpool.device)

@@ -1,0 +1,1 @@
+"""Transfer engines shipped with kvtier-core (registered as entry points)."""
