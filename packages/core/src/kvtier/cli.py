@@ -7,14 +7,15 @@ import json
 import sys
 from typing import Callable
 
-#: Sub-commands other modules add: name -> (help, add_arguments(parser), run(args) -> int).
-COMMANDS: dict[str, tuple[str, Callable, Callable]] = {}
+#: Sub-commands other modules add: name -> (help, run(args) -> int).
+COMMANDS: dict[str, tuple[str, Callable]] = {}
 
 
 def command(name: str, help: str):
-    """Register a sub-command: decorate ``run(args)``; its ``.arguments`` adds flags."""
+    """Register a sub-command: decorate ``run(args)``; ``run.arguments(parser)``, if set
+    (before or after decorating), adds its flags."""
     def deco(run):
-        COMMANDS[name] = (help, getattr(run, "arguments", lambda p: None), run)
+        COMMANDS[name] = (help, run)
         return run
     return deco
 
@@ -63,9 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvtier", description="Tiered KV-cache offloading.")
     parser.add_argument("--version", action="version", version=f"kvtier {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, (help_, add_args, _run) in COMMANDS.items():
+    for name, (help_, run) in COMMANDS.items():
         p = sub.add_parser(name, help=help_, description=help_)
-        add_args(p)
+        getattr(run, "arguments", lambda _p: None)(p)
     return parser
 
 
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return int(COMMANDS[args.command][2](args) or 0)
+        return int(COMMANDS[args.command][1](args) or 0)
     except KVTierError as exc:
         print(f"kvtier {args.command}: error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
