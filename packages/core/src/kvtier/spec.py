@@ -77,18 +77,22 @@ class KVSpec:
         if self.kind == KIND_MHA:
             _positive_int("num_kv_heads", self.num_kv_heads)
             _positive_int("head_dim", self.head_dim)
-            if self.kv_lora_rank or self.rope_dim:
-                raise SpecError("an mha KVSpec takes no kv_lora_rank/rope_dim", field="kind",
-                                value=self.kind)
+            for name in ("kv_lora_rank", "rope_dim"):
+                if getattr(self, name):
+                    raise SpecError(f"KVSpec.{name}={getattr(self, name)!r}: an mha spec takes "
+                                    "no kv_lora_rank/rope_dim", field=name,
+                                    value=getattr(self, name))
         elif self.kind == KIND_MLA:
             _positive_int("kv_lora_rank", self.kv_lora_rank)
             if isinstance(self.rope_dim, bool) or not isinstance(self.rope_dim, int) \
                     or self.rope_dim < 0:
                 raise SpecError(f"KVSpec.rope_dim must be an int >= 0, got {self.rope_dim!r}",
                                 field="rope_dim", value=self.rope_dim)
-            if self.num_kv_heads or self.head_dim:
-                raise SpecError("an mla KVSpec takes no num_kv_heads/head_dim", field="kind",
-                                value=self.kind)
+            for name in ("num_kv_heads", "head_dim"):
+                if getattr(self, name):
+                    raise SpecError(f"KVSpec.{name}={getattr(self, name)!r}: an mla spec takes "
+                                    "no num_kv_heads/head_dim", field=name,
+                                    value=getattr(self, name))
         else:
             raise SpecError(f"unknown KVSpec.kind {self.kind!r}; expected 'mha' or 'mla'",
                             field="kind", value=self.kind)
