@@ -95,13 +95,15 @@ class PageKeyer:
             raise TokensError(f"prev must be a {KEY_BYTES}-byte key, got {prev!r}")
         if n == 0:
             return []
-        buf = memoryview(arr[: n * self.page_size].tobytes())
+        buf = arr[: n * self.page_size].tobytes()
         step = self.page_size * 4
         sha = hashlib.sha256
         out: list[bytes] = []
         append = out.append
-        for off in range(0, n * step, step):
-            prev = sha(prev + buf[off:off + step]).digest()
+        for off in range(0, n * step, step):     # one C-level hash per page
+            h = sha(prev)
+            h.update(buf[off:off + step])
+            prev = h.digest()
             append(prev)
         return out
 
