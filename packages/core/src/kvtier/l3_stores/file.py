@@ -1,0 +1,663 @@
+"""`file`: one file per KV page in a directory on local disk, read straight into host pages.
+
+Layout: ``<root>/<KVSpec fingerprint>/<xx>/<hex of key>.kvp`` (``xx`` = 256-way fan-out from a
+CRC of the key; keys longer than 96 bytes are named by their SHA-256 instead). File names are
+hex digits only, so no key can name a path outside the directory.
+
+Each object is the page's bytes followed by a 128-byte trailer: magic, format version, the
+KVSpec fingerprint, the SHA-256 of the key, the payload length, a checksum of the payload
+(zlib CRC-32 or Adler-32; the trailer says which) and a CRC-32 of the trailer itself. The
+payload comes first so that it starts at offset 0 (aligned for ``O_DIRECT``) and one
+``preadv`` lands it in the host page without a copy. A file that is truncated, corrupted,
+foreign (another spec, another key) or of an unknown format is a miss and a counted error,
+never wrong KV.
+
+Writes are atomic: a temporary file in the object's directory (``fsync`` if configured), then
+``rename`` over the final name, so a reader sees the old object, the new one or none -- never a
+torn one, even if the writer is killed. Failed writes (a full disk, a quota) remove the
+temporary file and are a miss plus a counted error. Temporary files of dead writers are cleaned
+when a store opens the directory.
+
+Capacity is enforced by evicting the least recently used objects; "use" is the file's mtime,
+refreshed on every read hit, so several processes sharing one directory share one LRU order.
+Each process keeps an in-memory index (rebuilt by scanning the directory at open and every
+``rescan_interval_s`` while over capacity) and re-checks a victim's mtime before deleting it.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import logging
+import mmap
+import os
+import socket
+import struct
+import threading
+import time
+import zlib
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Literal, Sequence
+
+
+from ..errors import ConfigError, StoreError
+from ..interfaces import INTERFACE_VERSION, Availability, Capabilities, L3Store
+from ..layout import PAGE_FIRST
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"KVTIERPG"
+FORMAT_VERSION = 1
+SUFFIX = ".kvp"
+TMP_SUFFIX = ".tmp"
+DIRECT_ALIGN = 4096
+MAX_HEX_KEY = 96           # longer keys are named by their SHA-256 (file names <= 255 bytes)
+_IOV_MAX = 1024
+
+# magic, version, trailer length, checksum kind, spec fingerprint, sha256(key), payload length,
+# payload checksum -- then reserved zeros and a CRC-32 of everything before it.
+_FIELDS = struct.Struct("<8sHHI16s32sQI")
+TRAILER_BYTES = 128
+_RESERVED = TRAILER_BYTES - _FIELDS.size - 4
+_CHECKSUMS: dict[str, tuple[int, Callable[..., int]]] = {"crc32": (1, zlib.crc32),
+                                                         "adler32": (2, zlib.adler32)}
+_CHECKSUM_BY_ID = {kid: fn for kid, fn in _CHECKSUMS.values()}
+_CHECKSUM_START = {1: 0, 2: 1}    # crc32 starts from 0, adler32 from 1
+
+_warned: set[str] = set()
+_warn_lock = threading.Lock()
+
+
+def _warn_once(what: str, message: str) -> None:
+    with _warn_lock:
+        if what in _warned:
+            return
+        _warned.add(what)
+    log.warning(message)
+
+
+def key_filename(key: bytes) -> tuple[str, str]:
+    """(fan-out directory, file name) of a key: hex digits only, never a path separator."""
+    name = key.hex() if len(key) <= MAX_HEX_KEY else "h" + hashlib.sha256(key).hexdigest()
+    return f"{zlib.crc32(key) & 0xFF:02x}", name + SUFFIX
+
+
+def _checksum(kind_id: int, bufs: Sequence[memoryview]) -> int:
+    fn = _CHECKSUM_BY_ID[kind_id]
+    value = _CHECKSUM_START[kind_id]
+    for b in bufs:
+        value = fn(b, value)
+    return value & 0xFFFFFFFF
+
+
+def pack_trailer(fingerprint: str, key: bytes, payload_len: int, kind_id: int,
+                 payload_sum: int) -> bytes:
+    head = _FIELDS.pack(MAGIC, FORMAT_VERSION, TRAILER_BYTES, kind_id,
+                        fingerprint.encode("ascii")[:16].ljust(16, b"\0"),
+                        hashlib.sha256(key).digest(), payload_len, payload_sum)
+    head += bytes(_RESERVED)
+    return head + struct.pack("<I", zlib.crc32(head) & 0xFFFFFFFF)
+
+
+class _Bad(Exception):
+    """An object that must not be trusted; ``kind`` names the stats counter."""
+
+    def __init__(self, kind: str, why: str):
+        super().__init__(why)
+        self.kind = kind
+
+
+def check_trailer(raw: bytes, fingerprint: str, key: bytes, payload_len: int) -> tuple[int, int]:
+    """Validate a trailer; returns (checksum kind, payload checksum) or raises _Bad."""
+    if len(raw) != TRAILER_BYTES:
+        raise _Bad("truncated", f"trailer of {len(raw)} bytes")
+    (magic, version, tlen, kind_id, fp, key_digest, plen, psum) = _FIELDS.unpack_from(raw)
+    if magic != MAGIC:
+        raise _Bad("corrupted", "bad magic")
+    if struct.unpack_from("<I", raw, TRAILER_BYTES - 4)[0] != \
+            zlib.crc32(raw[:TRAILER_BYTES - 4]) & 0xFFFFFFFF:
+        raise _Bad("corrupted", "trailer checksum mismatch")
+    if version != FORMAT_VERSION or tlen != TRAILER_BYTES or kind_id not in _CHECKSUM_BY_ID:
+        raise _Bad("foreign", f"unknown format version {version} / checksum {kind_id}")
+    if fp.rstrip(b"\0") != fingerprint.encode("ascii")[:16]:
+        raise _Bad("foreign", f"KVSpec fingerprint {fp!r} is not {fingerprint}")
+    if key_digest != hashlib.sha256(key).digest():
+        raise _Bad("foreign", "object belongs to another key")
+    if plen != payload_len:
+        raise _Bad("foreign", f"payload of {plen} bytes, pages have {payload_len}")
+    return kind_id, psum
+
+
+def _pwrite_all(fd: int, bufs: list[memoryview], offset: int = 0) -> None:
+    """pwritev every byte of ``bufs`` (retrying short writes)."""
+    while bufs:
+        n = os.pwritev(fd, bufs[:_IOV_MAX], offset)
+        if n <= 0:
+            raise OSError(errno.EIO, "pwritev wrote nothing")
+        offset += n
+        while bufs and n >= len(bufs[0]):
+            n -= len(bufs[0])
+            bufs = bufs[1:]
+        if n:
+            bufs = [bufs[0][n:]] + bufs[1:]
+
+
+def _pread_all(fd: int, bufs: list[memoryview], offset: int = 0) -> int:
+    """preadv into ``bufs`` until full or end of file; returns bytes read."""
+    total = 0
+    while bufs:
+        n = os.preadv(fd, bufs[:_IOV_MAX], offset)
+        if n <= 0:
+            return total
+        total += n
+        offset += n
+        while bufs and n >= len(bufs[0]):
+            n -= len(bufs[0])
+            bufs = bufs[1:]
+        if n:
+            bufs = [bufs[0][n:]] + bufs[1:]
+    return total
+
+
+def _host_id() -> str:
+    return hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class FileStore(L3Store):
+    """One file per page on local disk; atomic, checksummed, LRU-bounded, multi-process safe."""
+
+    name = "file"
+    interface_version = INTERFACE_VERSION
+
+    @dataclass(frozen=True)
+    class Config:
+        #: Directory of the store (created). Objects live under ``<root>/<spec fingerprint>``.
+        root: str = ""
+        #: Bytes of objects (payload + trailer) to keep before evicting; None = no limit.
+        capacity_bytes: int | None = None
+        #: Threads doing file I/O in parallel for one batch.
+        io_threads: int = 4
+        #: fsync each object (and its directory) before it becomes visible: survives power
+        #: loss. Off, a crash can lose recent objects (checksums turn them into misses).
+        fsync: bool = False
+        #: "off": page cache; "on": O_DIRECT or an error at open; "auto": O_DIRECT where the
+        #: filesystem and the host pool's alignment allow, else page cache (reported in stats).
+        o_direct: Literal["off", "auto", "on"] = "off"
+        #: Payload checksum written; readers accept either (the trailer says which).
+        checksum: Literal["crc32", "adler32"] = "crc32"
+        #: Refresh an object's mtime on every read hit (the LRU order shared across processes).
+        touch_on_read: bool = True
+        #: While over capacity, rescan the directory (other processes' objects) at most this
+        #: often.
+        rescan_interval_s: float = 30.0
+        #: Temporary files older than this are removed even if their writer may live.
+        stale_tmp_s: float = 600.0
+        #: Remove an object found corrupted (it would miss again on every read).
+        remove_corrupted: bool = True
+        #: Mode of object files (directories get the matching x bits); subject to the umask.
+        file_mode: int = 0o600
+
+    def __init__(self, config: Any = None, *, spec):
+        super().__init__(config, spec=spec)
+        c = self.config
+        if not c.root:
+            raise ConfigError("file.root must name a directory for the store", key="file.root")
+        if c.capacity_bytes is not None and c.capacity_bytes < spec.page_bytes + TRAILER_BYTES:
+            raise ConfigError(f"file.capacity_bytes={c.capacity_bytes} holds no page of "
+                              f"{spec.page_bytes} bytes", key="file.capacity_bytes",
+                              value=c.capacity_bytes)
+        if c.io_threads < 1:
+            raise ConfigError(f"file.io_threads must be >= 1, got {c.io_threads}",
+                              key="file.io_threads", value=c.io_threads)
+        if not 0 <= c.file_mode <= 0o777:
+            raise ConfigError(f"file.file_mode must be a permission mode, got {c.file_mode:o}",
+                              key="file.file_mode", value=c.file_mode)
+        self.root = os.path.abspath(c.root)
+        self.dir = os.path.join(self.root, spec.fingerprint)
+        self._dir_mode = c.file_mode | ((c.file_mode & 0o444) >> 2) | 0o700
+        try:
+            os.makedirs(self.dir, mode=self._dir_mode, exist_ok=True)
+        except OSError as exc:
+            raise StoreError(f"file: cannot create store directory {self.dir}: {exc}",
+                             backend=self.name) from exc
+        self.object_bytes = spec.page_bytes + TRAILER_BYTES
+        self._kind_id = _CHECKSUMS[c.checksum][0]
+        self._tmp_tag = f"{_host_id()}-{os.getpid()}"
+        self._lock = threading.Lock()          # index and counters below
+        self._index: OrderedDict[str, int] = OrderedDict()   # relpath -> mtime_ns, LRU first
+        self._last_scan = 0.0
+        self._closed = False
+        self._pool: ThreadPoolExecutor | None = None
+        self._local = threading.local()
+        self._direct, self._direct_reason = False, "off"
+        if c.o_direct != "off":
+            self._direct, self._direct_reason = self._probe_direct()
+            if not self._direct:
+                if c.o_direct == "on":
+                    raise StoreError(f"file: O_DIRECT is not possible in {self.dir}: "
+                                     f"{self._direct_reason}", backend=self.name)
+                _warn_once(f"direct:{self.dir}", f"file: O_DIRECT unavailable in {self.dir} "
+                           f"({self._direct_reason}); using the page cache")
+        self._direct_pool = False
+        self._scan()
+
+    # ----- backend metadata -----------------------------------------------------------------
+    @classmethod
+    def probe(cls) -> Availability:
+        import tempfile
+        if not all(hasattr(os, f) for f in ("preadv", "pwritev")):
+            return Availability.unavailable("os.preadv/os.pwritev are missing on this platform")
+        try:
+            with tempfile.TemporaryDirectory(prefix="kvtier-file-probe-") as d:
+                tmp, final = os.path.join(d, "a.tmp"), os.path.join(d, "a")
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                try:
+                    _pwrite_all(fd, [memoryview(b"kvtier-probe")])
+                finally:
+                    os.close(fd)
+                os.rename(tmp, final)
+                buf = bytearray(12)
+                fd = os.open(final, os.O_RDONLY)
+                try:
+                    n = _pread_all(fd, [memoryview(buf)])
+                finally:
+                    os.close(fd)
+                if n != 12 or bytes(buf) != b"kvtier-probe":
+                    return Availability.unavailable("file round trip read back wrong bytes")
+        except OSError as exc:
+            return Availability.unavailable(f"cannot write a temporary file: {exc}")
+        return Availability.available("local files (pwritev/preadv, atomic rename)")
+
+    @classmethod
+    def capabilities(cls) -> Capabilities:
+        return Capabilities(zero_copy=True, shared_across_processes=True, persistent=True)
+
+    @classmethod
+    def example_config(cls, workdir: str) -> dict[str, Any]:
+        return {"root": os.path.join(workdir, "kvtier-file-store"), "io_threads": 2,
+                "capacity_bytes": 256 << 20}
+
+    # ----- attach ---------------------------------------------------------------------------
+    def attach(self, host_pool) -> None:
+        super().attach(host_pool)
+        # O_DIRECT needs page addresses and lengths aligned to the device block.
+        self._direct_pool = False
+        if self._direct:
+            why = ""
+            if host_pool.layout != PAGE_FIRST:
+                why = "the host pool is layer_first (a page is many pieces)"
+            elif host_pool.raw.data_ptr() % DIRECT_ALIGN:
+                why = f"the host pool's base address is not {DIRECT_ALIGN}-byte aligned"
+            elif self.spec.page_bytes % DIRECT_ALIGN:
+                why = f"a page of {self.spec.page_bytes} bytes is not a multiple of " \
+                      f"{DIRECT_ALIGN}"
+            self._direct_pool = not why
+            self._direct_reason = "in use" if not why else why
+            if why:
+                if self.config.o_direct == "on":
+                    raise StoreError(f"file: o_direct='on' but {why}", backend=self.name)
+                _warn_once(f"direct-pool:{why}", f"file: O_DIRECT not used: {why}")
+
+    # ----- public API -----------------------------------------------------------------------
+    def batch_exists(self, keys: Sequence[bytes]) -> int:
+        self._check_open()
+        self._check_batch(keys)
+        n = 0
+        for key in keys:
+            path = self._path(key)
+            try:
+                st = os.stat(path)
+            except OSError:
+                break
+            if st.st_size != self.object_bytes:
+                self._count(errors=1, corrupted=1)
+                self._bump("truncated" if st.st_size < self.object_bytes else "corrupted")
+                self._remove_bad(path, st)
+                break
+            n += 1
+        return n
+
+    def batch_get(self, keys: Sequence[bytes], host_pages: Sequence[int]) -> list[bool]:
+        self._check_open()
+        pages = self._check_batch(keys, host_pages)
+        out = self._map(self._get_one, list(zip(keys, pages)))
+        hits = sum(out)
+        self._count(gets=len(keys), get_hits=hits, bytes_read=hits * self.spec.page_bytes)
+        return out
+
+    def batch_set(self, keys: Sequence[bytes], host_pages: Sequence[int]) -> list[bool]:
+        self._check_open()
+        pages = self._check_batch(keys, host_pages)
+        n = len(keys)
+        cap = self.config.capacity_bytes
+        fits = n if cap is None else min(n, cap // self.object_bytes)
+        if fits:
+            self._make_room(fits * self.object_bytes, keep={self._rel(k) for k in keys})
+        out = self._map(self._set_one, list(zip(keys[:fits], pages[:fits]))) + [False] * (n - fits)
+        ok = sum(out)
+        self._count(sets=n, set_ok=ok, bytes_written=ok * self.spec.page_bytes)
+        if n > fits:
+            self._bump("over_capacity", n - fits)
+        return out
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        self._check_open()
+        self._check_batch(keys)
+        n = 0
+        for key in keys:
+            rel = self._rel(key)
+            try:
+                os.unlink(os.path.join(self.dir, rel))
+                n += 1
+            except FileNotFoundError:
+                pass
+            with self._lock:
+                self._index.pop(rel, None)
+        return n
+
+    def clear(self) -> None:
+        """Remove every object (and temporary file) of this spec under the root."""
+        self._check_open()
+        for sub in self._subdirs():
+            for entry in self._entries(sub):
+                try:
+                    os.unlink(entry.path)
+                except FileNotFoundError:
+                    pass
+        with self._lock:
+            self._index.clear()
+
+    def stats(self) -> dict[str, Any]:
+        d = super().stats()
+        with self._lock:
+            d.update(objects=len(self._index), bytes_stored=len(self._index) * self.object_bytes,
+                     o_direct=self._direct and self._direct_pool,
+                     o_direct_reason=self._direct_reason, root=self.dir)
+        return d
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    # ----- paths and the index ---------------------------------------------------------------
+    def _rel(self, key: bytes) -> str:
+        sub, name = key_filename(key)
+        return f"{sub}/{name}"
+
+    def _path(self, key: bytes) -> str:
+        return os.path.join(self.dir, self._rel(key))
+
+    def _subdirs(self) -> list[str]:
+        try:
+            return [e.path for e in os.scandir(self.dir) if e.is_dir(follow_symlinks=False)
+                    and len(e.name) == 2]
+        except OSError:
+            return []
+
+    @staticmethod
+    def _entries(sub: str) -> list[os.DirEntry]:
+        try:
+            return list(os.scandir(sub))
+        except OSError:
+            return []
+
+    def _scan(self) -> None:
+        """Rebuild the index from the directory (LRU order = mtime); clean dead tmp files."""
+        found: list[tuple[int, str]] = []
+        now = time.time()
+        for sub in self._subdirs():
+            base = os.path.basename(sub)
+            for e in self._entries(sub):
+                try:
+                    st = e.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                if e.name.endswith(SUFFIX) and not e.name.startswith("."):
+                    if st.st_size == self.object_bytes:
+                        found.append((st.st_mtime_ns, f"{base}/{e.name}"))
+                elif e.name.endswith(TMP_SUFFIX) and self._tmp_is_stale(e.name, st, now):
+                    try:
+                        os.unlink(e.path)
+                        self._bump("tmp_cleaned")
+                    except OSError:
+                        pass
+        found.sort()
+        with self._lock:
+            self._index = OrderedDict((rel, mt) for mt, rel in found)
+            self._last_scan = time.monotonic()
+
+    def _tmp_is_stale(self, name: str, st: os.stat_result, now: float) -> bool:
+        if now - st.st_mtime > self.config.stale_tmp_s:
+            return True
+        parts = name.split(".")        # .<object>.<host>-<pid>.<rand>.tmp
+        if len(parts) >= 4:
+            host, _, pid = parts[-3].partition("-")
+            if host == _host_id() and pid.isdigit() and int(pid) != os.getpid():
+                return not _pid_alive(int(pid))
+        return False
+
+    def _make_room(self, need: int, keep: set[str]) -> None:
+        """Evict least recently used objects until ``need`` more bytes fit in capacity."""
+        cap = self.config.capacity_bytes
+        if cap is None:
+            return
+        with self._lock:
+            over = (len(self._index) + need // self.object_bytes) * self.object_bytes > cap
+            rescan = over and time.monotonic() - self._last_scan > self.config.rescan_interval_s
+        if rescan:
+            self._scan()
+        with self._lock:
+            kept = sum(1 for k in keep if k in self._index)   # overwritten in place
+            budget = 2 * len(self._index) + 1                  # every victim seen at most twice
+        evicted = 0
+        for _ in range(budget):
+            with self._lock:
+                if (len(self._index) - kept) * self.object_bytes + need <= cap:
+                    break
+                victim = next((k for k in self._index if k not in keep), None)
+                if victim is None:
+                    break
+                recorded = self._index.pop(victim)
+            path = os.path.join(self.dir, victim)
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue                              # another process removed it
+            if st.st_mtime_ns > recorded:             # read by another process since: keep it
+                self._note(victim, st.st_mtime_ns)
+                continue
+            try:
+                os.unlink(path)
+                evicted += 1
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                self._count(errors=1)
+                log.debug("file: evicting %s failed: %s", path, exc)
+        if evicted:
+            self._count(evictions=evicted)
+
+    def _note(self, rel: str, mtime_ns: int) -> None:
+        with self._lock:
+            self._index[rel] = mtime_ns
+            self._index.move_to_end(rel)
+
+    # ----- one object -------------------------------------------------------------------------
+    def _views(self, page: int) -> list[memoryview]:
+        assert self.host_pool is not None
+        return [memoryview(seg.numpy()) for seg in self.host_pool.page_segments(page)]
+
+    def _trailer_block(self) -> memoryview:
+        """A per-thread page-aligned scratch block (O_DIRECT needs aligned buffers)."""
+        blk = getattr(self._local, "block", None)
+        if blk is None:
+            blk = self._local.block = mmap.mmap(-1, DIRECT_ALIGN)
+        return memoryview(blk)
+
+    def _get_one(self, item: tuple[bytes, int]) -> bool:
+        key, page = item
+        rel = self._rel(key)
+        path = os.path.join(self.dir, rel)
+        direct = self._direct and self._direct_pool
+        flags = os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
+        try:
+            fd = os.open(path, flags | (os.O_DIRECT if direct else 0))
+        except FileNotFoundError:
+            with self._lock:
+                self._index.pop(rel, None)
+            return False
+        except OSError as exc:
+            self._io_error("read", path, exc)
+            return False
+        try:
+            st = os.fstat(fd)
+            if st.st_size != self.object_bytes:
+                raise _Bad("truncated" if st.st_size < self.object_bytes else "corrupted",
+                           f"{st.st_size} bytes, objects have {self.object_bytes}")
+            plen = self.spec.page_bytes
+            if direct:
+                blk = self._trailer_block()       # aligned: one read, short at EOF
+                n = os.preadv(fd, [blk], plen)
+                trailer = bytes(blk[:n])
+            else:
+                trailer = os.pread(fd, TRAILER_BYTES, plen)
+            kind_id, want = check_trailer(trailer, self.spec.fingerprint, key, plen)
+            views = self._views(page)
+            n = _pread_all(fd, list(views), 0)
+            if n != plen:
+                raise _Bad("truncated", f"payload read {n} of {plen} bytes")
+            if _checksum(kind_id, views) != want:
+                raise _Bad("corrupted", "payload checksum mismatch")
+            if self.config.touch_on_read:
+                try:
+                    os.utime(fd)
+                except OSError:
+                    pass
+            self._note(rel, time.time_ns())
+            return True
+        except _Bad as bad:
+            self._count(errors=1, corrupted=1)
+            self._bump(bad.kind)
+            _warn_once(f"bad:{bad.kind}", f"file: untrusted object {path} ({bad}); treated as "
+                       "a miss (further ones are only counted in stats)")
+            self._remove_bad(path, st)
+            with self._lock:
+                self._index.pop(rel, None)
+            return False
+        except OSError as exc:
+            self._io_error("read", path, exc)
+            return False
+        finally:
+            os.close(fd)
+
+    def _set_one(self, item: tuple[bytes, int]) -> bool:
+        key, page = item
+        rel = self._rel(key)
+        sub, name = rel.split("/")
+        final = os.path.join(self.dir, rel)
+        tmp = os.path.join(self.dir, sub, f".{name}.{self._tmp_tag}."
+                           f"{os.urandom(4).hex()}{TMP_SUFFIX}")
+        direct = self._direct and self._direct_pool
+        views = self._views(page)
+        plen = self.spec.page_bytes
+        trailer = pack_trailer(self.spec.fingerprint, key, plen, self._kind_id,
+                               _checksum(self._kind_id, views))
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        fd = -1
+        try:
+            try:
+                fd = os.open(tmp, flags | (os.O_DIRECT if direct else 0), self.config.file_mode)
+            except FileNotFoundError:
+                os.makedirs(os.path.join(self.dir, sub), mode=self._dir_mode, exist_ok=True)
+                fd = os.open(tmp, flags | (os.O_DIRECT if direct else 0), self.config.file_mode)
+            if direct:
+                blk = self._trailer_block()
+                blk[:TRAILER_BYTES] = trailer
+                blk[TRAILER_BYTES:] = bytes(DIRECT_ALIGN - TRAILER_BYTES)
+                _pwrite_all(fd, views + [blk])
+                os.ftruncate(fd, self.object_bytes)
+            else:
+                _pwrite_all(fd, views + [memoryview(trailer)])
+            if self.config.fsync:
+                os.fsync(fd)
+            os.close(fd)
+            fd = -1
+            os.rename(tmp, final)
+            if self.config.fsync:
+                self._fsync_dir(os.path.join(self.dir, sub))
+        except OSError as exc:
+            if fd >= 0:
+                os.close(fd)
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            self._io_error("write", final, exc)
+            return False
+        self._note(rel, time.time_ns())
+        return True
+
+    @staticmethod
+    def _fsync_dir(path: str) -> None:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    # ----- helpers ---------------------------------------------------------------------------
+    def _map(self, fn: Callable[[tuple[bytes, int]], bool], items: list) -> list[bool]:
+        """Run ``fn`` over items on the I/O threads, keeping order."""
+        if len(items) <= 1 or self.config.io_threads == 1:
+            return [fn(it) for it in items]
+        if self._pool is None:
+            with self._lock:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(self.config.io_threads,
+                                                    thread_name_prefix="kvtier-file-io")
+        return list(self._pool.map(fn, items))
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreError("file: store is closed", backend=self.name)
+
+    def _bump(self, counter: str, n: int = 1) -> None:
+        with self._stats_lock:
+            extra = self._stats.extra
+            extra[counter] = extra.get(counter, 0) + n
+
+    def _io_error(self, op: str, path: str, exc: OSError) -> None:
+        self._count(errors=1)
+        self._bump(f"{op}_errors")
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            self._bump("disk_full")
+        _warn_once(f"io:{op}:{exc.errno}", f"file: {op} of {path} failed: {exc}; counted as a "
+                   "miss (further ones are only counted in stats)")
+
+    def _remove_bad(self, path: str, st: os.stat_result | None) -> None:
+        """Remove an untrusted object unless another process replaced it meanwhile."""
+        if not self.config.remove_corrupted:
+            return
+        try:
+            now = os.stat(path)
+            if st is None or (now.st_ino, now.st_dev) == (st.st_ino, st.st_dev):
+                os.unlink(path)
+        except OSError:
+            pass
+
