@@ -13,12 +13,13 @@ from __future__ import annotations
 import queue
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 
 from ..errors import InvalidArgumentError, LayoutError, TransferError
-from ..interfaces import INTERFACE_VERSION, Availability, Capabilities, TransferEngine, TransferHandle
+from ..interfaces import (INTERFACE_VERSION, Availability, Capabilities, TransferEngine,
+                          TransferHandle)
 
 
 class LayerwiseHandle(TransferHandle):
