@@ -144,6 +144,9 @@ class L3StoreContract(_Suite):
     @pytest.fixture
     def store(self, backend_name, spec, pool, tmp_path):
         cls = self.backend_class(backend_name)
+        if pool.layout not in cls.capabilities().host_layouts:
+            pytest.skip(f"{backend_name} does not support host layout {pool.layout} "
+                        "(declared in capabilities().host_layouts)")
         s = cls(self.make_config(backend_name, str(tmp_path)), spec=spec)
         s.attach(pool)
         s.clear()
@@ -269,6 +272,11 @@ class TransferEngineContract(_Suite):
         types = self.backend_class(backend_name).capabilities().device_types
         return [d for d in _devices() if not types or d in types or "any torch device" in types]
 
+    def host_allocator(self, backend_name: str) -> Any:
+        """Allocator (name or instance) of the host pool the engine moves pages to and from;
+        engines that need device-addressable host memory override it."""
+        return "torch-pinned"
+
     @pytest.fixture(params=random_specs(), ids=spec_id)
     def spec(self, request) -> KVSpec:
         return request.param
@@ -287,7 +295,8 @@ class TransferEngineContract(_Suite):
             pytest.skip(f"{backend_name}: no device here")
         dev = devices[-1]
         dpool = make_device_pool(spec, self.device_pages, dev)
-        hpool = make_host_pool(spec, self.host_pages, layout)
+        hpool = make_host_pool(spec, self.host_pages, layout,
+                               self.host_allocator(backend_name))
         cls = self.backend_class(backend_name)
         engine = cls(dpool, hpool, self.make_config(backend_name, str(tmp_path)))
         yield engine, dpool, hpool
