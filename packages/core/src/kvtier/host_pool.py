@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from typing import Sequence
 
 import torch
@@ -84,10 +85,12 @@ class HostKVPool:
                 self._free.append(p)
 
     def is_allocated(self, page: int) -> bool:
-        return bool(self._allocated[page])
+        (p,) = self._indices([page])
+        return bool(self._allocated[p])
 
     # ----- pinning (pages in use may not be freed or evicted) ----------------------------------
     def pin(self, pages: Sequence[int]) -> None:
+        """Mark pages in use (one pin per occurrence): a pinned page cannot be freed."""
         idx = self._indices(pages)
         with self._lock:
             for p in idx:
@@ -98,17 +101,20 @@ class HostKVPool:
                 self._pins[p] += 1
 
     def unpin(self, pages: Sequence[int]) -> None:
+        """Drop one pin per occurrence; unpinning more than was pinned is an error (none
+        dropped)."""
         idx = self._indices(pages)
         with self._lock:
-            for p in idx:
-                if self._pins[p] <= 0:
-                    raise PageIndexError(f"host page {p} is not pinned", index=p,
-                                         limit=self.num_pages)
+            for p, times in Counter(idx).items():
+                if self._pins[p] < times:
+                    raise PageIndexError(f"host page {p} is pinned {self._pins[p]} times, "
+                                         f"unpin asked {times}", index=p, limit=self.num_pages)
             for p in idx:
                 self._pins[p] -= 1
 
     def pin_count(self, page: int) -> int:
-        return self._pins[page]
+        (p,) = self._indices([page])
+        return self._pins[p]
 
     # ----- page access ------------------------------------------------------------------------
     def check_pages(self, pages: Sequence[int] | torch.Tensor, what: str = "host page"
@@ -118,8 +124,20 @@ class HostKVPool:
     def _indices(self, pages: Sequence[int] | torch.Tensor) -> list[int]:
         return self.check_pages(pages).tolist()
 
+    def _one(self, page: int) -> int:
+        """Cheap check of a single page index (hot path of stores: no tensor made)."""
+        if isinstance(page, bool) or not hasattr(page, "__index__"):
+            raise PageIndexError(f"host page index {page!r} is not an int", index=page,
+                                 limit=self.num_pages)
+        p = page.__index__()
+        if not 0 <= p < self.num_pages:
+            raise PageIndexError(f"host page index {p} out of range [0, {self.num_pages})",
+                                 index=p, limit=self.num_pages)
+        return p
+
     def page_segments(self, page: int) -> list[torch.Tensor]:
         """The uint8 views that together hold ``page``, in logical order (one for page_first)."""
+        page = self._one(page)
         return [self.raw[off:off + n] for off, n in
                 page_ranges(self.spec, self.num_pages, self.layout, page)]
 
@@ -128,6 +146,7 @@ class HostKVPool:
         if self.layout != PAGE_FIRST:
             raise LayoutError("a layer_first host pool has no contiguous page view; "
                               "use page_segments()")
+        page = self._one(page)
         b = self.spec.page_bytes
         return self.raw[page * b:(page + 1) * b]
 

@@ -530,18 +530,19 @@ class FileStore(L3Store):
             if st.st_size != self.object_bytes:
                 raise _Bad("truncated" if st.st_size < self.object_bytes else "corrupted",
                            f"{st.st_size} bytes, objects have {self.object_bytes}")
+            # Payload and trailer in one preadv: the payload lands in the page (no copy), the
+            # trailer in a scratch block; nothing counts as read until both check out.
             plen = self.spec.page_bytes
-            if direct:
-                blk = self._trailer_block()       # aligned: one read, short at EOF
-                n = os.preadv(fd, [blk], plen)
-                trailer = bytes(blk[:n])
-            else:
-                trailer = os.pread(fd, TRAILER_BYTES, plen)
-            kind_id, want = check_trailer(trailer, self.spec.fingerprint, key, plen)
             views = self._views(page)
-            n = _pread_all(fd, list(views), 0)
-            if n != plen:
-                raise _Bad("truncated", f"payload read {n} of {plen} bytes")
+            blk = self._trailer_block()
+            if direct:      # one call: a retry at an unaligned offset would be refused
+                n = os.preadv(fd, views + [blk], 0)
+            else:
+                n = _pread_all(fd, views + [blk[:TRAILER_BYTES]], 0)
+            if n != self.object_bytes:
+                raise _Bad("truncated", f"read {n} of {self.object_bytes} bytes")
+            kind_id, want = check_trailer(bytes(blk[:TRAILER_BYTES]), self.spec.fingerprint,
+                                          key, plen)
             if _checksum(kind_id, views) != want:
                 raise _Bad("corrupted", "payload checksum mismatch")
             if self.config.touch_on_read:

@@ -1,0 +1,181 @@
+"""HostKVPool: layouts over a HostBuffer, the free list, pins, validation, thread safety."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+import torch
+
+from kvtier.errors import LayoutError, PagePinnedError, PageIndexError, PoolExhaustedError
+from kvtier.host_allocators.torch_pinned import TorchPinnedAllocator
+from kvtier.host_pool import HostKVPool
+from kvtier.layout import logical_view
+from kvtier.spec import KVSpec
+from kvtier.testing import fill_random, random_specs
+
+SPEC = KVSpec.mha(num_layers=3, num_kv_heads=2, head_dim=24, page_size=5, dtype="bfloat16")
+
+
+@pytest.fixture(params=["torch-pinned", "mmap"])
+def allocator(request):
+    return request.param
+
+
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+@pytest.mark.parametrize("spec", random_specs(), ids=lambda s: f"{s.kind}-{s.dtype}")
+def test_segments_match_the_logical_view(spec, layout, allocator):
+    with HostKVPool(spec, 9, layout=layout, allocator=allocator) as pool:
+        fill_random(pool.raw)
+        assert pool.nbytes == 9 * spec.page_bytes
+        for p in random.Random(0).sample(range(9), 5):
+            want = pool.view[p].contiguous().view(-1).view(torch.uint8)
+            got = torch.cat(pool.page_segments(p))
+            assert torch.equal(got, want)
+            if layout == "page_first":
+                assert torch.equal(pool.page_bytes_view(p), want)
+                assert pool.page_ptr(p) == pool.raw.data_ptr() + p * spec.page_bytes
+            else:
+                with pytest.raises(LayoutError):
+                    pool.page_bytes_view(p)
+        # writing through a segment shows in the view: they are views, not copies
+        seg = pool.page_segments(4)[-1]
+        seg.fill_(0x3C)
+        tail = pool.view[4, -1, -1].contiguous().view(-1).view(torch.uint8)
+        assert int(tail.min()) == int(tail.max()) == 0x3C
+
+
+def test_page_meta_are_page_addresses():
+    with HostKVPool(SPEC, 6) as pool:
+        ptrs, sizes = pool.get_page_buffer_meta([5, 0, 2])
+        base = pool.raw.data_ptr()
+        assert ptrs == [base + 5 * SPEC.page_bytes, base, base + 2 * SPEC.page_bytes]
+        assert sizes == [SPEC.page_bytes] * 3
+        with pytest.raises(PageIndexError):
+            pool.get_page_buffer_meta([6])
+    with HostKVPool(SPEC, 6, layout="layer_first") as pool, pytest.raises(LayoutError):
+        pool.get_page_buffer_meta([0])
+
+
+@pytest.mark.parametrize("bad", [-1, 7, 1.0, True, "1", None])
+def test_single_page_accessors_validate(bad):
+    with HostKVPool(SPEC, 7) as pool:
+        for fn in (pool.page_segments, pool.page_bytes_view, pool.page_ptr,
+                   pool.pin_count, pool.is_allocated):
+            with pytest.raises(PageIndexError):
+                fn(bad)
+
+
+def test_alloc_free_cycle():
+    with HostKVPool(SPEC, 5) as pool:
+        a = pool.alloc(3)
+        assert len(set(a)) == 3 and pool.free_count == 2
+        assert all(pool.is_allocated(p) for p in a)
+        with pytest.raises(PoolExhaustedError) as exc:
+            pool.alloc(3)
+        assert exc.value.requested == 3 and exc.value.free == 2
+        assert pool.free_count == 2, "a failed alloc takes nothing"
+        b = pool.alloc(2)
+        assert sorted(a + b) == list(range(5))
+        assert pool.alloc(0) == []
+        pool.free(a)
+        assert pool.free_count == 3
+        with pytest.raises(PageIndexError):
+            pool.free(a[:1])                        # double free
+        with pytest.raises(PageIndexError):
+            pool.free([b[0], b[0]])                 # duplicate in one call
+        assert pool.free_count == 3 and pool.is_allocated(b[0])
+        for bad in (-1, 1.5, True, "2"):
+            with pytest.raises(PageIndexError):
+                pool.alloc(bad)                     # type: ignore[arg-type]
+
+
+def test_pins_protect_pages():
+    with HostKVPool(SPEC, 4) as pool:
+        pages = pool.alloc(3)
+        with pytest.raises(PageIndexError):
+            pool.pin([p for p in range(4) if p not in pages])   # unallocated
+        pool.pin([pages[0], pages[0], pages[1]])
+        assert pool.pin_count(pages[0]) == 2 and pool.pin_count(pages[1]) == 1
+        with pytest.raises(PagePinnedError):
+            pool.free(pages)
+        assert all(pool.is_allocated(p) for p in pages), "a refused free frees nothing"
+        with pytest.raises(PageIndexError):
+            pool.unpin([pages[1], pages[1]])        # pinned once, unpinned twice
+        assert pool.pin_count(pages[1]) == 1, "a refused unpin drops nothing"
+        pool.unpin([pages[0], pages[1]])
+        with pytest.raises(PagePinnedError):
+            pool.free([pages[0]])
+        pool.unpin([pages[0]])
+        pool.free(pages)
+        assert pool.free_count == 4
+        with pytest.raises(PageIndexError):
+            pool.unpin([pages[0]])
+
+
+def test_concurrent_alloc_free_never_hands_out_a_page_twice():
+    pool = HostKVPool(SPEC, 64)
+    owner: dict[int, int] = {}
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def worker(tid: int) -> None:
+        rng = random.Random(tid)
+        try:
+            for _ in range(300):
+                try:
+                    got = pool.alloc(rng.randint(1, 6))
+                except PoolExhaustedError:
+                    continue
+                with lock:
+                    for p in got:
+                        assert p not in owner, f"page {p} handed out twice"
+                        owner[p] = tid
+                pool.pin(got)
+                pool.unpin(got)
+                with lock:
+                    for p in got:
+                        del owner[p]
+                pool.free(got)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    assert pool.free_count == 64
+    assert sorted(pool.alloc(64)) == list(range(64))
+    pool.close()
+
+
+def test_buffer_too_small_and_bad_sizes():
+    buf = TorchPinnedAllocator().allocate(SPEC.page_bytes * 3 - 1)
+    with pytest.raises(LayoutError):
+        HostKVPool(SPEC, 3, buffer=buf)
+    for bad in (0, -2, 2.0, True):
+        with pytest.raises(LayoutError):
+            HostKVPool(SPEC, bad)                    # type: ignore[arg-type]
+    with pytest.raises(LayoutError):
+        HostKVPool(SPEC, 2, layout="row_major")
+
+
+def test_caller_buffer_is_not_closed_by_the_pool():
+    buf = TorchPinnedAllocator().allocate(SPEC.page_bytes * 4 + 100)
+    pool = HostKVPool(SPEC, 4, buffer=buf)
+    fill_random(pool.raw)
+    pool.close()
+    assert not buf.closed
+    want = pool.view.contiguous().view(-1).view(torch.uint8)      # compare bytes, not floats
+    got = logical_view(buf.tensor, SPEC, 4, "page_first").contiguous().view(-1).view(torch.uint8)
+    assert torch.equal(got, want)
+    buf.close()
+
+
+def test_pool_closes_the_buffer_it_allocated(allocator):
+    pool = HostKVPool(SPEC, 3, allocator=allocator)
+    pool.close()
+    assert pool.buffer.closed
