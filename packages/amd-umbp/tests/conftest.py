@@ -84,8 +84,18 @@ class FakeHip:
         return 0
 
 
+@pytest.fixture
+def make_fake_hip() -> type[FakeHip]:
+    """The FakeHip class (HIP runtime stand-in for pinning tests)."""
+    return FakeHip
+
+
 def _refresh() -> None:
-    registry.discover(refresh=True)
+    """Drop the registry's cached probe results for this package's backends (the records
+    themselves stay valid: only what the probes see changed)."""
+    for rec in registry.records():
+        if rec.distribution == "kvtier-amd-umbp":
+            registry.probe(rec, refresh=True)
 
 
 @pytest.fixture

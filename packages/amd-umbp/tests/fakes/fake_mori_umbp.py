@@ -552,6 +552,7 @@ class UMBPClient:
             config = UMBPConfig()
         if not isinstance(config, UMBPConfig):
             raise _incompatible("UMBPClient", "__init__(config)", config)
+        self._maybe_raise("__init__")
         cfg = copy.deepcopy(config)
         why = _validate(cfg)
         if why:
