@@ -57,7 +57,10 @@ def nvrtc_version() -> tuple[int, int]:
     return major, minor
 
 
-def probe_cuda(min_cc: tuple[int, int] = (0, 0), what: str = "") -> Availability:
+def probe_cuda(min_cc: tuple[int, int] = (0, 0), what: str = "", *, need_nvrtc: bool = True
+               ) -> Availability:
+    """Driver, device count, compute capability, cuda-bindings and (for kernels) NVRTC, in
+    that order; the first that is missing is the reason."""
     try:
         info = device_info()
     except (OSError, RuntimeError) as exc:
@@ -67,8 +70,14 @@ def probe_cuda(min_cc: tuple[int, int] = (0, 0), what: str = "") -> Availability
             f"{info.name} is sm_{info.major}{info.minor}; {what} needs sm_{min_cc[0]}{min_cc[1]}+",
             "use nvidia-register or nvidia-copy-engine on this GPU")
     try:
+        from cuda.bindings import driver  # noqa: F401  (the engines' driver API)
+    except (ImportError, OSError, RuntimeError) as exc:
+        return Availability.unavailable(f"cuda-bindings unavailable: {exc}", NVRTC_HINT)
+    note = f"{info.name} sm_{info.major}{info.minor}, {info.count} device(s)"
+    if not need_nvrtc:
+        return Availability.available(note)
+    try:
         nv = nvrtc_version()
     except (ImportError, OSError, RuntimeError) as exc:
         return Availability.unavailable(f"NVRTC unavailable: {exc}", NVRTC_HINT)
-    return Availability.available(f"{info.name} sm_{info.major}{info.minor}, "
-                                  f"{info.count} device(s), NVRTC {nv[0]}.{nv[1]}")
+    return Availability.available(f"{note}, NVRTC {nv[0]}.{nv[1]}")

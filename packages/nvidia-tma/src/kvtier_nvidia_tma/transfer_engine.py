@@ -1,49 +1,432 @@
-"""NVIDIA transfer engines: TMA bulk copies, register copies and the copy engine."""
+"""NVIDIA transfer engines: TMA bulk copies, register copies and the copy engine.
+
+All three move KV pages between a CUDA ``DeviceKVPool`` (layer_first) and a ``HostKVPool``
+(page_first or layer_first) in pinned/registered host memory, on the caller's current torch
+stream (or a side stream ordered after it), with no host synchronisation: page indices are
+int64 tensors read on the device. Loads run one launch per layer by default and record one CUDA
+event per layer, so ``handle.wait_layer(i)`` makes the caller's stream wait for layer ``i``
+only; backups run one launch for all layers.
+
+Index checking: Python lists and CPU tensors are checked on the host (no cost to the device).
+Device tensors are checked before launch only with ``debug=True`` (a check needs a host
+sync); without it the kernels still skip out-of-range pairs, never writing through them, and
+count them (``bad_pairs()``). Two pairs with the same destination page race (undefined which
+lands); ``debug=True`` rejects them.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Sequence
 
-from kvtier import Availability, TransferEngine
+from kvtier import Availability, Capabilities, TransferEngine
+from kvtier.errors import (BackendUnavailableError, InvalidArgumentError, LayoutError,
+                           PageIndexError, TransferError)
+from kvtier.interfaces import CompletedHandle, TransferHandle
 
 from . import KVTIER_INTERFACE_VERSION
+from ._plan import (Geometry, KvtParams, check_alignment, host_strides, plan_register,
+                    plan_tma, tensor_map_geometry, uniform_strides)
 from ._probe import probe_cuda
 
+#: 1 GiB: how far apart the host pool's registration is sampled (cuMemHostRegister chunks).
+_REG_SAMPLE = 1 << 30
 
-class TmaTransferEngine(TransferEngine):
-    name = "nvidia-tma"
+
+class CudaEventHandle(TransferHandle):
+    """Per-layer CUDA events of one transfer. ``wait_layer(i)`` makes the caller's current
+    stream wait for layer ``i`` (no host sync); ``synchronize()`` blocks the host."""
+
+    def __init__(self, events: list[Any], device: Any, keep: tuple = ()):
+        self._events = events
+        self.num_layers = len(events)
+        self.device = device
+        self._keep = keep                 # index tensors in use until the launches ran
+
+    def wait_layer(self, layer: int) -> None:
+        import torch
+        if isinstance(layer, bool) or not isinstance(layer, int) \
+                or not 0 <= layer < self.num_layers:
+            raise LayoutError(f"layer {layer!r} out of range [0, {self.num_layers})")
+        torch.cuda.current_stream(self.device).wait_event(self._events[layer])
+
+    def wait(self) -> None:
+        import torch
+        torch.cuda.current_stream(self.device).wait_event(self._events[-1])
+
+    def done(self) -> bool:
+        return bool(self._events[-1].query())
+
+    def synchronize(self) -> None:
+        self._events[-1].synchronize()
+
+
+class _NvidiaEngine(TransferEngine):
+    """What the three engines share: validation of the pools, indices, streams and events."""
+
     interface_version = KVTIER_INTERFACE_VERSION
+    _min_cc = 0
+    _needs_16b = True
+
+    @classmethod
+    def capabilities(cls) -> Capabilities:
+        return Capabilities(directions=("h2d", "d2h"), layerwise=True, device_types=("cuda",),
+                            host_layouts=("page_first", "layer_first"))
+
+    def __init__(self, device_pool, host_pool, config: Any = None):
+        super().__init__(device_pool, host_pool, config)
+        import torch
+        from . import _driver
+        self._torch = torch
+        dev = device_pool.device
+        if dev.type != "cuda":
+            raise LayoutError(f"{self.name}: the device pool must be on a CUDA device, it is "
+                              f"on {dev}")
+        ordinal = dev.index if dev.index is not None else torch.cuda.current_device()
+        want = self.config.device
+        if want is not None and want != ordinal:
+            raise LayoutError(f"{self.name}: the device pool is on cuda:{ordinal} but the "
+                              f"engine is configured for cuda:{want}")
+        self.device = torch.device("cuda", ordinal)
+        try:
+            self._dev = _driver.device(ordinal)
+        except TransferError as exc:
+            raise BackendUnavailableError(f"{self.name}: {exc}", kind="transfer_engine",
+                                          name=self.name, reason=str(exc)) from exc
+        if self._dev.cc < self._min_cc:
+            reason = (f"{self._dev.name} (cuda:{ordinal}) is sm_{self._dev.cc}; {self.name} "
+                      f"needs sm_{self._min_cc}+")
+            raise BackendUnavailableError(f"{self.name}: {reason}", kind="transfer_engine",
+                                          name=self.name, reason=reason,
+                                          hint="use nvidia-register or nvidia-copy-engine")
+        spec = self.spec
+        if self._needs_16b:
+            check_alignment(spec.chunk_bytes, spec.row_bytes, f"{self.name}: ")
+        raw = host_pool.raw
+        if raw.device.type != "cpu":
+            raise LayoutError(f"{self.name}: the host pool must be in host memory, got "
+                              f"{raw.device}")
+        self._host_dptr = self._registered_base(raw.data_ptr(), raw.numel())
+        C, L = spec.num_components, spec.num_layers
+        table = [device_pool.layers[c][layer].data_ptr() for layer in range(L)
+                 for c in range(C)]
+        for g, ptr in enumerate(table):
+            if self._needs_16b and ptr % 16:
+                raise LayoutError(f"{self.name}: device buffer (layer {g // C}, comp {g % C}) "
+                                  f"at {ptr:#x} is not 16-byte aligned")
+        self._table = table
+        self._table_t = torch.tensor(table, dtype=torch.int64, device=self.device)
+        hps, hcs = host_strides(spec.chunk_bytes, C, L, host_pool.num_pages, host_pool.layout)
+        self._geo = Geometry(chunk_bytes=spec.chunk_bytes, comps=C, num_layers=L,
+                             host_page_stride=hps, host_chunk_stride=hcs,
+                             host_pages=host_pool.num_pages, dev_pages=device_pool.num_pages)
+        self._err = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self._side = torch.cuda.Stream(self.device) if self.config.side_stream else None
+        self._closed = False
+
+    # ----- validation ---------------------------------------------------------------------
+    def _registered_base(self, ptr: int, nbytes: int) -> int:
+        """The device address of the host pool; every part of it must be registered with
+        CUDA (pinned), at one contiguous device range."""
+        from . import _driver
+        self._dev.make_current()
+        base = _driver.host_device_pointer(ptr)
+        offsets = sorted(set(list(range(0, nbytes, _REG_SAMPLE)) + [nbytes - 1]))
+        for off in offsets:
+            dptr = _driver.host_device_pointer(ptr + off)
+            if dptr is None or base is None:
+                raise InvalidArgumentError(
+                    f"{self.name}: host pool memory at offset {off} of {nbytes} B is not "
+                    "registered with CUDA (pageable); allocate the host pool with "
+                    "'cuda-host-register' or 'torch-pinned'", argument="host_pool")
+            if dptr != base + off:
+                raise InvalidArgumentError(
+                    f"{self.name}: host pool is registered in pieces whose device addresses "
+                    "are not contiguous", argument="host_pool")
+        return base
+
+    def _index(self, pages: Sequence[int] | Any, limit: int, what: str) -> Any:
+        torch = self._torch
+        from kvtier.device_pool import check_page_indices
+        if isinstance(pages, torch.Tensor):
+            if pages.dtype.is_floating_point or pages.dtype == torch.bool or pages.dim() != 1:
+                raise PageIndexError(f"{what} indices must be a 1-D integer tensor, got "
+                                     f"{pages.dtype} {tuple(pages.shape)}", limit=limit)
+            if pages.device == self.device:
+                t = pages.to(torch.int64)
+                if self.config.debug:
+                    check_page_indices(t, limit, what)
+                return t
+            t = check_page_indices(pages.to("cpu"), limit, what)
+        else:
+            t = check_page_indices(pages, limit, what)
+        if t.numel() == 0:
+            return t.to(self.device)
+        return t.pin_memory().to(self.device, non_blocking=True)
+
+    def _indices(self, host_pages, device_pages, dst_device: bool) -> tuple[Any, Any]:
+        if self._closed:
+            raise TransferError(f"{self.name}: engine is closed", backend=self.name)
+        h = self._index(host_pages, self.host_pool.num_pages, "host page")
+        d = self._index(device_pages, self.device_pool.num_pages, "device page")
+        if h.numel() != d.numel():
+            raise InvalidArgumentError(f"{self.name}: {h.numel()} host pages but {d.numel()} "
+                                       "device pages", argument="pages")
+        if self.config.debug and h.numel():
+            dst = d if dst_device else h
+            if int(self._torch.unique(dst).numel()) != dst.numel():
+                raise PageIndexError(f"{self.name}: destination pages repeat (two pairs would "
+                                     "race for one page)")
+        return h, d
+
+    # ----- public API ---------------------------------------------------------------------
+    def load(self, host_pages, device_pages) -> TransferHandle:
+        h, d = self._indices(host_pages, device_pages, dst_device=True)
+        return self._submit(h, d, d2h=False, layerwise=self.config.layerwise_load)
+
+    def backup(self, device_pages, host_pages) -> TransferHandle:
+        h, d = self._indices(host_pages, device_pages, dst_device=False)
+        return self._submit(h, d, d2h=True, layerwise=self.config.layerwise_backup)
+
+    def bad_pairs(self) -> int:
+        """Pairs the kernels skipped as out of range since the engine was built (syncs)."""
+        return int(self._err.item())
+
+    def close(self) -> None:
+        self._closed = True
+
+    # ----- launches -----------------------------------------------------------------------
+    def _submit(self, h, d, *, d2h: bool, layerwise: bool) -> TransferHandle:
+        torch = self._torch
+        L = self.spec.num_layers
+        if h.numel() == 0:
+            return CompletedHandle(L)
+        caller = torch.cuda.current_stream(self.device)
+        stream = caller
+        if self._side is not None:
+            stream = self._side
+            stream.wait_stream(caller)
+            for t in (h, d):
+                if t.is_cuda:
+                    t.record_stream(stream)
+        events = []
+        with torch.cuda.device(self.device):
+            self._dev.make_current()
+            handle = stream.cuda_stream
+            ranges = [(layer, 1) for layer in range(L)] if layerwise else [(0, L)]
+            for layer0, layers in ranges:
+                self._launch(h, d, d2h, layer0, layers, handle)
+                ev = torch.cuda.Event()
+                ev.record(stream)
+                events.extend([ev] * layers)
+        return CudaEventHandle(events, self.device, keep=(h, d))
+
+    def _params(self, h, d, d2h: bool, layer0: int, layers: int) -> KvtParams:
+        g = self._geo
+        p = KvtParams()
+        p.host_base, p.dev_table = self._host_dptr, self._table_t.data_ptr()
+        p.host_idx, p.dev_idx, p.err = h.data_ptr(), d.data_ptr(), self._err.data_ptr()
+        p.host_page_stride, p.host_chunk_stride = g.host_page_stride, g.host_chunk_stride
+        p.chunk_bytes, p.host_pages, p.dev_pages = g.chunk_bytes, g.host_pages, g.dev_pages
+        p.n, p.comps, p.layer0, p.layers, p.d2h = h.numel(), g.comps, layer0, layers, int(d2h)
+        return p
+
+    def _launch(self, h, d, d2h: bool, layer0: int, layers: int, stream: int) -> None:
+        raise NotImplementedError
+
+
+class TmaTransferEngine(_NvidiaEngine):
+    """``nvidia-tma``: bulk copies (``cp.async.bulk``) through shared memory, mbarrier
+    completion, bulk stores out; the device side of page_first transfers goes through a 4-D
+    tensor map (one box = all layers of a page) when the device pool's layers sit at a
+    constant stride and chunks are <= 2 KiB."""
+
+    name = "nvidia-tma"
+    _min_cc = 90
 
     @dataclass(frozen=True)
     class Config:
+        #: CTAs (SMs) the kernel occupies.
         ctas: int = 2
+        #: Pipelines (warps) per CTA; each has its own shared-memory stages.
+        warps: int = 2
+        #: Shared-memory stages per pipeline.
+        stages: int = 4
+        #: Bytes per stage (a multiple of 128).
+        stage_bytes: int = 24576
+        #: Use a tensor map for the device side where the pool allows one.
+        tensor_map: bool = True
+        #: One launch and one event per layer for loads / backups.
+        layerwise_load: bool = True
+        layerwise_backup: bool = False
+        #: Run on an engine-owned stream ordered after the caller's (default: caller's stream).
+        side_stream: bool = False
+        #: Check device-resident indices (range, repeated destinations) before launch (syncs).
+        debug: bool = False
+        #: CUDA device the engine must run on (None: the device pool's).
+        device: int | None = None
 
     @classmethod
     def probe(cls) -> Availability:
         return probe_cuda((9, 0), "TMA (cp.async.bulk)")
 
+    def __init__(self, device_pool, host_pool, config: Any = None):
+        super().__init__(device_pool, host_pool, config)
+        from . import _driver
+        c = self.config
+        self._uniform = uniform_strides(self._table, self._geo.comps, self._geo.num_layers)
+        # check the configuration once (raises ConfigError naming the key)
+        plan_tma(self._geo, 1, self._geo.num_layers, ctas=c.ctas, warps=c.warps,
+                 stages=c.stages, stage_bytes=c.stage_bytes, tmap_ok=False,
+                 max_smem=self._dev.max_smem_optin)
+        self._kernel = _driver.load_kernel(self._dev, "tma_copy.cu", "kvt_tma_copy")
+        self._null_map = _driver.TensorMap()
+        self._maps: dict[tuple[int, int, int], Any] = {}
+        self._plans: dict[tuple[int, int], Any] = {}
+        self.ctas = c.ctas
 
-class RegisterTransferEngine(TransferEngine):
+    def plan(self, n: int, layer0: int, layers: int):
+        """The launch plan and tensor map for ``n`` pairs over the given layers."""
+        from . import _driver
+        c = self.config
+        key = (n, layers)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = plan_tma(self._geo, n, layers, ctas=c.ctas, warps=c.warps, stages=c.stages,
+                            stage_bytes=c.stage_bytes,
+                            tmap_ok=c.tensor_map and self._uniform is not None,
+                            max_smem=self._dev.max_smem_optin)
+            if len(self._plans) > 256:
+                self._plans.clear()
+            self._plans[key] = plan
+        tmap = self._null_map
+        if plan.use_tmap:
+            mkey = (layer0, layers, plan.box_layers)
+            tmap = self._maps.get(mkey)
+            if tmap is None:
+                geo = tensor_map_geometry(self._table, self._geo, layer0, layers,
+                                          plan.box_layers)
+                tmap = _driver.TensorMap(geo) if geo is not None else None
+                self._maps[mkey] = tmap
+            if tmap is None:
+                plan = plan_tma(self._geo, n, layers, ctas=c.ctas, warps=c.warps,
+                                stages=c.stages, stage_bytes=c.stage_bytes, tmap_ok=False,
+                                max_smem=self._dev.max_smem_optin)
+                tmap = self._null_map
+        return plan, tmap
+
+    def _launch(self, h, d, d2h, layer0, layers, stream) -> None:
+        from . import _driver
+        plan, tmap = self.plan(h.numel(), layer0, layers)
+        p = plan.fill(self._params(h, d, d2h, layer0, layers))
+        _driver.set_dynamic_smem(self._kernel, plan.smem_bytes)
+        _driver.launch(self._kernel, plan.grid, plan.threads, plan.smem_bytes, stream, p,
+                       tmap.arg)
+
+
+class RegisterTransferEngine(_NvidiaEngine):
+    """``nvidia-register``: 16-byte register copies by a small grid (any sm_70+ GPU; the
+    baseline the TMA engine is measured against)."""
+
     name = "nvidia-register"
-    interface_version = KVTIER_INTERFACE_VERSION
+    _min_cc = 70
 
     @dataclass(frozen=True)
     class Config:
-        ctas: int = 16
+        ctas: int = 2
+        threads: int = 1024
+        #: Independent 16-byte loads in flight per thread (2, 4 or 8; 8 allows <= 512 threads).
+        unroll: int = 4
+        layerwise_load: bool = True
+        layerwise_backup: bool = False
+        side_stream: bool = False
+        debug: bool = False
+        device: int | None = None
 
     @classmethod
     def probe(cls) -> Availability:
-        return probe_cuda()
+        return probe_cuda((7, 0), "the register-copy kernel")
+
+    def __init__(self, device_pool, host_pool, config: Any = None):
+        super().__init__(device_pool, host_pool, config)
+        from . import _driver
+        c = self.config
+        plan = plan_register(self._geo, 1, 1, ctas=c.ctas, threads=c.threads, unroll=c.unroll)
+        self._kernel = _driver.load_kernel(self._dev, "register_copy.cu", plan.kernel)
+        self.ctas = c.ctas
+
+    def _launch(self, h, d, d2h, layer0, layers, stream) -> None:
+        from . import _driver
+        c = self.config
+        plan = plan_register(self._geo, h.numel(), layers, ctas=c.ctas, threads=c.threads,
+                             unroll=c.unroll)
+        for first, count in plan.batches:
+            p = self._params(h, d, d2h, layer0, layers)
+            p.host_idx += first * 8
+            p.dev_idx += first * 8
+            p.n = count
+            _driver.launch(self._kernel, plan.grid, plan.threads, 0, stream, p)
 
 
-class CopyEngineTransferEngine(TransferEngine):
+class CopyEngineTransferEngine(_NvidiaEngine):
+    """``nvidia-copy-engine``: the GPU's DMA engines through ``cuMemcpyBatchAsync`` (one batch
+    per launch; runs of chunks contiguous on both sides merged into one copy). Uses no SMs.
+    Addresses are built on the host, so device-resident indices are copied to the host
+    (a sync); pass Python lists or CPU tensors to avoid it. Any row size works."""
+
     name = "nvidia-copy-engine"
-    interface_version = KVTIER_INTERFACE_VERSION
+    _min_cc = 0
+    _needs_16b = False
 
     @dataclass(frozen=True)
     class Config:
-        pass
+        layerwise_load: bool = True
+        layerwise_backup: bool = False
+        side_stream: bool = False
+        debug: bool = False
+        device: int | None = None
 
     @classmethod
     def probe(cls) -> Availability:
-        return probe_cuda()
+        return probe_cuda(need_nvrtc=False)
+
+    def __init__(self, device_pool, host_pool, config: Any = None):
+        super().__init__(device_pool, host_pool, config)
+        import numpy as np
+        from . import _driver
+        self._np = np
+        self._copier = _driver.BatchCopier()
+        self._table_np = np.asarray(self._table, dtype=np.uint64)
+
+    def _index(self, pages, limit, what):
+        torch = self._torch
+        from kvtier.device_pool import check_page_indices
+        if isinstance(pages, torch.Tensor) and pages.device.type != "cpu":
+            pages = pages.to("cpu")          # a host sync: addresses are built on the host
+        return check_page_indices(pages, limit, what)
+
+    def _launch(self, h, d, d2h, layer0, layers, stream) -> None:
+        np = self._np
+        g = self._geo
+        hs = h.numpy().astype(np.uint64)
+        ds = d.numpy().astype(np.uint64)
+        gs = np.arange(layer0 * g.comps, (layer0 + layers) * g.comps, dtype=np.uint64)
+        cb = np.uint64(g.chunk_bytes)
+        host = (np.uint64(self._host_dptr) + hs[:, None] * np.uint64(g.host_page_stride)
+                + gs[None, :] * np.uint64(g.host_chunk_stride)).ravel()
+        dev = (self._table_np[gs][None, :] + ds[:, None] * cb).ravel()
+        src, dst = (dev, host) if d2h else (host, dev)
+        sizes = np.full(src.shape, cb, dtype=np.uint64)
+        src, dst, sizes = merge_runs(src, dst, sizes)
+        self._copier(dst, src, sizes, stream)
+
+
+def merge_runs(src, dst, sizes):
+    """Merge consecutive copies that continue each other on both sides (NumPy, no loop)."""
+    import numpy as np
+    if src.size <= 1:
+        return src, dst, sizes
+    cont = (src[1:] == src[:-1] + sizes[:-1]) & (dst[1:] == dst[:-1] + sizes[:-1])
+    starts = np.flatnonzero(np.concatenate(([True], ~cont)))
+    run_sizes = np.add.reduceat(sizes, starts)
+    return src[starts], dst[starts], run_sizes.astype(np.uint64)

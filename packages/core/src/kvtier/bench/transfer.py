@@ -1,0 +1,377 @@
+"""Host <-> device page transfers: every named transfer engine against the pinned-memcpy
+ceiling measured in the same run.
+
+For each case (a KV geometry: MLA 1152 B rows, MHA chunks from 256 B to 128 KiB, page sizes
+1..128) the benchmark moves ``--mib`` of randomly scattered pages between a CUDA
+``DeviceKVPool`` (layer_first) and a page_first ``HostKVPool``: loads (H2D), backups (D2H) and
+both at once, with per-layer or all-layer launches, over a sweep of engine settings (e.g.
+``--sweep ctas=1,2,4``). The ceilings are one pinned ``cudaMemcpyAsync`` of the same size in
+each direction and both directions at once. ``--gemm`` also times a bf16 8192^3 matmul alone
+and while transfers run. Results print as a table of GB/s and ratios; ``--json`` keeps them and
+``--plot`` draws GB/s against chunk size per engine (``--replot`` redraws from a JSON file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+from ..report import progress, table
+from ..spec import KVSpec
+
+#: name -> (spec, description); page sizes 1..128, chunk = page_size x row bytes.
+CASES: dict[str, KVSpec] = {
+    "mla-p1": KVSpec.mla(num_layers=61, kv_lora_rank=512, rope_dim=64, page_size=1),
+    "mla-p16": KVSpec.mla(num_layers=61, kv_lora_rank=512, rope_dim=64, page_size=16),
+    "mla-p64": KVSpec.mla(num_layers=61, kv_lora_rank=512, rope_dim=64, page_size=64),
+    "mha-256": KVSpec.mha(num_layers=32, num_kv_heads=1, head_dim=128, page_size=1),
+    "mha-512": KVSpec.mha(num_layers=32, num_kv_heads=1, head_dim=128, page_size=2),
+    "mha-1k": KVSpec.mha(num_layers=32, num_kv_heads=1, head_dim=128, page_size=4),
+    "mha-2k": KVSpec.mha(num_layers=32, num_kv_heads=1, head_dim=128, page_size=8),
+    "mha-8k": KVSpec.mha(num_layers=32, num_kv_heads=1, head_dim=128, page_size=32),
+    "mha-32k": KVSpec.mha(num_layers=32, num_kv_heads=1, head_dim=128, page_size=128),
+    "mha-128k": KVSpec.mha(num_layers=32, num_kv_heads=8, head_dim=128, page_size=64),
+}
+DEFAULT_ENGINES = "nvidia-tma,nvidia-register,nvidia-copy-engine"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engines", default=DEFAULT_ENGINES, help="comma-separated engine names")
+    p.add_argument("--cases", default=",".join(CASES),
+                   help=f"comma-separated cases (default all: {','.join(CASES)})")
+    p.add_argument("--mib", type=int, default=512, help="MiB moved per timed transfer")
+    p.add_argument("--repeat", type=int, default=5, help="timed repetitions (median)")
+    p.add_argument("--directions", default="h2d,d2h,both", help="h2d, d2h, both")
+    p.add_argument("--modes", default="layer,all",
+                   help="layer: one launch + event per layer; all: one launch")
+    p.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2",
+                   help="engine config values to sweep (engines without KEY ignore it)")
+    p.add_argument("--set", action="append", default=[], metavar="ENGINE.KEY=V",
+                   help="fixed engine config value")
+    p.add_argument("--both-sweep", action="store_true",
+                   help="sweep settings for bidirectional runs too (default: first values)")
+    p.add_argument("--host-allocator", default="cuda-host-register",
+                   help="host allocator for the pools and the ceiling (default "
+                        "cuda-host-register, falling back to torch-pinned)")
+    p.add_argument("--gemm", action="store_true", help="time a concurrent bf16 GEMM")
+    p.add_argument("--gemm-cases", default="mla-p1,mha-32k")
+    p.add_argument("--json", help="write every result here")
+    p.add_argument("--plot", help="save a PNG of GB/s vs chunk size here")
+    p.add_argument("--replot", help="read results from this JSON instead of running")
+
+
+def _parse_value(v: str) -> Any:
+    for conv in (int, float):
+        try:
+            return conv(v)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(v.lower(), v)
+
+
+def _median_ms(torch, fn, repeat: int, warmup: int = 1) -> float:
+    times = []
+    for i in range(warmup + repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        if i >= warmup:
+            times.append(start.elapsed_time(end))
+        elif start.elapsed_time(end) > 500 and repeat > 1:
+            repeat = 1          # very slow configurations: one timed run is enough
+    return statistics.median(times)
+
+
+def environment(torch) -> dict[str, Any]:
+    env = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+           "cuda": torch.version.cuda, "date": time.strftime("%Y-%m-%d")}
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,pcie.link.gen.current,"
+                              "pcie.link.width.current", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20).stdout.strip()
+        drv, gen, width = [x.strip() for x in out.splitlines()[0].split(",")]
+        env.update(driver=drv, pcie=f"Gen{gen} x{width}")
+    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+        pass
+    return env
+
+
+def ceilings(torch, host_raw, nbytes: int, repeat: int) -> dict[str, float]:
+    """GB/s of one pinned block copy each way and of both directions at once."""
+    dev_a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dev_b = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    h_a, h_b = host_raw[:nbytes], host_raw[nbytes:2 * nbytes]
+    s1 = torch.cuda.Stream()
+    out = {"h2d": nbytes / _median_ms(torch, lambda: dev_a.copy_(h_a, non_blocking=True),
+                                      repeat) / 1e6,
+           "d2h": nbytes / _median_ms(torch, lambda: h_b.copy_(dev_b, non_blocking=True),
+                                      repeat) / 1e6}
+
+    def both() -> None:
+        cur = torch.cuda.current_stream()
+        s1.wait_stream(cur)
+        dev_a.copy_(h_a, non_blocking=True)
+        with torch.cuda.stream(s1):
+            h_b.copy_(dev_b, non_blocking=True)
+        cur.wait_stream(s1)
+    out["both"] = 2 * nbytes / _median_ms(torch, both, repeat) / 1e6
+    return out
+
+
+def _configs(cls, sweeps: dict[str, list], fixed: dict[str, Any]) -> list[dict[str, Any]]:
+    keys = set(getattr(cls.Config, "__dataclass_fields__", {}))
+    own = {k: v for k, v in sweeps.items() if k in keys}
+    combos = [dict(zip(own, vals)) for vals in itertools.product(*own.values())] or [{}]
+    return [{**{k: v for k, v in fixed.items() if k in keys}, **c} for c in combos]
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.replot:
+        with open(args.replot) as f:
+            data = json.load(f)
+        print(render(data))
+        if args.plot:
+            plot(data, args.plot)
+        return 0
+    import torch
+
+    from .. import registry
+    from ..device_pool import DeviceKVPool
+    from ..errors import BackendUnavailableError, KVTierError
+    from ..host_pool import HostKVPool
+    from ..testing.data import fill_random
+    if not torch.cuda.is_available():
+        print("kvtier bench transfer: no CUDA device here", file=sys.stderr)
+        return 2
+    sweeps = {}
+    for s in args.sweep:
+        k, _, v = s.partition("=")
+        sweeps[k] = [_parse_value(x) for x in v.split(",") if x]
+    fixed: dict[str, dict[str, Any]] = {}
+    for s in args.set:
+        k, _, v = s.partition("=")
+        eng, _, key = k.partition(".")
+        fixed.setdefault(eng, {})[key] = _parse_value(v)
+    engines = []
+    for name in [e for e in args.engines.split(",") if e]:
+        try:
+            engines.append((name, registry.get_backend_class("kvtier.transfer_engines", name)))
+        except BackendUnavailableError as exc:
+            print(f"skipping {name}: {exc.reason}", file=sys.stderr)
+    nbytes = args.mib << 20
+    try:
+        alloc = registry.create_host_allocator(args.host_allocator)
+    except KVTierError as exc:
+        print(f"{args.host_allocator} unavailable ({exc}); using torch-pinned", file=sys.stderr)
+        alloc = registry.create_host_allocator("torch-pinned")
+    host_buf = alloc.allocate(4 * nbytes + (64 << 20))
+    fill_random(host_buf.tensor[:4 * nbytes])
+    data: dict[str, Any] = {"env": environment(torch), "command": " ".join(sys.argv),
+                            "host_backing": host_buf.backing, "mib": args.mib,
+                            "repeat": args.repeat, "results": [], "gemm": []}
+    data["ceiling"] = ceilings(torch, host_buf.tensor, nbytes, args.repeat)
+    print(f"ceiling (pinned cudaMemcpyAsync, {args.mib} MiB): "
+          + ", ".join(f"{k} {v:.1f} GB/s" for k, v in data["ceiling"].items()), file=sys.stderr)
+    directions = [d for d in args.directions.split(",") if d]
+    modes = [m for m in args.modes.split(",") if m]
+    cases = [c for c in args.cases.split(",") if c]
+    work = [(c, e, cfg) for c in cases for e in engines
+            for cfg in _configs(e[1], sweeps, fixed.get(e[0], {}))]
+    bar = progress(work, desc="transfer cases")
+    pools: dict[str, Any] = {}
+    for case, (name, cls), cfg in bar:
+        spec = CASES[case]
+        if pools.get("case") != case:
+            pools.clear()
+            torch.cuda.empty_cache()
+            n = max(1, nbytes // spec.page_bytes)
+            hp = min(4 * nbytes // spec.page_bytes, 2 * n + n // 2)
+            dpool = DeviceKVPool.empty(spec, n + n // 4 + 1, "cuda")
+            for comp in dpool.layers:
+                for t in comp:
+                    fill_random(t)
+            hpool = HostKVPool(spec, hp, buffer=host_buf)
+            g = torch.Generator().manual_seed(7)
+            hperm = torch.randperm(hp, generator=g)
+            pools.update(case=case, n=n, dpool=dpool, hpool=hpool,
+                         dev=torch.randperm(dpool.num_pages, generator=g)[:n].cuda(),
+                         dev2=torch.randperm(dpool.num_pages, generator=g)[:n].cuda(),
+                         host=hperm[:n].cuda(), host2=hperm[n:2 * n].cuda())
+        n, dpool, hpool = pools["n"], pools["dpool"], pools["hpool"]
+        moved = n * spec.page_bytes
+        first_cfg = cfg == _configs(cls, sweeps, fixed.get(name, {}))[0]
+        for mode in modes:
+            lw = mode == "layer"
+            full = {**cfg, "layerwise_load": lw, "layerwise_backup": lw}
+            try:
+                eng = cls(dpool, hpool, full)
+            except KVTierError as exc:
+                print(f"{name} {case} {full}: {exc}", file=sys.stderr)
+                continue
+            side = torch.cuda.Stream()
+            h, h2, d, d2 = pools["host"], pools["host2"], pools["dev"], pools["dev2"]
+            if name == "nvidia-copy-engine":   # addresses are built on the host
+                h, h2, d, d2 = h.cpu(), h2.cpu(), d.cpu(), d2.cpu()
+
+            def both(eng=eng, side=side, h=h, h2=h2, d=d, d2=d2) -> None:
+                cur = torch.cuda.current_stream()
+                side.wait_stream(cur)
+                eng.load(h, d)
+                with torch.cuda.stream(side):
+                    eng.backup(d2, h2)
+                cur.wait_stream(side)
+            fns = {"h2d": lambda eng=eng, h=h, d=d: eng.load(h, d),
+                   "d2h": lambda eng=eng, h=h, d=d: eng.backup(d, h), "both": both}
+            for direction in directions:
+                if direction == "both" and not (first_cfg or args.both_sweep):
+                    continue
+                ms = _median_ms(torch, fns[direction], args.repeat)
+                total = moved * (2 if direction == "both" else 1)
+                gbps = total / ms / 1e6
+                data["results"].append({
+                    "case": case, "kind": spec.kind, "chunk_bytes": spec.chunk_bytes,
+                    "page_size": spec.page_size, "layers": spec.num_layers,
+                    "engine": name, "config": cfg, "mode": mode, "direction": direction,
+                    "bytes": total, "ms": ms, "gbps": gbps,
+                    "ratio": gbps / data["ceiling"][direction],
+                    "ctas": getattr(eng, "ctas", None) if direction != "both"
+                    else (2 * eng.ctas if getattr(eng, "ctas", None) else None)})
+            eng.close()
+    if args.gemm:
+        data["gemm"] = gemm_slowdown(torch, engines, sweeps, fixed, args, host_buf, pools)
+    print(render(data))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(data, f, indent=1)
+    if args.plot:
+        plot(data, args.plot)
+    return 0
+
+
+def gemm_slowdown(torch, engines, sweeps, fixed, args, host_buf, pools) -> list[dict[str, Any]]:
+    """bf16 8192^3 matmul time alone vs while an engine runs loads and backups back to back."""
+    from ..device_pool import DeviceKVPool
+    from ..host_pool import HostKVPool
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    c = torch.empty_like(a)
+    reps = 20
+
+    def gemms() -> None:
+        for _ in range(reps):
+            torch.matmul(a, b, out=c)
+    alone = [_median_ms(torch, gemms, 5) / reps for _ in range(2)]
+    out = [{"engine": "none", "case": "", "gemm_ms": min(alone), "transfer_gbps": None}]
+    base = min(alone)
+    nbytes = args.mib << 20
+    for case in [x for x in args.gemm_cases.split(",") if x]:
+        spec = CASES[case]
+        pools.clear()
+        torch.cuda.empty_cache()
+        n = max(1, nbytes // spec.page_bytes)
+        dpool = DeviceKVPool.empty(spec, 2 * n, "cuda")
+        hpool = HostKVPool(spec, min(2 * n, 4 * nbytes // spec.page_bytes), buffer=host_buf)
+        idx = torch.arange(n, device="cuda")
+        idx2 = idx + n
+        for name, cls in engines:
+            cfg = {k: v for k, v in fixed.get(name, {}).items()
+                   if k in cls.Config.__dataclass_fields__}
+            eng = cls(dpool, hpool, cfg)
+            hi, hi2 = (idx.cpu(), idx2.cpu()) if name == "nvidia-copy-engine" else (idx, idx2)
+            load_s, back_s = torch.cuda.Stream(), torch.cuda.Stream()
+            # transfers for well over the GEMM window, on their own streams
+            gemm_window_ms = base * reps * 6 * 1.5
+            est = max(1.0, nbytes / 40e6)           # ~ms per transfer at 40 GB/s
+            k = int(gemm_window_ms / est) + 2
+            t0 = torch.cuda.Event(enable_timing=True)
+            t1 = torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(load_s):
+                t0.record()
+                for _ in range(k):
+                    eng.load(hi, idx)
+            with torch.cuda.stream(back_s):
+                for _ in range(k):
+                    eng.backup(idx2, hi2)
+            times = [_median_ms(torch, gemms, 5) / reps]
+            with torch.cuda.stream(load_s):
+                load_s.wait_stream(back_s)
+                t1.record()
+            t1.synchronize()
+            moved = 2 * k * n * spec.page_bytes
+            out.append({"engine": name, "case": case, "gemm_ms": times[0],
+                        "slowdown": times[0] / base - 1,
+                        "transfer_gbps": moved / t0.elapsed_time(t1) / 1e6,
+                        "config": cfg})
+            eng.close()
+        del dpool, hpool
+    return out
+
+
+def _cfg_text(cfg: dict[str, Any]) -> str:
+    return ",".join(f"{k}={v}" for k, v in cfg.items()) or "default"
+
+
+def render(data: dict[str, Any]) -> str:
+    env = data.get("env", {})
+    ce = data["ceiling"]
+    lines = [f"{env.get('gpu', '?')}  driver {env.get('driver', '?')}  {env.get('pcie', '')}  "
+             f"host memory: {data.get('host_backing', '?')}  {data.get('mib')} MiB per transfer",
+             "ceiling (one pinned cudaMemcpyAsync): " + ", ".join(
+                 f"{k} {v:.1f} GB/s" for k, v in ce.items())]
+    rows = [[r["case"], r["chunk_bytes"], r["engine"], _cfg_text(r["config"]), r["mode"],
+             r["direction"], r.get("ctas") or "-", f"{r['gbps']:.1f}", f"{100 * r['ratio']:.1f}%"]
+            for r in data["results"]]
+    lines.append(table(["case", "chunk B", "engine", "config", "launch", "dir", "CTAs", "GB/s",
+                        "of ceiling"], rows))
+    if data.get("gemm"):
+        g = [[x["engine"], x["case"] or "-", f"{x['gemm_ms']:.3f}",
+              f"{100 * x['slowdown']:+.1f}%" if "slowdown" in x else "-",
+              f"{x['transfer_gbps']:.1f}" if x.get("transfer_gbps") else "-"]
+             for x in data["gemm"]]
+        lines.append("bf16 8192^3 GEMM while loads and backups run on other streams")
+        lines.append(table(["engine", "case", "GEMM ms", "slowdown", "transfer GB/s"], g))
+    return "\n".join(lines)
+
+
+def plot(data: dict[str, Any], path: str) -> None:
+    """GB/s vs chunk size, one line per engine/setting, per direction; ceilings dashed."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    dirs = [d for d in ("h2d", "d2h", "both") if any(r["direction"] == d
+                                                     for r in data["results"])]
+    fig, axes = plt.subplots(1, len(dirs), figsize=(6 * len(dirs), 4.8), squeeze=False)
+    for ax, d in zip(axes[0], dirs):
+        series: dict[str, dict[int, float]] = {}
+        for r in data["results"]:
+            if r["direction"] != d:
+                continue
+            label = f"{r['engine']} {_cfg_text(r['config'])} ({r['mode']})"
+            cur = series.setdefault(label, {})
+            cur[r["chunk_bytes"]] = max(cur.get(r["chunk_bytes"], 0), r["gbps"])
+        best = sorted(series.items(), key=lambda kv: -statistics.mean(kv[1].values()))
+        for label, pts in best[:10]:
+            xs = sorted(pts)
+            ax.plot(xs, [pts[x] for x in xs], marker="o", ms=3, label=label)
+        ceil = data["ceiling"][d]
+        ax.axhline(ceil, color="k", ls="--", lw=1, label=f"pinned memcpy {ceil:.1f}")
+        ax.axhline(0.97 * ceil, color="gray", ls=":", lw=1, label="97% of ceiling")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("chunk bytes (page_size x row)")
+        ax.set_ylabel("GB/s")
+        ax.set_title(d)
+        ax.set_ylim(0, ceil * 1.08)
+        ax.legend(fontsize=6, loc="lower right")
+    env = data.get("env", {})
+    fig.suptitle(f"kvtier page transfers, {env.get('gpu', '')}, driver {env.get('driver', '')},"
+                 f" {env.get('date', '')}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)

@@ -1,0 +1,284 @@
+"""Thin helpers over the CUDA driver API (``cuda.bindings.driver``), imported only by backends.
+
+Modules are loaded into the device's primary context (the one PyTorch uses) and launched on
+the caller's stream. ``cuTensorMapEncodeTiled`` and ``cuMemcpyBatchAsync`` are called through
+ctypes on libcuda: the first needs a 64-byte aligned output the bindings do not guarantee,
+the second takes address arrays straight from NumPy (no Python object per copy).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from kvtier.errors import TransferError
+
+from . import _nvrtc
+from ._plan import TensorMapGeometry
+
+
+def drv():
+    from cuda.bindings import driver   # only in backend code paths
+    return driver
+
+
+def check(result: Any, what: str, backend: str = "nvidia") -> Any:
+    """Unpack a cuda.bindings result tuple; raise TransferError naming the CUresult."""
+    d = drv()
+    err, rest = (result[0], result[1:]) if isinstance(result, tuple) else (result, ())
+    if err != d.CUresult.CUDA_SUCCESS:
+        _, name = d.cuGetErrorName(err)
+        label = name.decode() if isinstance(name, bytes) else str(err)
+        raise TransferError(f"{backend}: {what} failed: {label}", backend=backend,
+                            code=int(err))
+    if not rest:
+        return None
+    return rest[0] if len(rest) == 1 else rest
+
+
+@dataclass
+class Device:
+    """A CUDA device's primary context and the attributes the engines need."""
+
+    ordinal: int
+    handle: Any
+    ctx: Any
+    cc: int
+    sms: int
+    max_smem_optin: int
+    host_ptr_ok: bool          # registered host memory has the same address on the device
+    name: str
+
+    def make_current(self) -> None:
+        d = drv()
+        cur = check(d.cuCtxGetCurrent(), "cuCtxGetCurrent")
+        if int(cur) != int(self.ctx):
+            check(d.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
+
+
+_devices: dict[int, Device] = {}
+_dev_lock = threading.Lock()
+
+
+def device(ordinal: int) -> Device:
+    with _dev_lock:
+        if ordinal in _devices:
+            return _devices[ordinal]
+        d = drv()
+        check(d.cuInit(0), "cuInit")
+        count = check(d.cuDeviceGetCount(), "cuDeviceGetCount")
+        if not 0 <= ordinal < count:
+            raise TransferError(f"CUDA device {ordinal} does not exist ({count} device(s))",
+                                backend="nvidia")
+        h = check(d.cuDeviceGet(ordinal), "cuDeviceGet")
+        ctx = check(d.cuDevicePrimaryCtxRetain(h), "cuDevicePrimaryCtxRetain")
+        A = d.CUdevice_attribute
+
+        def attr(a):
+            return int(check(d.cuDeviceGetAttribute(a, h), "cuDeviceGetAttribute"))
+        major = attr(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
+        minor = attr(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)
+        name = check(d.cuDeviceGetName(256, h), "cuDeviceGetName")
+        dev = Device(ordinal, h, ctx, major * 10 + minor,
+                     attr(A.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT),
+                     attr(A.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN),
+                     bool(attr(A.CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM)),
+                     name.split(b"\0")[0].decode(errors="replace"))
+        _devices[ordinal] = dev
+        return dev
+
+
+# ----------------------------------------------------------------------------------------------
+# Modules and launches
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class Kernel:
+    func: Any
+    name: str
+    arch: str
+    num_regs: int
+    local_bytes: int
+    smem_set: int = 0
+
+
+_modules: dict[tuple[int, str], tuple[Any, dict[str, Kernel]]] = {}
+_mod_lock = threading.Lock()
+
+
+def load_kernel(dev: Device, source: str, name: str, defines: dict[str, int] | None = None
+                ) -> Kernel:
+    """Compile (or take from the disk cache) and load ``name`` from ``source`` for ``dev``."""
+    arch = _nvrtc.target_for(dev.cc, source)
+    compiled = _nvrtc.compile_source(source, arch, defines)
+    key = (dev.ordinal, compiled.key)
+    with _mod_lock:
+        if key not in _modules:
+            dev.make_current()
+            image = compiled.image if arch.startswith("sm_") else compiled.image + b"\0"
+            mod = check(drv().cuModuleLoadData(image), f"cuModuleLoadData({source})")
+            _modules[key] = (mod, {})
+        mod, funcs = _modules[key]
+        if name not in funcs:
+            d = drv()
+            f = check(d.cuModuleGetFunction(mod, name.encode()), f"cuModuleGetFunction({name})")
+            FA = d.CUfunction_attribute
+            regs = check(d.cuFuncGetAttribute(FA.CU_FUNC_ATTRIBUTE_NUM_REGS, f), "attr")
+            local = check(d.cuFuncGetAttribute(FA.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, f), "attr")
+            funcs[name] = Kernel(f, name, arch, int(regs), int(local))
+        return funcs[name]
+
+
+def set_dynamic_smem(k: Kernel, nbytes: int) -> None:
+    if nbytes > k.smem_set:
+        d = drv()
+        check(d.cuFuncSetAttribute(
+            k.func, d.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            nbytes), "cuFuncSetAttribute(max dynamic shared memory)")
+        k.smem_set = nbytes
+
+
+def launch(k: Kernel, grid: int, threads: int, smem: int, stream: int, *args: Any) -> None:
+    """Launch with each argument given as a ctypes object (copied at launch time)."""
+    ptrs = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
+    d = drv()
+    check(d.cuLaunchKernel(k.func, grid, 1, 1, threads, 1, 1, smem, d.CUstream(stream),
+                           ctypes.addressof(ptrs), 0), f"cuLaunchKernel({k.name})")
+
+
+# ----------------------------------------------------------------------------------------------
+# Memory
+# ----------------------------------------------------------------------------------------------
+def host_device_pointer(ptr: int) -> int | None:
+    """Device-visible address of registered/pinned host memory, or None if CUDA does not
+    know the address (pageable memory)."""
+    d = drv()
+    PA = d.CUpointer_attribute
+    res = d.cuPointerGetAttribute(PA.CU_POINTER_ATTRIBUTE_MEMORY_TYPE, ptr)
+    if res[0] != d.CUresult.CUDA_SUCCESS or int(res[1]) != int(d.CUmemorytype.CU_MEMORYTYPE_HOST):
+        return None
+    res = d.cuPointerGetAttribute(PA.CU_POINTER_ATTRIBUTE_DEVICE_POINTER, ptr)
+    if res[0] != d.CUresult.CUDA_SUCCESS:
+        return None
+    return int(res[1])
+
+
+def register_host(ptr: int, nbytes: int) -> None:
+    d = drv()
+    flags = d.CU_MEMHOSTREGISTER_PORTABLE | d.CU_MEMHOSTREGISTER_DEVICEMAP
+    check(d.cuMemHostRegister(ptr, nbytes, flags), f"cuMemHostRegister({nbytes} B)",
+          "cuda-host-register")
+
+
+def unregister_host(ptr: int) -> None:
+    d = drv()
+    check(d.cuMemHostUnregister(ptr), "cuMemHostUnregister", "cuda-host-register")
+
+
+# ----------------------------------------------------------------------------------------------
+# libcuda through ctypes
+# ----------------------------------------------------------------------------------------------
+_libcuda: ctypes.CDLL | None = None
+
+
+def libcuda() -> ctypes.CDLL:
+    global _libcuda
+    if _libcuda is None:
+        _libcuda = ctypes.CDLL("libcuda.so.1")
+    return _libcuda
+
+
+CU_TENSOR_MAP_DATA_TYPE_UINT64 = 4
+
+
+class TensorMap:
+    """A 64-byte aligned CUtensorMap (128 bytes) passed by value as a kernel argument."""
+
+    SIZE = 128
+
+    def __init__(self, geo: TensorMapGeometry | None = None):
+        self._raw = (ctypes.c_ubyte * (self.SIZE + 64))()
+        addr = ctypes.addressof(self._raw)
+        self.address = (addr + 63) & ~63
+        self.arg = (ctypes.c_ubyte * self.SIZE).from_address(self.address)
+        self.geometry = geo
+        if geo is not None:
+            self._encode(geo)
+
+    def _encode(self, g: TensorMapGeometry) -> None:
+        lib = libcuda()
+        f = lib.cuTensorMapEncodeTiled
+        f.restype = ctypes.c_int
+        u64x4, u64x3, u32x4 = ctypes.c_uint64 * 4, ctypes.c_uint64 * 3, ctypes.c_uint32 * 4
+        rc = f(ctypes.c_void_p(self.address), ctypes.c_int(CU_TENSOR_MAP_DATA_TYPE_UINT64),
+               ctypes.c_uint32(4), ctypes.c_void_p(g.base), u64x4(*g.dims), u64x3(*g.strides),
+               u32x4(*g.box), u32x4(1, 1, 1, 1), ctypes.c_int(0),   # no interleave
+               ctypes.c_int(0),                                     # no swizzle
+               ctypes.c_int(2),                                     # L2 promotion 128B
+               ctypes.c_int(0))                                     # OOB fill: zeros
+        if rc != 0:
+            raise TransferError(f"nvidia-tma: cuTensorMapEncodeTiled failed (CUresult {rc}) "
+                                f"for {g}", backend="nvidia-tma", code=rc)
+
+
+class _MemcpyAttributes(ctypes.Structure):
+    # CUmemcpyAttributes: srcAccessOrder, srcLocHint{type,id}, dstLocHint{type,id}, flags
+    _fields_ = [("srcAccessOrder", ctypes.c_int), ("srcLocType", ctypes.c_int),
+                ("srcLocId", ctypes.c_int), ("dstLocType", ctypes.c_int),
+                ("dstLocId", ctypes.c_int), ("flags", ctypes.c_uint)]
+
+
+CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 1
+
+
+class BatchCopier:
+    """``cuMemcpyBatchAsync`` (CUDA 12.8+ drivers; the CUDA 13 ``_v2`` entry point has no
+    failIdx) with a per-copy ``cuMemcpyAsync`` loop where the driver has neither."""
+
+    def __init__(self) -> None:
+        lib = libcuda()
+        self.kind = "loop"
+        self._fn = None
+        for sym, kind in (("cuMemcpyBatchAsync_v2", "batch-v2"), ("cuMemcpyBatchAsync", "batch")):
+            try:
+                fn = getattr(lib, sym)
+            except AttributeError:
+                continue
+            fn.restype = ctypes.c_int
+            self._fn, self.kind = fn, kind
+            break
+        self._attr = _MemcpyAttributes(CU_MEMCPY_SRC_ACCESS_ORDER_STREAM, 0, 0, 0, 0, 0)
+        self._copy = lib.cuMemcpyAsync
+        self._copy.restype = ctypes.c_int
+
+    def __call__(self, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, stream: int) -> None:
+        n = int(sizes.size)
+        if n == 0:
+            return
+        dst = np.ascontiguousarray(dst, dtype=np.uint64)
+        src = np.ascontiguousarray(src, dtype=np.uint64)
+        sizes = np.ascontiguousarray(sizes, dtype=np.uint64)
+        if self._fn is not None:
+            idx = ctypes.c_size_t(0)
+            args = [dst.ctypes.data_as(ctypes.c_void_p), src.ctypes.data_as(ctypes.c_void_p),
+                    sizes.ctypes.data_as(ctypes.c_void_p), ctypes.c_size_t(n),
+                    ctypes.byref(self._attr), ctypes.byref(idx), ctypes.c_size_t(1)]
+            if self.kind == "batch":
+                fail = ctypes.c_size_t(0)
+                args.append(ctypes.byref(fail))
+            args.append(ctypes.c_void_p(stream))
+            rc = self._fn(*args)
+            if rc == 0:
+                return
+            if rc != 801:      # CUDA_ERROR_NOT_SUPPORTED: fall back to the loop below
+                raise TransferError(f"nvidia-copy-engine: cuMemcpyBatchAsync failed "
+                                    f"(CUresult {rc})", backend="nvidia-copy-engine", code=rc)
+            self._fn, self.kind = None, "loop"
+        for a, b, s in zip(dst.tolist(), src.tolist(), sizes.tolist()):
+            rc = self._copy(ctypes.c_uint64(a), ctypes.c_uint64(b), ctypes.c_size_t(s),
+                            ctypes.c_void_p(stream))
+            if rc != 0:
+                raise TransferError(f"nvidia-copy-engine: cuMemcpyAsync failed (CUresult {rc})",
+                                    backend="nvidia-copy-engine", code=rc)

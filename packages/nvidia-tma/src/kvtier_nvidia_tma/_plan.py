@@ -1,0 +1,399 @@
+"""Launch plans: how a transfer is cut into kernel work, as plain arithmetic (no CUDA needed).
+
+The kernels under ``kernels/`` decode the same fields; :func:`simulate` replays a plan on
+NumPy buffers exactly as the TMA kernel's pipelines would, so the plan math is tested on CPU.
+
+Vocabulary (see ``kernels/kvt_common.cuh``): a *chunk* is the ``page_size`` rows of one
+(page, layer, component), contiguous on both sides; a *segment* is a run of chunks of one pair
+that is contiguous in host memory (all the launch's layers of a page_first page, or one chunk
+of a layer_first pool); a *piece* is what one shared-memory stage holds.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Sequence
+
+from kvtier.errors import ConfigError, LayoutError
+
+#: The tensor map moves 8-byte elements; a box row holds at most 256 of them.
+TMAP_ELEM = 8
+TMAP_MAX_BOX = 256
+SMEM_ALIGN = 128
+#: Register-kernel vector index space is 32-bit; launches are split to stay under this.
+MAX_VECTORS = 1 << 30
+
+
+class KvtParams(ctypes.Structure):
+    """ctypes mirror of ``struct KvtParams`` (all fields 8 bytes, same order)."""
+
+    _fields_ = [(name, ctypes.c_int64) for name in (
+        "host_base", "dev_table", "host_idx", "dev_idx", "err",
+        "host_page_stride", "host_chunk_stride", "chunk_bytes", "host_pages", "dev_pages",
+        "n", "comps", "layer0", "layers", "d2h",
+        "seg_chunks", "mode", "per_piece", "pieces_per_seg", "num_pieces",
+        "slot_bytes", "stages", "stage_bytes", "use_tmap", "box_layers")]
+
+
+def round_up(x: int, a: int) -> int:
+    return (x + a - 1) // a * a
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """What a launch needs to know about the two pools (byte units)."""
+
+    chunk_bytes: int
+    comps: int
+    num_layers: int
+    host_page_stride: int
+    host_chunk_stride: int
+    host_pages: int
+    dev_pages: int
+
+    @property
+    def host_contiguous(self) -> bool:
+        """True when a host page's (layer, comp) chunks follow each other (page_first)."""
+        return self.host_chunk_stride == self.chunk_bytes
+
+
+def host_strides(chunk_bytes: int, comps: int, num_layers: int, host_pages: int,
+                 layout: str) -> tuple[int, int]:
+    """(page stride, chunk stride) in bytes of a host pool, for the kernels' addressing."""
+    if layout == "page_first":
+        return chunk_bytes * comps * num_layers, chunk_bytes
+    if layout == "layer_first":
+        return chunk_bytes, host_pages * chunk_bytes
+    raise LayoutError(f"unknown host layout {layout!r}")
+
+
+def check_alignment(chunk_bytes: int, row_bytes: int, what: str = "") -> None:
+    """Kernel engines move 16-byte vectors / bulk operations: rows must be 16-byte multiples."""
+    if row_bytes % 16 or chunk_bytes % 16:
+        raise LayoutError(f"{what}rows of {row_bytes} B are not a multiple of 16 B; the "
+                          "NVIDIA kernel engines move 16-byte units (use nvidia-copy-engine "
+                          "or pad the head dimension)")
+
+
+# ----------------------------------------------------------------------------------------------
+# Tensor map (device side of the TMA kernel)
+# ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TensorMapGeometry:
+    """Arguments of ``cuTensorMapEncodeTiled`` for the device pool, dims innermost first:
+    (8-byte element of a chunk, device page, component, layer)."""
+
+    base: int
+    dims: tuple[int, int, int, int]
+    strides: tuple[int, int, int]      # bytes, for dims 1..3
+    box: tuple[int, int, int, int]
+
+    @property
+    def box_bytes(self) -> int:
+        b = TMAP_ELEM
+        for d in self.box:
+            b *= d
+        return b
+
+
+def uniform_strides(table: Sequence[int], comps: int, num_layers: int
+                    ) -> tuple[int, int] | None:
+    """(comp stride, layer stride) if every (layer, comp) buffer sits at
+    ``base + comp * cs + layer * ls``, else None. Strides of a size-1 dimension are free."""
+    base = table[0]
+    cs = table[1] - base if comps > 1 else 0
+    ls = table[comps] - base if num_layers > 1 else 0
+    for layer in range(num_layers):
+        for c in range(comps):
+            if table[layer * comps + c] != base + c * cs + layer * ls:
+                return None
+    return cs, ls
+
+
+def tensor_map_geometry(table: Sequence[int], geo: Geometry, layer0: int, layers: int,
+                        box_layers: int) -> TensorMapGeometry | None:
+    """Tensor map over layers ``[layer0, layer0 + layers)`` of the device pool, or None when
+    the pool's geometry does not allow one (non-uniform or negative strides, chunks over
+    2 KiB, a box over 256 rows)."""
+    cb = geo.chunk_bytes
+    if cb % 16 or cb // TMAP_ELEM > TMAP_MAX_BOX or geo.comps > TMAP_MAX_BOX \
+            or not 0 < box_layers <= TMAP_MAX_BOX:
+        return None
+    st = uniform_strides(table, geo.comps, geo.num_layers)
+    if st is None:
+        return None
+    cs, ls = st
+    span = geo.dev_pages * cb
+    # strides of size-1 dimensions are free: pick a legal value
+    cs = cs if geo.comps > 1 else span
+    ls = ls if layers > 1 else span
+    strides = (cb, cs, ls)
+    if any(s <= 0 or s % 16 or s >= 1 << 40 for s in strides):
+        return None
+    base = table[layer0 * geo.comps]
+    if base % 16:
+        return None
+    return TensorMapGeometry(base=base, dims=(cb // TMAP_ELEM, geo.dev_pages, geo.comps, layers),
+                             strides=strides, box=(cb // TMAP_ELEM, 1, geo.comps, box_layers))
+
+
+# ----------------------------------------------------------------------------------------------
+# TMA plan
+# ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TmaPlan:
+    seg_chunks: int
+    mode: int
+    per_piece: int
+    pieces_per_seg: int
+    num_pieces: int
+    slot_bytes: int
+    stages: int
+    stage_bytes: int
+    use_tmap: bool
+    box_layers: int
+    grid: int
+    threads: int
+    smem_bytes: int
+
+    def fill(self, p: KvtParams) -> KvtParams:
+        for name in ("seg_chunks", "mode", "per_piece", "pieces_per_seg", "num_pieces",
+                     "slot_bytes", "stages", "stage_bytes", "box_layers"):
+            setattr(p, name, int(getattr(self, name)))
+        p.use_tmap = int(self.use_tmap)
+        return p
+
+
+def tma_smem_bytes(warps: int, stages: int, stage_bytes: int) -> int:
+    return round_up(warps * stages * 8, SMEM_ALIGN) + warps * stages * stage_bytes
+
+
+def plan_tma(geo: Geometry, n: int, layers: int, *, ctas: int, warps: int, stages: int,
+             stage_bytes: int, tmap_ok: bool, max_smem: int = 227 * 1024,
+             stores_in_flight: int = 1) -> TmaPlan:
+    """Cut ``n`` pairs x ``layers`` layers into pieces for ``ctas`` x ``warps`` pipelines.
+
+    ``tmap_ok`` says the device pool allows a tensor map (uniform strides); it is used when the
+    host side is page_first (a segment spans whole layers) and chunks are <= 2 KiB.
+    """
+    if stage_bytes % SMEM_ALIGN or stage_bytes <= 0:
+        raise ConfigError(f"stage_bytes must be a positive multiple of {SMEM_ALIGN}, got "
+                          f"{stage_bytes}", key="stage_bytes", value=stage_bytes)
+    if stages < 2 + stores_in_flight - 1 or stages < 2:
+        raise ConfigError(f"stages must be >= {max(2, stores_in_flight + 1)}, got {stages}",
+                          key="stages", value=stages)
+    if not 1 <= warps <= 32:
+        raise ConfigError(f"warps must be in [1, 32], got {warps}", key="warps", value=warps)
+    if ctas < 1:
+        raise ConfigError(f"ctas must be >= 1, got {ctas}", key="ctas", value=ctas)
+    smem = tma_smem_bytes(warps, stages, stage_bytes)
+    if smem > max_smem:
+        raise ConfigError(f"warps x stages x stage_bytes needs {smem} B of shared memory, the "
+                          f"device allows {max_smem} B per block", key="stage_bytes",
+                          value=stage_bytes)
+    cb, C = geo.chunk_bytes, geo.comps
+    K = C * layers if geo.host_contiguous else 1
+    seg_bytes = K * cb
+    nsegs = n * (C * layers // K)
+    small = cb <= TMAP_ELEM * TMAP_MAX_BOX
+    use_tmap = False
+    box_layers = 0
+    if seg_bytes <= stage_bytes:
+        mode, slot = 0, round_up(seg_bytes, SMEM_ALIGN)
+        per_piece = stage_bytes // slot
+        pps = 1
+        num_pieces = ceil_div(nsegs, per_piece)
+        if tmap_ok and geo.host_contiguous and small and layers <= TMAP_MAX_BOX:
+            use_tmap, box_layers = True, layers
+    elif cb <= stage_bytes:
+        mode, slot = 1, 0
+        per_piece = stage_bytes // cb
+        if tmap_ok and geo.host_contiguous and small and stage_bytes >= C * cb:
+            use_tmap = True
+            box_layers = min(stage_bytes // (C * cb), TMAP_MAX_BOX)
+            per_piece = box_layers * C
+        pps = ceil_div(K, per_piece)
+        num_pieces = nsegs * pps
+    else:
+        mode, slot = 2, 0
+        per_piece = stage_bytes
+        pps = K * ceil_div(cb, stage_bytes)
+        num_pieces = nsegs * pps
+    return TmaPlan(seg_chunks=K, mode=mode, per_piece=per_piece, pieces_per_seg=pps,
+                   num_pieces=num_pieces, slot_bytes=slot, stages=stages,
+                   stage_bytes=stage_bytes, use_tmap=use_tmap, box_layers=box_layers,
+                   grid=ctas, threads=32 * warps, smem_bytes=smem)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Python mirror of the kernel's ``Piece`` (kvt_piece in tma_copy.cu)."""
+
+    seg0: int
+    nseg: int
+    chunk0: int
+    nchunk: int
+    off: int
+    bytes: int
+
+
+def decode_piece(p: KvtParams, k: int) -> Piece:
+    K = p.seg_chunks
+    nsegs = p.n * (p.comps * p.layers // K)
+    if p.mode == 0:
+        seg0 = k * p.per_piece
+        return Piece(seg0, min(p.per_piece, nsegs - seg0), 0, K, 0, p.chunk_bytes)
+    seg0, r = divmod(k, p.pieces_per_seg)
+    if p.mode == 1:
+        chunk0 = r * p.per_piece
+        return Piece(seg0, 1, chunk0, min(p.per_piece, K - chunk0), 0, p.chunk_bytes)
+    ppc = p.pieces_per_seg // K
+    chunk0, part = divmod(r, ppc)
+    off = part * p.per_piece
+    return Piece(seg0, 1, chunk0, 1, off, min(p.per_piece, p.chunk_bytes - off))
+
+
+def segment(p: KvtParams, s: int) -> tuple[int, int]:
+    """Segment -> (pair index, absolute first chunk g)."""
+    per_pair = p.comps * p.layers // p.seg_chunks
+    i, r = divmod(s, per_pair)
+    return i, p.layer0 * p.comps + r * p.seg_chunks
+
+
+# ----------------------------------------------------------------------------------------------
+# Register plan
+# ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RegisterPlan:
+    grid: int
+    threads: int
+    unroll: int
+    batches: tuple[tuple[int, int], ...]    # (first pair, pairs) per launch
+
+    @property
+    def kernel(self) -> str:
+        return f"kvt_register_u{self.unroll}"
+
+
+def plan_register(geo: Geometry, n: int, layers: int, *, ctas: int, threads: int,
+                  unroll: int) -> RegisterPlan:
+    if ctas < 1:
+        raise ConfigError(f"ctas must be >= 1, got {ctas}", key="ctas", value=ctas)
+    if unroll not in (2, 4, 8):
+        raise ConfigError(f"unroll must be 2, 4 or 8, got {unroll}", key="unroll", value=unroll)
+    limit = 512 if unroll == 8 else 1024
+    if threads % 32 or not 32 <= threads <= limit:
+        raise ConfigError(f"threads must be a multiple of 32 in [32, {limit}] (unroll "
+                          f"{unroll}), got {threads}", key="threads", value=threads)
+    per_pair = geo.comps * layers * (geo.chunk_bytes // 16)
+    step = max(1, (MAX_VECTORS - ctas * threads * unroll) // per_pair)
+    batches = tuple((i, min(step, n - i)) for i in range(0, n, step))
+    return RegisterPlan(grid=ctas, threads=threads, unroll=unroll, batches=batches)
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU replay of a TMA plan (tests)
+# ----------------------------------------------------------------------------------------------
+def simulate(p: KvtParams, host: bytearray, dev: dict[int, bytearray], host_idx: Sequence[int],
+             dev_idx: Sequence[int], table: Sequence[int],
+             tmap: TensorMapGeometry | None = None, *, pipes: int = 3) -> int:
+    """Run the TMA kernel's piece loop on byte buffers, as ``pipes`` pipelines would.
+
+    ``host`` stands for the host pool (address ``p.host_base`` = offset 0); ``dev`` maps each
+    device buffer base address to its bytes (a single block keyed by its base works too: an
+    address is resolved to the buffer containing it). The index arrays and the device table
+    are given as lists (the kernel reads them through ``p.host_idx`` etc.). Returns the number
+    of pieces replayed.
+    """
+
+    def valid(i: int) -> tuple[bool, int, int]:
+        h, d = host_idx[i], dev_idx[i]
+        return (0 <= h < p.host_pages and 0 <= d < p.dev_pages), h, d
+
+    def dev_span(addr: int, n: int) -> tuple[bytearray, int]:
+        for base, buf in dev.items():
+            if base <= addr and addr + n <= base + len(buf):
+                return buf, addr - base
+        raise AssertionError(f"device access {addr:#x}+{n} outside every buffer")
+
+    def host_span(addr: int, n: int) -> int:
+        off = addr - p.host_base
+        assert 0 <= off and off + n <= len(host), f"host access {off}+{n} out of bounds"
+        return off
+
+    done = 0
+    slot = p.slot_bytes if p.mode == 0 else 0
+    for pipe in range(pipes):
+        for k in range(pipe, p.num_pieces, pipes):
+            pc = decode_piece(p, k)
+            stage = bytearray(p.stage_bytes)
+            written = bytearray(p.stage_bytes)       # which stage bytes a load filled
+            load_host = p.d2h == 0
+            for side_host, load in ((load_host, True), (not load_host, False)):
+                for kk in range(pc.nseg):
+                    i, g = segment(p, pc.seg0 + kk)
+                    ok, h, d = valid(i)
+                    if not ok:
+                        continue
+                    base = kk * slot
+                    if side_host:
+                        nb = pc.bytes if pc.nchunk == 1 else pc.nchunk * p.chunk_bytes
+                        a = host_span(p.host_base + h * p.host_page_stride
+                                      + (g + pc.chunk0) * p.host_chunk_stride + pc.off, nb)
+                        assert base + nb <= p.stage_bytes
+                        if load:
+                            stage[base:base + nb] = host[a:a + nb]
+                            written[base:base + nb] = b"\x01" * nb
+                        else:
+                            assert all(written[base:base + nb]), "store of unloaded bytes"
+                            host[a:a + nb] = stage[base:base + nb]
+                    elif p.use_tmap:
+                        assert tmap is not None
+                        layer = (g + pc.chunk0) // p.comps - p.layer0
+                        _tmap_box(tmap, d, layer, stage, written, base, load, dev_span)
+                    else:
+                        for j in range(pc.nchunk):
+                            a = table[g + pc.chunk0 + j] + d * p.chunk_bytes + pc.off
+                            buf, o = dev_span(a, pc.bytes)
+                            s0 = base + j * p.chunk_bytes
+                            assert s0 + pc.bytes <= p.stage_bytes
+                            if load:
+                                stage[s0:s0 + pc.bytes] = buf[o:o + pc.bytes]
+                                written[s0:s0 + pc.bytes] = b"\x01" * pc.bytes
+                            else:
+                                assert all(written[s0:s0 + pc.bytes]), "store of unloaded bytes"
+                                buf[o:o + pc.bytes] = stage[s0:s0 + pc.bytes]
+            done += 1
+    return done
+
+
+def _tmap_box(t: TensorMapGeometry, page: int, layer: int, stage: bytearray, written: bytearray,
+              base: int, load: bool, dev_span) -> None:
+    """One tiled box at (0, page, 0, layer): rows in [layer][comp] order; layers past the
+    map's extent are zero-filled on loads and skipped on stores (TMA out-of-bounds rules)."""
+    E, _, C, L = t.dims
+    row = E * TMAP_ELEM
+    assert base % SMEM_ALIGN == 0, "tensor-map boxes need 128-byte aligned shared memory"
+    assert base + t.box_bytes <= len(stage)
+    for bl in range(t.box[3]):
+        for c in range(C):
+            s0 = base + (bl * C + c) * row
+            l = layer + bl
+            if l >= L:
+                if load:
+                    stage[s0:s0 + row] = bytes(row)
+                    written[s0:s0 + row] = b"\x01" * row
+                continue
+            a = t.base + page * t.strides[0] + c * t.strides[1] + l * t.strides[2]
+            buf, o = dev_span(a, row)
+            if load:
+                stage[s0:s0 + row] = buf[o:o + row]
+                written[s0:s0 + row] = b"\x01" * row
+            else:
+                buf[o:o + row] = stage[s0:s0 + row]
+

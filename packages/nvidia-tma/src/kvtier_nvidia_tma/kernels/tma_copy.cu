@@ -1,0 +1,236 @@
+// nvidia-tma: page transfers through the Hopper/Blackwell bulk-copy engine (TMA).
+//
+// Each warp runs its own pipeline of `stages` shared-memory stages. A *piece* is what one
+// stage holds: whole host-contiguous segments (mode 0), a run of chunks of one segment
+// (mode 1) or part of one chunk (mode 2); see _plan.plan_tma, which mirrors the decoding here.
+// Loads (cp.async.bulk global -> shared) complete on the stage's mbarrier; stores
+// (cp.async.bulk shared -> global, bulk groups) go out once it has landed. The host side is
+// moved in as few operations as its contiguity allows (one per segment); the device side one
+// per chunk, or, with a tensor map, one per box of `box_layers` layers x comps chunks of one
+// page (the chunks of a page sit at a constant layer/comp stride in the device pool).
+// Lanes of the warp issue operations in parallel; only the warp's own data is touched, so the
+// warps of a CTA never synchronise after setup.
+#include "kvt_common.cuh"
+
+#ifndef KVT_STORES_IN_FLIGHT
+#define KVT_STORES_IN_FLIGHT 1   // bulk store groups a lane may leave reading a stage
+#endif
+
+struct __align__(64) KvtTensorMap { u64 v[16]; };
+
+__device__ __forceinline__ u32 kvt_smem(const void* ptr) {
+    return (u32)__cvta_generic_to_shared(ptr);
+}
+
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(bar), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+                 :: "r"(bar), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    asm volatile(
+        "{\n"
+        ".reg .pred P1;\n"
+        "KVT_WAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
+        "@P1 bra KVT_DONE;\n"
+        "bra KVT_WAIT;\n"
+        "KVT_DONE:\n"
+        "}\n" :: "r"(bar), "r"(parity) : "memory");
+}
+
+__device__ __forceinline__ void bulk_g2s(u32 dst, u64 src, u32 bytes, u32 bar) {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+        :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+
+__device__ __forceinline__ void bulk_s2g(u64 dst, u32 src, u32 bytes) {
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
+                 :: "l"(dst), "r"(src), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void tmap_g2s(u32 dst, const KvtTensorMap* map, int c0, int c1,
+                                         int c2, int c3, u32 bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%2, %3, %4, %5}], [%6];"
+        :: "r"(dst), "l"(reinterpret_cast<u64>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3),
+           "r"(bar) : "memory");
+}
+
+__device__ __forceinline__ void tmap_s2g(const KvtTensorMap* map, int c0, int c1, int c2, int c3,
+                                         u32 src) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.global.shared::cta.tile.bulk_group"
+        " [%0, {%2, %3, %4, %5}], [%1];"
+        :: "l"(reinterpret_cast<u64>(map)), "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+        : "memory");
+}
+
+__device__ __forceinline__ void bulk_commit() {
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+
+template <int N>
+__device__ __forceinline__ void bulk_wait_read() {
+    asm volatile("cp.async.bulk.wait_group.read %0;" :: "n"(N) : "memory");
+}
+
+__device__ __forceinline__ void bulk_wait_all() {
+    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+
+__device__ __forceinline__ void fence_async_smem() {
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+// One piece, decoded (mirrors _plan.Piece).
+struct Piece {
+    i64 seg0;     // first segment
+    i64 nseg;     // segments (mode 0), else 1
+    i64 chunk0;   // first chunk within the segment (modes 1, 2)
+    i64 nchunk;   // chunks per segment covered (mode 0: seg_chunks)
+    i64 off;      // byte offset within the chunk (mode 2)
+    i64 bytes;    // bytes per chunk covered (mode 2: part size; else chunk_bytes)
+};
+
+__device__ __forceinline__ Piece kvt_piece(const KvtParams& p, i64 k) {
+    Piece pc;
+    const i64 K = p.seg_chunks;
+    const i64 nsegs = p.n * (p.comps * p.layers / K);
+    if (p.mode == 0) {
+        pc.seg0 = k * p.per_piece;
+        pc.nseg = min(p.per_piece, nsegs - pc.seg0);
+        pc.chunk0 = 0; pc.nchunk = K; pc.off = 0; pc.bytes = p.chunk_bytes;
+    } else if (p.mode == 1) {
+        pc.seg0 = k / p.pieces_per_seg; pc.nseg = 1;
+        const i64 r = k - pc.seg0 * p.pieces_per_seg;
+        pc.chunk0 = r * p.per_piece;
+        pc.nchunk = min(p.per_piece, K - pc.chunk0);
+        pc.off = 0; pc.bytes = p.chunk_bytes;
+    } else {
+        pc.seg0 = k / p.pieces_per_seg; pc.nseg = 1;
+        const i64 r = k - pc.seg0 * p.pieces_per_seg;
+        const i64 ppc = p.pieces_per_seg / K;               // parts per chunk
+        pc.chunk0 = r / ppc; pc.nchunk = 1;
+        pc.off = (r - pc.chunk0 * ppc) * p.per_piece;
+        pc.bytes = min(p.per_piece, p.chunk_bytes - pc.off);
+    }
+    return pc;
+}
+
+// Segment s -> pair i and its first chunk g (absolute (layer, comp) index).
+__device__ __forceinline__ void kvt_segment(const KvtParams& p, i64 s, i64& i, i64& g) {
+    const i64 per_pair = p.comps * p.layers / p.seg_chunks;
+    i = s / per_pair;
+    g = p.layer0 * p.comps + (s - i * per_pair) * p.seg_chunks;
+}
+
+// Issue one side of a piece: `host` selects the host or the device addresses, `load` says
+// whether the side is read into shared memory (completing on `bar`) or written from it.
+// Returns the bytes this lane moved (for the expect_tx sum on loads).
+__device__ __forceinline__ void kvt_issue(const KvtParams& p, const KvtTensorMap* map,
+                                          const Piece& pc, bool host, bool load, u32 stage,
+                                          u32 bar, int lane) {
+    const i64 slot = p.mode == 0 ? p.slot_bytes : 0;
+    if (host) {   // one op per segment (its covered chunks are host-contiguous)
+        for (i64 k = lane; k < pc.nseg; k += 32) {
+            i64 i, g, h, d;
+            kvt_segment(p, pc.seg0 + k, i, g);
+            if (!kvt_pair(p, i, h, d)) continue;
+            const u64 a = kvt_host_chunk(p, h, g + pc.chunk0) + pc.off;
+            const u32 s = stage + (u32)(k * slot);
+            const u32 nb = (u32)(pc.nchunk == 1 ? pc.bytes : pc.nchunk * p.chunk_bytes);
+            if (load) bulk_g2s(s, a, nb, bar); else bulk_s2g(a, s, nb);
+        }
+    } else if (p.use_tmap) {   // one box (box_layers layers x comps chunks) per segment
+        for (i64 k = lane; k < pc.nseg; k += 32) {
+            i64 i, g, h, d;
+            kvt_segment(p, pc.seg0 + k, i, g);
+            if (!kvt_pair(p, i, h, d)) continue;
+            const u32 s = stage + (u32)(k * slot);
+            // coordinates: (element, device page, comp, layer relative to the map's layer0)
+            const int layer = (int)((g + pc.chunk0) / p.comps - p.layer0);
+            if (load) tmap_g2s(s, map, 0, (int)d, 0, layer, bar);
+            else tmap_s2g(map, 0, (int)d, 0, layer, s);
+        }
+    } else {       // one op per chunk
+        const i64 total = pc.nseg * pc.nchunk;
+        for (i64 t = lane; t < total; t += 32) {
+            const i64 k = t / pc.nchunk, j = t - k * pc.nchunk;
+            i64 i, g, h, d;
+            kvt_segment(p, pc.seg0 + k, i, g);
+            if (!kvt_pair(p, i, h, d)) continue;
+            const u64 a = kvt_dev_chunk(p, d, g + pc.chunk0 + j) + pc.off;
+            const u32 s = stage + (u32)(k * slot + j * p.chunk_bytes);
+            if (load) bulk_g2s(s, a, (u32)pc.bytes, bar); else bulk_s2g(a, s, (u32)pc.bytes);
+        }
+    }
+}
+
+// Bytes a load of this piece lands in shared memory (valid pairs only; a tensor-map box
+// always lands whole, out-of-range layers zero-filled).
+__device__ __forceinline__ u32 kvt_load_bytes(const KvtParams& p, const Piece& pc, bool host,
+                                              int lane) {
+    u32 mine = 0;
+    for (i64 k = lane; k < pc.nseg; k += 32) {
+        i64 i, g, h, d;
+        kvt_segment(p, pc.seg0 + k, i, g);
+        if (!kvt_pair(p, i, h, d)) continue;
+        if (!host && p.use_tmap) mine += (u32)(p.box_layers * p.comps * p.chunk_bytes);
+        else mine += (u32)(pc.nchunk == 1 ? pc.bytes : pc.nchunk * p.chunk_bytes);
+    }
+    return __reduce_add_sync(0xffffffffu, mine);
+}
+
+extern "C" __global__ void __launch_bounds__(1024)
+kvt_tma_copy(const KvtParams p, const __grid_constant__ KvtTensorMap tmap) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    kvt_count_bad_pairs(p);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const i64 S = p.stages;
+    // layout: [warps * S barriers, padded to 128 B][warps * S stages]
+    const u32 bar_bytes = (u32)(((warps * S * 8) + 127) & ~127);
+    const u32 bars = kvt_smem(smem) + (u32)(warp * S * 8);
+    const u32 stages = kvt_smem(smem) + bar_bytes + (u32)(warp * S * p.stage_bytes);
+    if (lane == 0) {
+        for (i64 s = 0; s < S; ++s) mbar_init(bars + (u32)(s * 8), 1);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        fence_async_smem();
+    }
+    __syncthreads();
+
+    const bool src_host = p.d2h == 0;   // loads read the source side
+    const i64 pipe = (i64)blockIdx.x * warps + warp, pipes = (i64)gridDim.x * warps;
+    const i64 nloc = p.num_pieces > pipe ? (p.num_pieces - pipe + pipes - 1) / pipes : 0;
+    const i64 D = S - 1 - KVT_STORES_IN_FLIGHT;     // loads running ahead of the stores
+    for (i64 it = 0; it < nloc + D; ++it) {
+        if (it < nloc) {                             // load piece `it` into stage it % S
+            const i64 s = it % S;
+            if (it >= S) bulk_wait_read<KVT_STORES_IN_FLIGHT>();  // piece it-S read out
+            __syncwarp();
+            const Piece pc = kvt_piece(p, pipe + it * pipes);
+            const u32 bar = bars + (u32)(s * 8), stage = stages + (u32)(s * p.stage_bytes);
+            const u32 nb = kvt_load_bytes(p, pc, src_host, lane);
+            if (lane == 0) mbar_expect_tx(bar, nb);
+            __syncwarp();
+            kvt_issue(p, &tmap, pc, src_host, true, stage, bar, lane);
+        }
+        const i64 c = it - D;
+        if (c >= 0 && c < nloc) {                    // store piece c from stage c % S
+            const i64 s = c % S;
+            const u32 bar = bars + (u32)(s * 8), stage = stages + (u32)(s * p.stage_bytes);
+            mbar_wait(bar, (u32)((c / S) & 1));
+            fence_async_smem();
+            const Piece pc = kvt_piece(p, pipe + c * pipes);
+            kvt_issue(p, &tmap, pc, !src_host, false, stage, bar, lane);
+            bulk_commit();
+        }
+    }
+    bulk_wait_all();
+}

@@ -1,0 +1,224 @@
+"""Launch-plan and tensor-map math, replayed on CPU buffers exactly as the TMA kernel would."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+from kvtier.errors import ConfigError, LayoutError
+
+from kvtier_nvidia_tma._plan import (Geometry, KvtParams, TmaPlan, check_alignment,
+                                     host_strides, plan_register, plan_tma, simulate,
+                                     tensor_map_geometry, uniform_strides)
+from kvtier_nvidia_tma.transfer_engine import merge_runs
+
+DEV_BASE = 0x7F0000000000
+
+
+def make_case(rng, *, chunk, comps, layers, host_pages, dev_pages, layout, uniform):
+    hps, hcs = host_strides(chunk, comps, layers, host_pages, layout)
+    geo = Geometry(chunk, comps, layers, hps, hcs, host_pages, dev_pages)
+    host = bytearray(rng.randbytes(host_pages * comps * layers * chunk))
+    dev: dict[int, bytearray] = {}
+    table = []
+    if uniform:   # one block [comp][layer][pages][chunk], like DeviceKVPool.empty
+        block = bytearray(rng.randbytes(comps * layers * dev_pages * chunk))
+        dev[DEV_BASE] = block
+        for layer in range(layers):
+            for c in range(comps):
+                table.append(DEV_BASE + (c * layers + layer) * dev_pages * chunk)
+    else:         # separate buffers in shuffled address order (no constant stride)
+        slots = list(range(comps * layers))
+        rng.shuffle(slots)
+        for g in range(comps * layers):
+            base = DEV_BASE + slots[g] * (dev_pages * chunk + 4096)
+            dev[base] = bytearray(rng.randbytes(dev_pages * chunk))
+            table.append(base)
+    return geo, host, dev, table
+
+
+def host_chunk(geo, host, h, g):
+    o = h * geo.host_page_stride + g * geo.host_chunk_stride
+    return bytes(host[o:o + geo.chunk_bytes])
+
+
+def dev_chunk(geo, dev, table, d, g):
+    a = table[g] + d * geo.chunk_bytes
+    for base, buf in dev.items():
+        if base <= a < base + len(buf):
+            return bytes(buf[a - base:a - base + geo.chunk_bytes])
+    raise AssertionError("address outside the device buffers")
+
+
+def params(geo, n, layer0, layers, d2h, plan: TmaPlan) -> KvtParams:
+    p = KvtParams()
+    p.host_base, p.dev_table, p.host_idx, p.dev_idx, p.err = 0, 0, 0, 0, 0
+    p.host_page_stride, p.host_chunk_stride = geo.host_page_stride, geo.host_chunk_stride
+    p.chunk_bytes, p.host_pages, p.dev_pages = geo.chunk_bytes, geo.host_pages, geo.dev_pages
+    p.n, p.comps, p.layer0, p.layers, p.d2h = n, geo.comps, layer0, layers, int(d2h)
+    return plan.fill(p)
+
+
+CASES = [  # chunk, comps, layers, stage_bytes -> exercises modes 0, 1, 2
+    (1152, 1, 7, 4096),      # MLA rows: per-layer mode 0; all-layer mode 1 (tmap boxes of 3)
+    (1152, 1, 3, 8192),      # all-layer fits a stage: mode 0
+    (96, 2, 3, 1024),        # MHA K/V, tiny chunks
+    (5 * 256, 2, 2, 1024),   # chunk > stage: mode 2 (parts)
+    (2048, 2, 4, 2048),      # MHA, chunk == stage, tmap box of one layer
+    (4096, 1, 2, 1536),      # > 2 KiB chunks: no tensor map, mode 2
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"c{c[0]}x{c[1]}xL{c[2]}-s{c[3]}")
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+@pytest.mark.parametrize("uniform", [True, False], ids=["uniform", "scattered"])
+@pytest.mark.parametrize("d2h", [False, True], ids=["h2d", "d2h"])
+def test_plan_moves_every_chunk_exactly(case, layout, uniform, d2h):
+    chunk, comps, layers, stage = case
+    rng = random.Random(hash((case, layout, uniform, d2h)) & 0xFFFF)
+    geo, host, dev, table = make_case(rng, chunk=chunk, comps=comps, layers=layers,
+                                      host_pages=11, dev_pages=13, layout=layout,
+                                      uniform=uniform)
+    n = 7
+    hidx = rng.sample(range(11), n)
+    didx = rng.sample(range(13), n)
+    if d2h:
+        didx[3] = didx[1]          # repeated sources are fine
+    else:
+        hidx[3] = hidx[1]
+    hidx[5] = 11                   # out of range: skipped, nothing written through it
+    for layer0, nl in [(0, layers), (layers - 1, 1)] + ([(1, layers - 1)] if layers > 2 else []):
+        host0, dev0 = bytearray(host), {b: bytearray(v) for b, v in dev.items()}
+        plan = plan_tma(geo, n, nl, ctas=2, warps=1, stages=3, stage_bytes=stage,
+                        tmap_ok=uniform)
+        tmap = None
+        if plan.use_tmap:
+            tmap = tensor_map_geometry(table, geo, layer0, nl, plan.box_layers)
+            assert tmap is not None
+        p = params(geo, n, layer0, nl, d2h, plan)
+        assert simulate(p, host, dev, hidx, didx, table, tmap, pipes=3) == plan.num_pieces
+        for i in range(n):
+            h, d = hidx[i], didx[i]
+            for g in range(geo.comps * layers):
+                inside = layer0 * comps <= g < (layer0 + nl) * comps
+                if i == 5 or not inside:   # untouched
+                    assert host_chunk(geo, host, h, g) == host_chunk(geo, host0, h, g) \
+                        if h < 11 else True
+                    if not d2h and d < 13:
+                        assert dev_chunk(geo, dev, table, d, g) == \
+                            dev_chunk(geo, dev0, table, d, g)
+                    continue
+                if d2h:
+                    assert host_chunk(geo, host, h, g) == dev_chunk(geo, dev0, table, d, g)
+                else:
+                    assert dev_chunk(geo, dev, table, d, g) == host_chunk(geo, host0, h, g)
+        # nothing outside the moved pairs changed
+        if d2h:
+            moved = {hidx[i] for i in range(n) if i != 5}
+            for h in set(range(11)) - moved:
+                for g in range(geo.comps * layers):
+                    assert host_chunk(geo, host, h, g) == host_chunk(geo, host0, h, g)
+        else:
+            moved = {didx[i] for i in range(n) if i != 5}
+            for d in set(range(13)) - moved:
+                for g in range(geo.comps * layers):
+                    assert dev_chunk(geo, dev, table, d, g) == dev_chunk(geo, dev0, table, d, g)
+
+
+def test_plan_modes_and_tensor_map_choice():
+    mla = Geometry(1152, 1, 61, 61 * 1152, 1152, 100, 100)
+    per_layer = plan_tma(mla, 1000, 1, ctas=2, warps=2, stages=4, stage_bytes=24576,
+                         tmap_ok=True)
+    assert per_layer.mode == 0 and per_layer.use_tmap and per_layer.box_layers == 1
+    assert per_layer.per_piece == 24576 // 1152 and per_layer.slot_bytes == 1152
+    all_layers = plan_tma(mla, 1000, 61, ctas=2, warps=2, stages=4, stage_bytes=24576,
+                          tmap_ok=True)
+    assert all_layers.mode == 1 and all_layers.box_layers == 21 and all_layers.per_piece == 21
+    assert all_layers.pieces_per_seg == 3 and all_layers.num_pieces == 3000
+    big = plan_tma(mla, 10, 61, ctas=2, warps=1, stages=2, stage_bytes=72 * 1024,
+                   tmap_ok=True)
+    assert big.mode == 0 and big.box_layers == 61 and big.slot_bytes == 61 * 1152
+    mha = Geometry(128 * 1024, 2, 32, 64 * 128 * 1024, 128 * 1024, 10, 10)
+    p2 = plan_tma(mha, 3, 32, ctas=2, warps=2, stages=4, stage_bytes=24576, tmap_ok=True)
+    assert p2.mode == 2 and not p2.use_tmap
+    assert p2.pieces_per_seg == 64 * 6 and p2.num_pieces == 3 * 64 * 6
+    layer_first = Geometry(1152, 1, 61, 1152, 100 * 1152, 100, 100)
+    p3 = plan_tma(layer_first, 5, 61, ctas=2, warps=2, stages=4, stage_bytes=24576,
+                  tmap_ok=True)
+    assert p3.seg_chunks == 1 and not p3.use_tmap and p3.mode == 0
+    assert p3.smem_bytes == 128 + 2 * 4 * 24576 and p3.threads == 64 and p3.grid == 2
+
+
+@pytest.mark.parametrize("kw,key", [
+    ({"stage_bytes": 1000}, "stage_bytes"),
+    ({"stages": 1}, "stages"),
+    ({"warps": 0}, "warps"),
+    ({"ctas": 0}, "ctas"),
+    ({"stage_bytes": 128 * 1024, "stages": 4}, "stage_bytes"),   # over the smem limit
+])
+def test_plan_rejects_bad_config(kw, key):
+    geo = Geometry(1152, 1, 4, 4 * 1152, 1152, 10, 10)
+    args = dict(ctas=2, warps=2, stages=4, stage_bytes=24576, tmap_ok=False)
+    args.update(kw)
+    with pytest.raises(ConfigError) as ei:
+        plan_tma(geo, 3, 4, **args)
+    assert ei.value.key == key
+
+
+def test_tensor_map_geometry():
+    geo = Geometry(1152, 2, 4, 8 * 1152, 1152, 10, 50)
+    span = 50 * 1152
+    table = [DEV_BASE + (c * 4 + layer) * span for layer in range(4) for c in range(2)]
+    assert uniform_strides(table, 2, 4) == (4 * span, span)
+    t = tensor_map_geometry(table, geo, 1, 3, 3)
+    assert t.base == table[2] and t.dims == (144, 50, 2, 3)
+    assert t.strides == (1152, 4 * span, span) and t.box == (144, 1, 2, 3)
+    assert t.box_bytes == 3 * 2 * 1152
+    one = tensor_map_geometry(table, geo, 2, 1, 1)
+    assert one.dims[3] == 1 and one.strides[2] % 16 == 0 and one.strides[2] > 0
+    bad = list(table)
+    bad[5] += 4096
+    assert uniform_strides(bad, 2, 4) is None
+    assert tensor_map_geometry(bad, geo, 0, 4, 4) is None
+    desc = list(reversed(table))   # layers at decreasing addresses: negative stride
+    assert tensor_map_geometry(desc, geo, 0, 4, 4) is None
+    wide = Geometry(4096, 1, 2, 8192, 4096, 10, 10)
+    assert tensor_map_geometry([DEV_BASE, DEV_BASE + 40960], wide, 0, 2, 2) is None
+
+
+def test_register_plan_splits_large_launches():
+    geo = Geometry(128 * 1024, 2, 80, 80 * 2 * 128 * 1024, 128 * 1024, 10 ** 6, 10 ** 6)
+    plan = plan_register(geo, 5000, 80, ctas=2, threads=1024, unroll=4)
+    assert sum(c for _, c in plan.batches) == 5000
+    per_pair = 2 * 80 * 128 * 1024 // 16
+    assert all(c * per_pair + 2 * 1024 * 4 < 2 ** 31 for _, c in plan.batches)
+    assert [f for f, _ in plan.batches] == sorted(f for f, _ in plan.batches)
+    assert plan.kernel == "kvt_register_u4"
+    with pytest.raises(ConfigError):
+        plan_register(geo, 1, 1, ctas=2, threads=1024, unroll=8)
+    with pytest.raises(ConfigError):
+        plan_register(geo, 1, 1, ctas=2, threads=100, unroll=4)
+    with pytest.raises(ConfigError):
+        plan_register(geo, 1, 1, ctas=2, threads=256, unroll=3)
+
+
+def test_alignment_is_typed_error():
+    check_alignment(1152, 1152)
+    with pytest.raises(LayoutError, match="16"):
+        check_alignment(40, 40)
+    with pytest.raises(LayoutError):
+        check_alignment(8 * 24, 24)
+
+
+def test_merge_runs():
+    src = np.array([0, 100, 200, 1000, 1100, 5000], dtype=np.uint64)
+    dst = np.array([10, 110, 210, 50, 150, 7000], dtype=np.uint64)
+    sizes = np.full(6, 100, dtype=np.uint64)
+    s, d, n = merge_runs(src, dst, sizes)
+    assert s.tolist() == [0, 1000, 5000] and d.tolist() == [10, 50, 7000]
+    assert n.tolist() == [300, 200, 100]
+    dst2 = dst.copy()
+    dst2[1] = 999            # sources continue, destinations do not: no merge
+    s, d, n = merge_runs(src, dst2, sizes)
+    assert s.tolist() == [0, 100, 200, 1000, 5000] and n.tolist() == [100, 100, 100, 200, 100]
