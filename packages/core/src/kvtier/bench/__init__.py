@@ -15,6 +15,8 @@ from ..cli import command
 #: sub-command -> (module under kvtier.bench, help)
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "keys": ("kvtier.bench.keys", "page-key hashing and chaining throughput"),
+    "transfer": ("kvtier.bench.transfer",
+                 "host<->device page transfers vs the pinned-memcpy ceiling"),
 }
 
 
