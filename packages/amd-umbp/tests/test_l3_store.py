@@ -350,6 +350,18 @@ def test_client_exceptions_are_counted_misses(store, fake_umbp):
     assert store.batch_get(k, [2, 3]) == [True, True]
 
 
+def test_unknown_existence_fails_the_set_and_still_deletes(store, fake_umbp, pool):
+    k = keys(2)
+    store.batch_set(k, [0, 1])
+    fake_umbp.FAKE.raise_on["batch_exists"] = RuntimeError("rpc failure")
+    # an overwrite could silently keep the old bytes: refuse rather than claim success
+    assert store.batch_set(k[:1], [5]) == [False]
+    assert store.delete(k[:1]) == 0                    # count unknown, but the key is gone
+    fake_umbp.FAKE.raise_on.clear()
+    assert store.batch_exists(k) == 0 and store.batch_exists(k[1:]) == 1
+    assert store.stats()["errors"] == 2
+
+
 def test_failed_puts_are_counted_errors(store, fake_umbp):
     fake_umbp.FAKE.fail_puts = True
     assert store.batch_set(keys(3), [0, 1, 2]) == [False] * 3

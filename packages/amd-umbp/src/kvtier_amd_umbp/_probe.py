@@ -23,9 +23,9 @@ from kvtier import Availability
 WHEEL_PYTHONS = ("3.10", "3.12")
 #: The release whose ``mori.umbp`` API this package is written against.
 MORI_VERSION = "1.2.4"
-INSTALL_HINT = (f"pip install 'kvtier-amd-umbp[mori]' (amd-mori>={MORI_VERSION}: CPython "
-                f"{' and '.join(WHEEL_PYTHONS)} wheels only, manylinux_2_35+/glibc 2.35+, needs "
-                "the ROCm 7 runtime)")
+INSTALL_HINT = (f"pip install 'kvtier-amd-umbp[mori]' (amd-mori>={MORI_VERSION} has x86_64 "
+                "Linux wheels for CPython 3.10 (glibc 2.35+) and 3.12 (glibc 2.39+) only, and "
+                "needs the ROCm 7 runtime)")
 
 #: What provides each shared library amd-mori 1.2.4 links against (Debian/Ubuntu names).
 LIBRARY_HINTS = {
@@ -93,8 +93,9 @@ def _load_failure(exc: BaseException) -> Availability:
     if lib.startswith(("GLIBC_", "GLIBCXX_")):
         return Availability.unavailable(
             f"mori.umbp failed to load: this system's C/C++ runtime lacks {lib} ({kind}: {exc})",
-            "amd-mori's wheels need glibc 2.35+ (manylinux_2_35) or 2.39+ (manylinux_2_39) and "
-            "a matching libstdc++; use a newer distribution (e.g. Ubuntu 24.04)")
+            "amd-mori 1.2.4's wheels need glibc 2.35+ (CPython 3.10, manylinux_2_35) or glibc "
+            "2.39+ (CPython 3.12, manylinux_2_39) and a matching libstdc++; use a newer "
+            "distribution (Ubuntu 22.04 for 3.10, 24.04 for 3.12)")
     provider = LIBRARY_HINTS.get(lib, "the package that provides it")
     return Availability.unavailable(
         f"mori.umbp failed to load: missing shared library {lib} ({kind}: {exc})",

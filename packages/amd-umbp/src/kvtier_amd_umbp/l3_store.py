@@ -303,12 +303,13 @@ class UmbpStore(L3Store):
             log.warning("umbp: UMBPClient.%s raised %s: %s", what, type(exc).__name__, exc)
             return None
 
-    def _bools(self, what: str, got: Any, n: int) -> list[bool]:
+    def _bools(self, what: str, got: Any, n: int) -> list[bool] | None:
+        """A per-key result list, or None when the call failed or answered nonsense."""
         if not isinstance(got, (list, tuple)) or len(got) != n:
-            if got is not None:
+            if got is not None:                 # None: _call already counted the error
                 self._count(errors=1)
                 log.warning("umbp: UMBPClient.%s returned %r for %d keys", what, got, n)
-            return [False] * n
+            return None
         return [bool(x) for x in got]
 
     def _page_meta(self, pages: list[int]) -> tuple[list[int], list[int]]:
@@ -367,7 +368,7 @@ class UmbpStore(L3Store):
         ptrs, sizes = self._page_meta(pages)
         got = self._bools("batch_get_into_ptr",
                           self._call("batch_get_into_ptr", self._names(keys), ptrs, sizes),
-                          len(keys))
+                          len(keys)) or [False] * len(keys)
         hits = sum(got)
         self._count(gets=len(keys), get_hits=hits, bytes_read=hits * self.spec.page_bytes)
         return got
@@ -387,6 +388,11 @@ class UmbpStore(L3Store):
             return []
         present = self._bools("batch_exists", self._call("batch_exists", self._names(keys)),
                               len(keys))
+        if present is None:
+            # Without knowing what exists, a write could land on a name UMBP already holds and
+            # keep its old bytes while reporting success: fail the batch instead.
+            self._count(sets=len(keys))
+            return [False] * len(keys)
         keep = self.config.on_existing == "keep"
         out = [False] * len(keys)
         todo: list[int] = []
@@ -404,7 +410,7 @@ class UmbpStore(L3Store):
             got = self._bools("batch_put_from_ptr_with_depth",
                               self._call("batch_put_from_ptr_with_depth", names, ptrs, sizes,
                                          [depth_list[i] for i in todo]), len(todo))
-            for i, ok in zip(todo, got):
+            for i, ok in zip(todo, got or [False] * len(todo)):
                 out[i] = ok
         written = sum(out[i] for i in todo)
         self._count(sets=len(keys), set_ok=sum(out), errors=len(todo) - written,
@@ -446,10 +452,11 @@ class UmbpStore(L3Store):
         present = self._bools("batch_exists", self._call("batch_exists", self._names(keys)),
                               len(keys))
         with self._lock:
-            for k, p in zip(keys, present):
-                if p:
+            for i, k in enumerate(keys):
+                # Unknown (the query failed): move the key anyway, so it reads as deleted.
+                if present is None or present[i]:
                     self._gen[k] = self._gen.get(k, 0) + 1
-        return sum(present)
+        return sum(present) if present is not None else 0
 
     def clear(self) -> None:
         """Clear the UMBP client: everything it holds, which for a store shared through a master
