@@ -135,9 +135,12 @@ class InvalidArgumentError(KVTierError, ValueError):
 
 
 class AllocationError(KVTierError, MemoryError):
-    """Host memory could not be allocated (or registered) as asked."""
+    """Host memory could not be allocated (or registered) as asked; `code` is the runtime's
+    return code when it has one."""
 
-    def __init__(self, message: str, *, backend: str | None = None, nbytes: int = 0):
+    def __init__(self, message: str, *, backend: str | None = None, nbytes: int = 0,
+                 code: int | None = None):
         super().__init__(message)
         self.backend = backend
         self.nbytes = nbytes
+        self.code = code

@@ -6,6 +6,7 @@ import torch
 
 from ..device_pool import DeviceKVPool
 from ..host_pool import HostKVPool
+from ..interfaces import HostAllocator
 from ..spec import KVSpec
 
 
@@ -33,13 +34,15 @@ def fill_random(t: torch.Tensor, generator: torch.Generator | None = None) -> to
         tmp = torch.empty(t.shape, dtype=t.dtype)
         fill_random(tmp, generator)
         t.copy_(tmp.to(t.device))
-    if t.dtype.is_floating_point:   # no NaN payloads: they would compare unequal to themselves
+    if t.dtype.is_floating_point and t.element_size() > 1:
+        # no NaN payloads: they would compare unequal to themselves (fp8 has no nan_to_num;
+        # compare fp8 as bytes)
         t.nan_to_num_(nan=1.5, posinf=2.5, neginf=-2.5)
     return t
 
 
 def make_host_pool(spec: KVSpec, num_pages: int, layout: str = "page_first",
-                   allocator: str = "torch-pinned") -> HostKVPool:
+                   allocator: HostAllocator | str = "torch-pinned") -> HostKVPool:
     pool = HostKVPool(spec, num_pages, layout=layout, allocator=allocator)
     fill_random(pool.raw)
     return pool
