@@ -17,6 +17,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "keys": ("kvtier.bench.keys", "page-key hashing and chaining throughput"),
     "transfer": ("kvtier.bench.transfer",
                  "host<->device page transfers vs the pinned-memcpy ceiling"),
+    "store": ("kvtier.bench.store", "file store batch_get/batch_set vs the disk's raw I/O"),
+    "control": ("kvtier.bench.control", "controller match/fetch/commit overhead per page"),
 }
 
 

@@ -20,8 +20,10 @@ when a store opens the directory.
 
 Capacity is enforced by evicting the least recently used objects; "use" is the file's mtime,
 refreshed on every read hit, so several processes sharing one directory share one LRU order.
-Each process keeps an in-memory index (rebuilt by scanning the directory at open and every
-``rescan_interval_s`` while over capacity) and re-checks a victim's mtime before deleting it.
+Each process keeps an in-memory index (built by scanning the directory at open, and again in
+the background every ``rescan_interval_s`` while writing) and re-checks a victim's mtime before
+deleting it. A page whose read fails after it started (corrupted object) holds unspecified
+bytes; a plain miss leaves the page untouched.
 """
 
 from __future__ import annotations
@@ -199,8 +201,8 @@ class FileStore(L3Store):
         checksum: Literal["crc32", "adler32"] = "crc32"
         #: Refresh an object's mtime on every read hit (the LRU order shared across processes).
         touch_on_read: bool = True
-        #: While over capacity, rescan the directory (other processes' objects) at most this
-        #: often.
+        #: With a capacity, rescan the directory in the background (other processes' objects
+        #: count too) when a write comes this long after the last scan.
         rescan_interval_s: float = 30.0
         #: Temporary files older than this are removed even if their writer may live.
         stale_tmp_s: float = 600.0
@@ -238,6 +240,7 @@ class FileStore(L3Store):
         self._lock = threading.Lock()          # index and counters below
         self._index: OrderedDict[str, int] = OrderedDict()   # relpath -> mtime_ns, LRU first
         self._last_scan = 0.0
+        self._scanning = False
         self._closed = False
         self._pool: ThreadPoolExecutor | None = None
         self._local = threading.local()
@@ -288,6 +291,39 @@ class FileStore(L3Store):
     def example_config(cls, workdir: str) -> dict[str, Any]:
         return {"root": os.path.join(workdir, "kvtier-file-store"), "io_threads": 2,
                 "capacity_bytes": 256 << 20}
+
+    def _probe_direct(self) -> tuple[bool, str]:
+        """Can this directory's filesystem do O_DIRECT I/O? (ok, reason)."""
+        if not hasattr(os, "O_DIRECT"):
+            return False, "this platform has no O_DIRECT"
+        sub = os.path.join(self.dir, "00")
+        os.makedirs(sub, mode=self._dir_mode, exist_ok=True)
+        path = os.path.join(sub, f".odirect-probe.{self._tmp_tag}.{os.urandom(4).hex()}"
+                                 f"{TMP_SUFFIX}")
+        blk = mmap.mmap(-1, DIRECT_ALIGN)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_DIRECT,
+                         0o600)
+        except OSError as exc:
+            return False, f"open with O_DIRECT refused: {exc.strerror}"
+        try:
+            blk[:16] = b"kvtier-o-direct!"
+            if os.pwritev(fd, [memoryview(blk)], 0) != DIRECT_ALIGN:
+                return False, "short O_DIRECT write"
+            blk[:16] = bytes(16)
+            if os.preadv(fd, [memoryview(blk)], 0) != DIRECT_ALIGN \
+                    or blk[:16] != b"kvtier-o-direct!":
+                return False, "O_DIRECT read back wrong data"
+        except OSError as exc:
+            return False, f"O_DIRECT I/O refused: {exc.strerror}"
+        finally:
+            os.close(fd)
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+            blk.close()
+        return True, "available"
 
     # ----- attach ---------------------------------------------------------------------------
     def attach(self, host_pool) -> None:
@@ -343,9 +379,12 @@ class FileStore(L3Store):
         n = len(keys)
         cap = self.config.capacity_bytes
         fits = n if cap is None else min(n, cap // self.object_bytes)
+        self._maybe_rescan()
         if fits:
             self._make_room(fits * self.object_bytes, keep={self._rel(k) for k in keys})
         out = self._map(self._set_one, list(zip(keys[:fits], pages[:fits]))) + [False] * (n - fits)
+        if cap is not None:
+            self._make_room(0, keep=set())  # a rescan may have added other processes' objects
         ok = sum(out)
         self._count(sets=n, set_ok=ok, bytes_written=ok * self.spec.page_bytes)
         if n > fits:
@@ -418,8 +457,11 @@ class FileStore(L3Store):
             return []
 
     def _scan(self) -> None:
-        """Rebuild the index from the directory (LRU order = mtime); clean dead tmp files."""
-        found: list[tuple[int, str]] = []
+        """Rebuild the index from the directory (LRU order = mtime); clean dead tmp files.
+
+        Objects this process noted while the scan ran are kept with their newer times."""
+        started = time.time_ns()
+        found: dict[str, int] = {}
         now = time.time()
         for sub in self._subdirs():
             base = os.path.basename(sub)
@@ -430,17 +472,51 @@ class FileStore(L3Store):
                     continue
                 if e.name.endswith(SUFFIX) and not e.name.startswith("."):
                     if st.st_size == self.object_bytes:
-                        found.append((st.st_mtime_ns, f"{base}/{e.name}"))
+                        found[f"{base}/{e.name}"] = st.st_mtime_ns
                 elif e.name.endswith(TMP_SUFFIX) and self._tmp_is_stale(e.name, st, now):
                     try:
                         os.unlink(e.path)
                         self._bump("tmp_cleaned")
                     except OSError:
                         pass
-        found.sort()
         with self._lock:
-            self._index = OrderedDict((rel, mt) for mt, rel in found)
+            for rel, mt in self._index.items():
+                if mt >= started and mt > found.get(rel, -1):
+                    found[rel] = mt
+            self._index = OrderedDict(sorted(found.items(), key=lambda kv: kv[1]))
             self._last_scan = time.monotonic()
+
+    def rescan(self) -> None:
+        """Re-read the directory now (objects of other processes) and enforce capacity."""
+        self._check_open()
+        self._scan()
+        self._make_room(0, keep=set())
+
+    def _maybe_rescan(self) -> None:
+        """With a capacity, rescan in the background every ``rescan_interval_s``: other
+        processes' objects count against the shared capacity too."""
+        if self.config.capacity_bytes is None:
+            return
+        with self._lock:
+            if self._scanning or \
+                    time.monotonic() - self._last_scan < self.config.rescan_interval_s:
+                return
+            self._scanning = True
+        threading.Thread(target=self._background_scan, name="kvtier-file-scan",
+                         daemon=True).start()
+
+    def _background_scan(self) -> None:
+        try:
+            if not self._closed:
+                self._scan()
+                self._make_room(0, keep=set())
+        except Exception as exc:    # surfaced in stats and the log, never lost
+            self._count(errors=1)
+            self._bump("scan_errors")
+            log.warning("file: rescanning %s failed: %s", self.dir, exc)
+        finally:
+            with self._lock:
+                self._scanning = False
 
     def _tmp_is_stale(self, name: str, st: os.stat_result, now: float) -> bool:
         if now - st.st_mtime > self.config.stale_tmp_s:
@@ -457,11 +533,6 @@ class FileStore(L3Store):
         cap = self.config.capacity_bytes
         if cap is None:
             return
-        with self._lock:
-            over = (len(self._index) + need // self.object_bytes) * self.object_bytes > cap
-            rescan = over and time.monotonic() - self._last_scan > self.config.rescan_interval_s
-        if rescan:
-            self._scan()
         with self._lock:
             kept = sum(1 for k in keep if k in self._index)   # overwritten in place
             budget = 2 * len(self._index) + 1                  # every victim seen at most twice

@@ -1,0 +1,230 @@
+"""File store throughput against the same disk's raw sequential throughput, in one run.
+
+For each page size the run alternates (``--repeat`` times, medians reported):
+
+* raw write: one file written sequentially in 8 MiB ``write`` calls, then ``fsync``;
+* store ``batch_set`` of the same number of bytes as pages, then ``syncfs`` (both are timed
+  until the data is on the disk, not in the page cache);
+* raw read: the file read sequentially in 8 MiB calls after ``POSIX_FADV_DONTNEED``;
+* store ``batch_get`` of every page after ``POSIX_FADV_DONTNEED`` on every object.
+
+With ``--cache direct`` both sides use ``O_DIRECT`` instead (no page cache at all). Every
+page read back is compared bitwise with what was written (not timed). The single-thread cost
+of the payload checksum is measured in the same run, since the store computes it on both paths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import ctypes.util
+import mmap
+import os
+import shutil
+import statistics
+import tempfile
+import time
+import zlib
+
+import torch
+
+from ..host_pool import HostKVPool
+from ..l3_stores.file import FileStore
+from ..report import progress, table
+from ..spec import KVSpec
+
+CHUNK = 8 << 20
+_UNITS = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+
+
+def _size(text: str) -> int:
+    text = text.strip().lower().removesuffix("ib").removesuffix("b")
+    if text and text[-1] in _UNITS:
+        return int(float(text[:-1]) * _UNITS[text[-1]])
+    return int(text)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dir", default=None,
+                   help="directory on the disk to measure (default: a new temporary directory)")
+    p.add_argument("--page-sizes", default="256K,1M,4M,8M", help="comma-separated page sizes")
+    p.add_argument("--total", default="1G", help="bytes moved per measurement (default 1G)")
+    p.add_argument("--batch", type=int, default=32, help="pages per batch_set/batch_get call")
+    p.add_argument("--threads", type=int, default=4, help="file store io_threads")
+    p.add_argument("--cache", choices=["fadvise", "direct"], default="fadvise",
+                   help="page cache treatment for both sides: drop it with fadvise "
+                        "(buffered I/O), or bypass it with O_DIRECT")
+    p.add_argument("--checksum", choices=["crc32", "adler32"], default="crc32")
+    p.add_argument("--repeat", type=int, default=3, help="alternating repetitions (median)")
+
+
+# --------------------------------------------------------------------------------------------
+def _syncfs(path: str) -> None:
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        if getattr(libc, "syncfs", None) is None or libc.syncfs(fd) != 0:
+            os.sync()
+    finally:
+        os.close(fd)
+
+
+def _drop(path: str) -> None:
+    """Write back and drop one file's cached pages."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _drop_tree(root: str) -> None:
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            _drop(os.path.join(dirpath, f))
+
+
+def raw_write(path: str, total: int, buf: mmap.mmap, direct: bool) -> float:
+    """GB/s of writing ``total`` bytes sequentially, fsync included."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
+    view = memoryview(buf)
+    t0 = time.perf_counter()
+    fd = os.open(path, flags, 0o600)
+    try:
+        done = 0
+        while done < total:
+            done += os.write(fd, view[:min(CHUNK, total - done)])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return total / (time.perf_counter() - t0) / 1e9
+
+
+def raw_read(path: str, total: int, buf: mmap.mmap, direct: bool) -> float:
+    """GB/s of reading the file sequentially from the disk (cache dropped or bypassed)."""
+    if not direct:
+        _drop(path)
+    view = memoryview(buf)
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+    try:
+        done = 0
+        while done < total:
+            n = os.readv(fd, [view])
+            if n <= 0:
+                raise OSError(f"{path}: short read at {done} of {total}")
+            done += n
+    finally:
+        os.close(fd)
+    return total / (time.perf_counter() - t0) / 1e9
+
+
+def _spec_for(page_bytes: int) -> KVSpec:
+    """A 32-layer bf16 MHA geometry (8 KV heads x 128) with pages of ``page_bytes``."""
+    row = 8 * 128 * 2
+    per_token = 32 * 2 * row
+    if page_bytes % per_token == 0:
+        return KVSpec.mha(num_layers=32, num_kv_heads=8, head_dim=128,
+                          page_size=page_bytes // per_token)
+    return KVSpec.mha(num_layers=1, num_kv_heads=1, head_dim=page_bytes // 4, page_size=1,
+                      dtype="bfloat16")
+
+
+def checksum_gbps(kind: str) -> float:
+    fn = getattr(zlib, kind)
+    data = memoryview(os.urandom(1 << 20) * 16)
+    t0 = time.perf_counter()
+    for _ in range(8):
+        fn(data)
+    return 8 * len(data) / (time.perf_counter() - t0) / 1e9
+
+
+def run(args: argparse.Namespace) -> int:
+    sizes = [_size(s) for s in args.page_sizes.split(",") if s.strip()]
+    total = _size(args.total)
+    direct = args.cache == "direct"
+    own_dir = args.dir is None
+    base = tempfile.mkdtemp(prefix="kvtier-bench-store-") if own_dir else args.dir
+    os.makedirs(base, exist_ok=True)
+    work = tempfile.mkdtemp(prefix="run-", dir=base)
+    buf = mmap.mmap(-1, CHUNK)
+    buf.write(os.urandom(CHUNK))
+    rows = []
+    failures = 0
+    steps = [(ps, r) for ps in sizes for r in range(args.repeat)]
+    results: dict[int, dict[str, list[float]]] = {ps: {} for ps in sizes}
+    bar = progress(steps, desc=f"store vs raw ({args.cache})")
+    pools: dict[int, tuple[KVSpec, HostKVPool, list[bytes]]] = {}
+    try:
+        for ps, _rep in bar:
+            if ps not in pools:
+                for old in list(pools):
+                    pools.pop(old)[1].close()
+                spec = _spec_for(ps)
+                n = max(1, total // spec.page_bytes)
+                pool = HostKVPool(spec, 2 * n, allocator="mmap")
+                g = torch.Generator().manual_seed(ps)
+                pool.raw[: n * spec.page_bytes].copy_(
+                    torch.randint(0, 256, (n * spec.page_bytes,), dtype=torch.uint8,
+                                  generator=g))
+                pools[ps] = (spec, pool, [os.urandom(32) for _ in range(n)])
+            spec, pool, keys = pools[ps]
+            n = len(keys)
+            moved = n * spec.page_bytes
+            r = results[ps]
+            raw_path = os.path.join(work, "raw.bin")
+            r.setdefault("raw_w", []).append(raw_write(raw_path, moved, buf, direct))
+            r.setdefault("raw_r", []).append(raw_read(raw_path, moved, buf, direct))
+            os.unlink(raw_path)
+
+            root = os.path.join(work, "store")
+            store = FileStore({"root": root, "io_threads": args.threads,
+                               "o_direct": "on" if direct else "off",
+                               "checksum": args.checksum}, spec=spec)
+            store.attach(pool)
+            src, dst = list(range(n)), list(range(n, 2 * n))
+            t0 = time.perf_counter()
+            ok = []
+            for i in range(0, n, args.batch):
+                ok += store.batch_set(keys[i:i + args.batch], src[i:i + args.batch])
+            _syncfs(root)
+            r.setdefault("set", []).append(moved / (time.perf_counter() - t0) / 1e9)
+            if not direct:
+                _drop_tree(store.dir)
+            pool.raw[n * spec.page_bytes:].fill_(0xA5)
+            t0 = time.perf_counter()
+            got = []
+            for i in range(0, n, args.batch):
+                got += store.batch_get(keys[i:i + args.batch], dst[i:i + args.batch])
+            r.setdefault("get", []).append(moved / (time.perf_counter() - t0) / 1e9)
+            same = torch.equal(pool.raw[: moved], pool.raw[moved: 2 * moved])
+            if not (all(ok) and all(got) and same):
+                failures += 1
+            r["o_direct"] = [float(bool(store.stats()["o_direct"]))]
+            store.clear()
+            store.close()
+            shutil.rmtree(root, ignore_errors=True)
+    finally:
+        for _, pool, _ in pools.values():
+            pool.close()
+        shutil.rmtree(work if not own_dir else base, ignore_errors=True)
+    for ps in sizes:
+        r = results[ps]
+        med = {k: statistics.median(v) for k, v in r.items()}
+        rows.append([f"{ps / (1 << 20):g} MiB" if ps >= 1 << 20 else f"{ps >> 10} KiB",
+                     f"{med['raw_w']:.3f}", f"{med['set']:.3f}",
+                     f"{med['set'] / med['raw_w']:.0%}",
+                     f"{med['raw_r']:.3f}", f"{med['get']:.3f}",
+                     f"{med['get'] / med['raw_r']:.0%}"])
+    print(f"file store vs raw sequential I/O on {base} ({args.cache}; {total / 2**30:g} GiB "
+          f"per measurement, median of {args.repeat}; io_threads={args.threads}, "
+          f"batch={args.batch}; GB/s = 1e9 bytes/s)")
+    print(table(["page", "raw write", "batch_set", "set/raw", "raw read", "batch_get",
+                 "get/raw"], rows))
+    print(f"{args.checksum} on one thread: {checksum_gbps(args.checksum):.2f} GB/s")
+    if failures:
+        print(f"ERROR: {failures} runs read back wrong or incomplete data")
+        return 1
+    print("every page read back bitwise identical")
+    return 0
