@@ -169,16 +169,18 @@ def test_scattered_device_layers(name):
     _poison(dpool)
     hpool = HostKVPool(spec, 30, allocator="torch-pinned")
     fill_random(hpool.raw)
-    eng = _engine(name, dpool, hpool)
     try:
-        host, dev = list(range(0, 30, 2)), list(range(49, 34, -1))
-        eng.load(host, dev).wait()
-        torch.cuda.synchronize()
-        assert_device_has(dpool, hpool, host, dev)
-        if name == "nvidia-tma":
-            assert not eng.plan(len(host), 0, 1)[0].use_tmap
+        for layerwise in (True, False):
+            eng = _engine(name, dpool, hpool, layerwise_load=layerwise)
+            _poison(dpool)
+            host, dev = list(range(0, 30, 2)), list(range(49, 34, -1))
+            eng.load(host, dev).wait()
+            torch.cuda.synchronize()
+            assert_device_has(dpool, hpool, host, dev)
+            if name == "nvidia-tma":   # no constant (positive) layer stride: no 4-layer map
+                assert not eng.plan(len(host), 0, spec.num_layers)[0].use_tmap
+            eng.close()
     finally:
-        eng.close()
         hpool.close()
 
 

@@ -195,8 +195,9 @@ def test_register_plan_splits_large_launches():
     assert all(c * per_pair + 2 * 1024 * 4 < 2 ** 31 for _, c in plan.batches)
     assert [f for f, _ in plan.batches] == sorted(f for f, _ in plan.batches)
     assert plan.kernel == "kvt_register_u4"
+    assert plan_register(geo, 1, 1, ctas=2, threads=1024, unroll=8).kernel == "kvt_register_u8"
     with pytest.raises(ConfigError):
-        plan_register(geo, 1, 1, ctas=2, threads=1024, unroll=8)
+        plan_register(geo, 1, 1, ctas=2, threads=2048, unroll=4)
     with pytest.raises(ConfigError):
         plan_register(geo, 1, 1, ctas=2, threads=100, unroll=4)
     with pytest.raises(ConfigError):

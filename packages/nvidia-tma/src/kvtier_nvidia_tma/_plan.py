@@ -184,9 +184,12 @@ def plan_tma(geo: Geometry, n: int, layers: int, *, ctas: int, warps: int, stage
     if stage_bytes % SMEM_ALIGN or stage_bytes <= 0:
         raise ConfigError(f"stage_bytes must be a positive multiple of {SMEM_ALIGN}, got "
                           f"{stage_bytes}", key="stage_bytes", value=stage_bytes)
-    if stages < 2 + stores_in_flight - 1 or stages < 2:
-        raise ConfigError(f"stages must be >= {max(2, stores_in_flight + 1)}, got {stages}",
-                          key="stages", value=stages)
+    if stores_in_flight not in (0, 1, 2):
+        raise ConfigError(f"stores_in_flight must be 0, 1 or 2, got {stores_in_flight}",
+                          key="stores_in_flight", value=stores_in_flight)
+    if stages < max(2, stores_in_flight + 1):
+        raise ConfigError(f"stages must be >= {max(2, stores_in_flight + 1)} (stores_in_flight "
+                          f"{stores_in_flight}), got {stages}", key="stages", value=stages)
     if not 1 <= warps <= 32:
         raise ConfigError(f"warps must be in [1, 32], got {warps}", key="warps", value=warps)
     if ctas < 1:
@@ -286,10 +289,9 @@ def plan_register(geo: Geometry, n: int, layers: int, *, ctas: int, threads: int
         raise ConfigError(f"ctas must be >= 1, got {ctas}", key="ctas", value=ctas)
     if unroll not in (2, 4, 8):
         raise ConfigError(f"unroll must be 2, 4 or 8, got {unroll}", key="unroll", value=unroll)
-    limit = 512 if unroll == 8 else 1024
-    if threads % 32 or not 32 <= threads <= limit:
-        raise ConfigError(f"threads must be a multiple of 32 in [32, {limit}] (unroll "
-                          f"{unroll}), got {threads}", key="threads", value=threads)
+    if threads % 32 or not 32 <= threads <= 1024:
+        raise ConfigError(f"threads must be a multiple of 32 in [32, 1024], got {threads}",
+                          key="threads", value=threads)
     per_pair = geo.comps * layers * (geo.chunk_bytes // 16)
     step = max(1, (MAX_VECTORS - ctas * threads * unroll) // per_pair)
     batches = tuple((i, min(step, n - i)) for i in range(0, n, step))

@@ -67,6 +67,7 @@ class _NvidiaEngine(TransferEngine):
     interface_version = KVTIER_INTERFACE_VERSION
     _min_cc = 0
     _needs_16b = True
+    _no_null_stream = False
 
     @classmethod
     def capabilities(cls) -> Capabilities:
@@ -122,7 +123,13 @@ class _NvidiaEngine(TransferEngine):
                              host_pages=host_pool.num_pages, dev_pages=device_pool.num_pages)
         self._err = torch.zeros(1, dtype=torch.int32, device=self.device)
         self._side = torch.cuda.Stream(self.device) if self.config.side_stream else None
+        self._own = None
         self._closed = False
+
+    def _own_stream(self):
+        if self._own is None:
+            self._own = self._torch.cuda.Stream(self.device)
+        return self._own
 
     # ----- validation ---------------------------------------------------------------------
     def _registered_base(self, ptr: int, nbytes: int) -> int:
@@ -188,6 +195,14 @@ class _NvidiaEngine(TransferEngine):
         h, d = self._indices(host_pages, device_pages, dst_device=False)
         return self._submit(h, d, d2h=True, layerwise=self.config.layerwise_backup)
 
+    def describe(self) -> dict[str, Any]:
+        """What the benchmark records next to a result: kernel, registers, spills."""
+        k = getattr(self, "_kernel", None)
+        if k is None:
+            return {"device": self._dev.name, "cc": self._dev.cc}
+        return {"device": self._dev.name, "cc": self._dev.cc, "kernel": k.name, "arch": k.arch,
+                "regs": k.num_regs, "local_bytes": k.local_bytes}
+
     def bad_pairs(self) -> int:
         """Pairs the kernels skipped as out of range since the engine was built (syncs)."""
         return int(self._err.item())
@@ -203,8 +218,11 @@ class _NvidiaEngine(TransferEngine):
             return CompletedHandle(L)
         caller = torch.cuda.current_stream(self.device)
         stream = caller
-        if self._side is not None:
-            stream = self._side
+        side = self._side
+        if side is None and self._no_null_stream and caller.cuda_stream == 0:
+            side = self._own_stream()       # the batch API refuses the legacy default stream
+        if side is not None:
+            stream = side
             stream.wait_stream(caller)
             for t in (h, d):
                 if t.is_cuda:
@@ -248,12 +266,16 @@ class TmaTransferEngine(_NvidiaEngine):
     class Config:
         #: CTAs (SMs) the kernel occupies.
         ctas: int = 2
-        #: Pipelines (warps) per CTA; each has its own shared-memory stages.
-        warps: int = 2
+        #: Pipelines (warps) per CTA; each has its own shared-memory stages. Many small
+        #: pipelines keep many bulk operations in flight (measured best on the H200).
+        warps: int = 16
         #: Shared-memory stages per pipeline.
-        stages: int = 4
+        stages: int = 3
         #: Bytes per stage (a multiple of 128).
-        stage_bytes: int = 24576
+        stage_bytes: int = 4096
+        #: Bulk-store groups a pipeline may leave reading a stage while it loads ahead (0..2;
+        #: loads in flight per pipeline = stages - 1 - stores_in_flight).
+        stores_in_flight: int = 0
         #: Use a tensor map for the device side where the pool allows one.
         tensor_map: bool = True
         #: One launch and one event per layer for loads / backups.
@@ -278,8 +300,9 @@ class TmaTransferEngine(_NvidiaEngine):
         # check the configuration once (raises ConfigError naming the key)
         plan_tma(self._geo, 1, self._geo.num_layers, ctas=c.ctas, warps=c.warps,
                  stages=c.stages, stage_bytes=c.stage_bytes, tmap_ok=False,
-                 max_smem=self._dev.max_smem_optin)
-        self._kernel = _driver.load_kernel(self._dev, "tma_copy.cu", "kvt_tma_copy")
+                 max_smem=self._dev.max_smem_optin, stores_in_flight=c.stores_in_flight)
+        self._kernel = _driver.load_kernel(self._dev, "tma_copy.cu", "kvt_tma_copy",
+                                           {"KVT_STORES_IN_FLIGHT": c.stores_in_flight})
         self._null_map = _driver.TensorMap()
         self._maps: dict[tuple[int, int, int], Any] = {}
         self._plans: dict[tuple[int, int], Any] = {}
@@ -295,7 +318,8 @@ class TmaTransferEngine(_NvidiaEngine):
             plan = plan_tma(self._geo, n, layers, ctas=c.ctas, warps=c.warps, stages=c.stages,
                             stage_bytes=c.stage_bytes,
                             tmap_ok=c.tensor_map and self._uniform is not None,
-                            max_smem=self._dev.max_smem_optin)
+                            max_smem=self._dev.max_smem_optin,
+                            stores_in_flight=c.stores_in_flight)
             if len(self._plans) > 256:
                 self._plans.clear()
             self._plans[key] = plan
@@ -311,7 +335,9 @@ class TmaTransferEngine(_NvidiaEngine):
             if tmap is None:
                 plan = plan_tma(self._geo, n, layers, ctas=c.ctas, warps=c.warps,
                                 stages=c.stages, stage_bytes=c.stage_bytes, tmap_ok=False,
-                                max_smem=self._dev.max_smem_optin)
+                                max_smem=self._dev.max_smem_optin,
+                                stores_in_flight=c.stores_in_flight)
+                self._plans[key] = plan
                 tmap = self._null_map
         return plan, tmap
 
@@ -335,8 +361,8 @@ class RegisterTransferEngine(_NvidiaEngine):
     class Config:
         ctas: int = 2
         threads: int = 1024
-        #: Independent 16-byte loads in flight per thread (2, 4 or 8; 8 allows <= 512 threads).
-        unroll: int = 4
+        #: Independent 16-byte loads in flight per thread (2, 4 or 8).
+        unroll: int = 8
         layerwise_load: bool = True
         layerwise_backup: bool = False
         side_stream: bool = False
@@ -372,11 +398,14 @@ class CopyEngineTransferEngine(_NvidiaEngine):
     """``nvidia-copy-engine``: the GPU's DMA engines through ``cuMemcpyBatchAsync`` (one batch
     per launch; runs of chunks contiguous on both sides merged into one copy). Uses no SMs.
     Addresses are built on the host, so device-resident indices are copied to the host
-    (a sync); pass Python lists or CPU tensors to avoid it. Any row size works."""
+    (a sync); pass Python lists or CPU tensors to avoid it. Any row size works. Called on the
+    legacy default stream, the batch runs on an engine stream ordered after it (the batch API
+    refuses the null stream); the handle's events order the caller after it as usual."""
 
     name = "nvidia-copy-engine"
     _min_cc = 0
     _needs_16b = False
+    _no_null_stream = True
 
     @dataclass(frozen=True)
     class Config:

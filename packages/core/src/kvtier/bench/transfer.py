@@ -54,6 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="engine config values to sweep (engines without KEY ignore it)")
     p.add_argument("--set", action="append", default=[], metavar="ENGINE.KEY=V",
                    help="fixed engine config value")
+    p.add_argument("--config", action="append", default=[], metavar="ENGINE:K=V,K=V",
+                   help="an explicit engine configuration (repeatable; crossed with --sweep)")
     p.add_argument("--both-sweep", action="store_true",
                    help="sweep settings for bidirectional runs too (default: first values)")
     p.add_argument("--host-allocator", default="cuda-host-register",
@@ -126,11 +128,14 @@ def ceilings(torch, host_raw, nbytes: int, repeat: int) -> dict[str, float]:
     return out
 
 
-def _configs(cls, sweeps: dict[str, list], fixed: dict[str, Any]) -> list[dict[str, Any]]:
+def _configs(cls, sweeps: dict[str, list], fixed: dict[str, Any],
+             explicit: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     keys = set(getattr(cls.Config, "__dataclass_fields__", {}))
     own = {k: v for k, v in sweeps.items() if k in keys}
     combos = [dict(zip(own, vals)) for vals in itertools.product(*own.values())] or [{}]
-    return [{**{k: v for k, v in fixed.items() if k in keys}, **c} for c in combos]
+    bases = explicit or [{}]
+    return [{**{k: v for k, v in fixed.items() if k in keys}, **b, **c}
+            for b in bases for c in combos]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -142,15 +147,19 @@ def run(args: argparse.Namespace) -> int:
             plot(data, args.plot)
         return 0
     import torch
+    if not torch.cuda.is_available():
+        print("kvtier bench transfer: no CUDA device here", file=sys.stderr)
+        return 2
+    with torch.cuda.stream(torch.cuda.Stream()):   # as engines run: never the legacy stream
+        return _run(args, torch)
 
+
+def _run(args: argparse.Namespace, torch) -> int:
     from .. import registry
     from ..device_pool import DeviceKVPool
     from ..errors import BackendUnavailableError, KVTierError
     from ..host_pool import HostKVPool
     from ..testing.data import fill_random
-    if not torch.cuda.is_available():
-        print("kvtier bench transfer: no CUDA device here", file=sys.stderr)
-        return 2
     sweeps = {}
     for s in args.sweep:
         k, _, v = s.partition("=")
@@ -160,6 +169,11 @@ def run(args: argparse.Namespace) -> int:
         k, _, v = s.partition("=")
         eng, _, key = k.partition(".")
         fixed.setdefault(eng, {})[key] = _parse_value(v)
+    explicit: dict[str, list[dict[str, Any]]] = {}
+    for s in args.config:
+        eng, _, kvs = s.partition(":")
+        explicit.setdefault(eng, []).append(
+            {k: _parse_value(v) for k, _, v in (x.partition("=") for x in kvs.split(",") if x)})
     engines = []
     for name in [e for e in args.engines.split(",") if e]:
         try:
@@ -184,12 +198,13 @@ def run(args: argparse.Namespace) -> int:
     modes = [m for m in args.modes.split(",") if m]
     cases = [c for c in args.cases.split(",") if c]
     work = [(c, e, cfg) for c in cases for e in engines
-            for cfg in _configs(e[1], sweeps, fixed.get(e[0], {}))]
+            for cfg in _configs(e[1], sweeps, fixed.get(e[0], {}), explicit.get(e[0]))]
     bar = progress(work, desc="transfer cases")
     pools: dict[str, Any] = {}
     for case, (name, cls), cfg in bar:
         spec = CASES[case]
         if pools.get("case") != case:
+            _save(data, args.json)         # keep what is measured if the run is cut short
             pools.clear()
             torch.cuda.empty_cache()
             n = max(1, nbytes // spec.page_bytes)
@@ -207,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
                          host=hperm[:n].cuda(), host2=hperm[n:2 * n].cuda())
         n, dpool, hpool = pools["n"], pools["dpool"], pools["hpool"]
         moved = n * spec.page_bytes
-        first_cfg = cfg == _configs(cls, sweeps, fixed.get(name, {}))[0]
+        first_cfg = cfg == _configs(cls, sweeps, fixed.get(name, {}), explicit.get(name))[0]
         for mode in modes:
             lw = mode == "layer"
             full = {**cfg, "layerwise_load": lw, "layerwise_backup": lw}
@@ -224,12 +239,13 @@ def run(args: argparse.Namespace) -> int:
             def both(eng=eng, side=side, h=h, h2=h2, d=d, d2=d2) -> None:
                 cur = torch.cuda.current_stream()
                 side.wait_stream(cur)
-                eng.load(h, d)
+                a = eng.load(h, d)
                 with torch.cuda.stream(side):
-                    eng.backup(d2, h2)
+                    eng.backup(d2, h2).wait()
+                a.wait()
                 cur.wait_stream(side)
-            fns = {"h2d": lambda eng=eng, h=h, d=d: eng.load(h, d),
-                   "d2h": lambda eng=eng, h=h, d=d: eng.backup(d, h), "both": both}
+            fns = {"h2d": lambda eng=eng, h=h, d=d: eng.load(h, d).wait(),
+                   "d2h": lambda eng=eng, h=h, d=d: eng.backup(d, h).wait(), "both": both}
             for direction in directions:
                 if direction == "both" and not (first_cfg or args.both_sweep):
                     continue
@@ -242,35 +258,47 @@ def run(args: argparse.Namespace) -> int:
                     "engine": name, "config": cfg, "mode": mode, "direction": direction,
                     "bytes": total, "ms": ms, "gbps": gbps,
                     "ratio": gbps / data["ceiling"][direction],
+                    "info": eng.describe() if hasattr(eng, "describe") else {},
                     "ctas": getattr(eng, "ctas", None) if direction != "both"
                     else (2 * eng.ctas if getattr(eng, "ctas", None) else None)})
             eng.close()
+    _save(data, args.json)
     if args.gemm:
         data["gemm"] = gemm_slowdown(torch, engines, sweeps, fixed, args, host_buf, pools)
+    _save(data, args.json)
     print(render(data))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(data, f, indent=1)
     if args.plot:
         plot(data, args.plot)
     return 0
 
 
+def _save(data: dict[str, Any], path: str | None) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(data, f, indent=1)
+
+
 def gemm_slowdown(torch, engines, sweeps, fixed, args, host_buf, pools) -> list[dict[str, Any]]:
-    """bf16 8192^3 matmul time alone vs while an engine runs loads and backups back to back."""
+    """bf16 8192^3 matmul time alone vs while an engine runs loads and backups back to back
+    on two other streams; the GEMM on a normal- and on a high-priority stream."""
     from ..device_pool import DeviceKVPool
     from ..host_pool import HostKVPool
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     c = torch.empty_like(a)
     reps = 20
+    streams = {"normal": torch.cuda.Stream(), "high": torch.cuda.Stream(priority=-1)}
 
     def gemms() -> None:
         for _ in range(reps):
             torch.matmul(a, b, out=c)
-    alone = [_median_ms(torch, gemms, 5) / reps for _ in range(2)]
-    out = [{"engine": "none", "case": "", "gemm_ms": min(alone), "transfer_gbps": None}]
-    base = min(alone)
+
+    def timed(prio: str) -> float:
+        with torch.cuda.stream(streams[prio]):
+            return _median_ms(torch, gemms, 5) / reps
+    base = {p: min(timed(p) for _ in range(2)) for p in streams}
+    out: list[dict[str, Any]] = [{"engine": "none", "case": "", "priority": p,
+                                  "gemm_ms": base[p], "transfer_gbps": None} for p in streams]
     nbytes = args.mib << 20
     for case in [x for x in args.gemm_cases.split(",") if x]:
         spec = CASES[case]
@@ -286,30 +314,30 @@ def gemm_slowdown(torch, engines, sweeps, fixed, args, host_buf, pools) -> list[
                    if k in cls.Config.__dataclass_fields__}
             eng = cls(dpool, hpool, cfg)
             hi, hi2 = (idx.cpu(), idx2.cpu()) if name == "nvidia-copy-engine" else (idx, idx2)
-            load_s, back_s = torch.cuda.Stream(), torch.cuda.Stream()
-            # transfers for well over the GEMM window, on their own streams
-            gemm_window_ms = base * reps * 6 * 1.5
-            est = max(1.0, nbytes / 40e6)           # ~ms per transfer at 40 GB/s
-            k = int(gemm_window_ms / est) + 2
-            t0 = torch.cuda.Event(enable_timing=True)
-            t1 = torch.cuda.Event(enable_timing=True)
-            with torch.cuda.stream(load_s):
-                t0.record()
-                for _ in range(k):
-                    eng.load(hi, idx)
-            with torch.cuda.stream(back_s):
-                for _ in range(k):
-                    eng.backup(idx2, hi2)
-            times = [_median_ms(torch, gemms, 5) / reps]
-            with torch.cuda.stream(load_s):
-                load_s.wait_stream(back_s)
-                t1.record()
-            t1.synchronize()
-            moved = 2 * k * n * spec.page_bytes
-            out.append({"engine": name, "case": case, "gemm_ms": times[0],
-                        "slowdown": times[0] / base - 1,
-                        "transfer_gbps": moved / t0.elapsed_time(t1) / 1e6,
-                        "config": cfg})
+            for prio in streams:
+                load_s, back_s = torch.cuda.Stream(), torch.cuda.Stream()
+                # enough transfers to cover the GEMM window, on their own streams
+                window_ms = base[prio] * reps * 6 * 1.5
+                k = int(window_ms / max(1.0, nbytes / 40e6)) + 2
+                t0 = torch.cuda.Event(enable_timing=True)
+                t1 = torch.cuda.Event(enable_timing=True)
+                with torch.cuda.stream(load_s):
+                    t0.record()
+                    for _ in range(k):
+                        eng.load(hi, idx).wait()
+                with torch.cuda.stream(back_s):
+                    for _ in range(k):
+                        eng.backup(idx2, hi2).wait()
+                g = timed(prio)
+                with torch.cuda.stream(load_s):
+                    load_s.wait_stream(back_s)
+                    t1.record()
+                t1.synchronize()
+                moved = 2 * k * n * spec.page_bytes
+                out.append({"engine": name, "case": case, "priority": prio, "gemm_ms": g,
+                            "slowdown": g / base[prio] - 1,
+                            "transfer_gbps": moved / t0.elapsed_time(t1) / 1e6,
+                            "config": cfg})
             eng.close()
         del dpool, hpool
     return out
@@ -332,12 +360,13 @@ def render(data: dict[str, Any]) -> str:
     lines.append(table(["case", "chunk B", "engine", "config", "launch", "dir", "CTAs", "GB/s",
                         "of ceiling"], rows))
     if data.get("gemm"):
-        g = [[x["engine"], x["case"] or "-", f"{x['gemm_ms']:.3f}",
+        g = [[x["engine"], x["case"] or "-", x.get("priority", "normal"), f"{x['gemm_ms']:.3f}",
               f"{100 * x['slowdown']:+.1f}%" if "slowdown" in x else "-",
               f"{x['transfer_gbps']:.1f}" if x.get("transfer_gbps") else "-"]
              for x in data["gemm"]]
         lines.append("bf16 8192^3 GEMM while loads and backups run on other streams")
-        lines.append(table(["engine", "case", "GEMM ms", "slowdown", "transfer GB/s"], g))
+        lines.append(table(["engine", "case", "GEMM stream", "GEMM ms", "slowdown",
+                            "transfer GB/s"], g))
     return "\n".join(lines)
 
 
@@ -348,7 +377,7 @@ def plot(data: dict[str, Any], path: str) -> None:
     import matplotlib.pyplot as plt
     dirs = [d for d in ("h2d", "d2h", "both") if any(r["direction"] == d
                                                      for r in data["results"])]
-    fig, axes = plt.subplots(1, len(dirs), figsize=(6 * len(dirs), 4.8), squeeze=False)
+    fig, axes = plt.subplots(1, len(dirs), figsize=(6.5 * len(dirs), 6), squeeze=False)
     for ax, d in zip(axes[0], dirs):
         series: dict[str, dict[int, float]] = {}
         for r in data["results"]:
@@ -358,9 +387,11 @@ def plot(data: dict[str, Any], path: str) -> None:
             cur = series.setdefault(label, {})
             cur[r["chunk_bytes"]] = max(cur.get(r["chunk_bytes"], 0), r["gbps"])
         best = sorted(series.items(), key=lambda kv: -statistics.mean(kv[1].values()))
-        for label, pts in best[:10]:
+        for i, (label, pts) in enumerate(best[:20]):
             xs = sorted(pts)
-            ax.plot(xs, [pts[x] for x in xs], marker="o", ms=3, label=label)
+            ax.plot(xs, [pts[x] for x in xs], marker="o", ms=3, label=label,
+                    color=plt.cm.tab20(i % 20),
+                    ls="--" if label.endswith("(layer)") else "-", lw=1)
         ceil = data["ceiling"][d]
         ax.axhline(ceil, color="k", ls="--", lw=1, label=f"pinned memcpy {ceil:.1f}")
         ax.axhline(0.97 * ceil, color="gray", ls=":", lw=1, label="97% of ceiling")
@@ -369,7 +400,7 @@ def plot(data: dict[str, Any], path: str) -> None:
         ax.set_ylabel("GB/s")
         ax.set_title(d)
         ax.set_ylim(0, ceil * 1.08)
-        ax.legend(fontsize=6, loc="lower right")
+        ax.legend(fontsize=5.5, loc="lower right", ncol=2)
     env = data.get("env", {})
     fig.suptitle(f"kvtier page transfers, {env.get('gpu', '')}, driver {env.get('driver', '')},"
                  f" {env.get('date', '')}", fontsize=9)

@@ -61,9 +61,10 @@ __device__ __forceinline__ u64 kvt_dev_chunk(const KvtParams& p, i64 d, i64 g) {
     return reinterpret_cast<const u64*>(p.dev_table)[g] + (u64)(d * p.chunk_bytes);
 }
 
-// Block 0 counts the out-of-range pairs once per launch (the copy loops just skip them).
+// Block 0 of the launch that covers layer 0 counts the out-of-range pairs (so a per-layer
+// transfer counts each bad pair once); the copy loops just skip them.
 __device__ __forceinline__ void kvt_count_bad_pairs(const KvtParams& p) {
-    if (blockIdx.x != 0) return;
+    if (blockIdx.x != 0 || p.layer0 != 0) return;
     u32 bad = 0;
     for (i64 i = threadIdx.x; i < p.n; i += blockDim.x) {
         i64 h, d;

@@ -56,6 +56,6 @@ extern "C" __global__ void __launch_bounds__(1024) kvt_register_u2(const KvtPara
 extern "C" __global__ void __launch_bounds__(1024) kvt_register_u4(const KvtParams p) {
     kvt_register_copy<4>(p);
 }
-extern "C" __global__ void __launch_bounds__(512) kvt_register_u8(const KvtParams p) {
+extern "C" __global__ void __launch_bounds__(1024) kvt_register_u8(const KvtParams p) {
     kvt_register_copy<8>(p);
 }

@@ -89,101 +89,121 @@ __device__ __forceinline__ void fence_async_smem() {
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
 
-// One piece, decoded (mirrors _plan.Piece).
+// One piece, decoded (mirrors _plan.Piece). 32-bit: the host keeps pairs, segments and
+// pieces below 2^31 (divisions by run-time values are the kernel's main integer cost).
 struct Piece {
-    i64 seg0;     // first segment
-    i64 nseg;     // segments (mode 0), else 1
-    i64 chunk0;   // first chunk within the segment (modes 1, 2)
-    i64 nchunk;   // chunks per segment covered (mode 0: seg_chunks)
-    i64 off;      // byte offset within the chunk (mode 2)
-    i64 bytes;    // bytes per chunk covered (mode 2: part size; else chunk_bytes)
+    u32 seg0;     // first segment
+    u32 nseg;     // segments (mode 0), else 1
+    u32 chunk0;   // first chunk within the segment (modes 1, 2)
+    u32 nchunk;   // chunks per segment covered (mode 0: seg_chunks)
+    u32 off;      // byte offset within the chunk (mode 2)
+    u32 bytes;    // bytes per chunk covered (mode 2: part size; else chunk_bytes)
 };
 
-__device__ __forceinline__ Piece kvt_piece(const KvtParams& p, i64 k) {
+// Launch constants in 32-bit form, computed once per thread.
+struct Consts {
+    u32 K, nsegs, per_pair, g0, mode, per_piece, pps, ppc, chunk, slot, comps;
+};
+
+__device__ __forceinline__ Consts kvt_consts(const KvtParams& p) {
+    Consts c;
+    c.K = (u32)p.seg_chunks;
+    c.per_pair = (u32)(p.comps * p.layers / p.seg_chunks);
+    c.nsegs = (u32)p.n * c.per_pair;
+    c.g0 = (u32)(p.layer0 * p.comps);
+    c.mode = (u32)p.mode;
+    c.per_piece = (u32)p.per_piece;
+    c.pps = (u32)p.pieces_per_seg;
+    c.ppc = c.mode == 2 ? c.pps / c.K : 1;
+    c.chunk = (u32)p.chunk_bytes;
+    c.slot = c.mode == 0 ? (u32)p.slot_bytes : 0;
+    c.comps = (u32)p.comps;
+    return c;
+}
+
+__device__ __forceinline__ Piece kvt_piece(const Consts& c, u32 k) {
     Piece pc;
-    const i64 K = p.seg_chunks;
-    const i64 nsegs = p.n * (p.comps * p.layers / K);
-    if (p.mode == 0) {
-        pc.seg0 = k * p.per_piece;
-        pc.nseg = min(p.per_piece, nsegs - pc.seg0);
-        pc.chunk0 = 0; pc.nchunk = K; pc.off = 0; pc.bytes = p.chunk_bytes;
-    } else if (p.mode == 1) {
-        pc.seg0 = k / p.pieces_per_seg; pc.nseg = 1;
-        const i64 r = k - pc.seg0 * p.pieces_per_seg;
-        pc.chunk0 = r * p.per_piece;
-        pc.nchunk = min(p.per_piece, K - pc.chunk0);
-        pc.off = 0; pc.bytes = p.chunk_bytes;
+    if (c.mode == 0) {
+        pc.seg0 = k * c.per_piece;
+        pc.nseg = min(c.per_piece, c.nsegs - pc.seg0);
+        pc.chunk0 = 0; pc.nchunk = c.K; pc.off = 0; pc.bytes = c.chunk;
     } else {
-        pc.seg0 = k / p.pieces_per_seg; pc.nseg = 1;
-        const i64 r = k - pc.seg0 * p.pieces_per_seg;
-        const i64 ppc = p.pieces_per_seg / K;               // parts per chunk
-        pc.chunk0 = r / ppc; pc.nchunk = 1;
-        pc.off = (r - pc.chunk0 * ppc) * p.per_piece;
-        pc.bytes = min(p.per_piece, p.chunk_bytes - pc.off);
+        pc.seg0 = k / c.pps; pc.nseg = 1;
+        const u32 r = k - pc.seg0 * c.pps;
+        if (c.mode == 1) {
+            pc.chunk0 = r * c.per_piece;
+            pc.nchunk = min(c.per_piece, c.K - pc.chunk0);
+            pc.off = 0; pc.bytes = c.chunk;
+        } else {
+            pc.chunk0 = r / c.ppc; pc.nchunk = 1;
+            pc.off = (r - pc.chunk0 * c.ppc) * c.per_piece;
+            pc.bytes = min(c.per_piece, c.chunk - pc.off);
+        }
     }
     return pc;
 }
 
 // Segment s -> pair i and its first chunk g (absolute (layer, comp) index).
-__device__ __forceinline__ void kvt_segment(const KvtParams& p, i64 s, i64& i, i64& g) {
-    const i64 per_pair = p.comps * p.layers / p.seg_chunks;
-    i = s / per_pair;
-    g = p.layer0 * p.comps + (s - i * per_pair) * p.seg_chunks;
+__device__ __forceinline__ void kvt_segment(const Consts& c, u32 s, u32& i, u32& g) {
+    i = s / c.per_pair;
+    g = c.g0 + (s - i * c.per_pair) * c.K;
 }
 
 // Issue one side of a piece: `host` selects the host or the device addresses, `load` says
 // whether the side is read into shared memory (completing on `bar`) or written from it.
-// Returns the bytes this lane moved (for the expect_tx sum on loads).
-__device__ __forceinline__ void kvt_issue(const KvtParams& p, const KvtTensorMap* map,
-                                          const Piece& pc, bool host, bool load, u32 stage,
-                                          u32 bar, int lane) {
-    const i64 slot = p.mode == 0 ? p.slot_bytes : 0;
+__device__ __forceinline__ void kvt_issue(const KvtParams& p, const Consts& c,
+                                          const KvtTensorMap* map, const Piece& pc, bool host,
+                                          bool load, u32 stage, u32 bar, int lane) {
     if (host) {   // one op per segment (its covered chunks are host-contiguous)
-        for (i64 k = lane; k < pc.nseg; k += 32) {
-            i64 i, g, h, d;
-            kvt_segment(p, pc.seg0 + k, i, g);
+        const u32 nb = pc.nchunk == 1 ? pc.bytes : pc.nchunk * c.chunk;
+        for (u32 k = lane; k < pc.nseg; k += 32) {
+            u32 i, g;
+            i64 h, d;
+            kvt_segment(c, pc.seg0 + k, i, g);
             if (!kvt_pair(p, i, h, d)) continue;
             const u64 a = kvt_host_chunk(p, h, g + pc.chunk0) + pc.off;
-            const u32 s = stage + (u32)(k * slot);
-            const u32 nb = (u32)(pc.nchunk == 1 ? pc.bytes : pc.nchunk * p.chunk_bytes);
+            const u32 s = stage + k * c.slot;
             if (load) bulk_g2s(s, a, nb, bar); else bulk_s2g(a, s, nb);
         }
     } else if (p.use_tmap) {   // one box (box_layers layers x comps chunks) per segment
-        for (i64 k = lane; k < pc.nseg; k += 32) {
-            i64 i, g, h, d;
-            kvt_segment(p, pc.seg0 + k, i, g);
+        for (u32 k = lane; k < pc.nseg; k += 32) {
+            u32 i, g;
+            i64 h, d;
+            kvt_segment(c, pc.seg0 + k, i, g);
             if (!kvt_pair(p, i, h, d)) continue;
-            const u32 s = stage + (u32)(k * slot);
+            const u32 s = stage + k * c.slot;
             // coordinates: (element, device page, comp, layer relative to the map's layer0)
-            const int layer = (int)((g + pc.chunk0) / p.comps - p.layer0);
+            const int layer = (int)((g + pc.chunk0 - c.g0) / c.comps);
             if (load) tmap_g2s(s, map, 0, (int)d, 0, layer, bar);
             else tmap_s2g(map, 0, (int)d, 0, layer, s);
         }
     } else {       // one op per chunk
-        const i64 total = pc.nseg * pc.nchunk;
-        for (i64 t = lane; t < total; t += 32) {
-            const i64 k = t / pc.nchunk, j = t - k * pc.nchunk;
-            i64 i, g, h, d;
-            kvt_segment(p, pc.seg0 + k, i, g);
+        const u32 total = pc.nseg * pc.nchunk;
+        for (u32 t = lane; t < total; t += 32) {
+            const u32 k = pc.nchunk == 1 ? t : t / pc.nchunk, j = t - k * pc.nchunk;
+            u32 i, g;
+            i64 h, d;
+            kvt_segment(c, pc.seg0 + k, i, g);
             if (!kvt_pair(p, i, h, d)) continue;
             const u64 a = kvt_dev_chunk(p, d, g + pc.chunk0 + j) + pc.off;
-            const u32 s = stage + (u32)(k * slot + j * p.chunk_bytes);
-            if (load) bulk_g2s(s, a, (u32)pc.bytes, bar); else bulk_s2g(a, s, (u32)pc.bytes);
+            const u32 s = stage + k * c.slot + j * c.chunk;
+            if (load) bulk_g2s(s, a, pc.bytes, bar); else bulk_s2g(a, s, pc.bytes);
         }
     }
 }
 
 // Bytes a load of this piece lands in shared memory (valid pairs only; a tensor-map box
 // always lands whole, out-of-range layers zero-filled).
-__device__ __forceinline__ u32 kvt_load_bytes(const KvtParams& p, const Piece& pc, bool host,
-                                              int lane) {
+__device__ __forceinline__ u32 kvt_load_bytes(const KvtParams& p, const Consts& c,
+                                              const Piece& pc, bool host, int lane) {
+    const u32 each = (!host && p.use_tmap) ? (u32)(p.box_layers * p.comps) * c.chunk
+                     : (pc.nchunk == 1 ? pc.bytes : pc.nchunk * c.chunk);
     u32 mine = 0;
-    for (i64 k = lane; k < pc.nseg; k += 32) {
-        i64 i, g, h, d;
-        kvt_segment(p, pc.seg0 + k, i, g);
-        if (!kvt_pair(p, i, h, d)) continue;
-        if (!host && p.use_tmap) mine += (u32)(p.box_layers * p.comps * p.chunk_bytes);
-        else mine += (u32)(pc.nchunk == 1 ? pc.bytes : pc.nchunk * p.chunk_bytes);
+    for (u32 k = lane; k < pc.nseg; k += 32) {
+        u32 i, g;
+        i64 h, d;
+        kvt_segment(c, pc.seg0 + k, i, g);
+        if (kvt_pair(p, i, h, d)) mine += each;
     }
     return __reduce_add_sync(0xffffffffu, mine);
 }
@@ -193,42 +213,43 @@ kvt_tma_copy(const KvtParams p, const __grid_constant__ KvtTensorMap tmap) {
     extern __shared__ __align__(128) unsigned char smem[];
     kvt_count_bad_pairs(p);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    const i64 S = p.stages;
+    const u32 S = (u32)p.stages, stage_bytes = (u32)p.stage_bytes;
     // layout: [warps * S barriers, padded to 128 B][warps * S stages]
-    const u32 bar_bytes = (u32)(((warps * S * 8) + 127) & ~127);
-    const u32 bars = kvt_smem(smem) + (u32)(warp * S * 8);
-    const u32 stages = kvt_smem(smem) + bar_bytes + (u32)(warp * S * p.stage_bytes);
+    const u32 bar_bytes = (warps * S * 8 + 127) & ~127u;
+    const u32 bars = kvt_smem(smem) + warp * S * 8;
+    const u32 stages = kvt_smem(smem) + bar_bytes + warp * S * stage_bytes;
     if (lane == 0) {
-        for (i64 s = 0; s < S; ++s) mbar_init(bars + (u32)(s * 8), 1);
+        for (u32 s = 0; s < S; ++s) mbar_init(bars + s * 8, 1);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         fence_async_smem();
     }
     __syncthreads();
 
     const bool src_host = p.d2h == 0;   // loads read the source side
-    const i64 pipe = (i64)blockIdx.x * warps + warp, pipes = (i64)gridDim.x * warps;
-    const i64 nloc = p.num_pieces > pipe ? (p.num_pieces - pipe + pipes - 1) / pipes : 0;
-    const i64 D = S - 1 - KVT_STORES_IN_FLIGHT;     // loads running ahead of the stores
-    for (i64 it = 0; it < nloc + D; ++it) {
+    const Consts c = kvt_consts(p);
+    const u32 pipe = blockIdx.x * warps + warp, pipes = gridDim.x * warps;
+    const u32 P = (u32)p.num_pieces;
+    const u32 nloc = P > pipe ? (P - pipe + pipes - 1) / pipes : 0;
+    const u32 D = S - 1 - KVT_STORES_IN_FLIGHT;     // loads running ahead of the stores
+    for (u32 it = 0; it < nloc + D; ++it) {
         if (it < nloc) {                             // load piece `it` into stage it % S
-            const i64 s = it % S;
+            const u32 s = it % S;
             if (it >= S) bulk_wait_read<KVT_STORES_IN_FLIGHT>();  // piece it-S read out
             __syncwarp();
-            const Piece pc = kvt_piece(p, pipe + it * pipes);
-            const u32 bar = bars + (u32)(s * 8), stage = stages + (u32)(s * p.stage_bytes);
-            const u32 nb = kvt_load_bytes(p, pc, src_host, lane);
+            const Piece pc = kvt_piece(c, pipe + it * pipes);
+            const u32 bar = bars + s * 8, stage = stages + s * stage_bytes;
+            const u32 nb = kvt_load_bytes(p, c, pc, src_host, lane);
             if (lane == 0) mbar_expect_tx(bar, nb);
             __syncwarp();
-            kvt_issue(p, &tmap, pc, src_host, true, stage, bar, lane);
+            kvt_issue(p, c, &tmap, pc, src_host, true, stage, bar, lane);
         }
-        const i64 c = it - D;
-        if (c >= 0 && c < nloc) {                    // store piece c from stage c % S
-            const i64 s = c % S;
-            const u32 bar = bars + (u32)(s * 8), stage = stages + (u32)(s * p.stage_bytes);
-            mbar_wait(bar, (u32)((c / S) & 1));
+        if (it >= D && it - D < nloc) {              // store piece it-D from its stage
+            const u32 cp = it - D, s = cp % S;
+            const u32 bar = bars + s * 8, stage = stages + s * stage_bytes;
+            mbar_wait(bar, (cp / S) & 1);
             fence_async_smem();
-            const Piece pc = kvt_piece(p, pipe + c * pipes);
-            kvt_issue(p, &tmap, pc, !src_host, false, stage, bar, lane);
+            const Piece pc = kvt_piece(c, pipe + cp * pipes);
+            kvt_issue(p, c, &tmap, pc, !src_host, false, stage, bar, lane);
             bulk_commit();
         }
     }
