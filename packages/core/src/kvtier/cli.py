@@ -50,7 +50,7 @@ command("backends", "list every discovered backend and whether it can run here")
 def _load_plugins() -> None:
     """Import the modules that add sub-commands (kept out of ``import kvtier``)."""
     import importlib
-    for mod in ("kvtier.bench", "kvtier.demo"):
+    for mod in ("kvtier.bench", "kvtier.demo", "kvtier.simulate"):
         try:
             importlib.import_module(mod)
         except ModuleNotFoundError as exc:
@@ -82,4 +82,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    # Run as a script this module is ``__main__``, and the sub-command modules would register
+    # into the other copy, ``kvtier.cli``: hand over to that one.
+    from kvtier.cli import main as _main
+    sys.exit(_main())
