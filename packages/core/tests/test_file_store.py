@@ -757,3 +757,43 @@ def test_o_direct_needs_aligned_pages(tmp_path, pool):
 
 def test_store_errors_are_kvtier_errors():
     assert issubclass(StoreError, KVTierError)
+
+
+# --------------------------------------------------------------------------------------------
+# checksum implementations
+# --------------------------------------------------------------------------------------------
+def test_fast_and_stdlib_checksums_read_each_other(tmp_path, pool, monkeypatch):
+    import zlib
+    k = keys(2)
+    want = [page_bytes(pool, p) for p in (3, 4)]
+    for writer in ("fast", "stdlib"):
+        if writer == "stdlib":
+            monkeypatch.setattr(file_mod, "_impl_cache",
+                                {1: (zlib.crc32, "zlib"), 2: (zlib.adler32, "zlib")})
+        s = FileStore({"root": str(tmp_path / writer)}, spec=SPEC)
+        s.attach(pool)
+        assert s.batch_set(k, [3, 4]) == [True, True]
+        s.close()
+    monkeypatch.undo()
+    for reader in ("stdlib", "fast"):
+        if reader == "stdlib":
+            monkeypatch.setattr(file_mod, "_impl_cache",
+                                {1: (zlib.crc32, "zlib"), 2: (zlib.adler32, "zlib")})
+        for writer in ("fast", "stdlib"):
+            s = FileStore({"root": str(tmp_path / writer)}, spec=SPEC)
+            s.attach(pool)
+            fill_random(pool.raw)
+            assert s.batch_get(k, [0, 1]) == [True, True], (writer, reader)
+            assert torch.equal(page_bytes(pool, 0), want[0])
+            assert torch.equal(page_bytes(pool, 1), want[1])
+            s.close()
+        monkeypatch.undo()
+
+
+def test_checksum_provider_falls_back_to_zlib(monkeypatch):
+    import zlib
+    monkeypatch.setattr(file_mod, "_impl_cache", {})
+    monkeypatch.setattr(file_mod, "_PROVIDERS", (("missing", "no_such_checksum_module"),
+                                                 ("zlib", "zlib")))
+    fn, provider = file_mod.checksum_impl(1)
+    assert provider == "zlib" and fn is zlib.crc32

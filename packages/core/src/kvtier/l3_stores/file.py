@@ -6,11 +6,11 @@ hex digits only, so no key can name a path outside the directory.
 
 Each object is the page's bytes followed by a 128-byte trailer: magic, format version, the
 KVSpec fingerprint, the SHA-256 of the key, the payload length, a checksum of the payload
-(zlib CRC-32 or Adler-32; the trailer says which) and a CRC-32 of the trailer itself. The
-payload comes first so that it starts at offset 0 (aligned for ``O_DIRECT``) and one
-``preadv`` lands it in the host page without a copy. A file that is truncated, corrupted,
-foreign (another spec, another key) or of an unknown format is a miss and a counted error,
-never wrong KV.
+(CRC-32 or Adler-32 as zlib defines them; the trailer says which) and a CRC-32 of the
+trailer itself. The payload comes first so that it starts at offset 0 (aligned for
+``O_DIRECT``) and one ``preadv`` lands it in the host page without a copy. A file that is
+truncated, corrupted, foreign (another spec, another key) or of an unknown format is a miss
+and a counted error, never wrong KV.
 
 Writes are atomic: a temporary file in the object's directory (``fsync`` if configured), then
 ``rename`` over the final name, so a reader sees the old object, the new one or none -- never a
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import importlib
 import logging
 import mmap
 import os
@@ -46,7 +47,7 @@ from typing import Any, Callable, Literal, Sequence
 
 from ..errors import ConfigError, StoreError
 from ..interfaces import INTERFACE_VERSION, Availability, Capabilities, L3Store
-from ..layout import PAGE_FIRST
+from ..layout import PAGE_FIRST, page_ranges
 
 log = logging.getLogger(__name__)
 
@@ -63,10 +64,15 @@ _IOV_MAX = 1024
 _FIELDS = struct.Struct("<8sHHI16s32sQI")
 TRAILER_BYTES = 128
 _RESERVED = TRAILER_BYTES - _FIELDS.size - 4
-_CHECKSUMS: dict[str, tuple[int, Callable[..., int]]] = {"crc32": (1, zlib.crc32),
-                                                         "adler32": (2, zlib.adler32)}
-_CHECKSUM_BY_ID = {kid: fn for kid, fn in _CHECKSUMS.values()}
-_CHECKSUM_START = {1: 0, 2: 1}    # crc32 starts from 0, adler32 from 1
+#: Checksum kinds recorded in the trailer: name -> (id, initial value).
+_CHECKSUMS: dict[str, tuple[int, int]] = {"crc32": (1, 0), "adler32": (2, 1)}
+_CHECKSUM_NAME = {kid: name for name, (kid, _) in _CHECKSUMS.items()}
+_CHECKSUM_START = {kid: start for kid, start in _CHECKSUMS.values()}
+#: Bit-compatible implementations, fastest first: ISA-L and zlib-ng compute the very same
+#: CRC-32/Adler-32 several times faster than the system zlib (``pip install
+#: 'kvtier-core[fast-checksum]'``), so objects stay readable by every installation.
+_PROVIDERS = (("isal", "isal.isal_zlib"), ("zlib-ng", "zlib_ng.zlib_ng"), ("zlib", "zlib"))
+_impl_cache: dict[int, tuple[Callable[..., int], str]] = {}
 
 _warned: set[str] = set()
 _warn_lock = threading.Lock()
@@ -86,8 +92,29 @@ def key_filename(key: bytes) -> tuple[str, str]:
     return f"{zlib.crc32(key) & 0xFF:02x}", name + SUFFIX
 
 
+def checksum_impl(kind_id: int) -> tuple[Callable[..., int], str]:
+    """(function, provider) computing checksum ``kind_id``: the fastest bit-compatible one
+    importable here, checked against the stdlib on a known input before it is trusted."""
+    hit = _impl_cache.get(kind_id)
+    if hit is not None:
+        return hit
+    name = _CHECKSUM_NAME[kind_id]
+    ref = getattr(zlib, name)
+    probe = bytes(range(256)) * 40
+    for provider, module in _PROVIDERS:
+        try:
+            fn = getattr(importlib.import_module(module), name)
+            if fn(probe) == ref(probe) and fn(probe[7:], fn(probe[:7])) == ref(probe):
+                _impl_cache[kind_id] = (fn, provider)
+                return fn, provider
+        except (ImportError, OSError, AttributeError, TypeError):
+            continue
+    _impl_cache[kind_id] = (ref, "zlib")
+    return ref, "zlib"
+
+
 def _checksum(kind_id: int, bufs: Sequence[memoryview]) -> int:
-    fn = _CHECKSUM_BY_ID[kind_id]
+    fn = checksum_impl(kind_id)[0]
     value = _CHECKSUM_START[kind_id]
     for b in bufs:
         value = fn(b, value)
@@ -121,7 +148,7 @@ def check_trailer(raw: bytes, fingerprint: str, key: bytes, payload_len: int) ->
     if struct.unpack_from("<I", raw, TRAILER_BYTES - 4)[0] != \
             zlib.crc32(raw[:TRAILER_BYTES - 4]) & 0xFFFFFFFF:
         raise _Bad("corrupted", "trailer checksum mismatch")
-    if version != FORMAT_VERSION or tlen != TRAILER_BYTES or kind_id not in _CHECKSUM_BY_ID:
+    if version != FORMAT_VERSION or tlen != TRAILER_BYTES or kind_id not in _CHECKSUM_NAME:
         raise _Bad("foreign", f"unknown format version {version} / checksum {kind_id}")
     if fp.rstrip(b"\0") != fingerprint.encode("ascii")[:16]:
         raise _Bad("foreign", f"KVSpec fingerprint {fp!r} is not {fingerprint}")
@@ -236,6 +263,7 @@ class FileStore(L3Store):
                              backend=self.name) from exc
         self.object_bytes = spec.page_bytes + TRAILER_BYTES
         self._kind_id = _CHECKSUMS[c.checksum][0]
+        self.checksum_provider = checksum_impl(self._kind_id)[1]
         self._tmp_tag = f"{_host_id()}-{os.getpid()}"
         self._lock = threading.Lock()          # index and counters below
         self._index: OrderedDict[str, int] = OrderedDict()   # relpath -> mtime_ns, LRU first
@@ -328,6 +356,17 @@ class FileStore(L3Store):
     # ----- attach ---------------------------------------------------------------------------
     def attach(self, host_pool) -> None:
         super().attach(host_pool)
+        # Page p's pieces are page 0's shifted by p * stride (both layouts): precompute them
+        # once over one byte view of the pool, so a page costs a few slices, not tensor ops.
+        spec, n = self.spec, host_pool.num_pages
+        first = page_ranges(spec, n, host_pool.layout, 0)
+        stride = spec.page_bytes if host_pool.layout == PAGE_FIRST else spec.chunk_bytes
+        last = page_ranges(spec, n, host_pool.layout, n - 1)
+        if last != [(off + (n - 1) * stride, ln) for off, ln in first]:   # pragma: no cover
+            raise StoreError("file: host pool layout is not a fixed stride per page",
+                             backend=self.name)
+        self._pieces, self._stride = first, stride
+        self._raw = memoryview(host_pool.raw.numpy())
         # O_DIRECT needs page addresses and lengths aligned to the device block.
         self._direct_pool = False
         if self._direct:
@@ -423,7 +462,8 @@ class FileStore(L3Store):
         with self._lock:
             d.update(objects=len(self._index), bytes_stored=len(self._index) * self.object_bytes,
                      o_direct=self._direct and self._direct_pool,
-                     o_direct_reason=self._direct_reason, root=self.dir)
+                     o_direct_reason=self._direct_reason, root=self.dir,
+                     checksum=f"{self.config.checksum} ({self.checksum_provider})")
         return d
 
     def close(self) -> None:
@@ -571,8 +611,9 @@ class FileStore(L3Store):
 
     # ----- one object -------------------------------------------------------------------------
     def _views(self, page: int) -> list[memoryview]:
-        assert self.host_pool is not None
-        return [memoryview(seg.numpy()) for seg in self.host_pool.page_segments(page)]
+        """Writable byte views of one host page's pieces, in logical order (no copy)."""
+        base, raw = page * self._stride, self._raw
+        return [raw[base + off:base + off + ln] for off, ln in self._pieces]
 
     def _trailer_block(self) -> memoryview:
         """A per-thread page-aligned scratch block (O_DIRECT needs aligned buffers)."""
@@ -696,14 +737,19 @@ class FileStore(L3Store):
     # ----- helpers ---------------------------------------------------------------------------
     def _map(self, fn: Callable[[tuple[bytes, int]], bool], items: list) -> list[bool]:
         """Run ``fn`` over items on the I/O threads, keeping order."""
-        if len(items) <= 1 or self.config.io_threads == 1:
+        threads = self.config.io_threads
+        if len(items) <= 1 or threads == 1:
             return [fn(it) for it in items]
         if self._pool is None:
             with self._lock:
                 if self._pool is None:
-                    self._pool = ThreadPoolExecutor(self.config.io_threads,
+                    self._pool = ThreadPoolExecutor(threads,
                                                     thread_name_prefix="kvtier-file-io")
-        return list(self._pool.map(fn, items))
+        # A few items per task: less per-future overhead, still balanced across threads.
+        step = max(1, -(-len(items) // (threads * 2)))
+        chunks = [items[i:i + step] for i in range(0, len(items), step)]
+        return [ok for part in self._pool.map(lambda c: [fn(it) for it in c], chunks)
+                for ok in part]
 
     def _check_open(self) -> None:
         if self._closed:
