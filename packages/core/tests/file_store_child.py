@@ -51,7 +51,7 @@ def check_page(page: torch.Tensor, key_index: int) -> int | None:
 
 
 def open_store(root: str, **config) -> tuple[FileStore, HostKVPool]:
-    pool = HostKVPool(SPEC, 2 * NUM_KEYS)
+    pool = HostKVPool(SPEC, 2 * NUM_KEYS, allocator="mmap")   # aligned: O_DIRECT (auto)
     store = FileStore({"root": root, "io_threads": 2, **config}, spec=SPEC)
     store.attach(pool)
     return store, pool

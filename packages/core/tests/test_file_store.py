@@ -174,26 +174,47 @@ def _flip(path: str, offset: int) -> None:
 
 
 DAMAGE = {
-    "payload-bit": lambda p: _flip(p, SPEC.page_bytes // 3),
-    "last-payload-byte": lambda p: _flip(p, SPEC.page_bytes - 1),
-    "magic": lambda p: _flip(p, SPEC.page_bytes),
-    "trailer-field": lambda p: _flip(p, SPEC.page_bytes + 60),
-    "trailer-crc": lambda p: _flip(p, SPEC.page_bytes + TRAILER_BYTES - 1),
-    "truncated-half": lambda p: os.truncate(p, SPEC.page_bytes // 2),
-    "truncated-trailer": lambda p: os.truncate(p, SPEC.page_bytes + TRAILER_BYTES - 1),
-    "no-trailer": lambda p: os.truncate(p, SPEC.page_bytes),
-    "empty": lambda p: os.truncate(p, 0),
-    "grown": lambda p: open(p, "ab").write(b"\0"),
-    "zeroed": lambda p: open(p, "r+b").write(bytes(SPEC.page_bytes + TRAILER_BYTES)),
+    "payload-bit": lambda p, n: _flip(p, n // 3),
+    "last-payload-byte": lambda p, n: _flip(p, n - 1),
+    "magic": lambda p, n: _flip(p, n),
+    "trailer-field": lambda p, n: _flip(p, n + 60),
+    "trailer-crc": lambda p, n: _flip(p, n + TRAILER_BYTES - 1),
+    "truncated-half": lambda p, n: os.truncate(p, n // 2),
+    "truncated-trailer": lambda p, n: os.truncate(p, n + TRAILER_BYTES - 1),
+    "no-trailer": lambda p, n: os.truncate(p, n),
+    "empty": lambda p, n: os.truncate(p, 0),
+    "grown": lambda p, n: open(p, "ab").write(b"\0"),
+    "zeroed": lambda p, n: open(p, "r+b").write(bytes(n + TRAILER_BYTES)),
 }
+
+# 8 KiB pages in page-aligned (mmap) memory: the store reads and writes them with O_DIRECT.
+ALIGNED = KVSpec.mha(num_layers=2, num_kv_heads=2, head_dim=64, page_size=8,
+                     dtype="bfloat16")
+
+
+@pytest.fixture(params=["page-cache", "o-direct"])
+def any_store(request, tmp_path):
+    """(store, pool, spec) for both I/O paths."""
+    spec = SPEC if request.param == "page-cache" else ALIGNED
+    pool = HostKVPool(spec, 16, allocator="mmap")
+    fill_random(pool.raw)
+    s = FileStore({"root": str(tmp_path / "store"), "io_threads": 3,
+                   "o_direct": "off" if request.param == "page-cache" else "auto"}, spec=spec)
+    s.attach(pool)
+    if request.param == "o-direct" and not s.stats()["o_direct"]:
+        pytest.skip(f"O_DIRECT not possible here: {s.stats()['o_direct_reason']}")
+    yield s, pool, spec
+    s.close()
+    pool.close()
 
 
 @pytest.mark.parametrize("damage", sorted(DAMAGE))
-def test_damaged_object_is_a_counted_miss(store, pool, damage):
+def test_damaged_object_is_a_counted_miss(any_store, damage):
+    store, pool, spec = any_store
     k = keys(3)
     want = [page_bytes(pool, p) for p in (0, 1, 2)]
     assert store.batch_set(k, [0, 1, 2]) == [True] * 3
-    DAMAGE[damage](_path(store, k[1]))
+    DAMAGE[damage](_path(store, k[1]), spec.page_bytes)
     before = store.stats()
     fill_random(pool.raw)
     got = store.batch_get(k, [5, 6, 7])
@@ -216,7 +237,7 @@ def test_damaged_object_kept_when_asked(tmp_path, pool):
     store.attach(pool)
     k = keys(1)
     store.batch_set(k, [0])
-    DAMAGE["payload-bit"](_path(store, k[0]))
+    DAMAGE["payload-bit"](_path(store, k[0]), SPEC.page_bytes)
     assert store.batch_get(k, [1]) == [False]
     assert store.batch_get(k, [1]) == [False]
     assert os.path.exists(_path(store, k[0]))
@@ -227,7 +248,7 @@ def test_damaged_object_kept_when_asked(tmp_path, pool):
 def test_damaged_size_seen_by_exists(store, pool):
     k = keys(3)
     store.batch_set(k, [0, 1, 2])
-    DAMAGE["truncated-half"](_path(store, k[1]))
+    DAMAGE["truncated-half"](_path(store, k[1]), SPEC.page_bytes)
     assert store.batch_exists(k) == 1
     assert store.stats()["truncated"] == 1
 
@@ -454,14 +475,19 @@ def _mount_tmpfs(path: str, size: str) -> bool:
     return r.returncode == 0
 
 
-def test_really_full_filesystem(tmp_path, pool):
+@pytest.mark.parametrize("path", ["page-cache", "o-direct"])
+def test_really_full_filesystem(tmp_path, path):
     mnt = tmp_path / "small"
     mnt.mkdir()
-    if not _mount_tmpfs(str(mnt), "24k"):
+    if not _mount_tmpfs(str(mnt), "24k" if path == "page-cache" else "64k"):
         pytest.skip("cannot mount a small tmpfs here (needs root and mount rights); the "
                     "fault-injection and RLIMIT_FSIZE tests cover the logic")
+    spec = SPEC if path == "page-cache" else ALIGNED
+    pool = HostKVPool(spec, 16, allocator="mmap")
+    fill_random(pool.raw)
     try:
-        store = FileStore({"root": str(mnt), "io_threads": 1}, spec=SPEC)
+        store = FileStore({"root": str(mnt), "io_threads": 1,
+                           "o_direct": "off" if path == "page-cache" else "auto"}, spec=spec)
         store.attach(pool)
         n = pool.num_pages
         k = keys(n)
@@ -479,6 +505,7 @@ def test_really_full_filesystem(tmp_path, pool):
         store.close()
     finally:
         subprocess.run(["umount", str(mnt)], check=False)
+        pool.close()
 
 
 # --------------------------------------------------------------------------------------------
@@ -709,10 +736,6 @@ def test_index_rebuilt_from_the_directory(tmp_path, pool):
 # --------------------------------------------------------------------------------------------
 # O_DIRECT
 # --------------------------------------------------------------------------------------------
-ALIGNED = KVSpec.mha(num_layers=2, num_kv_heads=2, head_dim=64, page_size=8,
-                     dtype="bfloat16")          # 8 KiB pages
-
-
 def test_o_direct_round_trip_or_reported_fallback(tmp_path):
     with HostKVPool(ALIGNED, 6, allocator="mmap") as pool:
         fill_random(pool.raw)

@@ -29,6 +29,7 @@ bytes; a plain miss leaves the page untouched.
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import importlib
 import logging
@@ -160,7 +161,11 @@ def check_trailer(raw: bytes, fingerprint: str, key: bytes, payload_len: int) ->
 
 
 def _pwrite_all(fd: int, bufs: list[memoryview], offset: int = 0) -> None:
-    """pwritev every byte of ``bufs`` (retrying short writes)."""
+    """pwritev every byte of ``bufs`` (retrying short writes).
+
+    A short write on an O_DIRECT descriptor (a resource limit was hit part way) would leave
+    the rest unaligned, so the descriptor drops O_DIRECT first: the retry then either
+    finishes or fails with the real reason (ENOSPC, EFBIG), not EINVAL."""
     while bufs:
         n = os.pwritev(fd, bufs[:_IOV_MAX], offset)
         if n <= 0:
@@ -171,6 +176,10 @@ def _pwrite_all(fd: int, bufs: list[memoryview], offset: int = 0) -> None:
             bufs = bufs[1:]
         if n:
             bufs = [bufs[0][n:]] + bufs[1:]
+        if bufs and offset % DIRECT_ALIGN:
+            flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+            if flags & getattr(os, "O_DIRECT", 0):
+                fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
 
 
 def _pread_all(fd: int, bufs: list[memoryview], offset: int = 0) -> int:
@@ -221,9 +230,11 @@ class FileStore(L3Store):
         #: fsync each object (and its directory) before it becomes visible: survives power
         #: loss. Off, a crash can lose recent objects (checksums turn them into misses).
         fsync: bool = False
-        #: "off": page cache; "on": O_DIRECT or an error at open; "auto": O_DIRECT where the
-        #: filesystem and the host pool's alignment allow, else page cache (reported in stats).
-        o_direct: Literal["off", "auto", "on"] = "off"
+        #: "auto": O_DIRECT where the filesystem and the host pool's alignment (4 KiB page
+        #: addresses and sizes) allow, else the page cache -- stats say which and why; the host
+        #: pool already caches pages, a second copy in the page cache only costs memory and
+        #: CPU. "on": O_DIRECT or a StoreError; "off": always the page cache.
+        o_direct: Literal["off", "auto", "on"] = "auto"
         #: Payload checksum written; readers accept either (the trailer says which).
         checksum: Literal["crc32", "adler32"] = "crc32"
         #: Refresh an object's mtime on every read hit (the LRU order shared across processes).
@@ -279,8 +290,8 @@ class FileStore(L3Store):
                 if c.o_direct == "on":
                     raise StoreError(f"file: O_DIRECT is not possible in {self.dir}: "
                                      f"{self._direct_reason}", backend=self.name)
-                _warn_once(f"direct:{self.dir}", f"file: O_DIRECT unavailable in {self.dir} "
-                           f"({self._direct_reason}); using the page cache")
+                log.info("file: O_DIRECT unavailable in %s (%s); using the page cache",
+                         self.dir, self._direct_reason)
         self._direct_pool = False
         self._scan()
 
@@ -383,7 +394,7 @@ class FileStore(L3Store):
             if why:
                 if self.config.o_direct == "on":
                     raise StoreError(f"file: o_direct='on' but {why}", backend=self.name)
-                _warn_once(f"direct-pool:{why}", f"file: O_DIRECT not used: {why}")
+                log.info("file: O_DIRECT not used: %s; using the page cache", why)
 
     # ----- public API -----------------------------------------------------------------------
     def batch_exists(self, keys: Sequence[bytes]) -> int:
@@ -703,8 +714,18 @@ class FileStore(L3Store):
                 blk = self._trailer_block()
                 blk[:TRAILER_BYTES] = trailer
                 blk[TRAILER_BYTES:] = bytes(DIRECT_ALIGN - TRAILER_BYTES)
-                _pwrite_all(fd, views + [blk])
-                os.ftruncate(fd, self.object_bytes)
+                try:
+                    _pwrite_all(fd, views + [blk])
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL:
+                        raise
+                    # O_DIRECT refused (e.g. a file size limit cut the write unaligned):
+                    # write this object through the page cache, which reports the real error.
+                    fl = fcntl.fcntl(fd, fcntl.F_GETFL)
+                    fcntl.fcntl(fd, fcntl.F_SETFL, fl & ~os.O_DIRECT)
+                    self._bump("direct_fallbacks")
+                    _pwrite_all(fd, views + [memoryview(trailer)])
+                os.ftruncate(fd, self.object_bytes)      # drop the alignment padding
             else:
                 _pwrite_all(fd, views + [memoryview(trailer)])
             if self.config.fsync:
