@@ -1,0 +1,199 @@
+"""A minimal inference "engine" around `TieredKVCache`: it owns the device KV pool (L1) and
+its free list, and serves one request at a time -- match, fetch, prefill the rest, commit,
+release -- timing each request from its arrival to its first token's logits.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import numpy as np
+import torch
+
+from ..cache import TieredKVCache
+from ..device_pool import DeviceKVPool
+from ..errors import PoolExhaustedError
+from .model import CheckResult, DemoModel
+from .workload import Request
+
+
+@dataclass(frozen=True)
+class RequestResult:
+    """What serving one request did and how long it took (seconds)."""
+
+    index: int
+    round: int
+    tokens: int
+    l1_tokens: int           # reused from device pages already in L1
+    l2_tokens: int           # loaded from the host pool
+    l3_tokens: int           # read from the L3 store (through L2)
+    computed_tokens: int     # prefilled by the model
+    ttft_s: float            # arrival -> logits of the first output token
+    match_s: float
+    load_s: float            # fetch + waiting for the loaded layers
+    prefill_s: float
+    commit_s: float          # after the first token: commit + release (not in TTFT)
+    check: CheckResult | None = None
+
+    @property
+    def hit_tokens(self) -> int:
+        return self.l1_tokens + self.l2_tokens + self.l3_tokens
+
+
+class DemoEngine:
+    """Serves requests through a `TieredKVCache` over a device pool of ``l1_pages`` pages.
+
+    The engine owns the pool's free list: ``allocate`` hands out free pages and, when there
+    are not enough, asks the cache to evict unpinned L1 pages, which come back through the
+    ``free_device_pages`` callback.
+    """
+
+    def __init__(self, model: DemoModel, cache_config: Mapping[str, Any], *, l1_pages: int,
+                 lower_tiers: bool = True):
+        self.model = model
+        #: False: reuse L1 hits only, never load from L2/L3 (the L1-only baseline)
+        self.lower_tiers = lower_tiers
+        self.pool = DeviceKVPool.empty(model.spec, l1_pages, device=model.device)
+        self._free: list[int] = list(range(l1_pages - 1, -1, -1))
+        self.cache = TieredKVCache.from_config(
+            dict(cache_config), device_pool=self.pool,
+            allocate_device_pages=self._take, free_device_pages=self._give)
+        #: testing aid: flip one value of the first page restored from L2/L3 after it lands,
+        #: to show that the check catches a wrong restore.
+        self.corrupt_restore = False
+        self.corrupted = 0
+        #: how long `allocate` waits for pinned L1 pages to become evictable
+        self.alloc_timeout_s = 10.0
+
+    # ----- the device page allocator ------------------------------------------------------
+    def _take(self, n: int) -> list[int] | None:
+        if n > len(self._free):
+            return None
+        pages = self._free[len(self._free) - n:]
+        del self._free[len(self._free) - n:]
+        return pages
+
+    def _give(self, pages: list[int]) -> None:
+        self._free.extend(pages)
+
+    def allocate(self, n: int) -> list[int]:
+        """``n`` free device pages, evicting L1 pages if needed."""
+        if n <= 0:
+            return []
+        pages = self._take(n)
+        deadline = time.perf_counter() + self.alloc_timeout_s
+        delay = 1e-4
+        while pages is None:
+            # Evict one page per call: the cache picks the least recently used leaf each
+            # time, so a chain leaves L1 leaf by leaf (a batch would also back up the chain's
+            # inner pages to L2 because their children still exist when it is chosen). L1
+            # pages being backed up stay pinned until their copy lands: wait for them rather
+            # than fail (the wait is part of the request's TTFT).
+            while len(self._free) < n and self.cache.evict(1):
+                pass
+            pages = self._take(n)
+            if pages is not None or time.perf_counter() > deadline:
+                break
+            time.sleep(delay)
+            delay = min(2 * delay, 5e-3)
+        if pages is None:
+            raise PoolExhaustedError(
+                f"the device pool ({self.pool.num_pages} pages) cannot hold a request needing "
+                f"{n} more pages: {len(self._free)} free, the rest pinned; raise --l1-pages",
+                requested=n, free=len(self._free))
+        return pages
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    # ----- serving --------------------------------------------------------------------------
+    def serve(self, request: Request,
+              check: Callable[[int, int], bool] | bool = False) -> RequestResult:
+        """Prefill one request on whatever prefix the tiers hold. ``check`` (or
+        ``check(l1_pages_hit, pages_loaded)``, asked once the hits are known) compares the
+        result with a full recompute; the comparison is not part of the timings."""
+        model, cache, ps = self.model, self.cache, self.model.spec.page_size
+        tokens_np = np.asarray(request.tokens)
+        n = int(tokens_np.shape[0])
+        n_full = n // ps
+        tokens = model.as_tokens(tokens_np)
+        _sync(model.device)
+        t0 = time.perf_counter()
+        # At most n - 1 tokens may come from the cache: the last one must be computed to
+        # produce the logits of the first output token.
+        m = cache.match(tokens_np[:n - 1])
+        t1 = time.perf_counter()
+        want = m.l2_count + m.l3_count if self.lower_tiers else 0
+        load_pages = self.allocate(want)
+        fh = cache.fetch(m, load_pages)
+        loaded = fh.pages_loaded
+        prefix = list(m.l1_pages) + list(fh.device_pages[:loaded])
+        # Pages given to fetch but not loaded (an L3 miss cut the hit short) stay ours: they
+        # take new KV, and `release` hands back whatever the cache did not take.
+        spare = list(fh.unused_pages)
+        n_new = n_full - len(prefix)
+        new_pages = spare[:n_new]
+        if len(new_pages) < n_new:
+            new_pages += self.allocate(n_new - len(new_pages))
+        waited = False
+        wait_s = 0.0
+
+        def wait_layer(i: int) -> None:
+            nonlocal waited, wait_s
+            tw = time.perf_counter()
+            fh.wait_layer(i)
+            if i == model.size.layers - 1:
+                fh.wait()
+                waited = True
+                if self.corrupt_restore:
+                    self._corrupt(fh.device_pages[0])
+            wait_s += time.perf_counter() - tw
+
+        t2 = time.perf_counter()
+        logits = model.prefill(tokens, self.pool, prefix, new_pages,
+                               wait_layer=wait_layer if loaded else None)
+        _sync(model.device)
+        t3 = time.perf_counter()
+        if not waited:
+            fh.wait()
+        result_check = None
+        if check if isinstance(check, bool) else check(m.l1_count, loaded):
+            result_check = model.check_restored(tokens, logits, self.pool, prefix + new_pages)
+        t4 = time.perf_counter()
+        cache.commit(tokens_np, prefix + new_pages, match=m)
+        self._give(cache.release(m))
+        t5 = time.perf_counter()
+        l2 = min(loaded, m.l2_count)
+        return RequestResult(
+            index=request.index, round=request.round, tokens=n,
+            l1_tokens=m.l1_count * ps, l2_tokens=l2 * ps, l3_tokens=(loaded - l2) * ps,
+            computed_tokens=n - len(prefix) * ps, ttft_s=t3 - t0, match_s=t1 - t0,
+            load_s=t2 - t1 + wait_s, prefill_s=t3 - t2 - wait_s, commit_s=t5 - t4,
+            check=result_check)
+
+    def _corrupt(self, page: int) -> None:
+        ps = self.model.spec.page_size
+        row = self.pool.layers[0][0][page * ps]
+        row.view(torch.uint8).view(-1)[0] ^= 0x01     # one flipped bit of one K value
+        self.corrupted += 1
+
+    def warm_up(self, vocab_size: int) -> None:
+        """One prefill on scratch pages (first-call costs: kernels, allocator), untimed."""
+        ps = self.model.spec.page_size
+        pages = self.allocate(2)
+        try:
+            toks = self.model.as_tokens(torch.arange(2 * ps + 1) % vocab_size)
+            self.model.prefill(toks, self.pool, [], pages)
+        finally:
+            self._give(pages)
+
+    def close(self) -> None:
+        self.cache.close()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

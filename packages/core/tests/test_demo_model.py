@@ -1,0 +1,109 @@
+"""The demo model's paged prefill: restored-prefix prefill vs full recompute, RoPE offsets."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from kvtier import DeviceKVPool  # noqa: E402
+from kvtier.demo.model import DemoModel, default_tolerance  # noqa: E402
+from kvtier.errors import ConfigError, InvalidArgumentError  # noqa: E402
+
+PS = 16
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.set_num_threads(1)
+    return DemoModel("tiny", page_size=PS, seed=1)
+
+
+def _tokens(model, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return model.as_tokens(torch.randint(0, model.vocab_size, (n,), generator=g))
+
+
+def _plain_forward(model, tokens):
+    """One unchunked forward over all tokens: logits of the last token and per-layer K, V."""
+    with torch.inference_mode():
+        out = model.model(input_ids=tokens[None], use_cache=True)
+    kv = [(layer.keys[0].transpose(0, 1), layer.values[0].transpose(0, 1))
+          for layer in out.cache.layers]
+    return out.logits[0, -1], kv
+
+
+def test_spec_matches_the_model(model):
+    s = model.spec
+    assert (s.num_layers, s.num_kv_heads, s.head_dim, s.page_size, s.dtype) == \
+        (2, 2, 16, PS, "float32")
+    assert model.size.kv_heads < model.size.heads           # grouped-query attention
+    assert model.tolerance == 0.0 == default_tolerance(torch.device("cpu"), torch.float32)
+    again = DemoModel("tiny", page_size=PS, seed=1)
+    assert all(torch.equal(a, b) for a, b in zip(model.model.parameters(),
+                                                   again.model.parameters()))
+
+
+@pytest.mark.parametrize("n, restored", [(100, 3), (96, 5), (97, 6), (40, 1), (33, 2)])
+def test_prefill_on_restored_pages_is_bitwise_the_full_recompute(model, n, restored):
+    pool = DeviceKVPool.empty(model.spec, 32)
+    toks = _tokens(model, n, seed=n)
+    first = list(range(31, 31 - n // PS, -1))                  # scattered pages, reversed
+    logits = model.prefill(toks, pool, [], first)
+    assert model.check_restored(toks, logits, pool, first).exact
+    # a later request restores `restored` pages and computes the rest into other pages
+    more = torch.cat([toks, _tokens(model, 21, seed=7)])
+    new = list(range(len(more) // PS - restored))
+    pages = first[:restored] + new
+    logits2 = model.prefill(more, pool, first[:restored], new)
+    res = model.check_restored(more, logits2, pool, pages)
+    assert res.exact and res.passed and res.kv_pages_differing == 0
+    assert res.logits_max_abs_diff == 0.0 == res.kv_max_abs_diff
+
+
+def test_rope_positions_continue_after_the_restored_prefix(model):
+    pool = DeviceKVPool.empty(model.spec, 16)
+    toks = _tokens(model, 150, seed=3)
+    model.prefill(toks[:96], pool, [], list(range(6)))
+    logits = model.prefill(toks, pool, list(range(4)), list(range(8, 13)))
+    ref_logits, ref_kv = _plain_forward(model, toks)
+    # chunking changes rounding, not results: close to one plain forward of all tokens
+    assert torch.allclose(logits, ref_logits, atol=1e-5, rtol=1e-4)
+    pages = list(range(4)) + list(range(8, 13))
+    slots = torch.tensor([p * PS + i for p in pages for i in range(PS)])
+    for layer, (k, v) in enumerate(ref_kv):
+        assert torch.allclose(pool.layers[0][layer][slots], k[:len(slots)], atol=1e-5)
+        assert torch.allclose(pool.layers[1][layer][slots], v[:len(slots)], atol=1e-5)
+    # the same suffix computed at positions starting from 0 gives other keys: the
+    # comparison above would catch a wrong RoPE offset
+    from transformers import DynamicCache
+    with torch.inference_mode():
+        out = model.model(input_ids=toks[None, 64:80], cache=DynamicCache(), use_cache=True)
+    wrong_k = out.cache.layers[0].keys[0].transpose(0, 1)
+    assert not torch.allclose(wrong_k, ref_kv[0][0][64:80], atol=1e-3)
+
+
+def test_check_catches_one_flipped_bit(model):
+    pool = DeviceKVPool.empty(model.spec, 8)
+    toks = _tokens(model, 70, seed=5)
+    logits = model.prefill(toks, pool, [], [0, 1, 2, 3])
+    pool.layers[1][1][2 * PS + 3].view(torch.uint8).view(-1)[5] ^= 0x10
+    res = model.check_restored(toks, logits, pool, [0, 1, 2, 3])
+    assert not res.exact and not res.passed and res.kv_pages_differing == 1
+    logits = logits.clone()
+    logits[7] = torch.nextafter(logits[7], torch.tensor(1e9))
+    assert model.check_restored(toks, logits, pool, [0, 1, 2, 3]).logits_max_abs_diff > 0
+
+
+def test_bad_arguments(model):
+    pool = DeviceKVPool.empty(model.spec, 8)
+    toks = _tokens(model, 32, seed=1)
+    with pytest.raises(InvalidArgumentError, match="nothing of 32 tokens"):
+        model.prefill(toks, pool, [0, 1], [])
+    with pytest.raises(InvalidArgumentError, match="full pages"):
+        model.prefill(toks, pool, [0], [])
+    with pytest.raises(InvalidArgumentError):
+        model.as_tokens([])
+    with pytest.raises(ConfigError, match="model size"):
+        DemoModel("huge")
