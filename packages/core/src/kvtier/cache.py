@@ -216,13 +216,13 @@ class CacheConfig:
 class _Node:
     """One page key in L1 and/or L2. Exists only while it holds a device or host page."""
 
-    __slots__ = ("key", "parent", "children", "l1_children", "device_page", "host_page",
+    __slots__ = ("key", "parent", "kids", "l1_children", "device_page", "host_page",
                  "l1_pins", "l2_pins", "hits", "in_l3", "backup_pending", "wb_pending")
 
     def __init__(self, key: bytes, parent: "_Node | None"):
         self.key = key
         self.parent = parent
-        self.children = 0            # child nodes in the index (any tier)
+        self.kids: set[_Node] = set()  # child nodes in the index (any tier)
         self.l1_children = 0         # child nodes in L1
         self.device_page: int | None = None
         self.host_page: int | None = None
@@ -232,6 +232,10 @@ class _Node:
         self.in_l3 = False           # we wrote it to L3 (the store may have dropped it since)
         self.backup_pending = False  # an L1 -> L2 copy is in flight
         self.wb_pending = False      # an L2 -> L3 write-back before eviction is in flight
+
+    @property
+    def children(self) -> int:
+        return len(self.kids)
 
     def __repr__(self) -> str:
         return (f"_Node({self.key[:4].hex()}, dev={self.device_page}, host={self.host_page}, "
@@ -791,7 +795,7 @@ class TieredKVCache:
         self._check()
         t0 = time.perf_counter()
         keys = self.keyer.keys(tokens)
-        dev = self.device_pool.check_pages(device_pages).tolist()
+        dev = self._page_list(device_pages, "device_pages")
         if len(dev) != len(keys):
             raise InvalidArgumentError(f"commit needs one device page per full page: "
                                        f"{len(keys)} full pages, {len(dev)} device pages",
@@ -836,9 +840,9 @@ class TieredKVCache:
                     node = _Node(key, parent)
                     nodes[key] = node
                     if parent is not None:
-                        parent.children += 1
+                        parent.kids.add(node)
                 if node.device_page is None:
-                    self._l1_add(node, d)
+                    self._l1_add(node, d, touch=False)     # touched below, leaf first
                     new += 1
                     taken.append(d)
                     if match is not None:
@@ -913,6 +917,19 @@ class TieredKVCache:
             raise InvalidArgumentError(f"tier must be 'l1' or 'l2', got {tier!r}",
                                        argument="tier", value=tier)
         return self._evict_l1(num_pages)
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until no transfer completion or L3 I/O is queued or running (tests,
+        benchmarks, deterministic replays); False on timeout."""
+        deadline = None if timeout is None else time.perf_counter() + timeout
+        left = lambda: None if deadline is None else max(0.0, deadline - time.perf_counter())  # noqa: E731
+        while True:
+            if not self._completer.wait_idle(left()):
+                return False
+            if not self._queue.wait_idle(left()):
+                return False
+            if self._completer.depth() == 0:   # an L3 write may not queue new transfers
+                return True
 
     def metrics(self) -> dict[str, Any]:
         """A snapshot of every counter, gauge and latency summary."""
@@ -1052,12 +1069,13 @@ class TieredKVCache:
                 self._l3_error_streak = 0
 
     # ----- index helpers (lock held) --------------------------------------------------------
-    def _l1_add(self, node: _Node, page: int) -> None:
+    def _l1_add(self, node: _Node, page: int, touch: bool = True) -> None:
         node.device_page = page
         self._l1_by_page[page] = node
         if node.parent is not None:
             node.parent.l1_children += 1
-        self._l1_lru.touch(node.key, node)
+        if touch:
+            self._l1_lru.touch(node.key, node)
 
     def _l1_remove(self, node: _Node) -> int:
         page = node.device_page
@@ -1071,8 +1089,22 @@ class TieredKVCache:
         return page
 
     def _l2_add(self, node: _Node, page: int) -> None:
+        """Register an L2 copy; the caller touches the chain (`_touch_l2_up`)."""
         node.host_page = page
         self._l2_lru.touch(node.key, node)
+
+    def _touch_l2_up(self, nodes: list[_Node]) -> None:
+        """Touch ``nodes`` (chain order) and their ancestors in L2, deepest first, so that a
+        prefix stays newer than its extensions (the LRU scan then meets leaves first)."""
+        touch = self._l2_lru.touch
+        seen: set[bytes] = set()
+        for nd in reversed(nodes):
+            cur: _Node | None = nd
+            while cur is not None and cur.key not in seen:
+                seen.add(cur.key)
+                if cur.host_page is not None:
+                    touch(cur.key, cur)
+                cur = cur.parent
 
     def _l2_remove(self, node: _Node) -> int:
         page = node.host_page
@@ -1087,7 +1119,7 @@ class TieredKVCache:
             assert node.children == 0, f"{node} would orphan its children"
             del self._nodes[node.key]
             if node.parent is not None:
-                node.parent.children -= 1
+                node.parent.kids.discard(node)
 
     def _alloc_host(self, n: int) -> list[int]:
         """Up to ``n`` host pages, evicting unpinned L2 leaves as needed."""
@@ -1177,8 +1209,10 @@ class TieredKVCache:
                         or nd.l1_children:
                     continue
                 if nd.host_page is None:
-                    if nd.children:
-                        continue                  # dropping it would orphan its L2 children
+                    # No L2 copy: its L2-only descendants (colder: they left L1 first) go
+                    # too, unless one is in use -- never leave them without their prefix.
+                    if nd.children and not self._drop_l2_subtree(nd):
+                        continue
                     if pol.demote_on_l1_evict:
                         dropped_dirty += 1
                 freed.append(self._l1_remove(nd))
@@ -1187,6 +1221,22 @@ class TieredKVCache:
                                             "l1_dirty_dropped": dropped_dirty})
             self._free_cb(freed)
         return len(freed)
+
+    def _drop_l2_subtree(self, top: _Node) -> bool:
+        """Drop every descendant of ``top`` (all L2-only: ``top`` is an L1 leaf) from L2,
+        leaves first; nothing if any of them is in use. Lock held."""
+        order: list[_Node] = []
+        stack = list(top.kids)
+        while stack:
+            nd = stack.pop()
+            if nd.l2_pins or nd.wb_pending or nd.device_page is not None:
+                return False
+            order.append(nd)
+            stack.extend(nd.kids)
+        freed = [self._l2_remove(nd) for nd in reversed(order)]   # children first
+        self.host_pool.free(freed)
+        self.metrics_registry.add("l2_evictions", len(freed))
+        return True
 
     def _allocate_device(self, n: int) -> list[int]:
         if n == 0:
@@ -1206,8 +1256,19 @@ class TieredKVCache:
             want //= 2
         return []
 
+    def _page_list(self, pages: Any, what: str) -> list[int]:
+        """Device page indices as a list of ints, range-checked (fast path for int lists)."""
+        if isinstance(pages, (list, tuple)) and all(type(p) is int for p in pages):
+            if pages and (min(pages) < 0 or max(pages) >= self.device_pool.num_pages):
+                bad = min(pages) if min(pages) < 0 else max(pages)
+                raise PageIndexError(f"{what}: device page {bad} out of range [0, "
+                                     f"{self.device_pool.num_pages})", index=bad,
+                                     limit=self.device_pool.num_pages)
+            return list(pages)
+        return self.device_pool.check_pages(pages, what).tolist()
+
     def _check_engine_pages(self, pages: Any, what: str) -> list[int]:
-        dev = self.device_pool.check_pages(pages, what).tolist()
+        dev = self._page_list(pages, what)
         if len(set(dev)) != len(dev):
             raise PageIndexError(f"{what} contain duplicates")
         with self._lock:
@@ -1277,6 +1338,8 @@ class TieredKVCache:
             if unused:
                 self.host_pool.free(unused)
             done = len(nodes) - len(unused)
+            if done:
+                self._touch_l2_up(nodes)
             if writes and self._l3_usable():
                 for nd in writes:
                     nd.l2_pins += 1
@@ -1439,7 +1502,7 @@ class TieredKVCache:
                     node = _Node(key, parent)
                     self._nodes[key] = node
                     if parent is not None:
-                        parent.children += 1
+                        parent.kids.add(node)
                 if node.host_page is None:
                     self._l2_add(node, hp)
                 else:
@@ -1451,6 +1514,8 @@ class TieredKVCache:
                     task.match._pinned_l2.append(node)
                     landed += 1
                 parent = node
+            if ok:
+                self._touch_l2_up(task.landed[-landed:] if landed else [])
             if dup:
                 self.host_pool.free(dup)
         self.metrics_registry.add_many({"l3_loaded_pages": count,
@@ -1589,6 +1654,7 @@ class TieredKVCache:
                         l1_children[nd.parent.key] = l1_children.get(nd.parent.key, 0) + 1
             for key, nd in self._nodes.items():
                 assert nd.children == children.get(key, 0), nd
+                assert all(self._nodes.get(k.key) is k and k.parent is nd for k in nd.kids), nd
                 assert nd.l1_children == l1_children.get(key, 0), nd
             assert len(self._l1_by_page) == len(self._l1_lru)
             assert len(seen_host) == len(self._l2_lru)

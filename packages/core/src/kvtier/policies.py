@@ -190,11 +190,10 @@ class LRUOrder:
 
     def touch(self, key: Hashable, item: Any) -> None:
         """Mark ``key`` most recently used (adding it if new)."""
-        od = self._od
-        if key in od:
-            od.move_to_end(key)
-        else:
-            od[key] = item
+        try:
+            self._od.move_to_end(key)
+        except KeyError:
+            self._od[key] = item
 
     def discard(self, key: Hashable) -> None:
         self._od.pop(key, None)

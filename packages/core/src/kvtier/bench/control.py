@@ -1,0 +1,229 @@
+"""Control-plane cost of the controller: match, fetch bookkeeping and commit, per page.
+
+A 128K-token prompt and many small requests run against a `TieredKVCache` over a KV geometry
+so small that moving a page costs next to nothing, so the times are the controller's own
+(hashing, index walks, pins, LRU, eviction, scheduling). In the same run the benchmark
+measures two references: bare page-key hashing of the same prompt (the floor every path
+pays) and copying one page of a real model's KV (host memory, same page size) -- the data
+work a page's control overhead is weighed against.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from ..report import progress, table
+from ..spec import KVSpec
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tokens", type=int, default=131072, help="long prompt (default 128K)")
+    p.add_argument("--page-size", type=int, default=64, help="tokens per page (default 64)")
+    p.add_argument("--small-requests", type=int, default=500,
+                   help="number of small requests (default 500)")
+    p.add_argument("--small-tokens", type=int, default=2048,
+                   help="tokens per small request (default 2048; half shared)")
+    p.add_argument("--repeat", type=int, default=7, help="repetitions (median reported)")
+    p.add_argument("--ref-layers", type=int, default=32, help="reference model: layers")
+    p.add_argument("--ref-kv-heads", type=int, default=8, help="reference model: KV heads")
+    p.add_argument("--ref-head-dim", type=int, default=128, help="reference model: head dim")
+
+
+def _median(fn: Callable[[], Any], repeat: int, setup: Callable[[], Any] | None = None
+            ) -> float:
+    times = []
+    for _ in range(repeat):
+        if setup is not None:
+            setup()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+class _Rig:
+    """A cache over a tiny geometry plus the engine side (free list of device pages)."""
+
+    def __init__(self, page_size: int, device_pages: int, host_pages: int, *,
+                 write_policy: str, l3: str | None):
+        from ..cache import TieredKVCache
+        from ..device_pool import DeviceKVPool
+        from ..simulate import PageAllocator
+        self.spec = KVSpec.mha(num_layers=1, num_kv_heads=1, head_dim=1, page_size=page_size,
+                               dtype="uint8")
+        self.alloc = PageAllocator(device_pages)
+        self.cache = TieredKVCache.from_config(
+            {"model_id": "bench-control", "host_pool_pages": host_pages,
+             "write_policy": write_policy, "prefetch_policy": "wait_complete",
+             "l3_store": l3, "l3_config": {"capacity_bytes": 1 << 30} if l3 else {}},
+            device_pool=DeviceKVPool.empty(self.spec, device_pages),
+            allocate_device_pages=self.alloc.alloc, free_device_pages=self.alloc.free)
+
+    def pages(self, n: int) -> list[int]:
+        got = self.alloc.alloc(n)
+        if got is None:
+            self.cache.evict(n - self.alloc.free_count)
+            got = self.alloc.alloc(n)
+        assert got is not None, "benchmark rig too small"
+        return got
+
+    def request(self, tokens: np.ndarray) -> None:
+        """One engine request: match, fetch, 'prefill' the rest, commit, release."""
+        c = self.cache
+        m = c.match(tokens)
+        h = c.fetch(m, self.pages(m.pages_to_load))
+        h.wait()
+        n = len(m.keys) - m.l1_count - h.pages_loaded
+        c.commit(tokens, m.l1_pages + h.device_pages + self.pages(n), match=m)
+        self.alloc.free(c.release(m))
+
+    def close(self) -> None:
+        self.cache.close()
+
+
+def _long_prompt(args: argparse.Namespace, tokens: np.ndarray, rows: list, hash_s: float,
+                 page_copy_s: float) -> None:
+    ps = args.page_size
+    n = len(tokens) // ps
+
+    def row(name: str, seconds: float, pages: int = n) -> None:
+        us = seconds * 1e6 / max(pages, 1)
+        rows.append([name, pages, f"{seconds * 1e3:.3f}", f"{us:.2f}",
+                     f"{seconds / hash_s:.2f}" if pages == n else "-",
+                     f"{100 * us * 1e-6 / page_copy_s:.2f}"])
+
+    for policy in ("write_back", "write_through"):
+        rig = _Rig(ps, 2 * n + 8, 2 * n + 8, write_policy=policy, l3=None)
+        c = rig.cache
+        try:
+            state: dict[str, Any] = {}
+
+            def fresh() -> None:                  # empty cache, pages for the whole prompt
+                c.wait_idle()
+                for m in state.pop("ms", []):
+                    rig.alloc.free(c.release(m))
+                c.evict(10 * n)
+                c.evict(10 * n, tier="l2")
+                state["m"] = c.match(tokens)
+                state["pages"] = rig.pages(n)
+
+            def commit() -> None:
+                c.commit(tokens, state["pages"], match=state["m"])
+                state["ms"] = [state["m"]]
+            row(f"commit 128K, new pages ({policy})", _median(commit, args.repeat, fresh))
+            if policy == "write_back":
+                def cold() -> None:
+                    m = c.match(tokens)
+                    c.release(m)
+                c.evict(10 * n)
+                c.evict(10 * n, tier="l2")
+                row("match 128K, all miss", _median(cold, args.repeat))
+                continue
+            c.wait_idle()
+
+            def hot() -> None:
+                m = c.match(tokens)
+                c.release(m)
+            row("match + release 128K, all L1", _median(hot, args.repeat))
+
+            def recommit() -> None:
+                m = c.match(tokens)
+                c.commit(tokens, m.l1_pages, match=m)
+                c.release(m)
+            row("match + commit + release 128K, all L1", _median(recommit, args.repeat))
+
+            def to_l2() -> None:                  # everything in L2 only
+                c.wait_idle()
+                c.evict(10 * n)
+            fetch_t: list[float] = []
+
+            def l2_fetch() -> None:
+                m = c.match(tokens)
+                dev = rig.pages(m.pages_to_load)
+                t0 = time.perf_counter()
+                h = c.fetch(m, dev)
+                fetch_t.append(time.perf_counter() - t0)
+                h.wait()
+                rig.alloc.free(c.release(m))
+            total = _median(l2_fetch, args.repeat, to_l2)
+            row("match + fetch + wait + release 128K, all L2", total)
+            row("  of which the fetch() call", statistics.median(fetch_t))
+        finally:
+            rig.close()
+
+
+def _small_requests(args: argparse.Namespace, rows: list, page_copy_s: float) -> None:
+    ps = args.page_size
+    rng = np.random.default_rng(1)
+    shared = rng.integers(0, 150000, size=args.small_tokens // 2, dtype=np.int64)
+    reqs = [np.concatenate([shared, rng.integers(0, 150000, size=args.small_tokens -
+                                                  len(shared), dtype=np.int64)])
+            for _ in range(args.small_requests)]
+    pages_per = args.small_tokens // ps
+    for policy, l3 in (("write_through", None), ("write_through", "memory")):
+        # L1 holds ~1/4 of the working set, L2 ~1/2: every tier gets traffic.
+        total_pages = pages_per * args.small_requests
+        rig = _Rig(ps, max(total_pages // 4, 4 * pages_per), max(total_pages // 2, 8),
+                   write_policy=policy, l3=l3)
+        try:
+            def run_all() -> None:
+                for r in reqs:
+                    rig.request(r)
+            t0 = time.perf_counter()
+            run_all()                                 # first pass: all new pages
+            rig.cache.wait_idle()
+            first = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            run_all()                                 # second pass: hits in every tier
+            rig.cache.wait_idle()
+            second = time.perf_counter() - t0
+            mt = rig.cache.metrics()
+        finally:
+            rig.close()
+        name = f"{args.small_requests} x {args.small_tokens}-token requests, " \
+               f"L3 {l3 or 'none'}"
+        pages = args.small_requests * pages_per
+        for label, secs in (("pass 1 (cold)", first), ("pass 2 (warm)", second)):
+            us = secs * 1e6 / pages
+            rows.append([f"{name}: {label}", pages, f"{secs * 1e3:.1f}", f"{us:.2f}", "-",
+                         f"{100 * us * 1e-6 / page_copy_s:.2f}"])
+        hits = {t: mt.get(f"{t}_hit_pages", 0) for t in ("l1", "l2", "l3")}
+        rows.append([f"  hits over both passes: L1 {hits['l1']}, L2 {hits['l2']}, "
+                     f"L3 {hits['l3']}, miss {mt.get('miss_pages', 0)}", "", "", "", "", ""])
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..keys import PageKeyer
+    ps = args.page_size
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 150000, size=args.tokens, dtype=np.int64)
+    n = args.tokens // ps
+    tiny = KVSpec.mha(num_layers=1, num_kv_heads=1, head_dim=1, page_size=ps, dtype="uint8")
+    keyer = PageKeyer(model_id="bench-control", spec=tiny)
+    hash_s = _median(lambda: keyer.keys(tokens), max(args.repeat, 11))
+    ref = KVSpec.mha(num_layers=args.ref_layers, num_kv_heads=args.ref_kv_heads,
+                     head_dim=args.ref_head_dim, page_size=ps, dtype="bfloat16")
+    src = torch.randint(0, 255, (ref.page_bytes,), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    page_copy_s = _median(lambda: dst.copy_(src), 21)
+    rows: list = [["page keys only (hashing floor)", n, f"{hash_s * 1e3:.3f}",
+                   f"{hash_s * 1e6 / n:.2f}", "1.00",
+                   f"{100 * hash_s / n / page_copy_s:.2f}"]]
+    steps = [lambda: _long_prompt(args, tokens, rows, hash_s, page_copy_s),
+             lambda: _small_requests(args, rows, page_copy_s)]
+    for step in progress(steps, desc="control-plane scenarios"):
+        step()
+    print(f"control plane, page size {ps}; reference: one {ref.page_bytes / 2**20:.1f} MiB "
+          f"page ({args.ref_layers} layers x {args.ref_kv_heads} KV heads x "
+          f"{args.ref_head_dim} bf16) copied host-to-host in {page_copy_s * 1e6:.0f} us "
+          f"({ref.page_bytes / page_copy_s / 1e9:.1f} GB/s), median of {args.repeat}")
+    print(table(["scenario", "pages", "ms", "us/page", "x hashing",
+                 "% of a page copy"], rows))
+    return 0
