@@ -1135,6 +1135,8 @@ class TieredKVCache:
         """Free up to ``n`` host pages: clean leaves now; dirty ones (write_back) after their
         L3 write. Returns how many were freed now."""
         l3_wb = self.write_policy.l3_on_l2_evict and self._l3_usable()
+        l3_off = self.write_policy.l3_on_l2_evict and self.store is not None and not l3_wb
+        lost = 0
 
         def dirty(nd: _Node) -> bool:
             return l3_wb and not nd.in_l3 and nd.device_page is None
@@ -1162,10 +1164,13 @@ class TieredKVCache:
                 if nd.parent is not None and nd.device_page is None:
                     waiting[nd.parent.key] = waiting.get(nd.parent.key, 0) + 1
             else:
+                if l3_off and not nd.in_l3 and nd.device_page is None:
+                    lost += 1                     # write-back impossible: L3 failed
                 freed.append(self._l2_remove(nd))
         if freed:
             self.host_pool.free(freed)
-            self.metrics_registry.add("l2_evictions", len(freed))
+            self.metrics_registry.add_many({"l2_evictions": len(freed),
+                                            "l3_writes_dropped": lost})
         if later:
             self._enqueue_write(later, evict_after=True, write=write)
         return len(freed)
@@ -1340,7 +1345,7 @@ class TieredKVCache:
             done = len(nodes) - len(unused)
             if done:
                 self._touch_l2_up(nodes)
-            if writes and self._l3_usable():
+            if writes and self.store is not None:    # counted as dropped while L3 is off
                 for nd in writes:
                     nd.l2_pins += 1
                 self._enqueue_write(writes, evict_after=False)

@@ -89,73 +89,75 @@ class _Rig:
 
 def _long_prompt(args: argparse.Namespace, tokens: np.ndarray, rows: list, hash_s: float,
                  page_copy_s: float) -> None:
-    ps = args.page_size
-    n = len(tokens) // ps
+    n = len(tokens) // args.page_size
 
     def row(name: str, seconds: float, pages: int = n) -> None:
         us = seconds * 1e6 / max(pages, 1)
         rows.append([name, pages, f"{seconds * 1e3:.3f}", f"{us:.2f}",
-                     f"{seconds / hash_s:.2f}" if pages == n else "-",
-                     f"{100 * us * 1e-6 / page_copy_s:.2f}"])
+                     f"{seconds / hash_s:.2f}", f"{100 * us * 1e-6 / page_copy_s:.2f}"])
 
     for policy in ("write_back", "write_through"):
-        rig = _Rig(ps, 2 * n + 8, 2 * n + 8, write_policy=policy, l3=None)
-        c = rig.cache
+        rig = _Rig(args.page_size, 2 * n + 8, 2 * n + 8, write_policy=policy, l3=None)
         try:
-            state: dict[str, Any] = {}
-
-            def fresh() -> None:                  # empty cache, pages for the whole prompt
-                c.wait_idle()
-                for m in state.pop("ms", []):
-                    rig.alloc.free(c.release(m))
-                c.evict(10 * n)
-                c.evict(10 * n, tier="l2")
-                state["m"] = c.match(tokens)
-                state["pages"] = rig.pages(n)
-
-            def commit() -> None:
-                c.commit(tokens, state["pages"], match=state["m"])
-                state["ms"] = [state["m"]]
-            row(f"commit 128K, new pages ({policy})", _median(commit, args.repeat, fresh))
-            if policy == "write_back":
-                def cold() -> None:
-                    m = c.match(tokens)
-                    c.release(m)
-                c.evict(10 * n)
-                c.evict(10 * n, tier="l2")
-                row("match 128K, all miss", _median(cold, args.repeat))
-                continue
-            c.wait_idle()
-
-            def hot() -> None:
-                m = c.match(tokens)
-                c.release(m)
-            row("match + release 128K, all L1", _median(hot, args.repeat))
-
-            def recommit() -> None:
-                m = c.match(tokens)
-                c.commit(tokens, m.l1_pages, match=m)
-                c.release(m)
-            row("match + commit + release 128K, all L1", _median(recommit, args.repeat))
-
-            def to_l2() -> None:                  # everything in L2 only
-                c.wait_idle()
-                c.evict(10 * n)
-            fetch_t: list[float] = []
-
-            def l2_fetch() -> None:
-                m = c.match(tokens)
-                dev = rig.pages(m.pages_to_load)
-                t0 = time.perf_counter()
-                h = c.fetch(m, dev)
-                fetch_t.append(time.perf_counter() - t0)
-                h.wait()
-                rig.alloc.free(c.release(m))
-            total = _median(l2_fetch, args.repeat, to_l2)
-            row("match + fetch + wait + release 128K, all L2", total)
-            row("  of which the fetch() call", statistics.median(fetch_t))
+            _long_prompt_on(rig, args, tokens, policy, row)
         finally:
             rig.close()
+
+
+def _long_prompt_on(rig: _Rig, args: argparse.Namespace, tokens: np.ndarray, policy: str,
+                    row: Callable[..., None]) -> None:
+    c = rig.cache
+    n = len(tokens) // args.page_size
+    k = f"{len(tokens) // 1024}K"
+    state: dict[str, Any] = {}
+
+    def fresh() -> None:                      # empty cache, pages for the whole prompt
+        c.wait_idle()
+        for m in state.pop("ms", []):
+            rig.alloc.free(c.release(m))
+        c.evict(10 * n)
+        c.evict(10 * n, tier="l2")
+        state["m"] = c.match(tokens)
+        state["pages"] = rig.pages(n)
+
+    def commit() -> None:
+        c.commit(tokens, state["pages"], match=state["m"])
+        state["ms"] = [state["m"]]
+
+    row(f"commit {k}, new pages ({policy})", _median(commit, args.repeat, fresh))
+    if policy == "write_back":
+        def cold() -> None:
+            c.release(c.match(tokens))
+        fresh()
+        row(f"match + release {k}, all miss", _median(cold, args.repeat))
+        return
+    c.wait_idle()
+
+    def hot() -> None:
+        c.release(c.match(tokens))
+    row(f"match + release {k}, all L1", _median(hot, args.repeat))
+
+    def recommit() -> None:
+        m = c.match(tokens)
+        c.commit(tokens, m.l1_pages, match=m)
+        c.release(m)
+    row(f"match + commit + release {k}, all L1", _median(recommit, args.repeat))
+
+    def to_l2() -> None:                      # everything in L2 only
+        c.wait_idle()
+        c.evict(10 * n)
+    fetch_t: list[float] = []
+
+    def l2_fetch() -> None:
+        m = c.match(tokens)
+        dev = rig.pages(m.pages_to_load)
+        t0 = time.perf_counter()
+        h = c.fetch(m, dev)
+        fetch_t.append(time.perf_counter() - t0)
+        h.wait()
+        rig.alloc.free(c.release(m))
+    row(f"match + fetch + wait + release {k}, all L2", _median(l2_fetch, args.repeat, to_l2))
+    row("  of which the fetch() call", statistics.median(fetch_t))
 
 
 def _small_requests(args: argparse.Namespace, rows: list, page_copy_s: float) -> None:
@@ -165,37 +167,37 @@ def _small_requests(args: argparse.Namespace, rows: list, page_copy_s: float) ->
     reqs = [np.concatenate([shared, rng.integers(0, 150000, size=args.small_tokens -
                                                   len(shared), dtype=np.int64)])
             for _ in range(args.small_requests)]
-    pages_per = args.small_tokens // ps
-    for policy, l3 in (("write_through", None), ("write_through", "memory")):
-        # L1 holds ~1/4 of the working set, L2 ~1/2: every tier gets traffic.
-        total_pages = pages_per * args.small_requests
-        rig = _Rig(ps, max(total_pages // 4, 4 * pages_per), max(total_pages // 2, 8),
-                   write_policy=policy, l3=l3)
+    per = args.small_tokens // ps
+    total = per * args.small_requests
+    # L1 holds a quarter of the working set. Without L3 the L2 holds all of it (pass 2 hits
+    # L2); with L3 the L2 holds another quarter (pass 2 hits L3 too).
+    for l2_pages, l3 in ((total + 8, None), (max(total // 4, 8), "memory")):
+        rig = _Rig(ps, max(total // 4, 4 * per), l2_pages, write_policy="write_through", l3=l3)
         try:
-            def run_all() -> None:
-                for r in reqs:
-                    rig.request(r)
-            t0 = time.perf_counter()
-            run_all()                                 # first pass: all new pages
-            rig.cache.wait_idle()
-            first = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            run_all()                                 # second pass: hits in every tier
-            rig.cache.wait_idle()
-            second = time.perf_counter() - t0
-            mt = rig.cache.metrics()
+            _small_on(rig, args, reqs, rows, l3, page_copy_s)
         finally:
             rig.close()
-        name = f"{args.small_requests} x {args.small_tokens}-token requests, " \
-               f"L3 {l3 or 'none'}"
-        pages = args.small_requests * pages_per
-        for label, secs in (("pass 1 (cold)", first), ("pass 2 (warm)", second)):
-            us = secs * 1e6 / pages
-            rows.append([f"{name}: {label}", pages, f"{secs * 1e3:.1f}", f"{us:.2f}", "-",
-                         f"{100 * us * 1e-6 / page_copy_s:.2f}"])
-        hits = {t: mt.get(f"{t}_hit_pages", 0) for t in ("l1", "l2", "l3")}
-        rows.append([f"  hits over both passes: L1 {hits['l1']}, L2 {hits['l2']}, "
-                     f"L3 {hits['l3']}, miss {mt.get('miss_pages', 0)}", "", "", "", "", ""])
+
+
+def _small_on(rig: _Rig, args: argparse.Namespace, reqs: list, rows: list, l3: str | None,
+              page_copy_s: float) -> None:
+    secs = []
+    for _ in range(2):                        # pass 1: all new; pass 2: hits in every tier
+        t0 = time.perf_counter()
+        for r in reqs:
+            rig.request(r)
+        rig.cache.wait_idle()
+        secs.append(time.perf_counter() - t0)
+    mt = rig.cache.metrics()
+    name = f"{args.small_requests} x {args.small_tokens}-token requests, L3 {l3 or 'none'}"
+    pages = args.small_requests * (args.small_tokens // args.page_size)
+    for label, s in (("pass 1 (cold)", secs[0]), ("pass 2 (warm)", secs[1])):
+        us = s * 1e6 / pages
+        rows.append([f"{name}: {label}", pages, f"{s * 1e3:.1f}", f"{us:.2f}", "-",
+                     f"{100 * us * 1e-6 / page_copy_s:.2f}"])
+    hits = {t: mt.get(f"{t}_hit_pages", 0) for t in ("l1", "l2", "l3")}
+    rows.append([f"  pages over both passes: L1 hit {hits['l1']}, L2 hit {hits['l2']}, "
+                 f"L3 hit {hits['l3']}, miss {mt.get('miss_pages', 0)}", "", "", "", "", ""])
 
 
 def run(args: argparse.Namespace) -> int:
