@@ -747,8 +747,10 @@ def test_o_direct_round_trip_or_reported_fallback(tmp_path):
         k = keys(3)
         want = [pool.page_bytes_view(p).clone() for p in (4, 0, 2)]
         assert s.batch_set(k, [4, 0, 2]) == [True] * 3
-        for path in objects(s):
-            assert os.path.getsize(path) == ALIGNED.page_bytes + TRAILER_BYTES
+        for path in objects(s):     # O_DIRECT objects keep their trailer block whole
+            assert os.path.getsize(path) == (s.padded_bytes if st_["o_direct"] else
+                                             ALIGNED.page_bytes + TRAILER_BYTES)
+        assert s.stats()["bytes_stored"] == 3 * os.path.getsize(objects(s)[0])
         fill_random(pool.raw)
         assert s.batch_get(k, [1, 3, 5]) == [True] * 3
         for p, w in zip((1, 3, 5), want):
@@ -820,3 +822,21 @@ def test_checksum_provider_falls_back_to_zlib(monkeypatch):
                                                  ("zlib", "zlib")))
     fn, provider = file_mod.checksum_impl(1)
     assert provider == "zlib" and fn is zlib.crc32
+
+
+def test_capacity_counts_bytes_on_disk_for_o_direct_objects(tmp_path):
+    with HostKVPool(ALIGNED, 8, allocator="mmap") as pool:
+        fill_random(pool.raw)
+        probe = FileStore({"root": str(tmp_path)}, spec=ALIGNED)
+        probe.attach(pool)
+        size = probe.padded_bytes if probe.stats()["o_direct"] else probe.object_bytes
+        probe.close()
+        s = FileStore({"root": str(tmp_path), "capacity_bytes": 3 * size}, spec=ALIGNED)
+        s.attach(pool)
+        k = keys(5)
+        assert s.batch_set(k[:3], [0, 1, 2]) == [True] * 3
+        assert s.stats()["bytes_stored"] == 3 * size
+        assert s.batch_set(k[3:], [3, 4]) == [True, True]
+        assert s.stats()["evictions"] == 2 and s.batch_exists(k[2:]) == 3
+        assert sum(os.path.getsize(p) for p in objects(s)) == s.stats()["bytes_stored"]
+        s.close()

@@ -8,7 +8,8 @@ Each object is the page's bytes followed by a 128-byte trailer: magic, format ve
 KVSpec fingerprint, the SHA-256 of the key, the payload length, a checksum of the payload
 (CRC-32 or Adler-32 as zlib defines them; the trailer says which) and a CRC-32 of the
 trailer itself. The payload comes first so that it starts at offset 0 (aligned for
-``O_DIRECT``) and one ``preadv`` lands it in the host page without a copy. A file that is
+``O_DIRECT``) and one ``preadv`` lands it in the host page without a copy; objects written
+with ``O_DIRECT`` carry zeros after the trailer up to the next 4 KiB. A file that is
 truncated, corrupted, foreign (another spec, another key) or of an unknown format is a miss
 and a counted error, never wrong KV.
 
@@ -64,6 +65,7 @@ _IOV_MAX = 1024
 # payload checksum -- then reserved zeros and a CRC-32 of everything before it.
 _FIELDS = struct.Struct("<8sHHI16s32sQI")
 TRAILER_BYTES = 128
+_PAD_ZEROS = bytes(DIRECT_ALIGN - TRAILER_BYTES)
 _RESERVED = TRAILER_BYTES - _FIELDS.size - 4
 #: Checksum kinds recorded in the trailer: name -> (id, initial value).
 _CHECKSUMS: dict[str, tuple[int, int]] = {"crc32": (1, 0), "adler32": (2, 1)}
@@ -273,11 +275,17 @@ class FileStore(L3Store):
             raise StoreError(f"file: cannot create store directory {self.dir}: {exc}",
                              backend=self.name) from exc
         self.object_bytes = spec.page_bytes + TRAILER_BYTES
+        #: Size of an object written with O_DIRECT: the trailer's block is written whole
+        #: (zero padded), which saves a truncate per object; readers accept both sizes.
+        self.padded_bytes = -(-self.object_bytes // DIRECT_ALIGN) * DIRECT_ALIGN
+        self._sizes = {self.object_bytes, self.padded_bytes}
         self._kind_id = _CHECKSUMS[c.checksum][0]
         self.checksum_provider = checksum_impl(self._kind_id)[1]
         self._tmp_tag = f"{_host_id()}-{os.getpid()}"
         self._lock = threading.Lock()          # index and counters below
-        self._index: OrderedDict[str, int] = OrderedDict()   # relpath -> mtime_ns, LRU first
+        # relpath -> (mtime_ns, size on disk), least recently used first; _bytes = sum of sizes
+        self._index: OrderedDict[str, tuple[int, int]] = OrderedDict()
+        self._bytes = 0
         self._last_scan = 0.0
         self._scanning = False
         self._closed = False
@@ -407,7 +415,7 @@ class FileStore(L3Store):
                 st = os.stat(path)
             except OSError:
                 break
-            if st.st_size != self.object_bytes:
+            if st.st_size not in self._sizes:
                 self._count(errors=1, corrupted=1)
                 self._bump("truncated" if st.st_size < self.object_bytes else "corrupted")
                 self._remove_bad(path, st)
@@ -428,10 +436,11 @@ class FileStore(L3Store):
         pages = self._check_batch(keys, host_pages)
         n = len(keys)
         cap = self.config.capacity_bytes
-        fits = n if cap is None else min(n, cap // self.object_bytes)
+        size = self._write_size()
+        fits = n if cap is None else min(n, cap // size)
         self._maybe_rescan()
         if fits:
-            self._make_room(fits * self.object_bytes, keep={self._rel(k) for k in keys})
+            self._make_room(fits * size, keep={self._rel(k) for k in keys})
         out = self._map(self._set_one, list(zip(keys[:fits], pages[:fits]))) + [False] * (n - fits)
         if cap is not None:
             self._make_room(0, keep=set())  # a rescan may have added other processes' objects
@@ -452,8 +461,7 @@ class FileStore(L3Store):
                 n += 1
             except FileNotFoundError:
                 pass
-            with self._lock:
-                self._index.pop(rel, None)
+            self._forget(rel)
         return n
 
     def clear(self) -> None:
@@ -467,11 +475,12 @@ class FileStore(L3Store):
                     pass
         with self._lock:
             self._index.clear()
+            self._bytes = 0
 
     def stats(self) -> dict[str, Any]:
         d = super().stats()
         with self._lock:
-            d.update(objects=len(self._index), bytes_stored=len(self._index) * self.object_bytes,
+            d.update(objects=len(self._index), bytes_stored=self._bytes,
                      o_direct=self._direct and self._direct_pool,
                      o_direct_reason=self._direct_reason, root=self.dir,
                      checksum=f"{self.config.checksum} ({self.checksum_provider})")
@@ -512,7 +521,7 @@ class FileStore(L3Store):
 
         Objects this process noted while the scan ran are kept with their newer times."""
         started = time.time_ns()
-        found: dict[str, int] = {}
+        found: dict[str, tuple[int, int]] = {}
         now = time.time()
         for sub in self._subdirs():
             base = os.path.basename(sub)
@@ -522,8 +531,8 @@ class FileStore(L3Store):
                 except OSError:
                     continue
                 if e.name.endswith(SUFFIX) and not e.name.startswith("."):
-                    if st.st_size == self.object_bytes:
-                        found[f"{base}/{e.name}"] = st.st_mtime_ns
+                    if st.st_size in self._sizes:
+                        found[f"{base}/{e.name}"] = (st.st_mtime_ns, st.st_size)
                 elif e.name.endswith(TMP_SUFFIX) and self._tmp_is_stale(e.name, st, now):
                     try:
                         os.unlink(e.path)
@@ -531,10 +540,11 @@ class FileStore(L3Store):
                     except OSError:
                         pass
         with self._lock:
-            for rel, mt in self._index.items():
-                if mt >= started and mt > found.get(rel, -1):
-                    found[rel] = mt
-            self._index = OrderedDict(sorted(found.items(), key=lambda kv: kv[1]))
+            for rel, (mt, size) in self._index.items():
+                if mt >= started and mt > found.get(rel, (-1, 0))[0]:
+                    found[rel] = (mt, size)
+            self._index = OrderedDict(sorted(found.items(), key=lambda kv: kv[1][0]))
+            self._bytes = sum(size for _, size in self._index.values())
             self._last_scan = time.monotonic()
 
     def rescan(self) -> None:
@@ -585,24 +595,25 @@ class FileStore(L3Store):
         if cap is None:
             return
         with self._lock:
-            kept = sum(1 for k in keep if k in self._index)   # overwritten in place
-            budget = 2 * len(self._index) + 1                  # every victim seen at most twice
+            kept = sum(self._index[k][1] for k in keep if k in self._index)  # overwritten
+            budget = 2 * len(self._index) + 1              # every victim seen at most twice
         evicted = 0
         for _ in range(budget):
             with self._lock:
-                if (len(self._index) - kept) * self.object_bytes + need <= cap:
+                if self._bytes - kept + need <= cap:
                     break
                 victim = next((k for k in self._index if k not in keep), None)
                 if victim is None:
                     break
-                recorded = self._index.pop(victim)
+                recorded, vsize = self._index.pop(victim)
+                self._bytes -= vsize
             path = os.path.join(self.dir, victim)
             try:
                 st = os.stat(path)
             except OSError:
                 continue                              # another process removed it
             if st.st_mtime_ns > recorded:             # read by another process since: keep it
-                self._note(victim, st.st_mtime_ns)
+                self._note(victim, st.st_mtime_ns, st.st_size)
                 continue
             try:
                 os.unlink(path)
@@ -615,10 +626,24 @@ class FileStore(L3Store):
         if evicted:
             self._count(evictions=evicted)
 
-    def _note(self, rel: str, mtime_ns: int) -> None:
+    def _note(self, rel: str, mtime_ns: int, size: int) -> None:
+        """Record an object as the most recently used."""
         with self._lock:
-            self._index[rel] = mtime_ns
-            self._index.move_to_end(rel)
+            old = self._index.pop(rel, None)
+            if old is not None:
+                self._bytes -= old[1]
+            self._index[rel] = (mtime_ns, size)
+            self._bytes += size
+
+    def _forget(self, rel: str) -> None:
+        with self._lock:
+            old = self._index.pop(rel, None)
+            if old is not None:
+                self._bytes -= old[1]
+
+    def _write_size(self) -> int:
+        """Bytes one object written now takes on disk."""
+        return self.padded_bytes if self._direct and self._direct_pool else self.object_bytes
 
     # ----- one object -------------------------------------------------------------------------
     def _views(self, page: int) -> list[memoryview]:
@@ -642,15 +667,14 @@ class FileStore(L3Store):
         try:
             fd = os.open(path, flags | (os.O_DIRECT if direct else 0))
         except FileNotFoundError:
-            with self._lock:
-                self._index.pop(rel, None)
+            self._forget(rel)
             return False
         except OSError as exc:
             self._io_error("read", path, exc)
             return False
         try:
             st = os.fstat(fd)
-            if st.st_size != self.object_bytes:
+            if st.st_size not in self._sizes:
                 raise _Bad("truncated" if st.st_size < self.object_bytes else "corrupted",
                            f"{st.st_size} bytes, objects have {self.object_bytes}")
             # Payload and trailer in one preadv: the payload lands in the page (no copy), the
@@ -662,8 +686,8 @@ class FileStore(L3Store):
                 n = os.preadv(fd, views + [blk], 0)
             else:
                 n = _pread_all(fd, views + [blk[:TRAILER_BYTES]], 0)
-            if n != self.object_bytes:
-                raise _Bad("truncated", f"read {n} of {self.object_bytes} bytes")
+            if n != (min(st.st_size, plen + DIRECT_ALIGN) if direct else self.object_bytes):
+                raise _Bad("truncated", f"read {n} of {st.st_size} bytes")
             kind_id, want = check_trailer(bytes(blk[:TRAILER_BYTES]), self.spec.fingerprint,
                                           key, plen)
             if _checksum(kind_id, views) != want:
@@ -673,7 +697,7 @@ class FileStore(L3Store):
                     os.utime(fd)
                 except OSError:
                     pass
-            self._note(rel, time.time_ns())
+            self._note(rel, time.time_ns(), st.st_size)
             return True
         except _Bad as bad:
             self._count(errors=1, corrupted=1)
@@ -681,8 +705,7 @@ class FileStore(L3Store):
             _warn_once(f"bad:{bad.kind}", f"file: untrusted object {path} ({bad}); treated as "
                        "a miss (further ones are only counted in stats)")
             self._remove_bad(path, st)
-            with self._lock:
-                self._index.pop(rel, None)
+            self._forget(rel)
             return False
         except OSError as exc:
             self._io_error("read", path, exc)
@@ -710,12 +733,14 @@ class FileStore(L3Store):
             except FileNotFoundError:
                 os.makedirs(os.path.join(self.dir, sub), mode=self._dir_mode, exist_ok=True)
                 fd = os.open(tmp, flags | (os.O_DIRECT if direct else 0), self.config.file_mode)
+            size = self.object_bytes
             if direct:
                 blk = self._trailer_block()
                 blk[:TRAILER_BYTES] = trailer
-                blk[TRAILER_BYTES:] = bytes(DIRECT_ALIGN - TRAILER_BYTES)
+                blk[TRAILER_BYTES:] = _PAD_ZEROS
                 try:
                     _pwrite_all(fd, views + [blk])
+                    size = self.padded_bytes
                 except OSError as exc:
                     if exc.errno != errno.EINVAL:
                         raise
@@ -725,7 +750,7 @@ class FileStore(L3Store):
                     fcntl.fcntl(fd, fcntl.F_SETFL, fl & ~os.O_DIRECT)
                     self._bump("direct_fallbacks")
                     _pwrite_all(fd, views + [memoryview(trailer)])
-                os.ftruncate(fd, self.object_bytes)      # drop the alignment padding
+                    os.ftruncate(fd, self.object_bytes)
             else:
                 _pwrite_all(fd, views + [memoryview(trailer)])
             if self.config.fsync:
@@ -744,7 +769,7 @@ class FileStore(L3Store):
                 pass
             self._io_error("write", final, exc)
             return False
-        self._note(rel, time.time_ns())
+        self._note(rel, time.time_ns(), size)
         return True
 
     @staticmethod
