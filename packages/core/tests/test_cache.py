@@ -362,6 +362,22 @@ def test_l1_leaf_without_l2_copy_drops_its_l2_children_not_orphaning_them():
         r.close()
 
 
+def test_evicting_a_whole_chain_copies_nothing():
+    # No L2 copies (the selective threshold is never reached): evicting the whole chain in
+    # one call drops it; inner pages need no L2 copy since their children leave too.
+    r = Rig(write_policy="write_through_selective", selective_threshold=5)
+    try:
+        c = r.cache
+        r.request(toks(4 * 4, seed=17))
+        c.wait_idle()
+        assert c.evict(4) == 4
+        mt = c.metrics()
+        assert mt.get("l1_demotions", 0) == 0 and mt.get("bytes_d2h", 0) == 0
+        assert not c._nodes
+    finally:
+        r.close()
+
+
 def test_l2_budget_is_honoured_and_full_l2_skips_backups():
     r = Rig(host_pool_pages=5, device_pages=40)
     try:

@@ -27,7 +27,10 @@ Usage (every name below is public API)::
                                     # prefetch policy, starts the H2D load and returns a
                                     # FetchHandle: wait_layer(i), wait(), done(), pages_loaded
                                     # (leading pages that really land: L3 misses, the policy's
-                                    # deadline or a full L2 cut it short), device_pages.
+                                    # deadline or a full L2 cut it short), device_pages (the
+                                    # loaded ones), unused_pages (given, not loaded: reuse
+                                    # them for the prefill). With best_effort, call prefetch()
+                                    # early: fetch() takes only what has landed by then.
     r = cache.commit(tokens, pages, match=m)   # after prefill: pages = ALL full pages of
                                     # tokens (prefix included). Registers the new ones in L1
                                     # (pinned for m until release) and applies the write
@@ -41,12 +44,23 @@ Usage (every name below is public API)::
     cache.metrics()                 # dict: hits/misses per tier (pages, tokens), bytes per
                                     # direction, latencies (p50/p90/p99), evictions, store
                                     # errors, queue depths, l3_state.
+    cache.keys(tokens)              # the chained page keys the cache uses for tokens
+    cache.wait_idle(timeout)        # block until background copies and L3 I/O are done
+    cache.restart_l3()              # after a reported L3 failure: new I/O threads
     cache.close()                   # flush or cancel queued write-backs (close_policy).
+
+A request's life: match -> fetch -> wait_layer(i) per layer during the forward pass ->
+prefill the rest into ``h.unused_pages`` and fresh pages -> commit(tokens, l1_pages +
+h.device_pages + new, match=m) -> release(m) (free what it returns). An engine that runs out
+of device pages calls ``evict(n)``; `kvtier.simulate.PageAllocator` is a minimal engine-side
+allocator (tests, simulator, demos).
 
 Ownership: the cache owns every device page it registered (a page taken by commit or by a
 fetch) and gives it back through ``free_device_pages`` when it evicts it; every other page
-stays the engine's. L1 hits and pages taken for a match stay pinned (never evicted) until
-``release(match)``; every match must be released.
+stays the engine's. Device pages passed to fetch/commit must be the engine's (a cache-owned
+page there is an InvalidArgumentError, raised before anything changes). L1 hits and pages
+taken for a match stay pinned (never evicted) until ``release(match)``; every match must be
+released.
 
 Invariants: the L1 set is prefix-closed (a page is in L1 only if its parent is) and so is
 L1 u L2; eviction takes leaves only, never a pinned page or a page being copied. L3 is
@@ -1183,8 +1197,18 @@ class TieredKVCache:
                 blockers=lambda nd: nd.l1_children,
                 parent=lambda nd: nd.parent.key if nd.parent is not None else None,
                 leaves=lambda nd: True)
-            demote = [nd for nd in victims if nd.host_page is None
-                      and (pol.demote_on_l1_evict or nd.children)]
+            # Children come before parents: a page needs an L2 copy (demotion) if the policy
+            # says so (write_back) or if children of it stay in the index; children that
+            # leave with this same batch do not count.
+            demote: list[_Node] = []
+            leaving: dict[bytes, int] = {}
+            for nd in victims:
+                if nd.host_page is not None:
+                    continue                      # keeps its L2 copy: stays in the index
+                if pol.demote_on_l1_evict or nd.children > leaving.get(nd.key, 0):
+                    demote.append(nd)
+                elif nd.parent is not None:
+                    leaving[nd.parent.key] = leaving.get(nd.parent.key, 0) + 1
             pages = self._alloc_host(len(demote)) if demote else []
             demote = demote[:len(pages)]
             for nd in demote:
