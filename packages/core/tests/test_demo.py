@@ -93,3 +93,24 @@ def test_bad_config_is_a_typed_error():
         DemoConfig.from_dict({"workload": "trace"})
     with pytest.raises(ConfigError, match="l1-pages 3 cannot hold"):
         run_demo(DemoConfig.from_dict(SMALL | {"l1_pages": 3}), log=lambda *a: None)
+
+
+def test_trace_replay_end_to_end(tmp_path):
+    """Requests sharing leading hash_ids reuse each other's pages through the tiers."""
+    lines = []
+    for i in range(6):       # three "sessions" of two requests; the second extends the first
+        base = [100 * (i % 3) + b for b in range(4)]
+        ids = base if i < 3 else base + [100 * (i % 3) + 50]
+        lines.append(json.dumps({"timestamp": i, "input_length": 512 * len(ids) - 100,
+                                 "output_length": 1, "hash_ids": ids}))
+    path = tmp_path / "trace.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    cfg = DemoConfig.from_dict(SMALL | {"workload": "trace", "trace": str(path),
+                                        "trace_block_tokens": 64, "rounds": 2,
+                                        "l1_pages": 22, "l2_pages": 30, "check": "all",
+                                        "setups": ("L1 only", "L1+L2+L3")})
+    rep = run_demo(cfg, log=lambda *a: None)
+    s = {row["setup"]: row for row in rep.summaries()}
+    assert s["L1+L2+L3"]["hit_rate_pct"] > s["L1 only"]["hit_rate_pct"]
+    assert s["L1+L2+L3"]["l2_hit_pct"] + s["L1+L2+L3"]["l3_hit_pct"] > 0
+    assert all(run.checks == 6 for run in rep.runs)

@@ -38,6 +38,12 @@ def test_valid_lines_parse(trace_file):
     assert recs[1].input_length == 1300 and recs[1].hash_ids == (0, 1, 2)
     assert recs[2].timestamp == 25.5 and recs[2].output_length == 4
     assert [r.line for r in read_trace(trace_file, max_requests=2)] == [1, 2]
+    assert [r.line for r in read_trace(trace_file, max_requests=2, skip=1)] == [2, 4]
+    with pytest.raises(WorkloadError, match="holds no request"):
+        read_trace(trace_file, skip=4)
+    wl = trace_workload(trace_file, start=2, max_requests=5, rounds=1)
+    assert [r.arrival_ms for r in wl.requests] == [25.5, 40] and "requests 2..3" in \
+        wl.description
 
 
 def test_scaled_lengths_keep_the_partial_last_block():
@@ -110,7 +116,7 @@ def test_missing_or_empty_trace_and_bad_scale(tmp_path):
     ok = tmp_path / "ok.jsonl"
     ok.write_text(_rec(0, 512, [0]))
     for kwargs in ({"block_tokens": 0}, {"block_tokens": 513}, {"max_requests": 0},
-                   {"rounds": 0}):
+                   {"rounds": 0}, {"start": -1}):
         with pytest.raises(WorkloadError):
             trace_workload(ok, **kwargs)
     assert trace_workload(ok, rounds=5).num_rounds == 1

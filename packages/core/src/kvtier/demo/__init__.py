@@ -61,7 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trace-block-tokens", type=int, default=16,
                    help="trace: tokens each 512-token block of the trace becomes (scale)")
     g.add_argument("--trace-requests", type=int, default=400,
-                   help="trace: replay the first N requests")
+                   help="trace: replay N requests")
+    g.add_argument("--trace-start", type=int, default=0,
+                   help="trace: skip the first N requests")
     g = p.add_argument_group("tiers and backends")
     g.add_argument("--l1-pages", type=int, default=None, help="device pool pages (default: "
                    "15%% of the workload's distinct pages, so that L1 alone thrashes)")
@@ -108,6 +110,7 @@ def config_from_args(args: argparse.Namespace):
         "turn_tokens": args.turn_tokens, "answer_tokens": args.answer_tokens,
         "system_tokens": args.system_tokens, "trace": args.trace,
         "trace_block_tokens": args.trace_block_tokens, "trace_requests": args.trace_requests,
+        "trace_start": args.trace_start,
         "l1_pages": args.l1_pages, "l2_pages": args.l2_pages, "l3_bytes": args.l3_bytes,
         "host_allocator": args.host_allocator, "l3_store": args.l3_store,
         "l3_config": args.l3_config, "transfer_engine": args.transfer_engine,

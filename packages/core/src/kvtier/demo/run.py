@@ -51,6 +51,7 @@ class DemoConfig:
     trace: str | None = None
     trace_block_tokens: int = 16
     trace_requests: int = 400
+    trace_start: int = 0
     l1_pages: int | None = None          # None: sized so that L1 alone thrashes
     l2_pages: int | None = None          # None: half the workload's distinct pages
     l3_bytes: int | None = None          # None: no limit
@@ -77,7 +78,7 @@ class DemoConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}", key=name,
                                   value=getattr(self, name))
-        for name in ("answer_tokens", "system_tokens"):
+        for name in ("answer_tokens", "system_tokens", "trace_start"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0", key=name, value=getattr(self, name))
         for name in ("l1_pages", "l2_pages", "l3_bytes", "threads"):
@@ -208,7 +209,8 @@ def build_workload(cfg: DemoConfig, vocab_size: int) -> Workload:
     if cfg.workload == "trace":
         from .trace import trace_workload
         return trace_workload(cfg.trace, block_tokens=cfg.trace_block_tokens,  # type: ignore
-                              max_requests=cfg.trace_requests, rounds=cfg.rounds,
+                              max_requests=cfg.trace_requests, start=cfg.trace_start,
+                              rounds=cfg.rounds,
                               vocab_size=vocab_size, seed=cfg.seed)
     return multiturn(cfg.clients, cfg.rounds, first_tokens=cfg.first_tokens,
                      turn_tokens=cfg.turn_tokens, answer_tokens=cfg.answer_tokens,

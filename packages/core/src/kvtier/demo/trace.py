@@ -82,9 +82,10 @@ def parse_line(text: str, *, line: int, source: str = "<trace>",
     return TraceRecord(line, float(ts), n_in, n_out, tuple(ids))
 
 
-def read_trace(path: str | os.PathLike, *, max_requests: int | None = None,
+def read_trace(path: str | os.PathLike, *, max_requests: int | None = None, skip: int = 0,
                source_block: int = SOURCE_BLOCK_TOKENS) -> list[TraceRecord]:
-    """Parse a trace file (blank lines are skipped); stops after ``max_requests`` records."""
+    """Parse a trace file (blank lines are skipped): the ``max_requests`` records after the
+    first ``skip`` (which are validated too)."""
     source = os.fspath(path)
     try:
         fh = open(source, "rb")
@@ -92,6 +93,7 @@ def read_trace(path: str | os.PathLike, *, max_requests: int | None = None,
         raise WorkloadError(f"cannot read trace {source}: {exc.strerror or exc}",
                             source=source) from None
     records: list[TraceRecord] = []
+    seen = 0
     with fh:
         for line_no, raw in enumerate(fh, 1):
             if max_requests is not None and len(records) >= max_requests:
@@ -103,8 +105,10 @@ def read_trace(path: str | os.PathLike, *, max_requests: int | None = None,
                                        source=source, line=line_no) from None
             if not text.strip():
                 continue
-            records.append(parse_line(text, line=line_no, source=source,
-                                      source_block=source_block))
+            rec = parse_line(text, line=line_no, source=source, source_block=source_block)
+            seen += 1
+            if seen > skip:
+                records.append(rec)
     if not records:
         raise WorkloadError(f"trace {source} holds no request", source=source)
     return records
@@ -138,9 +142,10 @@ def scaled_length(input_length: int, block_tokens: int,
 
 
 def trace_workload(path: str | os.PathLike, *, block_tokens: int = 16,
-                   max_requests: int | None = 400, rounds: int = 8, vocab_size: int = 4096,
-                   seed: int = 0) -> Workload:
-    """A `Workload` replaying a Mooncake trace, scaled by ``block_tokens`` / 512.
+                   max_requests: int | None = 400, start: int = 0, rounds: int = 8,
+                   vocab_size: int = 4096, seed: int = 0) -> Workload:
+    """A `Workload` replaying requests ``start`` .. ``start + max_requests`` of a Mooncake
+    trace, scaled by ``block_tokens`` / 512.
 
     Requests keep the trace order; ``rounds`` groups of equal size (by order) are what the
     per-round plot shows.
@@ -155,7 +160,9 @@ def trace_workload(path: str | os.PathLike, *, block_tokens: int = 16,
                             field="max_requests")
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
         raise WorkloadError(f"rounds must be an int >= 1, got {rounds!r}", field="rounds")
-    records = read_trace(path, max_requests=max_requests)
+    if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+        raise WorkloadError(f"start must be an int >= 0, got {start!r}", field="start")
+    records = read_trace(path, max_requests=max_requests, skip=start)
     blocks = BlockTokens(block_tokens, vocab_size, seed)
     requests = []
     n = len(records)
@@ -166,6 +173,7 @@ def trace_workload(path: str | os.PathLike, *, block_tokens: int = 16,
         tokens.setflags(write=False)
         requests.append(Request(i, -1, round_of(i, n, rounds), tokens, rec.output_length,
                                 rec.timestamp))
-    desc = (f"Mooncake trace {os.path.basename(os.fspath(path))}: first {n} requests, "
+    desc = (f"Mooncake trace {os.path.basename(os.fspath(path))}: requests {start}.."
+            f"{start + n - 1}, "
             f"{SOURCE_BLOCK_TOKENS}-token blocks scaled to {block_tokens} tokens")
     return Workload("trace", tuple(requests), rounds, desc)
