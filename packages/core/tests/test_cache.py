@@ -378,6 +378,45 @@ def test_evicting_a_whole_chain_copies_nothing():
         r.close()
 
 
+def test_evict_waits_for_backups_in_flight_instead_of_coming_up_short():
+    r = Rig(write_policy="write_through")
+    try:
+        c = r.cache
+        gate = threading.Event()
+        real = c.engine.backup
+
+        class Gated:                          # a backup that lands when the gate opens
+            def __init__(self, h):
+                self.h = h
+
+            def synchronize(self):
+                gate.wait(10)
+                self.h.synchronize()
+
+            def wait(self):
+                self.synchronize()
+
+            def wait_layer(self, i):
+                self.synchronize()
+
+            def done(self):
+                return gate.is_set() and self.h.done()
+        c.engine.backup = lambda d, h: Gated(real(d, h))
+        r.request(toks(4 * 4, seed=18))
+        assert c._backups_inflight == 4
+        threading.Timer(0.2, gate.set).start()
+        t0 = time.perf_counter()
+        assert c.evict(4) == 4                # waited for the copies, then evicted
+        assert time.perf_counter() - t0 >= 0.15
+        assert c._backups_inflight == 0
+        m = c.match(toks(4 * 4, seed=18))
+        assert m.l2_count == 4                # and the copies are in L2
+        c.release(m)
+        c._check_invariants()
+    finally:
+        r.close()
+
+
 def test_l2_budget_is_honoured_and_full_l2_skips_backups():
     r = Rig(host_pool_pages=5, device_pages=40)
     try:

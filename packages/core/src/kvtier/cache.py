@@ -635,6 +635,7 @@ class TieredKVCache:
         self._l2_lru = LRUOrder()
         self._closed = False
         self._closing = False
+        self._backups_inflight = 0          # L1 pages pinned by an L1 -> L2 copy
         self._failure: TierFailureError | None = None
         self._failure_reported = True
         self._l3_state = "ok" if store is not None else "none"
@@ -1190,6 +1191,15 @@ class TieredKVCache:
         return len(freed)
 
     def _evict_l1(self, n: int) -> int:
+        freed = self._evict_l1_once(n)
+        if freed < n and self._backups_inflight:
+            # Pages being copied to L2 are pinned until the copy lands (on a GPU that is
+            # asynchronous): wait for the copies in flight, then take what they freed up.
+            self._completer.wait_idle(None)
+            freed += self._evict_l1_once(n - freed)
+        return freed
+
+    def _evict_l1_once(self, n: int) -> int:
         pol = self.write_policy
         with self._lock:
             victims = self._l1_lru.select(
@@ -1213,6 +1223,7 @@ class TieredKVCache:
             demote = demote[:len(pages)]
             for nd in demote:
                 nd.backup_pending = True
+                self._backups_inflight += 1
                 nd.l1_pins += 1
             handle = None
             if demote:
@@ -1330,6 +1341,7 @@ class TieredKVCache:
                 return
         for nd in cand:
             nd.backup_pending = True
+            self._backups_inflight += 1
             nd.l1_pins += 1
         try:
             handle = self.engine.backup([nd.device_page for nd in cand], pages)
@@ -1344,6 +1356,7 @@ class TieredKVCache:
     def _undo_backup(self, nodes: list[_Node], pages: list[int]) -> None:
         for nd in nodes:
             nd.backup_pending = False
+            self._backups_inflight -= 1
             nd.l1_pins -= 1
         self.host_pool.free(pages)
 
@@ -1357,6 +1370,7 @@ class TieredKVCache:
         with self._lock:
             for nd, p in zip(nodes, pages):
                 nd.backup_pending = False
+                self._backups_inflight -= 1
                 nd.l1_pins -= 1
                 if err is not None or nd.host_page is not None:
                     unused.append(p)
@@ -1686,5 +1700,7 @@ class TieredKVCache:
                 assert all(self._nodes.get(k.key) is k and k.parent is nd for k in nd.kids), nd
                 assert nd.l1_children == l1_children.get(key, 0), nd
             assert len(self._l1_by_page) == len(self._l1_lru)
+            assert self._backups_inflight == sum(nd.backup_pending
+                                                 for nd in self._nodes.values())
             assert len(seen_host) == len(self._l2_lru)
 

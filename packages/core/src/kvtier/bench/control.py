@@ -30,6 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--small-tokens", type=int, default=2048,
                    help="tokens per small request (default 2048; half shared)")
     p.add_argument("--repeat", type=int, default=7, help="repetitions (median reported)")
+    p.add_argument("--device", default="cpu",
+                   help="torch device of the L1 pool (cpu, cuda, ...); default cpu")
     p.add_argument("--ref-layers", type=int, default=32, help="reference model: layers")
     p.add_argument("--ref-kv-heads", type=int, default=8, help="reference model: KV heads")
     p.add_argument("--ref-head-dim", type=int, default=128, help="reference model: head dim")
@@ -51,7 +53,7 @@ class _Rig:
     """A cache over a tiny geometry plus the engine side (free list of device pages)."""
 
     def __init__(self, page_size: int, device_pages: int, host_pages: int, *,
-                 write_policy: str, l3: str | None):
+                 write_policy: str, l3: str | None, device: str = "cpu"):
         from ..cache import TieredKVCache
         from ..device_pool import DeviceKVPool
         from ..simulate import PageAllocator
@@ -62,7 +64,7 @@ class _Rig:
             {"model_id": "bench-control", "host_pool_pages": host_pages,
              "write_policy": write_policy, "prefetch_policy": "wait_complete",
              "l3_store": l3, "l3_config": {"capacity_bytes": 1 << 30} if l3 else {}},
-            device_pool=DeviceKVPool.empty(self.spec, device_pages),
+            device_pool=DeviceKVPool.empty(self.spec, device_pages, device),
             allocate_device_pages=self.alloc.alloc, free_device_pages=self.alloc.free)
 
     def pages(self, n: int) -> list[int]:
@@ -97,7 +99,8 @@ def _long_prompt(args: argparse.Namespace, tokens: np.ndarray, rows: list, hash_
                      f"{seconds / hash_s:.2f}", f"{100 * us * 1e-6 / page_copy_s:.2f}"])
 
     for policy in ("write_back", "write_through"):
-        rig = _Rig(args.page_size, 2 * n + 8, 2 * n + 8, write_policy=policy, l3=None)
+        rig = _Rig(args.page_size, 2 * n + 8, 2 * n + 8, write_policy=policy, l3=None,
+                   device=args.device)
         try:
             _long_prompt_on(rig, args, tokens, policy, row)
         finally:
@@ -172,7 +175,8 @@ def _small_requests(args: argparse.Namespace, rows: list, page_copy_s: float) ->
     # L1 holds a quarter of the working set. Without L3 the L2 holds all of it (pass 2 hits
     # L2); with L3 the L2 holds another quarter (pass 2 hits L3 too).
     for l2_pages, l3 in ((total + 8, None), (max(total // 4, 8), "memory")):
-        rig = _Rig(ps, max(total // 4, 4 * per), l2_pages, write_policy="write_through", l3=l3)
+        rig = _Rig(ps, max(total // 4, 4 * per), l2_pages, write_policy="write_through", l3=l3,
+                   device=args.device)
         try:
             _small_on(rig, args, reqs, rows, l3, page_copy_s)
         finally:
@@ -222,7 +226,8 @@ def run(args: argparse.Namespace) -> int:
              lambda: _small_requests(args, rows, page_copy_s)]
     for step in progress(steps, desc="control-plane scenarios"):
         step()
-    print(f"control plane, page size {ps}; reference: one {ref.page_bytes / 2**20:.1f} MiB "
+    print(f"control plane, L1 on {args.device}, page size {ps}; reference: one "
+          f"{ref.page_bytes / 2**20:.1f} MiB "
           f"page ({args.ref_layers} layers x {args.ref_kv_heads} KV heads x "
           f"{args.ref_head_dim} bf16) copied host-to-host in {page_copy_s * 1e6:.0f} us "
           f"({ref.page_bytes / page_copy_s / 1e9:.1f} GB/s), median of {args.repeat}")
