@@ -655,6 +655,18 @@ def test_lru_evicts_least_recently_used(tmp_path, pool):
     s.close()
 
 
+def test_a_chain_is_evicted_from_its_tail(tmp_path, pool):
+    """Within one batch the first keys count as most recent: a chain loses its tail first."""
+    s = _capped(tmp_path, pool, 4)
+    chain = keys(4)
+    assert s.batch_set(chain, [0, 1, 2, 3]) == [True] * 4
+    assert s.batch_get(chain, [4, 5, 6, 7]) == [True] * 4
+    other = keys(2, "other")
+    assert s.batch_set(other, [8, 9]) == [True, True]
+    assert s.batch_exists(chain) == 2 and s.batch_exists(other) == 2
+    s.close()
+
+
 def test_overwrite_does_not_evict(tmp_path, pool):
     s = _capped(tmp_path, pool, 3)
     k = keys(3)
@@ -837,6 +849,7 @@ def test_capacity_counts_bytes_on_disk_for_o_direct_objects(tmp_path):
         assert s.batch_set(k[:3], [0, 1, 2]) == [True] * 3
         assert s.stats()["bytes_stored"] == 3 * size
         assert s.batch_set(k[3:], [3, 4]) == [True, True]
-        assert s.stats()["evictions"] == 2 and s.batch_exists(k[2:]) == 3
+        assert s.stats()["evictions"] == 2                 # the first batch's tail: k1, k2
+        assert [s.batch_exists([x]) for x in k] == [1, 0, 0, 1, 1]
         assert sum(os.path.getsize(p) for p in objects(s)) == s.stats()["bytes_stored"]
         s.close()

@@ -427,6 +427,7 @@ class FileStore(L3Store):
         self._check_open()
         pages = self._check_batch(keys, host_pages)
         out = self._map(self._get_one, list(zip(keys, pages)))
+        self._order(keys, out)
         hits = sum(out)
         self._count(gets=len(keys), get_hits=hits, bytes_read=hits * self.spec.page_bytes)
         return out
@@ -442,6 +443,7 @@ class FileStore(L3Store):
         if fits:
             self._make_room(fits * size, keep={self._rel(k) for k in keys})
         out = self._map(self._set_one, list(zip(keys[:fits], pages[:fits]))) + [False] * (n - fits)
+        self._order(keys, out)
         if cap is not None:
             self._make_room(0, keep=set())  # a rescan may have added other processes' objects
         ok = sum(out)
@@ -634,6 +636,15 @@ class FileStore(L3Store):
                 self._bytes -= old[1]
             self._index[rel] = (mtime_ns, size)
             self._bytes += size
+
+    def _order(self, keys: Sequence[bytes], ok: list[bool]) -> None:
+        """Within a batch, earlier keys count as more recently used than later ones: a chain
+        of page keys is only useful up to its first missing page, so its tail goes first."""
+        with self._lock:
+            for key, good in zip(reversed(keys), reversed(ok)):
+                rel = self._rel(key)
+                if good and rel in self._index:
+                    self._index.move_to_end(rel)
 
     def _forget(self, rel: str) -> None:
         with self._lock:
