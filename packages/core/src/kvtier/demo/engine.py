@@ -86,13 +86,9 @@ class DemoEngine:
         deadline = time.perf_counter() + self.alloc_timeout_s
         delay = 1e-4
         while pages is None:
-            # Evict one page per call: the cache picks the least recently used leaf each
-            # time, so a chain leaves L1 leaf by leaf (a batch would also back up the chain's
-            # inner pages to L2 because their children still exist when it is chosen). L1
-            # pages being backed up stay pinned until their copy lands: wait for them rather
-            # than fail (the wait is part of the request's TTFT).
-            while len(self._free) < n and self.cache.evict(1):
-                pass
+            # L1 pages being backed up stay pinned until their copy lands: wait for them
+            # rather than fail (the wait is part of the request's TTFT).
+            self.cache.evict(n - len(self._free))
             pages = self._take(n)
             if pages is not None or time.perf_counter() > deadline:
                 break
