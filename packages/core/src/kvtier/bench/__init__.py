@@ -19,6 +19,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                  "host<->device page transfers vs the pinned-memcpy ceiling"),
     "store": ("kvtier.bench.store", "file store batch_get/batch_set vs the disk's raw I/O"),
     "control": ("kvtier.bench.control", "controller match/fetch/commit overhead per page"),
+    "mooncake": ("kvtier.bench.mooncake_store",
+                 "mooncake store batch_get/batch_set over loopback vs TCP and the file store"),
 }
 
 
