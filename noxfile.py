@@ -16,7 +16,7 @@ PACKAGES = sorted(p.name for p in (ROOT / "packages").iterdir() if (p / "pyproje
 TORCH = os.environ.get("KVTIER_TORCH", "torch==2.13.0")
 PYTHON = os.environ.get("KVTIER_NOX_PYTHON", "3.11")
 
-nox.options.sessions = [f"tests-{p}" for p in PACKAGES] + ["lint"]
+nox.options.sessions = [f"tests-{p}" for p in PACKAGES] + ["tests-sglang", "lint"]
 #: Extras of kvtier-core a package's tests need (core: the Mooncake client, so the `mooncake`
 #: L3 store runs against a real master; .ci/run installs its system libraries).
 CORE_EXTRAS = {"core": ("mooncake",)}
@@ -41,6 +41,24 @@ for _pkg in PACKAGES:
         session.run("pytest", f"packages/{pkg}/tests", "-q", *session.posargs)
 
     nox.session(name=f"tests-{_pkg}", python=PYTHON)(_tests)
+
+
+#: The SGLang release kvtier.integrations.sglang follows (its HiCache storage interface).
+SGLANG = "sglang==0.5.23"
+
+
+@nox.session(name="tests-sglang", python=PYTHON)
+def tests_sglang(session: nox.Session) -> None:
+    """kvtier's SGLang HiCache adapter against SGLang's own pools, hashing and factory, on CPU.
+
+    Its own venv: SGLang pins torch 2.14.1 (a CUDA build, ~5 GB installed, which runs on the
+    CPU; pip takes it from local disk where one is configured) and transformers 5.19, which no
+    other session may get. SGLang itself goes in with --no-deps (see the requirements file).
+    """
+    session.install("--no-compile", "-r", "packages/core/tests_sglang/requirements.txt")
+    session.install("--no-compile", "--no-deps", SGLANG)
+    session.install("--no-deps", "packages/core")
+    session.run("pytest", "packages/core/tests_sglang", "-q", *session.posargs)
 
 
 @nox.session(python=PYTHON)
