@@ -692,7 +692,8 @@ def test_reads_by_another_process_count_as_use(tmp_path, pool):
     k = keys(4)
     for i in range(3):
         a.batch_set([k[i]], [i])
-        time.sleep(0.02)
+        old = time.time() - 60 + i             # written a while ago (reads refresh mtimes
+        os.utime(_path(a, k[i]), (old, old))   # older than a second)
     assert b.batch_get([k[0]], [9]) == [True]
     time.sleep(0.02)
     assert a.batch_set([k[3]], [3]) == [True]

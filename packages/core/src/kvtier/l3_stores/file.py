@@ -66,6 +66,7 @@ _IOV_MAX = 1024
 _FIELDS = struct.Struct("<8sHHI16s32sQI")
 TRAILER_BYTES = 128
 _PAD_ZEROS = bytes(DIRECT_ALIGN - TRAILER_BYTES)
+_TOUCH_NS = 1_000_000_000
 _RESERVED = TRAILER_BYTES - _FIELDS.size - 4
 #: Checksum kinds recorded in the trailer: name -> (id, initial value).
 _CHECKSUMS: dict[str, tuple[int, int]] = {"crc32": (1, 0), "adler32": (2, 1)}
@@ -239,7 +240,8 @@ class FileStore(L3Store):
         o_direct: Literal["off", "auto", "on"] = "auto"
         #: Payload checksum written; readers accept either (the trailer says which).
         checksum: Literal["crc32", "adler32"] = "crc32"
-        #: Refresh an object's mtime on every read hit (the LRU order shared across processes).
+        #: Refresh an object's mtime on a read hit (the LRU order shared across processes);
+        #: skipped while the mtime is under a second old (saves a metadata write per hit).
         touch_on_read: bool = True
         #: With a capacity, rescan the directory in the background (other processes' objects
         #: count too) when a write comes this long after the last scan.
@@ -703,7 +705,7 @@ class FileStore(L3Store):
                                           key, plen)
             if _checksum(kind_id, views) != want:
                 raise _Bad("corrupted", "payload checksum mismatch")
-            if self.config.touch_on_read:
+            if self.config.touch_on_read and time.time_ns() - st.st_mtime_ns > _TOUCH_NS:
                 try:
                     os.utime(fd)
                 except OSError:
@@ -730,7 +732,7 @@ class FileStore(L3Store):
         sub, name = rel.split("/")
         final = os.path.join(self.dir, rel)
         tmp = os.path.join(self.dir, sub, f".{name}.{self._tmp_tag}."
-                           f"{os.urandom(4).hex()}{TMP_SUFFIX}")
+                           f"{threading.get_ident():x}{TMP_SUFFIX}")   # unique per writer
         direct = self._direct and self._direct_pool
         views = self._views(page)
         plen = self.spec.page_bytes
@@ -739,11 +741,15 @@ class FileStore(L3Store):
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
         fd = -1
         try:
+            oflags = flags | (os.O_DIRECT if direct else 0)
             try:
-                fd = os.open(tmp, flags | (os.O_DIRECT if direct else 0), self.config.file_mode)
+                fd = os.open(tmp, oflags, self.config.file_mode)
             except FileNotFoundError:
                 os.makedirs(os.path.join(self.dir, sub), mode=self._dir_mode, exist_ok=True)
-                fd = os.open(tmp, flags | (os.O_DIRECT if direct else 0), self.config.file_mode)
+                fd = os.open(tmp, oflags, self.config.file_mode)
+            except FileExistsError:       # left by an earlier thread of this process's id
+                os.unlink(tmp)
+                fd = os.open(tmp, oflags, self.config.file_mode)
             size = self.object_bytes
             if direct:
                 blk = self._trailer_block()
