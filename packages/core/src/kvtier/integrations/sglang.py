@@ -615,4 +615,5 @@ class KVTierHiCacheStorage(HiCacheStorage):
             self._logged[(op, kind)] = now
             count = self._errors[op]
         log.warning("kvtier HiCache storage (%s): %s failed, counted as a miss (%d so far): "
-                    "%s: %s", self.config.store, op, count, kind, exc, exc_info=last is None)
+                    "%s: %s", self.config.store, op, count, kind, exc,
+                    exc_info=exc if last is None else None)
