@@ -311,6 +311,15 @@ def test_importing_kvtier_and_the_store_module_imports_no_mooncake():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_mooncake_tests_run_in_a_loopback_only_namespace(mooncake_netns):
+    """Mooncake's transport listens on every interface: where the fixtures could make a
+    private network namespace, nothing but loopback exists in it."""
+    import socket
+    if not mooncake_netns:
+        pytest.skip("no private network namespace (KVTIER_MOONCAKE_NETNS=0, or no CAP_SYS_ADMIN)")
+    assert [name for _, name in socket.if_nameindex()] == ["lo"]
+
+
 def test_the_client_is_installed_in_ci():
     """CI installs kvtier-core[mooncake] and libibverbs1: there, a client that cannot be
     imported fails the run instead of skipping every Mooncake test."""
