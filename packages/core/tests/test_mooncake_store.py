@@ -95,6 +95,29 @@ def test_config_from_environment():
         MooncakeStore.config_from_env({"KVTIER_MOONCAKE_REPLICA_NUM": "two"})
 
 
+def test_registry_creates_it_from_the_environment(mooncake_master, monkeypatch):
+    from kvtier.registry import create_l3_store
+    monkeypatch.setenv("KVTIER_MOONCAKE_MASTER_ADDRESS", mooncake_master.address)
+    monkeypatch.setenv("KVTIER_MOONCAKE_NAMESPACE", "from-env")
+    monkeypatch.setenv("KVTIER_MOONCAKE_GLOBAL_SEGMENT_SIZE", str(64 << 20))
+    monkeypatch.setenv("KVTIER_MOONCAKE_LOCAL_BUFFER_SIZE", str(16 << 20))
+    s = create_l3_store("mooncake", spec=SPEC)
+    pool = make_host_pool(SPEC, 4)
+    try:
+        assert s.config.namespace == "from-env"
+        s.attach(pool)
+        keys = _keys(2, "env")
+        want = [pool.view[p].clone() for p in (0, 1)]
+        assert s.batch_set(keys, [0, 1]) == [True, True]
+        assert s.batch_get(keys, [2, 3]) == [True, True]
+        for i, p in enumerate((2, 3)):
+            assert_bitwise_equal(pool.view[p], want[i], f"page {i}")
+        s.clear()
+    finally:
+        s.close()
+        pool.close()
+
+
 def test_unreachable_master_is_a_loud_error(mooncake_master):
     t0 = time.monotonic()
     with pytest.raises(StoreError, match="could not start a client"):
