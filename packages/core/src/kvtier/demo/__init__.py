@@ -71,7 +71,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="host pool pages (default: half the workload's distinct pages)")
     g.add_argument("--l3-bytes", type=int, default=None,
                    help="L3 store capacity in bytes (default: no limit)")
-    g.add_argument("--host-allocator", default="torch-pinned", help="host allocator by name")
+    g.add_argument("--host-allocator", default=None, help="host allocator by name (default: "
+                   "mmap on cpu, so the file store can use O_DIRECT; torch-pinned elsewhere)")
     g.add_argument("--l3-store", default="file", help="L3 store by name (file: a temporary "
                    "directory unless --l3-config gives a root)")
     g.add_argument("--l3-config", type=_json_object, default={}, metavar="JSON",
@@ -134,6 +135,10 @@ def main(args: argparse.Namespace) -> int:
     report = run_demo(cfg, corrupt_restore=args.corrupt_restore)
     files = write_outputs(report, cfg.out)
     print(tables(report))
+    for run in report.runs:
+        if run.store_stats:
+            shown = {k: v for k, v in run.store_stats.items() if k not in ("root", "name")}
+            print(f"{run.name}: L3 store {run.l3}: {shown}", file=sys.stderr)
     checked = sum(r.checks for r in report.runs)
     print(f"\ncorrectness: {checked} prefill(s) on restored KV matched a full recompute "
           f"({'bit for bit' if report.runs and _bitwise(report) else 'within tolerance'}); "

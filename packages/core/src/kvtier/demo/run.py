@@ -1,10 +1,11 @@
 """The demo run: one workload replayed through three tier setups -- L1 only, L1+L2 and
 L1+L2+L3 -- with a real model, and the numbers that compare them.
 
-Each setup gets a fresh engine (device pool, cache, store) and replays the same requests in
-the same order, one at a time; the model and its weights are shared. TTFT is measured per
-request from its arrival at the engine to the logits of its first output token: page match,
-loads from L2/L3, and the prefill of whatever was not cached.
+Each setup has its own engine (device pool, cache, store) and serves the same requests in
+the same order, one at a time; the model and its weights are shared. The setups take turns
+request by request, so a busy or drifting machine slows all of them alike. TTFT is measured
+per request from its arrival at the engine to the logits of its first output token: page
+match, loads from L2/L3, and the prefill of whatever was not cached.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import os
 import random
 import sys
 import tempfile
-import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -55,7 +55,7 @@ class DemoConfig:
     l1_pages: int | None = None          # None: sized so that L1 alone thrashes
     l2_pages: int | None = None          # None: half the workload's distinct pages
     l3_bytes: int | None = None          # None: no limit
-    host_allocator: str = "torch-pinned"
+    host_allocator: str | None = None    # None: mmap on cpu, torch-pinned elsewhere
     l3_store: str = "file"
     l3_config: dict[str, Any] = field(default_factory=dict)
     transfer_engine: str = "torch"
@@ -114,8 +114,9 @@ class SetupRun:
     l3: str | None
     results: list[RequestResult]
     metrics: dict[str, Any]
-    wall_s: float
+    busy_s: float            # sum over requests of TTFT + commit (checks and drains excluded)
     checks: int = 0
+    store_stats: dict[str, Any] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
         res = self.results
@@ -140,7 +141,7 @@ class SetupRun:
             "bytes_l3_read": int(m.get("bytes_l3_read", 0)),
             "bytes_l3_written": int(m.get("bytes_l3_written", 0)),
             "store_errors": int(m.get("store_errors", 0)),
-            "checks_passed": self.checks, "wall_s": self.wall_s,
+            "checks_passed": self.checks, "busy_s": self.busy_s,
             "l1_pages": self.l1_pages, "l2_pages": self.l2_pages, "l3": self.l3,
         }
 
@@ -245,7 +246,7 @@ def cache_config(cfg: DemoConfig, setup: str, model: DemoModel, l2_pages: int,
                  l3_root: str | None) -> dict[str, Any]:
     base: dict[str, Any] = {
         "model_id": f"kvtier-demo-llama-{model.size.name}-seed{cfg.seed}",
-        "host_allocator": cfg.host_allocator, "transfer_engine": cfg.transfer_engine,
+        "host_allocator": host_allocator(cfg), "transfer_engine": cfg.transfer_engine,
         "prefetch_policy": cfg.prefetch_policy, "write_policy": cfg.write_policy,
     }
     if setup == "L1 only":
@@ -265,6 +266,15 @@ def cache_config(cfg: DemoConfig, setup: str, model: DemoModel, l2_pages: int,
     return {**base, "l3_store": cfg.l3_store, "l3_config": l3_config}
 
 
+def host_allocator(cfg: DemoConfig) -> str:
+    """The host allocator asked for, else: on CPU ``mmap`` (page-aligned memory, so the file
+    store can read with O_DIRECT, from the disk rather than the page cache); elsewhere
+    ``torch-pinned`` (page-locked memory the accelerator copies from directly)."""
+    if cfg.host_allocator:
+        return cfg.host_allocator
+    return "mmap" if cfg.device.split(":")[0] == "cpu" else "torch-pinned"
+
+
 def _store_takes_root(name: str) -> bool:
     """Does the named store's Config have a ``root`` directory field?"""
     import dataclasses
@@ -276,41 +286,68 @@ def _store_takes_root(name: str) -> bool:
         "root" in {f.name for f in dataclasses.fields(conf)}
 
 
-def run_setup(name: str, model: DemoModel, workload: Workload, cache_cfg: dict[str, Any],
-              l1_pages: int, check: CheckPolicy, *, progress: bool = True,
-              corrupt_restore: bool = False) -> SetupRun:
+def _check_failed(name: str, req: Any, res: RequestResult) -> CheckFailedError:
+    c = res.check
+    assert c is not None
+    how = "bitwise equality" if c.tolerance == 0 else f"relative tolerance {c.tolerance:g}"
+    return CheckFailedError(
+        f"{name}: request {req.index} (round {req.round}, {res.tokens} tokens, "
+        f"{res.l1_tokens} from L1, {res.l2_tokens} from L2, {res.l3_tokens} from L3) does not "
+        f"match a full recompute ({how} required): logits differ by up to "
+        f"{c.logits_max_abs_diff:.3g}, {c.kv_pages_differing} KV page(s) differ by up to "
+        f"{c.kv_max_abs_diff:.3g}", request=req.index, max_abs_diff=c.logits_max_abs_diff)
+
+
+def run_setups(names: list[str], model: DemoModel, workload: Workload,
+               cache_cfgs: dict[str, dict[str, Any]], l1_pages: int,
+               checks: dict[str, CheckPolicy], *, progress: bool = True,
+               corrupt_restore: bool = False) -> list[SetupRun]:
+    """Serve every request on every setup, interleaved request by request (in a rotating
+    order), so that all setups see the same machine load; after each request the setup's
+    background work (backups, L3 writes) is drained, untimed, so that it never runs during
+    another setup's request."""
     from ..report import progress as bar
-    engine = DemoEngine(model, cache_cfg, l1_pages=l1_pages, lower_tiers=name != "L1 only")
-    engine.corrupt_restore = corrupt_restore
-    results: list[RequestResult] = []
-    checks = 0
+    engines: dict[str, DemoEngine] = {}
+    results: dict[str, list[RequestResult]] = {n: [] for n in names}
+    passed = dict.fromkeys(names, 0)
+    busy = dict.fromkeys(names, 0.0)
     try:
-        engine.warm_up(model.vocab_size)
-        t0 = time.perf_counter()
-        for req in bar(workload.requests, total=len(workload), desc=f"{name:9s}",
-                       disable=not progress):
-            res = engine.serve(req, check)
-            if res.check is not None:
-                c = res.check
-                if not c.passed:
-                    how = "bitwise equality" if c.tolerance == 0 else \
-                        f"relative tolerance {c.tolerance:g}"
-                    raise CheckFailedError(
-                        f"{name}: request {req.index} (round {req.round}, {res.tokens} tokens, "
-                        f"{res.l1_tokens} from L1, {res.l2_tokens} from L2, {res.l3_tokens} "
-                        f"from L3) does not match a full recompute ({how} required): logits "
-                        f"differ by up to {c.logits_max_abs_diff:.3g}, {c.kv_pages_differing} "
-                        f"KV page(s) differ by up to {c.kv_max_abs_diff:.3g}",
-                        request=req.index, max_abs_diff=c.logits_max_abs_diff)
-                checks += 1
-            results.append(res)
-        wall = time.perf_counter() - t0
-        metrics = engine.cache.metrics()
+        for name in names:
+            engines[name] = eng = DemoEngine(model, cache_cfgs[name], l1_pages=l1_pages,
+                                             lower_tiers=name != "L1 only")
+            eng.corrupt_restore = corrupt_restore
+            eng.warm_up(model.vocab_size)
+        steps = bar(range(len(workload) * len(names)), total=len(workload) * len(names),
+                    desc="requests x setups", disable=not progress)
+        it = iter(steps)
+        for i, req in enumerate(workload.requests):
+            k = i % len(names)
+            for name in names[k:] + names[:k]:
+                res = engines[name].serve(req, checks[name])
+                if res.check is not None:
+                    if not res.check.passed:
+                        raise _check_failed(name, req, res)
+                    passed[name] += 1
+                results[name].append(res)
+                busy[name] += res.ttft_s + res.commit_s
+                engines[name].cache.wait_idle(timeout=600)
+                next(it, None)
+        runs = []
+        for name in names:
+            cache = engines[name].cache
+            stats = dict(cache.store.stats()) if cache.store is not None else {}
+            cc = cache_cfgs[name]
+            runs.append(SetupRun(name, l1_pages,
+                                 cc.get("host_pool_pages") if name != "L1 only" else None,
+                                 cc.get("l3_store"), results[name], cache.metrics(),
+                                 busy[name], passed[name], stats))
+        close = getattr(steps, "close", None)
+        if close is not None:
+            close()
+        return runs
     finally:
-        engine.close()
-    l2 = cache_cfg.get("host_pool_pages") if name != "L1 only" else None
-    return SetupRun(name, l1_pages, l2, cache_cfg.get("l3_store"), results, metrics, wall,
-                    checks)
+        for eng in engines.values():
+            eng.close()
 
 
 def run_demo(cfg: DemoConfig, *, corrupt_restore: bool = False,
@@ -318,7 +355,7 @@ def run_demo(cfg: DemoConfig, *, corrupt_restore: bool = False,
     """Replay the workload through every setup and return the report (files not written)."""
     import torch
     threads = cfg.threads
-    if threads is None and cfg.device == "cpu":
+    if threads is None and cfg.device.split(":")[0] == "cpu":
         # One compute thread on CPU: the model stands in for an accelerator, and kvtier's
         # background threads (backups, L3 I/O) get the other cores, as they would beside a
         # GPU. On a busy 2-core machine, 2 intra-op threads were also ~10x slower for
@@ -341,16 +378,16 @@ def run_demo(cfg: DemoConfig, *, corrupt_restore: bool = False,
         f"on {model.device} {minfo['dtype']}, {minfo['threads']} threads; {workload.description}"
         f"; {len(workload)} requests, {workload.total_tokens} prompt tokens, {distinct} "
         f"distinct pages of {model.spec.page_size} tokens ({model.spec.page_bytes} B each); "
-        f"L1 {l1} pages, L2 {l2} pages, L3 {cfg.l3_store} "
+        f"L1 {l1} pages, L2 {l2} pages ({host_allocator(cfg)}), L3 {cfg.l3_store} "
         f"({'no limit' if cfg.l3_bytes is None else f'{cfg.l3_bytes} B'})")
-    runs: list[SetupRun] = []
+    names = [s for s in SETUPS if s in cfg.setups]
     with tempfile.TemporaryDirectory(prefix="kvtier-demo-l3-") as tmp:
-        root = tmp if "L1+L2+L3" in cfg.setups and _store_takes_root(cfg.l3_store) else None
-        for i, name in enumerate(s for s in SETUPS if s in cfg.setups):
-            cc = cache_config(cfg, name, model, l2, root)
-            check = CheckPolicy(cfg.check, cfg.check_rate, cfg.seed * 1000 + i)
-            runs.append(run_setup(name, model, workload, cc, l1, check, progress=cfg.progress,
-                                  corrupt_restore=corrupt_restore))
+        root = tmp if "L1+L2+L3" in names and _store_takes_root(cfg.l3_store) else None
+        cfgs = {n: cache_config(cfg, n, model, l2, root) for n in names}
+        checks = {n: CheckPolicy(cfg.check, cfg.check_rate, cfg.seed * 1000 + i)
+                  for i, n in enumerate(names)}
+        runs = run_setups(names, model, workload, cfgs, l1, checks, progress=cfg.progress,
+                          corrupt_restore=corrupt_restore)
     return DemoReport(cfg, workload, minfo, runs, distinct)
 
 
@@ -380,11 +417,11 @@ def tables(report: DemoReport) -> str:
     details = table(
         ["setup", "L1 pages", "L2 pages", "load ms (mean)", "prefill ms (mean)",
          "L2->L1 MiB", "L1->L2 MiB", "L3 read MiB", "L3 written MiB", "store errors",
-         "checked ok", "wall s"],
+         "checked ok", "busy s"],
         [[s["setup"], s["l1_pages"], s["l2_pages"] or "-", f"{s['load_mean_ms']:.2f}",
           f"{s['prefill_mean_ms']:.1f}", _mib(s["bytes_h2d"]), _mib(s["bytes_d2h"]),
           _mib(s["bytes_l3_read"]), _mib(s["bytes_l3_written"]), s["store_errors"],
-          s["checks_passed"], f"{s['wall_s']:.1f}"] for s in rows])
+          s["checks_passed"], f"{s['busy_s']:.1f}"] for s in rows])
     return main + "\n\n" + details
 
 
@@ -401,6 +438,7 @@ def write_outputs(report: DemoReport, out_dir: str) -> dict[str, str]:
         "summary": report.summaries(),
         "per_round": {r.name: r.per_round(report.workload.num_rounds) for r in report.runs},
         "cache_metrics": {r.name: r.metrics for r in report.runs},
+        "l3_store_stats": {r.name: r.store_stats for r in report.runs if r.store_stats},
     }
     path = os.path.join(out_dir, "results.json")
     with open(path, "w") as fh:
