@@ -111,7 +111,10 @@ class DemoModel:
                           num_attention_heads=size.heads, num_key_value_heads=size.kv_heads,
                           max_position_embeddings=1 << 17, tie_word_embeddings=False)
         cfg._attn_implementation = "sdpa"
-        with torch.random.fork_rng(devices=[]):
+        # Initialise on the target device (fast for the large sizes); the seed fixes the
+        # weights per device type (CPU and CUDA generators differ).
+        forked = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=forked), self.device:
             torch.manual_seed(seed)
             model = LlamaForCausalLM(cfg)
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
