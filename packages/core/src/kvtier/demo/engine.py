@@ -141,11 +141,11 @@ class DemoEngine:
             nonlocal waited, wait_s
             tw = time.perf_counter()
             fh.wait_layer(i)
+            if i == 0 and self.corrupt_restore:
+                self._corrupt(fh.device_pages[0])     # landed, not yet read by the model
             if i == model.size.layers - 1:
                 fh.wait()
                 waited = True
-                if self.corrupt_restore:
-                    self._corrupt(fh.device_pages[0])
             wait_s += time.perf_counter() - tw
 
         t2 = time.perf_counter()

@@ -290,12 +290,14 @@ def _check_failed(name: str, req: Any, res: RequestResult) -> CheckFailedError:
     c = res.check
     assert c is not None
     how = "bitwise equality" if c.tolerance == 0 else f"relative tolerance {c.tolerance:g}"
+    logits = "logits equal" if c.logits_max_abs_diff == 0 else \
+        f"logits differ by up to {c.logits_max_abs_diff:.3g}"
     return CheckFailedError(
         f"{name}: request {req.index} (round {req.round}, {res.tokens} tokens, "
         f"{res.l1_tokens} from L1, {res.l2_tokens} from L2, {res.l3_tokens} from L3) does not "
-        f"match a full recompute ({how} required): logits differ by up to "
-        f"{c.logits_max_abs_diff:.3g}, {c.kv_pages_differing} KV page(s) differ by up to "
-        f"{c.kv_max_abs_diff:.3g}", request=req.index, max_abs_diff=c.logits_max_abs_diff)
+        f"match a full recompute ({how} required): {logits}, {c.kv_pages_differing} KV "
+        f"page(s) differ by up to {c.kv_max_abs_diff:.3g}", request=req.index,
+        max_abs_diff=c.logits_max_abs_diff)
 
 
 def run_setups(names: list[str], model: DemoModel, workload: Workload,
