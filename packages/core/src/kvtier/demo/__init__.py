@@ -98,8 +98,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-plot", action="store_true", help="skip the PNG")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g.add_argument("--corrupt-restore", action="store_true",
-                   help="testing: flip one bit of every page restored from L2/L3 to show "
-                   "that the check fails")
+                   help="testing: flip one bit of the first page each request restores "
+                   "from L2/L3, to show that the check fails")
 
 
 def config_from_args(args: argparse.Namespace):
