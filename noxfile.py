@@ -18,8 +18,9 @@ PYTHON = os.environ.get("KVTIER_NOX_PYTHON", "3.11")
 
 nox.options.sessions = [f"tests-{p}" for p in PACKAGES] + ["tests-sglang", "lint"]
 #: Extras of kvtier-core a package's tests need (core: the Mooncake client, so the `mooncake`
-#: L3 store runs against a real master; .ci/run installs its system libraries).
-CORE_EXTRAS = {"core": ("mooncake",)}
+#: L3 store runs against a real master -- .ci/run installs its system libraries -- and the
+#: demo's transformers model, so the demo's tests run instead of skipping).
+CORE_EXTRAS = {"core": ("mooncake", "demo")}
 nox.options.reuse_existing_virtualenvs = True
 
 
