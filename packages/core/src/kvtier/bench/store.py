@@ -2,14 +2,17 @@
 
 For each page size the run alternates (``--repeat`` times, medians reported):
 
-* raw write: one file written sequentially in 8 MiB pieces, then ``fsync``, by one thread
-  and by ``--threads`` threads writing interleaved pieces (the better figure is the ceiling);
+* raw write: 8 MiB pieces written sequentially, then ``fsync``: by one thread into one file,
+  by ``--threads`` threads into one file (pieces dealt round-robin) and by ``--threads``
+  threads into a file each; the best of the three is the ceiling;
 * store ``batch_set`` of the same number of bytes as pages, then ``syncfs`` (both are timed
-  until the data is on the disk, not in the page cache);
-* raw read: the file read the same two ways after ``POSIX_FADV_DONTNEED``;
-* store ``batch_get`` of every page after ``POSIX_FADV_DONTNEED`` on every object.
+  until the data is on the disk);
+* raw read: the file read the same two ways (after ``POSIX_FADV_DONTNEED`` when cached);
+* store ``batch_get`` of every page (after ``POSIX_FADV_DONTNEED`` on every object when
+  cached).
 
-With ``--cache direct`` both sides use ``O_DIRECT`` instead (no page cache at all). Every
+By default both sides use ``O_DIRECT`` (no page cache at all; the store's own default where
+the filesystem allows); ``--cache fadvise`` measures the page-cache path instead. Every
 page read back is compared bitwise with what was written (not timed). The single-thread cost
 of the payload checksum is measured in the same run, since the store computes it on both paths.
 """
@@ -52,9 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--total", default="1G", help="bytes moved per measurement (default 1G)")
     p.add_argument("--batch", type=int, default=32, help="pages per batch_set/batch_get call")
     p.add_argument("--threads", type=int, default=4, help="file store io_threads")
-    p.add_argument("--cache", choices=["fadvise", "direct"], default="fadvise",
-                   help="page cache treatment for both sides: drop it with fadvise "
-                        "(buffered I/O), or bypass it with O_DIRECT")
+    p.add_argument("--cache", choices=["direct", "fadvise"], default="direct",
+                   help="page cache treatment for both sides: bypass it with O_DIRECT (the "
+                        "store's default where it can), or use it and drop it with fadvise")
     p.add_argument("--checksum", choices=["crc32", "adler32"], default="crc32")
     p.add_argument("--repeat", type=int, default=3, help="alternating repetitions (median)")
 
@@ -68,6 +71,13 @@ def _syncfs(path: str) -> None:
             os.sync()
     finally:
         os.close(fd)
+
+
+def _pause(where: str) -> None:
+    """The same untimed pause between every write phase and the read after it (the disk
+    behind a VM may still be flushing what was just written)."""
+    _syncfs(where)
+    time.sleep(1.0)
 
 
 def _drop(path: str) -> None:
@@ -86,9 +96,20 @@ def _drop_tree(root: str) -> None:
             _drop(os.path.join(dirpath, f))
 
 
-def _stream_chunks(total: int, streams: int, s: int) -> list[tuple[int, int]]:
-    """(offset, length) of the 8 MiB chunks stream ``s`` of ``streams`` handles."""
-    return [(off, min(CHUNK, total - off)) for off in range(s * CHUNK, total, streams * CHUNK)]
+def _plan(total: int, streams: int, files: bool) -> list[list[tuple[int, int, int]]]:
+    """Per stream, its (file index, offset in that file, length) pieces of 8 MiB: one file
+    with the pieces dealt round-robin to the streams, or one file per stream written from
+    its start."""
+    plan: list[list[tuple[int, int, int]]] = [[] for _ in range(streams)]
+    ends = [0] * streams
+    for i, off in enumerate(range(0, total, CHUNK)):
+        n, s = min(CHUNK, total - off), i % streams
+        if files:
+            plan[s].append((s, ends[s], n))
+            ends[s] += n
+        else:
+            plan[s].append((0, off, n))
+    return plan
 
 
 def _parallel(fn, streams: int) -> None:
@@ -99,44 +120,61 @@ def _parallel(fn, streams: int) -> None:
         list(ex.map(fn, range(streams)))
 
 
+def _raw_paths(path: str, streams: int, files: bool) -> list[str]:
+    return [f"{path}.{s}" for s in range(streams)] if files else [path]
+
+
 def raw_write(path: str, total: int, bufs: list[mmap.mmap], direct: bool,
-              streams: int = 1) -> float:
-    """GB/s of writing ``total`` bytes sequentially in 8 MiB pieces (``streams`` threads
-    writing interleaved pieces), fsync included."""
+              streams: int = 1, files: bool = False) -> float:
+    """GB/s of writing ``total`` bytes sequentially in 8 MiB pieces by ``streams`` threads
+    (into one file, or one file each), fsync included."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
+    plan = _plan(total, streams, files)
     t0 = time.perf_counter()
-    fd = os.open(path, flags, 0o600)
+    fds = [os.open(p, flags, 0o600) for p in _raw_paths(path, streams, files)]
     try:
         def stream(s: int) -> None:
             view = memoryview(bufs[s])
-            for off, n in _stream_chunks(total, streams, s):
+            for f, off, n in plan[s]:
                 done = 0
                 while done < n:
-                    done += os.pwrite(fd, view[done:n], off + done)
+                    done += os.pwrite(fds[f], view[done:n], off + done)
         _parallel(stream, streams)
-        os.fsync(fd)
+        for fd in fds:
+            os.fsync(fd)
     finally:
-        os.close(fd)
+        for fd in fds:
+            os.close(fd)
     return total / (time.perf_counter() - t0) / 1e9
 
 
 def raw_read(path: str, total: int, bufs: list[mmap.mmap], direct: bool,
-             streams: int = 1) -> float:
-    """GB/s of reading the file sequentially from the disk (cache dropped or bypassed)."""
+             streams: int = 1, files: bool = False) -> float:
+    """GB/s of reading back what ``raw_write`` wrote (cache dropped or bypassed)."""
+    paths = _raw_paths(path, streams, files)
     if not direct:
-        _drop(path)
+        for p in paths:
+            _drop(p)
+    plan = _plan(total, streams, files)
     t0 = time.perf_counter()
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+    fds = [os.open(p, os.O_RDONLY | (os.O_DIRECT if direct else 0)) for p in paths]
     try:
         def stream(s: int) -> None:
             view = memoryview(bufs[s])
-            for off, n in _stream_chunks(total, streams, s):
-                if os.preadv(fd, [view[:n]], off) != n:
-                    raise OSError(f"{path}: short read at {off}")
+            for f, off, n in plan[s]:
+                if os.preadv(fds[f], [view[:n]], off) != n:
+                    raise OSError(f"{paths[f]}: short read at {off}")
         _parallel(stream, streams)
     finally:
-        os.close(fd)
+        for fd in fds:
+            os.close(fd)
     return total / (time.perf_counter() - t0) / 1e9
+
+
+def _remove_raw(path: str, streams: int, files: bool) -> None:
+    for p in _raw_paths(path, streams, files):
+        os.unlink(p)
+    _pause(os.path.dirname(path))
 
 
 def _spec_for(page_bytes: int) -> KVSpec:
@@ -168,9 +206,13 @@ def run(args: argparse.Namespace) -> int:
     base = tempfile.mkdtemp(prefix="kvtier-bench-store-") if own_dir else args.dir
     os.makedirs(base, exist_ok=True)
     work = tempfile.mkdtemp(prefix="run-", dir=base)
-    streams = sorted({1, args.threads})
+    # raw ceilings: one stream; N streams over one file; N streams, a file each
+    modes = [("1", 1, False)]
+    if args.threads > 1:
+        modes += [(f"{args.threads}", args.threads, False),
+                  (f"{args.threads} files", args.threads, True)]
     bufs = []
-    for _ in range(max(streams)):
+    for _ in range(args.threads):
         b = mmap.mmap(-1, CHUNK)                 # page-aligned: fit for O_DIRECT
         b.write(os.urandom(CHUNK))
         bufs.append(b)
@@ -198,10 +240,13 @@ def run(args: argparse.Namespace) -> int:
             moved = n * spec.page_bytes
             r = results[ps]
             raw_path = os.path.join(work, "raw.bin")
-            for k in streams:
-                r.setdefault(f"raw_w{k}", []).append(raw_write(raw_path, moved, bufs, direct, k))
-                r.setdefault(f"raw_r{k}", []).append(raw_read(raw_path, moved, bufs, direct, k))
-                os.unlink(raw_path)
+            for label, k, files in modes:
+                r.setdefault(f"raw_w{label}", []).append(
+                    raw_write(raw_path, moved, bufs, direct, k, files))
+                _pause(work)
+                r.setdefault(f"raw_r{label}", []).append(
+                    raw_read(raw_path, moved, bufs, direct, k, files))
+                _remove_raw(raw_path, k, files)
 
             root = os.path.join(work, "store")
             store = FileStore({"root": root, "io_threads": args.threads,
@@ -218,6 +263,7 @@ def run(args: argparse.Namespace) -> int:
             if not direct:
                 _drop_tree(store.dir)
             pool.raw[n * spec.page_bytes:].fill_(0xA5)
+            _pause(work)
             t0 = time.perf_counter()
             got = []
             for i in range(0, n, args.batch):
@@ -230,26 +276,28 @@ def run(args: argparse.Namespace) -> int:
             store.clear()
             store.close()
             shutil.rmtree(root, ignore_errors=True)
+            _pause(work)
     finally:
         for _, pool, _ in pools.values():
             pool.close()
         shutil.rmtree(work if not own_dir else base, ignore_errors=True)
     for ps in sizes:
         med = {k: statistics.median(v) for k, v in results[ps].items()}
-        raw_w = max(med[f"raw_w{k}"] for k in streams)      # the ceiling: best raw figure
-        raw_r = max(med[f"raw_r{k}"] for k in streams)
+        labels = [m[0] for m in modes]
+        raw_w = max(med[f"raw_w{k}"] for k in labels)       # the ceiling: best raw figure
+        raw_r = max(med[f"raw_r{k}"] for k in labels)
         rows.append([f"{ps / (1 << 20):g} MiB" if ps >= 1 << 20 else f"{ps >> 10} KiB",
-                     " / ".join(f"{med[f'raw_w{k}']:.3f}" for k in streams),
+                     " / ".join(f"{med[f'raw_w{k}']:.3f}" for k in labels),
                      f"{med['set']:.3f}", f"{med['set'] / raw_w:.0%}",
-                     " / ".join(f"{med[f'raw_r{k}']:.3f}" for k in streams),
+                     " / ".join(f"{med[f'raw_r{k}']:.3f}" for k in labels),
                      f"{med['get']:.3f}", f"{med['get'] / raw_r:.0%}"])
     speed, provider = checksum_gbps(args.checksum)
     print(f"file store vs raw sequential I/O in {base} ({args.cache}; "
           f"{total / 2**30:g} GiB per measurement, median of {args.repeat}; "
           f"io_threads={args.threads}, batch={args.batch}; GB/s = 1e9 bytes/s)")
-    print(table(["page", f"raw write ({'/'.join(map(str, streams))} streams)", "batch_set",
-                 "set/raw", f"raw read ({'/'.join(map(str, streams))} streams)", "batch_get",
-                 "get/raw"], rows))
+    how = " / ".join(m[0] for m in modes)
+    print(table(["page", f"raw write ({how})", "batch_set", "set/raw", f"raw read ({how})",
+                 "batch_get", "get/raw"], rows))
     print("ratios are against the better raw figure; "
           f"checksum {args.checksum} via {provider}: {speed:.2f} GB/s on one thread")
     if failures:

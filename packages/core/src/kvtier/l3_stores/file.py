@@ -414,7 +414,7 @@ class FileStore(L3Store):
         for key in keys:
             path = self._path(key)
             try:
-                st = os.stat(path)
+                st = os.lstat(path)          # a planted symlink is no object
             except OSError:
                 break
             if st.st_size not in self._sizes:
@@ -836,7 +836,7 @@ class FileStore(L3Store):
         if not self.config.remove_corrupted:
             return
         try:
-            now = os.stat(path)
+            now = os.lstat(path)
             if st is None or (now.st_ino, now.st_dev) == (st.st_ino, st.st_dev):
                 os.unlink(path)
         except OSError:
