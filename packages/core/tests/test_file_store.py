@@ -606,7 +606,7 @@ def test_stale_temporary_files_are_cleaned(tmp_path):
     s = FileStore({"root": str(tmp_path)}, spec=SPEC)
     sub = os.path.join(s.dir, "ab")
     os.makedirs(sub)
-    tag = s._tmp_tag.split("-")[0]
+    tag = s._host
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     files = {

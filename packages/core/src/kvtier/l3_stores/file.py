@@ -283,7 +283,7 @@ class FileStore(L3Store):
         self._sizes = {self.object_bytes, self.padded_bytes}
         self._kind_id = _CHECKSUMS[c.checksum][0]
         self.checksum_provider = checksum_impl(self._kind_id)[1]
-        self._tmp_tag = f"{_host_id()}-{os.getpid()}"
+        self._host = _host_id()
         self._lock = threading.Lock()          # index and counters below
         # relpath -> (mtime_ns, size on disk), least recently used first; _bytes = sum of sizes
         self._index: OrderedDict[str, tuple[int, int]] = OrderedDict()
@@ -347,7 +347,7 @@ class FileStore(L3Store):
             return False, "this platform has no O_DIRECT"
         sub = os.path.join(self.dir, "00")
         os.makedirs(sub, mode=self._dir_mode, exist_ok=True)
-        path = os.path.join(sub, f".odirect-probe.{self._tmp_tag}.{os.urandom(4).hex()}"
+        path = os.path.join(sub, f".odirect-probe.{self._host}-{os.getpid()}.{os.urandom(4).hex()}"
                                  f"{TMP_SUFFIX}")
         blk = mmap.mmap(-1, DIRECT_ALIGN)
         try:
@@ -731,7 +731,7 @@ class FileStore(L3Store):
         rel = self._rel(key)
         sub, name = rel.split("/")
         final = os.path.join(self.dir, rel)
-        tmp = os.path.join(self.dir, sub, f".{name}.{self._tmp_tag}."
+        tmp = os.path.join(self.dir, sub, f".{name}.{self._host}-{os.getpid()}."
                            f"{threading.get_ident():x}{TMP_SUFFIX}")   # unique per writer
         direct = self._direct and self._direct_pool
         views = self._views(page)
