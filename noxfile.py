@@ -16,7 +16,7 @@ PACKAGES = sorted(p.name for p in (ROOT / "packages").iterdir() if (p / "pyproje
 TORCH = os.environ.get("KVTIER_TORCH", "torch==2.13.0")
 PYTHON = os.environ.get("KVTIER_NOX_PYTHON", "3.11")
 
-nox.options.sessions = [f"tests-{p}" for p in PACKAGES] + ["tests-sglang", "lint"]
+nox.options.sessions = [f"tests-{p}" for p in PACKAGES] + ["tests-sglang", "lint", "demo"]
 #: Extras of kvtier-core a package's tests need (core: the Mooncake client, so the `mooncake`
 #: L3 store runs against a real master -- .ci/run installs its system libraries -- and the
 #: demo's transformers model, so the demo's tests run instead of skipping).
@@ -60,6 +60,17 @@ def tests_sglang(session: nox.Session) -> None:
     session.install("--no-compile", "--no-deps", SGLANG)
     session.install("--no-deps", "packages/core")
     session.run("pytest", "packages/core/tests_sglang", "-q", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def demo(session: nox.Session) -> None:
+    """The README's main job, installed the README's way: ``kvtier demo`` on embedded defaults
+    (CPU, host pool, file L3 in a temporary directory). It fails if any restored prefill
+    differs from a full recompute. ``nox -s demo -- --model-size tiny`` passes flags."""
+    session.install(TORCH)
+    session.install(".[demo]")
+    out = session.create_tmp()
+    session.run("kvtier", "demo", "--out", out, "--no-progress", *session.posargs)
 
 
 @nox.session(python=PYTHON)
