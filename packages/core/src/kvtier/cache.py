@@ -822,14 +822,7 @@ class TieredKVCache:
             if match.keys[:len(keys)] != keys[:len(match.keys)]:
                 raise InvalidArgumentError("commit tokens do not extend the match's tokens",
                                            argument="match")
-            fh = match._fetch
-            if fh is not None and not fh._finished:
-                try:
-                    _host_wait(fh._handle)
-                    err = None
-                except Exception as exc:
-                    err = exc
-                self._finish_fetch(fh, err)
+            self._settle_fetch(match)
         taken: list[int] = []
         not_taken: list[int] = []
         new = 0
@@ -890,12 +883,8 @@ class TieredKVCache:
         self.metrics_registry.observe("commit", time.perf_counter() - t0)
         return CommitResult(new, tuple(taken), tuple(not_taken))
 
-    def release(self, match: Match) -> list[int]:
-        """The request is done: unpin its pages, stop its prefetch. Returns the device pages
-        it passed in that the cache did not take (the engine's to free). Idempotent."""
-        if not isinstance(match, Match) or match._cache is not self:
-            raise InvalidArgumentError("release needs a Match from this cache",
-                                       argument="match")
+    def _settle_fetch(self, match: Match) -> None:
+        """Wait (host side) for the match's fetch still in flight, then book its outcome."""
         fh = match._fetch
         if fh is not None and not fh._finished:
             try:
@@ -904,6 +893,14 @@ class TieredKVCache:
             except Exception as exc:
                 err = exc
             self._finish_fetch(fh, err)
+
+    def release(self, match: Match) -> list[int]:
+        """The request is done: unpin its pages, stop its prefetch. Returns the device pages
+        it passed in that the cache did not take (the engine's to free). Idempotent."""
+        if not isinstance(match, Match) or match._cache is not self:
+            raise InvalidArgumentError("release needs a Match from this cache",
+                                       argument="match")
+        self._settle_fetch(match)
         with self._lock:
             if match._released:
                 return []
