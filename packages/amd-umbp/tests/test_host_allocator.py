@@ -15,11 +15,12 @@ from kvtier.testing import fill_random
 
 from kvtier_amd_umbp import host_allocator as ha
 from kvtier_amd_umbp.host_allocator import UmbpHostAllocator, backing_name, page_numa_node
+from kvtier import logutil
 
 
 @pytest.fixture(autouse=True)
 def _fresh_warnings(monkeypatch):
-    monkeypatch.setattr(ha, "_warned", set())
+    monkeypatch.setattr(logutil, "_warned", set())
 
 
 @pytest.fixture

@@ -13,6 +13,7 @@ import torch
 from kvtier.errors import AllocationError, ConfigError, InvalidArgumentError
 from kvtier.host_allocators import mmap as mm
 from kvtier.host_allocators.mmap import HUGE_2M, MmapAllocator
+from kvtier import logutil
 
 pytestmark = pytest.mark.skipif(not MmapAllocator.probe().ok,
                                 reason=f"mmap: {MmapAllocator.probe().reason}")
@@ -45,7 +46,7 @@ def _mapped(addr: int) -> bool:
 @pytest.fixture(autouse=True)
 def fresh_warnings(monkeypatch):
     """Each test sees the 'logged once' state of a fresh process."""
-    monkeypatch.setattr(mm, "_warned", set())
+    monkeypatch.setattr(logutil, "_warned", set())
 
 
 def _mem_total() -> int:

@@ -14,12 +14,12 @@ from __future__ import annotations
 import ctypes
 import logging
 import platform
-import threading
 import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from kvtier.logutil import warn_once
 from kvtier import Availability, Capabilities, HostAllocator, HostBuffer
 from kvtier.errors import AllocationError, BackendUnavailableError, ConfigError
 from kvtier.host_allocators.torch_pinned import check_nbytes
@@ -29,8 +29,6 @@ from . import KVTIER_INTERFACE_VERSION, _probe
 log = logging.getLogger(__name__)
 
 _MOVE_PAGES = {"x86_64": 279, "aarch64": 239, "ppc64le": 301}
-_warned: set[tuple[str, int]] = set()
-_warn_lock = threading.Lock()
 
 
 def _size_name(nbytes: int) -> str:
@@ -66,11 +64,7 @@ def page_numa_node(ptr: int) -> int | None:
 
 
 def _warn_once(key: tuple[str, int], message: str, *args: object) -> None:
-    with _warn_lock:
-        if key in _warned:
-            return
-        _warned.add(key)
-    log.warning(message, *args)
+    warn_once(log, key, message, *args)
 
 
 class UmbpHostAllocator(HostAllocator):

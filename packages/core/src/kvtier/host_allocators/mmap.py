@@ -33,6 +33,7 @@ from typing import Any, Literal
 import torch
 
 from ..errors import AllocationError, ConfigError
+from ..logutil import warn_once
 from ..interfaces import INTERFACE_VERSION, Availability, Capabilities, HostAllocator, HostBuffer
 from .torch_pinned import check_nbytes
 
@@ -60,17 +61,10 @@ _MPOL_F_ADDR = 1 << 1
 _MPOL_MF_STRICT = 1 << 0
 _MPOL_MF_MOVE = 1 << 1
 
-_warned: set[str] = set()
-_warn_lock = threading.Lock()
 
 
 def _warn_once(what: str, message: str) -> None:
-    """Log ``message`` at WARNING the first time ``what`` happens in this process."""
-    with _warn_lock:
-        if what in _warned:
-            return
-        _warned.add(what)
-    log.warning(message)
+    warn_once(log, what, message)
 
 
 # --------------------------------------------------------------------------------------------

@@ -48,6 +48,7 @@ from typing import Any, Callable, Literal, Sequence
 
 
 from ..errors import ConfigError, StoreError
+from ..logutil import warn_once
 from ..interfaces import INTERFACE_VERSION, Availability, Capabilities, L3Store
 from ..layout import PAGE_FIRST, page_ranges
 
@@ -78,16 +79,10 @@ _CHECKSUM_START = {kid: start for kid, start in _CHECKSUMS.values()}
 _PROVIDERS = (("isal", "isal.isal_zlib"), ("zlib-ng", "zlib_ng.zlib_ng"), ("zlib", "zlib"))
 _impl_cache: dict[int, tuple[Callable[..., int], str]] = {}
 
-_warned: set[str] = set()
-_warn_lock = threading.Lock()
 
 
 def _warn_once(what: str, message: str) -> None:
-    with _warn_lock:
-        if what in _warned:
-            return
-        _warned.add(what)
-    log.warning(message)
+    warn_once(log, what, message)
 
 
 def key_filename(key: bytes) -> tuple[str, str]:
