@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,7 +14,10 @@ from kvtier.errors import ConfigError, InvalidArgumentError
 from kvtier.simulate import (BLOCK_TOKENS, PageAllocator, TraceRequest, block_tokens,
                              load_trace, simulate)
 
-TRACE = "/work/shared/data/mooncake_synthetic_trace.jsonl"
+#: The public Mooncake trace kept in ``shared/data`` beside the repository (or KVTIER_TRACE).
+TRACE = os.environ.get("KVTIER_TRACE", str(
+    Path(__file__).resolve().parents[3].parent / "shared" / "data"
+    / "mooncake_synthetic_trace.jsonl"))
 
 
 def test_block_tokens_are_deterministic_and_distinct():
