@@ -9,11 +9,19 @@ both at once, with per-layer or all-layer launches, over a sweep of engine setti
 each direction and both directions at once. ``--gemm`` also times a bf16 8192^3 matmul alone
 and while transfers run. Results print as a table of GB/s and ratios; ``--json`` keeps them and
 ``--plot`` draws GB/s against chunk size per engine (``--replot`` redraws from a JSON file).
+
+Two controls separate the engines' own limits from the access pattern's: ``--order
+sequential`` moves pages 0..n-1 in order (the host side becomes one contiguous run per layer
+instead of scattered pages), and the ``flat-*`` cases are one layer of one component, so in
+sequential order both sides are a single contiguous block (what the ceiling copies).
+``--mixed LOAD+BACKUP`` runs loads on one engine and backups on another at the same time (e.g.
+``nvidia-tma+nvidia-copy-engine``), against the bidirectional ceiling.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import statistics
@@ -37,14 +45,24 @@ CASES: dict[str, KVSpec] = {
     "mha-8k": KVSpec.mha(num_layers=32, num_kv_heads=1, head_dim=128, page_size=32),
     "mha-32k": KVSpec.mha(num_layers=32, num_kv_heads=1, head_dim=128, page_size=128),
     "mha-128k": KVSpec.mha(num_layers=32, num_kv_heads=8, head_dim=128, page_size=64),
+    # one layer, one component: a page is one chunk (controls; see --order sequential)
+    "flat-72k": KVSpec.mla(num_layers=1, kv_lora_rank=512, rope_dim=64, page_size=64),
+    "flat-1m": KVSpec.mla(num_layers=1, kv_lora_rank=512, rope_dim=64, page_size=910),
 }
+#: Cases run by default (the flat controls only when named).
+DEFAULT_CASES = [c for c in CASES if not c.startswith("flat-")]
 DEFAULT_ENGINES = "nvidia-tma,nvidia-register,nvidia-copy-engine"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engines", default=DEFAULT_ENGINES, help="comma-separated engine names")
-    p.add_argument("--cases", default=",".join(CASES),
-                   help=f"comma-separated cases (default all: {','.join(CASES)})")
+    p.add_argument("--cases", default=",".join(DEFAULT_CASES),
+                   help=f"comma-separated cases (default: {','.join(DEFAULT_CASES)}; also "
+                        f"{','.join(c for c in CASES if c not in DEFAULT_CASES)})")
+    p.add_argument("--order", choices=["random", "sequential"], default="random",
+                   help="page indices: randomly scattered (default) or 0..n-1 in order")
+    p.add_argument("--mixed", action="append", default=[], metavar="LOAD+BACKUP",
+                   help="also run loads on engine LOAD and backups on engine BACKUP at once")
     p.add_argument("--mib", type=int, default=512, help="MiB moved per timed transfer")
     p.add_argument("--repeat", type=int, default=5, help="timed repetitions (median)")
     p.add_argument("--directions", default="h2d,d2h,both", help="h2d, d2h, both")
@@ -68,7 +86,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replot", help="read results from this JSON instead of running")
 
 
-def _parse_value(v: str) -> Any:
+def parse_value(v: str) -> Any:
     for conv in (int, float):
         try:
             return conv(v)
@@ -77,7 +95,7 @@ def _parse_value(v: str) -> Any:
     return {"true": True, "false": False}.get(v.lower(), v)
 
 
-def _median_ms(torch, fn, repeat: int, warmup: int = 1) -> float:
+def median_ms(torch, fn, repeat: int, warmup: int = 1) -> float:
     times = []
     for i in range(warmup + repeat):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -112,9 +130,9 @@ def ceilings(torch, host_raw, nbytes: int, repeat: int) -> dict[str, float]:
     dev_b = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     h_a, h_b = host_raw[:nbytes], host_raw[nbytes:2 * nbytes]
     s1 = torch.cuda.Stream()
-    out = {"h2d": nbytes / _median_ms(torch, lambda: dev_a.copy_(h_a, non_blocking=True),
+    out = {"h2d": nbytes / median_ms(torch, lambda: dev_a.copy_(h_a, non_blocking=True),
                                       repeat) / 1e6,
-           "d2h": nbytes / _median_ms(torch, lambda: h_b.copy_(dev_b, non_blocking=True),
+           "d2h": nbytes / median_ms(torch, lambda: h_b.copy_(dev_b, non_blocking=True),
                                       repeat) / 1e6}
 
     def both() -> None:
@@ -124,7 +142,7 @@ def ceilings(torch, host_raw, nbytes: int, repeat: int) -> dict[str, float]:
         with torch.cuda.stream(s1):
             h_b.copy_(dev_b, non_blocking=True)
         cur.wait_stream(s1)
-    out["both"] = 2 * nbytes / _median_ms(torch, both, repeat) / 1e6
+    out["both"] = 2 * nbytes / median_ms(torch, both, repeat) / 1e6
     return out
 
 
@@ -138,7 +156,55 @@ def _configs(cls, sweeps: dict[str, list], fixed: dict[str, Any],
             for b in bases for c in combos]
 
 
+def _check_args(args: argparse.Namespace) -> str | None:
+    bad = [c for c in args.cases.split(",") if c and c not in CASES]
+    if bad:
+        return f"unknown case(s) {', '.join(bad)}; have {', '.join(CASES)}"
+    for m in args.mixed:
+        if m.count("+") != 1 or not all(m.split("+")):
+            return f"--mixed {m!r}: expected LOAD_ENGINE+BACKUP_ENGINE"
+    if args.mib <= 0 or args.repeat <= 0:
+        return "--mib and --repeat must be positive"
+    return None
+
+
+def make_pools(torch, pools: dict[str, Any], case: str, nbytes: int, host_buf,
+                order: str) -> None:
+    """Device and host pools for ``case`` and four index sets of ``n`` pages each: loads
+    read ``host`` into ``dev``, backups write ``dev2`` to ``host2`` (disjoint, so a load and a
+    backup at once never touch the same page)."""
+    from ..device_pool import DeviceKVPool
+    from ..host_pool import HostKVPool
+    from ..testing.data import fill_random
+    spec = CASES[case]
+    pools.clear()
+    torch.cuda.empty_cache()
+    n = max(1, nbytes // spec.page_bytes)
+    hp = min(4 * nbytes // spec.page_bytes, 2 * n + n // 2)
+    dp = 2 * n + 1 if order == "sequential" else n + n // 4 + 1
+    dpool = DeviceKVPool.empty(spec, dp, "cuda")
+    for comp in dpool.layers:
+        for t in comp:
+            fill_random(t)
+    hpool = HostKVPool(spec, hp, buffer=host_buf)
+    if order == "sequential":
+        seq = torch.arange(2 * n)
+        dev, dev2, host, host2 = seq[:n], seq[n:], seq[:n], seq[n:]
+    else:
+        g = torch.Generator().manual_seed(7)
+        hperm = torch.randperm(hp, generator=g)
+        dev = torch.randperm(dp, generator=g)[:n]
+        dev2 = torch.randperm(dp, generator=g)[:n]
+        host, host2 = hperm[:n], hperm[n:2 * n]
+    pools.update(case=case, n=n, dpool=dpool, hpool=hpool, dev=dev.cuda(), dev2=dev2.cuda(),
+                 host=host.cuda(), host2=host2.cuda())
+
+
 def run(args: argparse.Namespace) -> int:
+    err = _check_args(args)
+    if err:
+        print(f"kvtier bench transfer: {err}", file=sys.stderr)
+        return 2
     if args.replot:
         with open(args.replot) as f:
             data = json.load(f)
@@ -156,24 +222,22 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace, torch) -> int:
     from .. import registry
-    from ..device_pool import DeviceKVPool
     from ..errors import BackendUnavailableError, KVTierError
-    from ..host_pool import HostKVPool
     from ..testing.data import fill_random
     sweeps = {}
     for s in args.sweep:
         k, _, v = s.partition("=")
-        sweeps[k] = [_parse_value(x) for x in v.split(",") if x]
+        sweeps[k] = [parse_value(x) for x in v.split(",") if x]
     fixed: dict[str, dict[str, Any]] = {}
     for s in args.set:
         k, _, v = s.partition("=")
         eng, _, key = k.partition(".")
-        fixed.setdefault(eng, {})[key] = _parse_value(v)
+        fixed.setdefault(eng, {})[key] = parse_value(v)
     explicit: dict[str, list[dict[str, Any]]] = {}
     for s in args.config:
         eng, _, kvs = s.partition(":")
         explicit.setdefault(eng, []).append(
-            {k: _parse_value(v) for k, _, v in (x.partition("=") for x in kvs.split(",") if x)})
+            {k: parse_value(v) for k, _, v in (x.partition("=") for x in kvs.split(",") if x)})
     engines = []
     for name in [e for e in args.engines.split(",") if e]:
         try:
@@ -197,6 +261,7 @@ def _run(args: argparse.Namespace, torch) -> int:
     directions = [d for d in args.directions.split(",") if d]
     modes = [m for m in args.modes.split(",") if m]
     cases = [c for c in args.cases.split(",") if c]
+    data["order"] = args.order
     work = [(c, e, cfg) for c in cases for e in engines
             for cfg in _configs(e[1], sweeps, fixed.get(e[0], {}), explicit.get(e[0]))]
     bar = progress(work, desc="transfer cases")
@@ -205,21 +270,7 @@ def _run(args: argparse.Namespace, torch) -> int:
         spec = CASES[case]
         if pools.get("case") != case:
             _save(data, args.json)         # keep what is measured if the run is cut short
-            pools.clear()
-            torch.cuda.empty_cache()
-            n = max(1, nbytes // spec.page_bytes)
-            hp = min(4 * nbytes // spec.page_bytes, 2 * n + n // 2)
-            dpool = DeviceKVPool.empty(spec, n + n // 4 + 1, "cuda")
-            for comp in dpool.layers:
-                for t in comp:
-                    fill_random(t)
-            hpool = HostKVPool(spec, hp, buffer=host_buf)
-            g = torch.Generator().manual_seed(7)
-            hperm = torch.randperm(hp, generator=g)
-            pools.update(case=case, n=n, dpool=dpool, hpool=hpool,
-                         dev=torch.randperm(dpool.num_pages, generator=g)[:n].cuda(),
-                         dev2=torch.randperm(dpool.num_pages, generator=g)[:n].cuda(),
-                         host=hperm[:n].cuda(), host2=hperm[n:2 * n].cuda())
+            make_pools(torch, pools, case, nbytes, host_buf, args.order)
         n, dpool, hpool = pools["n"], pools["dpool"], pools["hpool"]
         moved = n * spec.page_bytes
         first_cfg = cfg == _configs(cls, sweeps, fixed.get(name, {}), explicit.get(name))[0]
@@ -232,24 +283,16 @@ def _run(args: argparse.Namespace, torch) -> int:
                 print(f"{name} {case} {full}: {exc}", file=sys.stderr)
                 continue
             side = torch.cuda.Stream()
-            h, h2, d, d2 = pools["host"], pools["host2"], pools["dev"], pools["dev2"]
-            if name == "nvidia-copy-engine":   # addresses are built on the host
-                h, h2, d, d2 = h.cpu(), h2.cpu(), d.cpu(), d2.cpu()
-
-            def both(eng=eng, side=side, h=h, h2=h2, d=d, d2=d2) -> None:
-                cur = torch.cuda.current_stream()
-                side.wait_stream(cur)
-                a = eng.load(h, d)
-                with torch.cuda.stream(side):
-                    eng.backup(d2, h2).wait()
-                a.wait()
-                cur.wait_stream(side)
+            h, d = indices(pools, name, "load")
+            h2, d2 = indices(pools, name, "backup")
             fns = {"h2d": lambda eng=eng, h=h, d=d: eng.load(h, d).wait(),
-                   "d2h": lambda eng=eng, h=h, d=d: eng.backup(d, h).wait(), "both": both}
+                   "d2h": lambda eng=eng, h=h, d=d: eng.backup(d, h).wait(),
+                   "both": lambda eng=eng, side=side, h=h, h2=h2, d=d, d2=d2: _both(
+                       torch, eng, eng, side, h, d, h2, d2)}
             for direction in directions:
                 if direction == "both" and not (first_cfg or args.both_sweep):
                     continue
-                ms = _median_ms(torch, fns[direction], args.repeat)
+                ms = median_ms(torch, fns[direction], args.repeat)
                 total = moved * (2 if direction == "both" else 1)
                 gbps = total / ms / 1e6
                 data["results"].append({
@@ -263,6 +306,9 @@ def _run(args: argparse.Namespace, torch) -> int:
                     else (2 * eng.ctas if getattr(eng, "ctas", None) else None)})
             eng.close()
     _save(data, args.json)
+    for pair in args.mixed:
+        _mixed(torch, data, pair, cases, modes, fixed, nbytes, host_buf, pools, args)
+    _save(data, args.json)
     if args.gemm:
         data["gemm"] = gemm_slowdown(torch, engines, sweeps, fixed, args, host_buf, pools)
     _save(data, args.json)
@@ -270,6 +316,70 @@ def _run(args: argparse.Namespace, torch) -> int:
     if args.plot:
         plot(data, args.plot)
     return 0
+
+
+def indices(pools: dict[str, Any], engine: str, op: str) -> tuple[Any, Any]:
+    """(host, device) indices for a load or a backup, where the engine wants them."""
+    h, d = (pools["host"], pools["dev"]) if op == "load" else (pools["host2"], pools["dev2"])
+    if engine == "nvidia-copy-engine":       # addresses are built on the host
+        h, d = h.cpu(), d.cpu()
+    return h, d
+
+
+def _both(torch, load_eng, backup_eng, side, h, d, h2, d2) -> None:
+    """A load on the current stream and a backup on ``side`` at the same time."""
+    cur = torch.cuda.current_stream()
+    side.wait_stream(cur)
+    a = load_eng.load(h, d)
+    with torch.cuda.stream(side):
+        backup_eng.backup(d2, h2).wait()
+    a.wait()
+    cur.wait_stream(side)
+
+
+def _mixed(torch, data, pair, cases, modes, fixed, nbytes, host_buf, pools, args) -> None:
+    """Loads on one engine, backups on another, at once (engine defaults plus --set)."""
+    from .. import registry
+    from ..errors import KVTierError
+    names = pair.split("+")
+    try:
+        classes = [registry.get_backend_class("kvtier.transfer_engines", n) for n in names]
+    except KVTierError as exc:
+        print(f"skipping --mixed {pair}: {exc}", file=sys.stderr)
+        return
+    for case in progress(cases, desc=f"mixed {pair}"):
+        spec = CASES[case]
+        if pools.get("case") != case:
+            make_pools(torch, pools, case, nbytes, host_buf, args.order)
+        moved = 2 * pools["n"] * spec.page_bytes
+        for mode in modes:
+            lw = mode == "layer"
+            engs = []
+            try:
+                for n, cls in zip(names, classes):
+                    keys = getattr(cls.Config, "__dataclass_fields__", {})
+                    cfg = {k: v for k, v in fixed.get(n, {}).items() if k in keys}
+                    engs.append(cls(pools["dpool"], pools["hpool"],
+                                    {**cfg, "layerwise_load": lw, "layerwise_backup": lw}))
+            except KVTierError as exc:
+                print(f"--mixed {pair} {case}: {exc}", file=sys.stderr)
+                for e in engs:
+                    e.close()
+                continue
+            h, d = indices(pools, names[0], "load")
+            h2, d2 = indices(pools, names[1], "backup")
+            side = torch.cuda.Stream()
+            run_both = functools.partial(_both, torch, engs[0], engs[1], side, h, d, h2, d2)
+            ms = median_ms(torch, run_both, args.repeat)
+            gbps = moved / ms / 1e6
+            data["results"].append({
+                "case": case, "kind": spec.kind, "chunk_bytes": spec.chunk_bytes,
+                "page_size": spec.page_size, "layers": spec.num_layers, "engine": pair,
+                "config": {}, "mode": mode, "direction": "both", "bytes": moved, "ms": ms,
+                "gbps": gbps, "ratio": gbps / data["ceiling"]["both"],
+                "info": {}, "ctas": sum(getattr(e, "ctas", 0) or 0 for e in engs) or None})
+            for e in engs:
+                e.close()
 
 
 def _save(data: dict[str, Any], path: str | None) -> None:
@@ -295,7 +405,7 @@ def gemm_slowdown(torch, engines, sweeps, fixed, args, host_buf, pools) -> list[
 
     def timed(prio: str) -> float:
         with torch.cuda.stream(streams[prio]):
-            return _median_ms(torch, gemms, 5) / reps
+            return median_ms(torch, gemms, 5) / reps
     base = {p: min(timed(p) for _ in range(2)) for p in streams}
     out: list[dict[str, Any]] = [{"engine": "none", "case": "", "priority": p,
                                   "gemm_ms": base[p], "transfer_gbps": None} for p in streams]
@@ -351,7 +461,8 @@ def render(data: dict[str, Any]) -> str:
     env = data.get("env", {})
     ce = data["ceiling"]
     lines = [f"{env.get('gpu', '?')}  driver {env.get('driver', '?')}  {env.get('pcie', '')}  "
-             f"host memory: {data.get('host_backing', '?')}  {data.get('mib')} MiB per transfer",
+             f"host memory: {data.get('host_backing', '?')}  {data.get('mib')} MiB per transfer  "
+             f"pages in {data.get('order', 'random')} order",
              "ceiling (one pinned cudaMemcpyAsync): " + ", ".join(
                  f"{k} {v:.1f} GB/s" for k, v in ce.items())]
     rows = [[r["case"], r["chunk_bytes"], r["engine"], _cfg_text(r["config"]), r["mode"],
