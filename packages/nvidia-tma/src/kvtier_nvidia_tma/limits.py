@@ -1,0 +1,523 @@
+"""What limits host <-> device page transfers on this GPU: ``python -m kvtier_nvidia_tma.limits``.
+
+``kvtier bench transfer`` says how fast each engine is against the pinned-memcpy ceiling; these
+probes say why it is not faster. Each prints a table and, with ``--json``, keeps every number.
+
+``gemm``
+    A bf16 8192^3 GEMM alone; while a kernel that only *holds* 1, 2, 4, 8 SMs runs
+    (``kvt_hold``: a transfer kernel's block and shared memory, or one warp and none; no
+    memory traffic); and while an engine's loads, backups or both run back to back. Where a
+    hold of the same SMs costs the GEMM what the transfers cost, the slowdown is SM occupancy,
+    not memory traffic. The GEMM's own launch shape (grid, block, shared memory, registers)
+    comes from the profiler.
+``pcie``
+    The PCIe byte counters NVML keeps (``nvmlDeviceGetPcieThroughput``: what crossed the link,
+    sampled every 20 ms) against the payload moved, for the memcpy ceiling and each engine,
+    each direction: link bytes per payload byte, and the reverse direction's traffic (read
+    requests during loads).
+``ncu``
+    Runs Nsight Compute (where installed) over a few transfer launches and reports the
+    kernels' system-memory requests at L2 (requests, sectors, bytes per request) and any
+    PCIe counters the tool offers for this chip.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+GEMM_N = 8192
+
+
+# ----------------------------------------------------------------------------------------------
+# Shared set-up
+# ----------------------------------------------------------------------------------------------
+def _setup(mib: int):
+    import torch
+    from kvtier import registry
+    from kvtier.bench.transfer import environment
+    from kvtier.testing.data import fill_random
+    if not torch.cuda.is_available():
+        raise SystemExit("kvtier_nvidia_tma.limits: no CUDA device here")
+    nbytes = mib << 20
+    alloc = registry.create_host_allocator("cuda-host-register")
+    host_buf = alloc.allocate(4 * nbytes + (64 << 20))
+    fill_random(host_buf.tensor[:4 * nbytes])
+    env = {**environment(torch), "host_backing": host_buf.backing, "mib": mib}
+    return torch, nbytes, host_buf, env
+
+
+def _engine(name: str, pools: dict[str, Any], config: dict[str, Any] | None = None):
+    """``name`` on the pools, with the keys of ``config`` it has (others are ignored)."""
+    from kvtier import registry
+    cls = registry.get_backend_class("kvtier.transfer_engines", name)
+    keys = getattr(cls.Config, "__dataclass_fields__", {})
+    return cls(pools["dpool"], pools["hpool"],
+               {k: v for k, v in (config or {}).items() if k in keys})
+
+
+def _idx(pools, name: str, op: str):
+    from kvtier.bench.transfer import indices
+    return indices(pools, name, op)
+
+
+def footprint(eng, n: int, layers: int) -> tuple[int, int, int]:
+    """(grid, threads, dynamic shared memory) of one launch of ``eng``'s kernel."""
+    c = eng.config
+    if eng.name == "nvidia-tma":
+        plan, _ = eng.plan(n, 0, layers)
+        return plan.grid, plan.threads, plan.smem_bytes
+    if eng.name == "nvidia-register":
+        return c.ctas, c.threads, 0
+    raise ValueError(f"{eng.name} launches no kernel of its own")
+
+
+class Hold:
+    """Launches ``kvt_hold``: occupies grid x threads x smem for a while, moves nothing."""
+
+    def __init__(self, ordinal: int = 0):
+        from . import _driver
+        self._drv = _driver
+        self._dev = _driver.device(ordinal)
+        self._k = _driver.load_kernel(self._dev, "hold.cu", "kvt_hold")
+
+    def launch(self, grid: int, threads: int, smem: int, ms: float, stream: int) -> None:
+        self._dev.make_current()
+        self._drv.set_dynamic_smem(self._k, smem)
+        self._drv.launch(self._k, grid, threads, smem, stream,
+                         ctypes.c_uint64(int(ms * 1e6)))
+
+
+# ----------------------------------------------------------------------------------------------
+# gemm: slowdown from transfers vs from SM occupancy alone
+# ----------------------------------------------------------------------------------------------
+def gemm_shape(torch, a, b, c) -> dict[str, Any]:
+    """Name and launch shape of the kernel(s) one ``torch.matmul`` runs, from the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.matmul(a, b, out=c)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        torch.matmul(a, b, out=c)
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            trace = json.load(f)
+    kernels = [e for e in trace.get("traceEvents", []) if e.get("cat") == "kernel"]
+    if not kernels:
+        return {}
+    k = max(kernels, key=lambda e: e.get("dur", 0))
+    args = k.get("args", {})
+    return {"kernel": k.get("name", "")[:120], "grid": args.get("grid"),
+            "block": args.get("block"), "shared_memory": args.get("shared memory"),
+            "registers": args.get("registers per thread"),
+            "blocks_per_sm": args.get("blocks per SM"), "us": k.get("dur")}
+
+
+def probe_gemm(args) -> dict[str, Any]:
+    from kvtier.bench.transfer import CASES, make_pools, median_ms
+    torch, nbytes, host_buf, env = _setup(args.mib)
+    with torch.cuda.stream(torch.cuda.Stream()):
+        a = torch.randn(GEMM_N, GEMM_N, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(GEMM_N, GEMM_N, device="cuda", dtype=torch.bfloat16)
+        c = torch.empty_like(a)
+        reps = 20
+        gstream = torch.cuda.Stream()
+
+        def timed() -> float:
+            def gemms() -> None:
+                for _ in range(reps):
+                    torch.matmul(a, b, out=c)
+            with torch.cuda.stream(gstream):
+                return median_ms(torch, gemms, 5) / reps
+        shape = gemm_shape(torch, a, b, c)
+        base = min(timed() for _ in range(3))
+        window_ms = base * reps * 6 * 3            # the timed GEMMs fit well inside
+        hold = Hold()
+        rows: list[dict[str, Any]] = [{"case": "-", "engine": "none", "load": "-",
+                                       "gemm_ms": base, "slowdown": 0.0}]
+        hs = torch.cuda.Stream()
+        # SM occupancy alone: CTAs that hold an SM each and move nothing
+        for ctas in [int(x) for x in args.hold_ctas.split(",") if x]:
+            for threads, smem in ((512, 192 << 10), (32, 0)):
+                hold.launch(ctas, threads, smem, window_ms, hs.cuda_stream)
+                g = timed()
+                torch.cuda.synchronize()
+                rows.append({"case": "-", "engine": "kvt_hold", "load": "hold",
+                             "gemm_ms": g, "slowdown": g / base - 1,
+                             "footprint": [[ctas, threads, smem]]})
+        pools: dict[str, Any] = {}
+        for case in args.cases.split(","):
+            make_pools(torch, pools, case, nbytes, host_buf, "random")
+            spec = CASES[case]
+            for name in args.engines.split(","):
+                eng = _engine(name, pools, args.engine_config)
+                h, d = _idx(pools, name, "load")
+                h2, d2 = _idx(pools, name, "backup")
+                ls, bs = torch.cuda.Stream(), torch.cuda.Stream()
+                one = median_ms(torch, lambda eng=eng, h=h, d=d: eng.load(h, d).wait(), 3)
+                k = int(window_ms / one) + 2
+                L = spec.num_layers
+                fp_load = footprint(eng, pools["n"], 1 if eng.config.layerwise_load else L)
+                fp_back = footprint(eng, pools["n"], 1 if eng.config.layerwise_backup else L)
+                # the engine's own loads and/or backups, back to back on their own streams
+                for ops in args.ops.split(","):
+                    if ops in ("loads", "both"):
+                        with torch.cuda.stream(ls):
+                            for _ in range(k):
+                                eng.load(h, d).wait()
+                    if ops in ("backups", "both"):
+                        with torch.cuda.stream(bs):
+                            for _ in range(k):
+                                eng.backup(d2, h2).wait()
+                    g = timed()
+                    torch.cuda.synchronize()
+                    fps = {"loads": [fp_load], "backups": [fp_back],
+                           "both": [fp_load, fp_back]}[ops]
+                    rows.append({"case": case, "engine": name, "load": ops, "gemm_ms": g,
+                                 "slowdown": g / base - 1, "footprint": [list(x) for x in fps],
+                                 "config": dict(args.engine_config)})
+                eng.close()
+        torch.cuda.synchronize()
+    out = {"env": env, "gemm_shape": shape, "gemm_base_ms": base, "rows": rows}
+    from kvtier.report import table
+    print(f"GEMM: {shape}; engine settings: {args.engine_config or 'defaults'}")
+    print(table(["case", "engine", "running beside the GEMM", "launch (grid x threads, smem)",
+                 "GEMM ms", "slowdown"],
+                [[r["case"], r["engine"], r["load"],
+                  " + ".join(f"{g}x{t}, {s // 1024} KiB" for g, t, s in r.get("footprint", []))
+                  or "-", f"{r['gemm_ms']:.3f}", f"{100 * r['slowdown']:+.1f}%"] for r in rows]))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# pcie: NVML link byte counters against payload
+# ----------------------------------------------------------------------------------------------
+class Nvml:
+    TX, RX = 0, 1          # nvmlPcieUtilCounter_t: bytes the GPU sent / received
+
+    def __init__(self, index: int = 0):
+        self.lib = ctypes.CDLL("libnvidia-ml.so.1")
+        if self.lib.nvmlInit_v2() != 0:
+            raise OSError("nvmlInit failed")
+        self.h = ctypes.c_void_p()
+        if self.lib.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(self.h)) != 0:
+            raise OSError("nvmlDeviceGetHandleByIndex failed")
+
+    def throughput(self, counter: int) -> float:
+        """GB/s over the counter's 20 ms window."""
+        v = ctypes.c_uint()
+        rc = self.lib.nvmlDeviceGetPcieThroughput(self.h, counter, ctypes.byref(v))
+        if rc != 0:
+            raise OSError(f"nvmlDeviceGetPcieThroughput: error {rc}")
+        return v.value * 1e3 / 1e9           # KB/s -> GB/s
+
+
+def _sampled(torch, nvml: Nvml, fn, seconds: float) -> dict[str, float]:
+    """Run ``fn`` back to back for ``seconds``; payload rate from events, link rates from
+    NVML samples taken in the middle 80% of the window."""
+    samples: list[tuple[float, float, float]] = []
+    stop = threading.Event()
+
+    def sampler() -> None:
+        while not stop.is_set():
+            t = time.perf_counter()
+            samples.append((t, nvml.throughput(Nvml.TX), nvml.throughput(Nvml.RX)))
+    fn()
+    torch.cuda.synchronize()
+    th = threading.Thread(target=sampler, daemon=True)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
+    th.start()
+    start.record()
+    calls = 0
+    while time.perf_counter() - t0 < seconds:
+        fn()
+        calls += 1
+        if calls % 4 == 0:
+            torch.cuda.current_stream().synchronize()
+    end.record()
+    end.synchronize()
+    t1 = time.perf_counter()
+    stop.set()
+    th.join()
+    lo, hi = t0 + 0.1 * (t1 - t0), t1 - 0.1 * (t1 - t0)
+    mid = [s for s in samples if lo <= s[0] <= hi] or samples
+    return {"calls": calls, "ms": start.elapsed_time(end),
+            "tx": statistics.median(s[1] for s in mid),
+            "rx": statistics.median(s[2] for s in mid), "samples": len(mid)}
+
+
+def _memcpy_rows(torch, nvml: Nvml, host, seconds: float) -> list[dict[str, Any]]:
+    block = torch.empty(host.numel(), dtype=torch.uint8, device="cuda")
+    rows = []
+    for direction, fn in (("h2d", lambda: block.copy_(host, non_blocking=True)),
+                          ("d2h", lambda: host.copy_(block, non_blocking=True))):
+        r = _sampled(torch, nvml, fn, seconds)
+        rows.append({"what": "pinned memcpy (ceiling)", "case": "-", "direction": direction,
+                     "payload": r["calls"] * host.numel() / r["ms"] / 1e6, **r})
+    return rows
+
+
+def pcie_config(bus_id: str) -> dict[str, Any]:
+    """Max payload and max read request sizes of a PCI device, from its configuration space
+    (PCI Express capability: Device Capabilities bits 2:0, Device Control bits 7:5 and 14:12)."""
+    m = re.match(r"^(?:([0-9a-fA-F]+):)?([0-9a-fA-F]{2}):([0-9a-fA-F]{2})\.(\d)$",
+                 bus_id.strip())
+    if not m:
+        return {"error": f"cannot parse bus id {bus_id!r}"}
+    dom = int(m.group(1) or "0", 16)
+    path = (f"/sys/bus/pci/devices/{dom:04x}:{m.group(2).lower()}:{m.group(3).lower()}"
+            f".{m.group(4)}")
+    try:
+        with open(os.path.join(path, "config"), "rb") as f:
+            cfg = f.read(256)
+    except OSError as exc:
+        return {"error": str(exc)}
+    return {"path": path, **parse_pcie_config(cfg)}
+
+
+def parse_pcie_config(cfg: bytes) -> dict[str, Any]:
+    """The PCI Express capability's sizes from the first 256 bytes of configuration space."""
+    if len(cfg) < 64 or not cfg[6] & 0x10:           # status: capabilities list
+        return {"error": "no capability list readable"}
+    ptr, seen = cfg[0x34] & 0xFC, set()
+    while ptr and ptr not in seen and ptr + 12 <= len(cfg):
+        seen.add(ptr)
+        if cfg[ptr] == 0x10:                         # PCI Express capability
+            devcap = int.from_bytes(cfg[ptr + 4:ptr + 8], "little")
+            devctl = int.from_bytes(cfg[ptr + 8:ptr + 10], "little")
+            return {"max_payload_supported": 128 << (devcap & 7),
+                    "max_payload": 128 << ((devctl >> 5) & 7),
+                    "max_read_request": 128 << ((devctl >> 12) & 7)}
+        ptr = cfg[ptr + 1] & 0xFC
+    return {"error": "no PCI Express capability found"}
+
+
+def _gpu_bus_id() -> str:
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=pci.bus_id", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=20).stdout.split()[0]
+    except (OSError, IndexError, subprocess.SubprocessError):
+        return ""
+
+
+def probe_pcie(args) -> dict[str, Any]:
+    from kvtier.bench.transfer import CASES, make_pools
+    torch, nbytes, host_buf, env = _setup(args.mib)
+    env["pcie_config"] = pcie_config(_gpu_bus_id())
+    print(f"GPU PCIe configuration: {env['pcie_config']}")
+    nvml = Nvml()
+    rows: list[dict[str, Any]] = []
+    with torch.cuda.stream(torch.cuda.Stream()):
+        rows += _memcpy_rows(torch, nvml, host_buf.tensor[:nbytes], args.seconds)
+        pools: dict[str, Any] = {}
+        for case in args.cases.split(","):
+            make_pools(torch, pools, case, nbytes, host_buf, args.order)
+            moved = pools["n"] * CASES[case].page_bytes
+            for name in args.engines.split(","):
+                eng = _engine(name, pools, {"layerwise_load": name == "nvidia-copy-engine",
+                                            "layerwise_backup": name == "nvidia-copy-engine"})
+                hi, di = _idx(pools, name, "load")
+                for direction, fn in (("h2d", lambda eng=eng, h=hi, d=di: eng.load(h, d)),
+                                      ("d2h", lambda eng=eng, h=hi, d=di: eng.backup(d, h))):
+                    r = _sampled(torch, nvml, fn, args.seconds)
+                    rows.append({"what": name, "case": case, "direction": direction,
+                                 "payload": r["calls"] * moved / r["ms"] / 1e6, **r})
+                eng.close()
+    for r in rows:    # data flows in (RX) for loads, out (TX) for backups
+        data, other = (r["rx"], r["tx"]) if r["direction"] == "h2d" else (r["tx"], r["rx"])
+        r["link_per_payload"] = data / r["payload"] if r["payload"] else None
+        r["reverse_per_payload"] = other / r["payload"] if r["payload"] else None
+    from kvtier.report import table
+    print(table(["engine", "case", "dir", "payload GB/s", "NVML data-direction GB/s",
+                 "NVML reverse GB/s", "link / payload", "reverse / payload"],
+                [[r["what"], r["case"], r["direction"], f"{r['payload']:.1f}",
+                  f"{r['rx'] if r['direction'] == 'h2d' else r['tx']:.1f}",
+                  f"{r['tx'] if r['direction'] == 'h2d' else r['rx']:.1f}",
+                  f"{r['link_per_payload']:.3f}", f"{r['reverse_per_payload']:.3f}"]
+                 for r in rows]))
+    return {"env": env, "order": args.order, "rows": rows}
+
+
+# ----------------------------------------------------------------------------------------------
+# ncu: the kernels' system-memory requests
+# ----------------------------------------------------------------------------------------------
+def _find_ncu() -> str | None:
+    found = shutil.which("ncu")
+    if found:
+        return found
+    for root in ("/usr/local/cuda/bin", "/opt/nvidia/nsight-compute"):
+        for dirpath, _, files in os.walk(root):
+            if "ncu" in files:
+                return os.path.join(dirpath, "ncu")
+    return None
+
+
+def _metric_names(ncu: str) -> list[str]:
+    """Counters this chip offers about PCIe and system-memory traffic at L2."""
+    out = subprocess.run([ncu, "--query-metrics"], capture_output=True, text=True,
+                         timeout=300).stdout
+    names = []
+    for line in out.splitlines():
+        parts = line.split()
+        if not parts:
+            continue
+        name = parts[0]
+        if re.match(r"^pcie__", name) or re.match(
+                r"^lts__t_(requests|sectors)_(srcunit_\w+_)?aperture_sysmem(_op_(read|write))?$",
+                name):
+            names.append(name + ".sum")
+    return names
+
+
+def workload(args) -> None:
+    """A few transfer launches for the profiler: TMA and register, loads and backups."""
+    from kvtier.bench.transfer import make_pools
+    torch, nbytes, host_buf, _ = _setup(args.mib)
+    pools: dict[str, Any] = {}
+    with torch.cuda.stream(torch.cuda.Stream()):
+        for case in args.cases.split(","):
+            make_pools(torch, pools, case, nbytes, host_buf, "random")
+            for name in args.engines.split(","):
+                eng = _engine(name, pools, {"layerwise_load": False})
+                h, d = _idx(pools, name, "load")
+                eng.load(h, d).wait()
+                eng.backup(d, h).wait()
+                eng.close()
+        torch.cuda.synchronize()
+
+
+def probe_ncu(args) -> dict[str, Any]:
+    ncu = _find_ncu()
+    if ncu is None:
+        print("ncu (Nsight Compute) is not installed here; nothing to measure")
+        return {"ncu": None}
+    names = _metric_names(ncu)
+    names += ["gpu__time_duration.sum", "dram__bytes_read.sum", "dram__bytes_write.sum"]
+    with tempfile.TemporaryDirectory() as d:
+        rep = os.path.join(d, "out.csv")
+        cmd = [ncu, "--clock-control", "none", "-k", "regex:kvt_", "--csv", "--log-file", rep,
+               "--metrics", ",".join(names), sys.executable, "-m", "kvtier_nvidia_tma.limits",
+               "workload", "--mib", str(args.mib), "--cases", args.cases,
+               "--engines", args.engines]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        text = open(rep).read() if os.path.exists(rep) else ""
+    rows = [r for r in _parse_ncu_csv(text)]
+    if not rows:
+        print(proc.stdout[-3000:], proc.stderr[-3000:])
+    by_launch: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        key = r["ID"]
+        e = by_launch.setdefault(key, {"kernel": r["Kernel Name"][:40], "metrics": {}})
+        try:
+            e["metrics"][r["Metric Name"]] = float(r["Metric Value"].replace(",", ""))
+        except ValueError:
+            e["metrics"][r["Metric Name"]] = r["Metric Value"]
+    from kvtier.report import table
+    print(table(NCU_COLUMNS, ncu_rows(by_launch)))
+    return {"ncu": ncu, "metrics": names, "launches": by_launch, "returncode": proc.returncode}
+
+
+NCU_COLUMNS = ["launch", "kernel", "dir", "payload MB", "SM sysmem requests", "bytes/request",
+               "PCIe bytes (data dir)", "header B/request", "PCIe bytes (reverse)",
+               "reverse B/request", "payload GB/s"]
+
+
+def ncu_rows(by_launch: dict[str, dict[str, Any]]) -> list[list[str]]:
+    """Per launch: the SMs' system-memory requests at L2 (source unit tex: each counted once)
+    and the PCIe bytes the GPU counted in the data's direction and the reverse one, per
+    request: TLP header bytes per payload TLP, and read-request bytes for loads."""
+    rows = []
+    for key, e in by_launch.items():
+        m = e["metrics"]
+        for op, data_dir, rev_dir in (("read", "pcie__read_bytes.sum", "pcie__write_bytes.sum"),
+                                      ("write", "pcie__write_bytes.sum", "pcie__read_bytes.sum")):
+            req = m.get(f"lts__t_requests_srcunit_tex_aperture_sysmem_op_{op}.sum")
+            sec = m.get(f"lts__t_sectors_srcunit_tex_aperture_sysmem_op_{op}.sum")
+            if not (isinstance(req, float) and isinstance(sec, float) and req > 1000):
+                continue
+            payload = 32 * sec
+            data, rev = m.get(data_dir), m.get(rev_dir)
+            ns = m.get("gpu__time_duration.sum")
+            ok = isinstance(data, float) and isinstance(rev, float)
+            rows.append([key, e["kernel"], "h2d" if op == "read" else "d2h",
+                         f"{payload / 1e6:.2f}", f"{req:.0f}", f"{payload / req:.1f}",
+                         f"{data:.0f}" if ok else "-",
+                         f"{(data - payload) / req:.1f}" if ok else "-",
+                         f"{rev:.0f}" if ok else "-", f"{rev / req:.1f}" if ok else "-",
+                         f"{payload / ns:.1f}" if isinstance(ns, float) and ns else "-"])
+    return rows
+
+
+def _parse_ncu_csv(text: str) -> list[dict[str, str]]:
+    import csv
+    lines = [ln for ln in text.splitlines() if ln.startswith('"')]
+    if not lines:
+        return []
+    return list(csv.DictReader(lines))
+
+
+# ----------------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kvtier_nvidia_tma.limits",
+                                description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="probe", required=True)
+    for name, cases, engines in (
+            ("gemm", "mla-p1,mha-32k", "nvidia-tma,nvidia-register"),
+            ("pcie", "mla-p1,mha-8k,mla-p64", "nvidia-tma,nvidia-register,nvidia-copy-engine"),
+            ("ncu", "mla-p1,mla-p64", "nvidia-tma,nvidia-register"),
+            ("workload", "mla-p1,mla-p64", "nvidia-tma,nvidia-register")):
+        s = sub.add_parser(name)
+        s.add_argument("--mib", type=int, default=256, help="MiB per transfer")
+        s.add_argument("--cases", default=cases)
+        s.add_argument("--engines", default=engines)
+        s.add_argument("--json", help="write the results here")
+        if name == "gemm":
+            s.add_argument("--ops", default="loads,backups,both",
+                           help="transfers beside the GEMM: loads, backups, both")
+            s.add_argument("--hold-ctas", default="1,2,4,8",
+                           help="SMs held by kvt_hold (no traffic), one run each ('' for none)")
+            s.add_argument("--config", dest="engine_config", default="", metavar="K=V,K=V",
+                           help="engine settings (each engine takes the keys it has)")
+        if name == "pcie":
+            s.add_argument("--seconds", type=float, default=1.5, help="time per measurement")
+            s.add_argument("--order", choices=["random", "sequential"], default="random")
+    args = p.parse_args(argv)
+    from kvtier.bench.transfer import CASES
+    bad = [c for c in args.cases.split(",") if c not in CASES]
+    if bad:
+        p.error(f"unknown case(s) {', '.join(bad)}; have {', '.join(CASES)}")
+    if args.probe == "gemm":
+        bad = [o for o in args.ops.split(",") if o not in ("loads", "backups", "both")]
+        if bad:
+            p.error(f"--ops: {', '.join(bad)}: expected loads, backups or both")
+        from kvtier.bench.transfer import parse_value
+        pairs = [x.partition("=") for x in args.engine_config.split(",") if x]
+        if any(not k or not sep for k, sep, _ in pairs):
+            p.error(f"--config {args.engine_config!r}: expected KEY=VALUE[,KEY=VALUE]")
+        args.engine_config = {k: parse_value(v) for k, _, v in pairs}
+    if args.probe == "workload":
+        workload(args)
+        return 0
+    out = {"gemm": probe_gemm, "pcie": probe_pcie, "ncu": probe_ncu}[args.probe](args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

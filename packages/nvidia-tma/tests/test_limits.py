@@ -1,0 +1,84 @@
+"""kvtier_nvidia_tma.limits: the parts that need no GPU (config-space and CSV parsing, argument
+checks)."""
+
+import pytest
+
+from kvtier_nvidia_tma import limits
+
+
+def _config_space(devctl: int, devcap: int = 0x1, caps: bool = True, loop: bool = False) -> bytes:
+    cfg = bytearray(256)
+    if caps:
+        cfg[6] = 0x10                        # status: capability list present
+    cfg[0x34] = 0x40
+    cfg[0x40], cfg[0x41] = 0x01, 0x60        # power management, next at 0x60
+    cfg[0x60], cfg[0x61] = 0x10, (0x40 if loop else 0x00)   # PCI Express capability
+    if loop:
+        cfg[0x60] = 0x05                     # not PCIe: the list loops back to 0x40
+    cfg[0x64:0x68] = devcap.to_bytes(4, "little")
+    cfg[0x68:0x6A] = devctl.to_bytes(2, "little")
+    return bytes(cfg)
+
+
+def test_parse_pcie_config_reads_payload_and_read_request_sizes():
+    devctl = (1 << 5) | (5 << 12)            # MPS 256 B, MRRS 4096 B
+    got = limits.parse_pcie_config(_config_space(devctl, devcap=0x2))
+    assert got == {"max_payload_supported": 512, "max_payload": 256,
+                   "max_read_request": 4096}
+    got = limits.parse_pcie_config(_config_space(0, devcap=0))
+    assert got["max_payload"] == 128 and got["max_read_request"] == 128
+
+
+def test_parse_pcie_config_malformed():
+    assert "error" in limits.parse_pcie_config(b"\0" * 16)
+    assert "error" in limits.parse_pcie_config(_config_space(0, caps=False))
+    assert "error" in limits.parse_pcie_config(_config_space(0, loop=True))   # terminates
+
+
+def test_pcie_config_bad_bus_id():
+    assert "cannot parse" in limits.pcie_config("not-a-bus-id")["error"]
+
+
+def test_parse_ncu_csv_skips_tool_chatter():
+    text = ('==PROF== Connected to process 1\n'
+            '"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"\n'
+            '"0","kvt_tma_copy","pcie__read_bytes.sum","byte","73,326,592"\n'
+            '==PROF== Disconnected\n')
+    rows = limits._parse_ncu_csv(text)
+    assert len(rows) == 1 and rows[0]["Metric Value"] == "73,326,592"
+    assert limits._parse_ncu_csv("no csv here") == []
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["gemm", "--cases", "nope"], "unknown case(s) nope"),
+    (["gemm", "--ops", "loads,sideways"], "--ops: sideways"),
+    (["gemm", "--config", "ctas"], "expected KEY=VALUE"),
+])
+def test_bad_arguments_exit_2(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        limits.main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_ncu_rows_derive_request_and_header_sizes():
+    req = 500_000.0
+    launches = {
+        "0": {"kernel": "kvt_tma_copy", "metrics": {
+            "lts__t_requests_srcunit_tex_aperture_sysmem_op_read.sum": req,
+            "lts__t_sectors_srcunit_tex_aperture_sysmem_op_read.sum": 4 * req,
+            "lts__t_requests_srcunit_tex_aperture_sysmem_op_write.sum": 3.0,   # ignored: few
+            "lts__t_sectors_srcunit_tex_aperture_sysmem_op_write.sum": 3.0,
+            "pcie__read_bytes.sum": 140 * req, "pcie__write_bytes.sum": 16 * req,
+            "gpu__time_duration.sum": 1.28e6}},
+        "1": {"kernel": "kvt_register_u8", "metrics": {
+            "lts__t_requests_srcunit_tex_aperture_sysmem_op_write.sum": req,
+            "lts__t_sectors_srcunit_tex_aperture_sysmem_op_write.sum": 4 * req,
+            "pcie__read_bytes.sum": "n/a", "pcie__write_bytes.sum": 144 * req}},
+    }
+    rows = limits.ncu_rows(launches)
+    assert len(rows) == 2 and all(len(r) == len(limits.NCU_COLUMNS) for r in rows)
+    h2d, d2h = rows
+    assert h2d[2] == "h2d" and h2d[5] == "128.0" and h2d[7] == "12.0" and h2d[9] == "16.0"
+    assert h2d[10] == "50.0"                              # 64 MB in 1.28 ms
+    assert d2h[2] == "d2h" and d2h[5] == "128.0" and d2h[7] == "-" and d2h[10] == "-"
