@@ -23,4 +23,5 @@ done
     | grep -v '^transfer cases' | tee "$out/both-ctas.txt"
 "$py" -m kvtier_nvidia_tma.limits gemm --json "$out/gemm.json" 2>&1 | tee "$out/gemm.txt"
 "$py" -m kvtier_nvidia_tma.limits pcie --json "$out/pcie.json" 2>&1 | tee "$out/pcie.txt"
+"$py" -m kvtier_nvidia_tma.limits latency --json "$out/latency.json" 2>&1 | tee "$out/latency.txt"
 timeout 240 "$py" -m kvtier_nvidia_tma.limits ncu --mib 64 --json "$out/ncu.json" 2>&1 | tee "$out/ncu.txt"

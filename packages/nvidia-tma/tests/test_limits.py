@@ -82,3 +82,23 @@ def test_ncu_rows_derive_request_and_header_sizes():
     assert h2d[2] == "h2d" and h2d[5] == "128.0" and h2d[7] == "12.0" and h2d[9] == "16.0"
     assert h2d[10] == "50.0"                              # 64 MB in 1.28 ms
     assert d2h[2] == "d2h" and d2h[5] == "128.0" and d2h[7] == "-" and d2h[10] == "-"
+
+
+def test_make_chain_is_one_cycle_through_every_slot():
+    torch = pytest.importorskip("torch")
+    step = limits.CHAIN_STRIDE // 8
+    slots = 37
+    words = torch.full((slots * step + 5,), -1, dtype=torch.int64)
+    limits.make_chain(words, slots, seed=3)
+    seen, idx = [], 0
+    for _ in range(slots):                       # follow it as the kernel does
+        seen.append(idx)
+        idx = int(words[idx])
+        assert idx % step == 0 and 0 <= idx < slots * step
+    assert idx == 0 and sorted(seen) == [i * step for i in range(slots)]
+    assert seen != sorted(seen)                  # random order, not a stride the GPU can guess
+    untouched = torch.ones(words.numel(), dtype=torch.bool)
+    untouched[torch.arange(slots) * step] = False
+    assert bool((words[untouched] == -1).all())
+    with pytest.raises(ValueError):
+        limits.make_chain(words, slots + 1)

@@ -21,7 +21,7 @@ KERNEL_DIR = Path(__file__).with_name("kernels")
 SOURCES: dict[str, tuple[str, ...]] = {
     "register_copy.cu": ("kvt_register_u2", "kvt_register_u4", "kvt_register_u8"),
     "tma_copy.cu": ("kvt_tma_copy",),
-    "hold.cu": ("kvt_hold",),      # measurement only (kvtier_nvidia_tma.limits)
+    "hold.cu": ("kvt_hold", "kvt_read_latency"),   # measurement only (limits.py)
 }
 #: Minimum compute capability per source (TMA bulk copies are sm_90+).
 MIN_ARCH: dict[str, int] = {"register_copy.cu": 70, "tma_copy.cu": 90, "hold.cu": 70}

@@ -15,6 +15,11 @@ probes say why it is not faster. Each prints a table and, with ``--json``, keeps
     sampled every 20 ms) against the payload moved, for the memcpy ceiling and each engine,
     each direction: link bytes per payload byte, and the reverse direction's traffic (read
     requests during loads).
+``latency``
+    The round-trip time of one PCIe read (``kvt_read_latency``: one thread following a chain of
+    dependent reads through registered host memory) with the link idle and while memcpys or an
+    engine's loads and backups run, and the load rate that the reads an engine keeps in flight
+    allow at that latency.
 ``ncu``
     Runs Nsight Compute (where installed) over a few transfer launches and reports the
     kernels' system-memory requests at L2 (requests, sectors, bytes per request) and any
@@ -353,6 +358,103 @@ def probe_pcie(args) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------------------------
+# latency: one PCIe read's round trip, idle and under other traffic
+# ----------------------------------------------------------------------------------------------
+CHAIN_STRIDE = 4096          # bytes between chain elements: every read its own page and line
+
+
+def make_chain(words, slots: int, seed: int = 1):
+    """Write into ``words`` (an int64 tensor of >= slots * CHAIN_STRIDE / 8 elements) one cycle
+    through ``slots`` elements CHAIN_STRIDE bytes apart, in random order, starting at 0: the
+    element at word ``w`` holds the word index of the next."""
+    import torch
+    step = CHAIN_STRIDE // 8
+    if slots < 2 or words.numel() < slots * step:
+        raise ValueError(f"need >= 2 slots and {slots * step} words, have {words.numel()}")
+    g = torch.Generator().manual_seed(seed)
+    order = torch.cat([torch.zeros(1, dtype=torch.int64),
+                       torch.randperm(slots - 1, generator=g) + 1])
+    nxt = torch.roll(order, -1)
+    words[order * step] = nxt * step
+    return order
+
+
+def probe_latency(args) -> dict[str, Any]:
+    from kvtier.bench.transfer import CASES, make_pools
+    from kvtier.report import progress
+    from . import _driver
+    torch, nbytes, host_buf, env = _setup(args.mib)
+    dev = _driver.device(0)
+    k = _driver.load_kernel(dev, "hold.cu", "kvt_read_latency")
+    tail = host_buf.tensor[4 * nbytes:]                 # the 64 MiB the pools never use
+    words = tail[:(tail.numel() // 8) * 8].view(torch.int64)
+    slots = min(16384, words.numel() * 8 // CHAIN_STRIDE)
+    make_chain(words, slots)
+    chain = _driver.host_device_pointer(words.data_ptr())
+    out = torch.zeros(2, dtype=torch.int64, device="cuda")
+    n = args.reads
+    rows: list[dict[str, Any]] = []
+    with torch.cuda.stream(torch.cuda.Stream()):
+        lat_stream, bg1, bg2 = torch.cuda.Stream(), torch.cuda.Stream(), torch.cuda.Stream()
+        block = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        host_a, host_b = host_buf.tensor[:nbytes], host_buf.tensor[nbytes:2 * nbytes]
+        pools: dict[str, Any] = {}
+        make_pools(torch, pools, args.cases.split(",")[0], nbytes, host_buf, "random")
+        spec = CASES[pools["case"]]
+        eng = _engine("nvidia-tma", pools)
+        hl, dl = _idx(pools, "nvidia-tma", "load")
+        hb, db = _idx(pools, "nvidia-tma", "backup")
+        moved = pools["n"] * spec.page_bytes
+        c = eng.config
+        in_flight = c.ctas * c.warps * (c.stages - 1 - c.stores_in_flight) * c.stage_bytes
+
+        def measure() -> list[float]:
+            per = []
+            for _ in range(args.repeat):
+                with torch.cuda.stream(lat_stream):
+                    _driver.launch(k, 1, 32, 0, lat_stream.cuda_stream, ctypes.c_uint64(chain),
+                                   ctypes.c_uint32(n), ctypes.c_uint64(out.data_ptr()))
+                lat_stream.synchronize()
+                per.append(int(out[0].item()) / n)
+            return per
+
+        reps = max(2, int(1.5 * 55e9 / nbytes))          # ~1.5 s of background traffic
+        backgrounds = {
+            "idle": [],
+            "memcpy D2H": [(bg1, lambda: host_b.copy_(block, non_blocking=True))],
+            "memcpy H2D": [(bg1, lambda: block.copy_(host_a, non_blocking=True))],
+            "memcpy both": [(bg1, lambda: block.copy_(host_a, non_blocking=True)),
+                            (bg2, lambda: host_b.copy_(block, non_blocking=True))],
+            "nvidia-tma backups": [(bg2, lambda: eng.backup(db, hb))],
+            "nvidia-tma loads": [(bg1, lambda: eng.load(hl, dl))],
+            "nvidia-tma both": [(bg1, lambda: eng.load(hl, dl)), (bg2, lambda: eng.backup(db, hb))],
+        }
+        measure()                                         # warm-up: module load, TLBs
+        for label, work in progress(backgrounds.items(), desc="read latency"):
+            for stream, fn in work:
+                with torch.cuda.stream(stream):
+                    for _ in range(reps):
+                        fn()
+            per = measure()
+            torch.cuda.synchronize()
+            ns = statistics.median(per)
+            rows.append({"background": label, "ns_per_read": ns, "min": min(per),
+                         "max": max(per), "reads": n,
+                         "rate_in_flight_gbps": in_flight / ns})
+        eng.close()
+    from kvtier.report import table
+    print(f"one thread, {n} dependent 8-byte reads of registered host memory "
+          f"{CHAIN_STRIDE} B apart; nvidia-tma keeps {in_flight // 1024} KiB of loads in flight "
+          f"({c.ctas} CTAs x {c.warps} pipelines x {c.stages - 1 - c.stores_in_flight} stages "
+          f"x {c.stage_bytes} B); background engines on {pools['case']} ({moved >> 20} MiB)")
+    print(table(["traffic on the link", "ns per read (median)", "min", "max",
+                 "GB/s that many loads in flight allow"],
+                [[r["background"], f"{r['ns_per_read']:.0f}", f"{r['min']:.0f}",
+                  f"{r['max']:.0f}", f"{r['rate_in_flight_gbps']:.1f}"] for r in rows]))
+    return {"env": env, "in_flight_bytes": in_flight, "case": pools["case"], "rows": rows}
+
+
+# ----------------------------------------------------------------------------------------------
 # ncu: the kernels' system-memory requests
 # ----------------------------------------------------------------------------------------------
 def _find_ncu() -> str | None:
@@ -479,6 +581,7 @@ def main(argv: list[str] | None = None) -> int:
             ("gemm", "mla-p1,mha-32k", "nvidia-tma,nvidia-register"),
             ("pcie", "mla-p1,mha-8k,mla-p64", "nvidia-tma,nvidia-register,nvidia-copy-engine"),
             ("ncu", "mla-p1,mla-p64", "nvidia-tma,nvidia-register"),
+            ("latency", "mla-p64", "nvidia-tma"),
             ("workload", "mla-p1,mla-p64", "nvidia-tma,nvidia-register")):
         s = sub.add_parser(name)
         s.add_argument("--mib", type=int, default=256, help="MiB per transfer")
@@ -492,6 +595,9 @@ def main(argv: list[str] | None = None) -> int:
                            help="SMs held by kvt_hold (no traffic), one run each ('' for none)")
             s.add_argument("--config", dest="engine_config", default="", metavar="K=V,K=V",
                            help="engine settings (each engine takes the keys it has)")
+        if name == "latency":
+            s.add_argument("--reads", type=int, default=2048, help="dependent reads per launch")
+            s.add_argument("--repeat", type=int, default=9, help="launches per background")
         if name == "pcie":
             s.add_argument("--seconds", type=float, default=1.5, help="time per measurement")
             s.add_argument("--order", choices=["random", "sequential"], default="random")
@@ -512,7 +618,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.probe == "workload":
         workload(args)
         return 0
-    out = {"gemm": probe_gemm, "pcie": probe_pcie, "ncu": probe_ncu}[args.probe](args)
+    out = {"gemm": probe_gemm, "pcie": probe_pcie, "ncu": probe_ncu,
+           "latency": probe_latency}[args.probe](args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1, default=str)
