@@ -119,9 +119,9 @@ def test_roundtrip_bitwise(engine_name, spec, layout, layerwise):
         hpool.close()
 
 
-@pytest.mark.parametrize("name", ["nvidia-tma", "nvidia-register"])
+@pytest.mark.parametrize("name", ["nvidia-tma", "nvidia-register", "nvidia-copy-engine"])
 @pytest.mark.parametrize("cfg", [
-    {"ctas": 1}, {"ctas": 4},
+    {"ctas": 1}, {"ctas": 4}, {"max_batch": 3}, {"max_batch": 1},
     {"warps": 1, "stages": 2, "stage_bytes": 4096},
     {"warps": 4, "stages": 3, "stage_bytes": 16384},
     {"tensor_map": False},
@@ -232,6 +232,19 @@ def test_misaligned_rows_are_typed_error(name):
     try:
         with pytest.raises(LayoutError, match="16"):
             _engine(name, dpool, hpool)
+    finally:
+        hpool.close()
+
+
+@pytest.mark.parametrize("bad", [-1, 2.5])
+def test_copy_engine_max_batch_is_checked(bad):
+    _available("nvidia-copy-engine")
+    spec = KVSpec.mla(num_layers=2, kv_lora_rank=512, rope_dim=64, page_size=1)
+    dpool = DeviceKVPool.empty(spec, 4, "cuda")
+    hpool = HostKVPool(spec, 4, allocator="torch-pinned")
+    try:
+        with pytest.raises(ConfigError, match="max_batch"):
+            _engine("nvidia-copy-engine", dpool, hpool, max_batch=bad)
     finally:
         hpool.close()
 

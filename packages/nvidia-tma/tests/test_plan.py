@@ -223,3 +223,20 @@ def test_merge_runs():
     dst2[1] = 999            # sources continue, destinations do not: no merge
     s, d, n = merge_runs(src, dst2, sizes)
     assert s.tolist() == [0, 100, 200, 1000, 5000] and n.tolist() == [100, 100, 100, 200, 100]
+
+
+@pytest.mark.parametrize("n, max_batch, expect", [
+    (10, 4, [4, 4, 2]), (10, 0, [10]), (10, 10, [10]), (10, 64, [10]), (1, 1, [1]), (0, 4, []),
+])
+def test_batch_copier_splits_batches(n, max_batch, expect):
+    from kvtier_nvidia_tma._driver import BatchCopier
+    copier = object.__new__(BatchCopier)       # no driver here: record the batches instead
+    seen = []
+    copier._batch = lambda d, s, z, stream: seen.append((d.tolist(), s.tolist(), z.tolist()))
+    src = np.arange(n, dtype=np.uint64) * 100
+    dst = src + 7
+    sizes = np.full(n, 5, dtype=np.uint64)
+    copier(dst, src, sizes, stream=0, max_batch=max_batch)
+    assert [len(b[0]) for b in seen] == expect
+    assert sum((b[1] for b in seen), []) == src.tolist()          # every copy once, in order
+    assert sum((b[0] for b in seen), []) == dst.tolist()

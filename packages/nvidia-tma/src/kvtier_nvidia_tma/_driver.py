@@ -253,13 +253,25 @@ class BatchCopier:
         self._copy = lib.cuMemcpyAsync
         self._copy.restype = ctypes.c_int
 
-    def __call__(self, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, stream: int) -> None:
+    def __call__(self, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, stream: int,
+                 max_batch: int = 0) -> None:
+        """Copy ``sizes[i]`` bytes from ``src[i]`` to ``dst[i]`` on ``stream``, in batches of at
+        most ``max_batch`` copies (0: one batch)."""
         n = int(sizes.size)
         if n == 0:
             return
         dst = np.ascontiguousarray(dst, dtype=np.uint64)
         src = np.ascontiguousarray(src, dtype=np.uint64)
         sizes = np.ascontiguousarray(sizes, dtype=np.uint64)
+        if 0 < max_batch < n:
+            for i in range(0, n, max_batch):
+                self._batch(dst[i:i + max_batch], src[i:i + max_batch],
+                            sizes[i:i + max_batch], stream)
+        else:
+            self._batch(dst, src, sizes, stream)
+
+    def _batch(self, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, stream: int) -> None:
+        n = int(sizes.size)
         if self._fn is not None:
             idx = ctypes.c_size_t(0)
             args = [dst.ctypes.data_as(ctypes.c_void_p), src.ctypes.data_as(ctypes.c_void_p),
