@@ -413,7 +413,7 @@ class CopyEngineTransferEngine(_NvidiaEngine):
         layerwise_load: bool = True
         layerwise_backup: bool = False
         #: Copies per ``cuMemcpyBatchAsync`` call (0: a launch's copies in one batch). On the
-        #: H200, batches of thousands of copies ran at 39-72% of the link where 256 ran at 91-96%
+        #: H200, batches of thousands of copies ran at 39-72% of the link where 256 ran at 87-96%
         #: (docs/perf/nvidia-h200-transfer.md).
         max_batch: int = 256
         side_stream: bool = False
