@@ -72,11 +72,6 @@ def _engine(name: str, pools: dict[str, Any], config: dict[str, Any] | None = No
                {k: v for k, v in (config or {}).items() if k in keys})
 
 
-def _idx(pools, name: str, op: str):
-    from kvtier.bench.transfer import indices
-    return indices(pools, name, op)
-
-
 def footprint(eng, n: int, layers: int) -> tuple[int, int, int]:
     """(grid, threads, dynamic shared memory) of one launch of ``eng``'s kernel."""
     c = eng.config
@@ -132,7 +127,7 @@ def gemm_shape(torch, a, b, c) -> dict[str, Any]:
 
 
 def probe_gemm(args) -> dict[str, Any]:
-    from kvtier.bench.transfer import CASES, make_pools, median_ms
+    from kvtier.bench.transfer import CASES, indices, make_pools, median_ms
     torch, nbytes, host_buf, env = _setup(args.mib)
     with torch.cuda.stream(torch.cuda.Stream()):
         a = torch.randn(GEMM_N, GEMM_N, device="cuda", dtype=torch.bfloat16)
@@ -169,8 +164,8 @@ def probe_gemm(args) -> dict[str, Any]:
             spec = CASES[case]
             for name in args.engines.split(","):
                 eng = _engine(name, pools, args.engine_config)
-                h, d = _idx(pools, name, "load")
-                h2, d2 = _idx(pools, name, "backup")
+                h, d = indices(pools, name, "load")
+                h2, d2 = indices(pools, name, "backup")
                 ls, bs = torch.cuda.Stream(), torch.cuda.Stream()
                 one = median_ms(torch, lambda eng=eng, h=h, d=d: eng.load(h, d).wait(), 3)
                 k = int(window_ms / one) + 2
@@ -320,7 +315,7 @@ def _gpu_bus_id() -> str:
 
 
 def probe_pcie(args) -> dict[str, Any]:
-    from kvtier.bench.transfer import CASES, make_pools
+    from kvtier.bench.transfer import CASES, indices, make_pools
     torch, nbytes, host_buf, env = _setup(args.mib)
     env["pcie_config"] = pcie_config(_gpu_bus_id())
     print(f"GPU PCIe configuration: {env['pcie_config']}")
@@ -335,7 +330,7 @@ def probe_pcie(args) -> dict[str, Any]:
             for name in args.engines.split(","):
                 eng = _engine(name, pools, {"layerwise_load": name == "nvidia-copy-engine",
                                             "layerwise_backup": name == "nvidia-copy-engine"})
-                hi, di = _idx(pools, name, "load")
+                hi, di = indices(pools, name, "load")
                 for direction, fn in (("h2d", lambda eng=eng, h=hi, d=di: eng.load(h, d)),
                                       ("d2h", lambda eng=eng, h=hi, d=di: eng.backup(d, h))):
                     r = _sampled(torch, nvml, fn, args.seconds)
@@ -380,7 +375,7 @@ def make_chain(words, slots: int, seed: int = 1):
 
 
 def probe_latency(args) -> dict[str, Any]:
-    from kvtier.bench.transfer import CASES, make_pools
+    from kvtier.bench.transfer import CASES, indices, make_pools
     from kvtier.report import progress
     from . import _driver
     torch, nbytes, host_buf, env = _setup(args.mib)
@@ -402,8 +397,8 @@ def probe_latency(args) -> dict[str, Any]:
         make_pools(torch, pools, args.cases.split(",")[0], nbytes, host_buf, "random")
         spec = CASES[pools["case"]]
         eng = _engine("nvidia-tma", pools)
-        hl, dl = _idx(pools, "nvidia-tma", "load")
-        hb, db = _idx(pools, "nvidia-tma", "backup")
+        hl, dl = indices(pools, "nvidia-tma", "load")
+        hb, db = indices(pools, "nvidia-tma", "backup")
         moved = pools["n"] * spec.page_bytes
         c = eng.config
         in_flight = c.ctas * c.warps * (c.stages - 1 - c.stores_in_flight) * c.stage_bytes
@@ -487,7 +482,7 @@ def _metric_names(ncu: str) -> list[str]:
 
 def workload(args) -> None:
     """A few transfer launches for the profiler: TMA and register, loads and backups."""
-    from kvtier.bench.transfer import make_pools
+    from kvtier.bench.transfer import indices, make_pools
     torch, nbytes, host_buf, _ = _setup(args.mib)
     pools: dict[str, Any] = {}
     with torch.cuda.stream(torch.cuda.Stream()):
@@ -495,7 +490,7 @@ def workload(args) -> None:
             make_pools(torch, pools, case, nbytes, host_buf, "random")
             for name in args.engines.split(","):
                 eng = _engine(name, pools, {"layerwise_load": False})
-                h, d = _idx(pools, name, "load")
+                h, d = indices(pools, name, "load")
                 eng.load(h, d).wait()
                 eng.backup(d, h).wait()
                 eng.close()

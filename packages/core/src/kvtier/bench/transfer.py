@@ -357,8 +357,7 @@ def _mixed(torch, data, pair, cases, modes, fixed, nbytes, host_buf, pools, args
             engs = []
             try:
                 for n, cls in zip(names, classes):
-                    keys = getattr(cls.Config, "__dataclass_fields__", {})
-                    cfg = {k: v for k, v in fixed.get(n, {}).items() if k in keys}
+                    cfg = _configs(cls, {}, fixed.get(n, {}))[0]
                     engs.append(cls(pools["dpool"], pools["hpool"],
                                     {**cfg, "layerwise_load": lw, "layerwise_backup": lw}))
             except KVTierError as exc:
@@ -420,8 +419,7 @@ def gemm_slowdown(torch, engines, sweeps, fixed, args, host_buf, pools) -> list[
         idx = torch.arange(n, device="cuda")
         idx2 = idx + n
         for name, cls in engines:
-            cfg = {k: v for k, v in fixed.get(name, {}).items()
-                   if k in cls.Config.__dataclass_fields__}
+            cfg = _configs(cls, {}, fixed.get(name, {}))[0]
             eng = cls(dpool, hpool, cfg)
             hi, hi2 = (idx.cpu(), idx2.cpu()) if name == "nvidia-copy-engine" else (idx, idx2)
             for prio in streams:
