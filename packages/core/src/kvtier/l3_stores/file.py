@@ -1121,7 +1121,8 @@ class FileStore(L3Store):
         plen = self.spec.page_bytes
         trailer = pack_trailer(self.spec.fingerprint, key, plen, self._kind_id,
                                _checksum(self._kind_id, views), self._identity)
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS
+        # a new name (O_EXCL) cannot be a FIFO or a link: no O_NONBLOCK needed
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | _NOFOLLOW
         fd = -1
         mode = self.config.file_mode
         try:
