@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import functools
 import hashlib
 import importlib
 import json
@@ -269,6 +270,20 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _in_use(fn):
+    """A public call holds the store open: ``close()`` during it defers closing the store
+    directory's descriptor to the last call leaving, so no call ever works relative to a
+    closed (or reused) descriptor number."""
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kwargs):
+        self._enter()
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            self._leave()
+    return wrapper
+
+
 class FileStore(L3Store):
     """One file per page on local disk; atomic, checksummed, LRU-bounded, multi-process safe."""
 
@@ -346,6 +361,9 @@ class FileStore(L3Store):
         #: The umask would strip bits of file_mode: set modes explicitly after each create.
         self._fix_mode = bool(c.file_mode & _current_umask())
         self._host = _host_id()
+        self._users = 0
+        self._closed = False
+        self._lock = threading.Lock()          # index and counters below
         self._dfd = -1
         self._dfd = self._open_store_dir(dirname)
         self.identity = identity_record(spec.fingerprint, c.namespace)
@@ -359,13 +377,11 @@ class FileStore(L3Store):
         self._kind_id = _CHECKSUMS[c.checksum][0]
         self.checksum_provider = checksum_impl(self._kind_id)[1]
         self._host = _host_id()
-        self._lock = threading.Lock()          # index and counters below
         # relpath -> (mtime_ns, size on disk), least recently used first; _bytes = sum of sizes
         self._index: OrderedDict[str, tuple[int, int]] = OrderedDict()
         self._bytes = 0
         self._last_scan = 0.0
         self._scanning = False
-        self._closed = False
         self._pool: ThreadPoolExecutor | None = None
         self._local = threading.local()
         self._direct, self._direct_reason = False, "off"
@@ -643,6 +659,7 @@ class FileStore(L3Store):
                 log.info("file: O_DIRECT not used: %s; using the page cache", why)
 
     # ----- public API -----------------------------------------------------------------------
+    @_in_use
     def batch_exists(self, keys: Sequence[bytes]) -> int:
         self._check_open()
         self._check_batch(keys)
@@ -671,6 +688,7 @@ class FileStore(L3Store):
             n += 1
         return n
 
+    @_in_use
     def batch_get(self, keys: Sequence[bytes], host_pages: Sequence[int]) -> list[bool]:
         self._check_open()
         pages = self._check_batch(keys, host_pages, distinct_pages=True)
@@ -680,6 +698,7 @@ class FileStore(L3Store):
         self._count(gets=len(keys), get_hits=hits, bytes_read=hits * self.spec.page_bytes)
         return out
 
+    @_in_use
     def batch_set(self, keys: Sequence[bytes], host_pages: Sequence[int]) -> list[bool]:
         self._check_open()
         pages = self._check_batch(keys, host_pages)
@@ -700,6 +719,7 @@ class FileStore(L3Store):
             self._bump("over_capacity", n - fits)
         return out
 
+    @_in_use
     def delete(self, keys: Sequence[bytes]) -> int:
         self._check_open()
         self._check_batch(keys)
@@ -717,6 +737,7 @@ class FileStore(L3Store):
                 os.close(sfd)
         return n
 
+    @_in_use
     def clear(self) -> None:
         """Remove every object (and temporary file) of this store's directory. Entries the
         store did not make (other names, directories, links, FIFOs) are left and counted."""
@@ -753,17 +774,34 @@ class FileStore(L3Store):
         return d
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        self._release_dir()
+
+    def _enter(self) -> None:
         with self._lock:
-            scanning = self._scanning
-        if not scanning and self._dfd >= 0:   # a background scan closes it when it ends
-            os.close(self._dfd)
-            self._dfd = -1
+            if self._closed:
+                raise StoreError("file: store is closed", backend=self.name)
+            self._users += 1
+
+    def _leave(self) -> None:
+        with self._lock:
+            self._users -= 1
+        self._release_dir()
+
+    def _release_dir(self) -> None:
+        """Close the store directory's descriptor once closed and no call is using it."""
+        with self._lock:
+            fd = self._dfd if self._closed and self._users == 0 else -1
+            if fd >= 0:
+                self._dfd = -1
+        if fd >= 0:
+            os.close(fd)
 
     def __del__(self) -> None:
         fd = getattr(self, "_dfd", -1)
@@ -886,6 +924,7 @@ class FileStore(L3Store):
             self._bytes = sum(size for _, size in self._index.values())
             self._last_scan = time.monotonic()
 
+    @_in_use
     def rescan(self) -> None:
         """Re-read the directory now (objects of other processes) and enforce capacity."""
         self._check_open()
@@ -902,6 +941,7 @@ class FileStore(L3Store):
                     time.monotonic() - self._last_scan < self.config.rescan_interval_s:
                 return
             self._scanning = True
+            self._users += 1                  # released by the scan thread
         threading.Thread(target=self._background_scan, name="kvtier-file-scan",
                          daemon=True).start()
 
@@ -917,11 +957,7 @@ class FileStore(L3Store):
         finally:
             with self._lock:
                 self._scanning = False
-                fd, closed = self._dfd, self._closed
-                if closed:
-                    self._dfd = -1
-            if closed and fd >= 0:
-                os.close(fd)
+            self._leave()
 
     def _tmp_is_stale(self, name: str, st: os.stat_result, now: float) -> bool:
         if now - st.st_mtime > self.config.stale_tmp_s:
