@@ -335,3 +335,43 @@ def test_batch_get_with_a_host_page_twice_is_refused_before_anything(tmp_path, p
     assert s.batch_get(k, [5, 6]) == [True, True]    # distinct pages are fine
     assert s.batch_set(k, [2, 2]) == [True, True]    # one page under two keys is fine
     s.close()
+
+
+# --------------------------------------------------------------------------------------------
+# close() while a call is in flight
+# --------------------------------------------------------------------------------------------
+def test_close_during_a_call_defers_closing_the_directory(tmp_path, pool, monkeypatch):
+    """The rest of an in-flight batch still works relative to the store directory (not to a
+    closed, possibly reused, descriptor number); the descriptor is closed by the last call."""
+    import kvtier.l3_stores.file as file_mod
+    s = FileStore({"root": str(tmp_path), "io_threads": 1, "o_direct": "off"}, spec=SPEC)
+    s.attach(pool)
+    k = keys(3)
+    assert s.batch_set(k, [0, 1, 2]) == [True] * 3
+    started, release = threading.Event(), threading.Event()
+    real = file_mod._pread_all
+
+    def slow(fd, bufs, offset=0):
+        if not started.is_set():
+            started.set()
+            release.wait(10)
+        return real(fd, bufs, offset)
+
+    monkeypatch.setattr(file_mod, "_pread_all", slow)
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault("got", s.batch_get(k, [3, 4, 5])))
+    t.start()
+    assert started.wait(10)
+    closer = threading.Thread(target=s.close)
+    closer.start()
+    closer.join(10)
+    assert not closer.is_alive()
+    assert s._dfd >= 0, "closed under a call in flight"
+    fresh = os.open(str(tmp_path), os.O_RDONLY)       # would take a freed descriptor number
+    release.set()
+    t.join(10)
+    os.close(fresh)
+    assert box["got"] == [True, True, True] and s.stats()["errors"] == 0
+    assert s._dfd == -1
+    with pytest.raises(StoreError):
+        s.batch_get(k, [3, 4, 5])
