@@ -123,3 +123,50 @@ def test_bad_exporter_arguments_are_typed_errors() -> None:
         render([42])  # type: ignore[list-item]
     with serve(Metrics()) as a, pytest.raises(InvalidArgumentError, match="cannot listen"):
         serve(Metrics(), port=a.port)
+
+
+def test_mirror_counts_deltas_into_prometheus_client_objects() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+    from kvtier.prometheus import PrometheusMirror
+    reg = CollectorRegistry()
+    m = Metrics()
+    m.add_many({"get_hits": 2, "l3_hit_pages": 1})
+    m.gauge("l2_free_pages", lambda: 5)
+    mirror = PrometheusMirror(Source(m, {"store": "file"}), registry=reg)
+    mirror.sync()
+    m.add("get_hits", 3)
+    mirror.sync()
+    mirror.sync()                                        # no change, no double count
+    got = _parse(generate_latest(reg).decode())
+    assert got[("kvtier_get_hits_total", (("store", "file"),))] == 5
+    assert got[("kvtier_hit_pages_total", (("store", "file"), ("tier", "l3")))] == 1
+    assert got[("kvtier_free_pages", (("store", "file"), ("tier", "l2")))] == 5
+
+
+MULTIPROC_CHILD = r"""
+import os, sys
+from kvtier.metrics import Metrics
+from kvtier.prometheus import PrometheusMirror, Source
+m = Metrics()
+mirror = PrometheusMirror(Source(m, {"rank": sys.argv[1]}))
+m.add("set_pages", int(sys.argv[2]))
+mirror.sync()
+"""
+
+
+def test_mirror_works_in_multiprocess_mode(tmp_path) -> None:
+    """Two processes write, a third aggregates, as SGLang's and vLLM's /metrics do."""
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    for rank, n in (("0", 4), ("1", 7)):
+        subprocess.run([sys.executable, "-c", MULTIPROC_CHILD, rank, str(n)], env=env,
+                       check=True, timeout=120)
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.multiprocess import MultiProcessCollector
+    reg = CollectorRegistry()
+    MultiProcessCollector(reg, path=str(tmp_path))
+    got = _parse(generate_latest(reg).decode())
+    assert got[("kvtier_set_pages_total", (("rank", "0"),))] == 4
+    assert got[("kvtier_set_pages_total", (("rank", "1"),))] == 7

@@ -19,7 +19,12 @@ caches or ranks aggregate. Two ways out:
   default one, which vLLM's and SGLang's ``/metrics`` already serve; needs the optional
   ``prometheus`` extra);
 * `serve(sources, port=0, host="127.0.0.1")`: kvtier's own exporter thread (no dependency),
-  serving ``GET /metrics`` in the text format; it binds to loopback unless told otherwise.
+  serving ``GET /metrics`` in the text format; it binds to loopback unless told otherwise;
+* `PrometheusMirror`: ``prometheus_client`` Counter/Gauge objects kept in step with a source
+  (counters by delta, gauges set) on every ``sync()``. Unlike a collector they work in
+  ``prometheus_client``'s multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``), which is how
+  SGLang and vLLM gather the metrics of their scheduler and worker processes into one
+  ``/metrics``. Histograms are not mirrored (their observations are not replayable).
 """
 
 from __future__ import annotations
@@ -34,7 +39,8 @@ from typing import Any, Callable, Iterable, Mapping, Sequence, Union
 from .errors import InvalidArgumentError
 from .metrics import Metrics
 
-__all__ = ["Source", "Family", "families", "render", "register", "serve", "MetricsServer"]
+__all__ = ["Source", "Family", "families", "render", "register", "serve", "MetricsServer",
+           "PrometheusMirror"]
 
 PREFIX = "kvtier"
 #: Every fifth bound of `kvtier.metrics.LatencyHistogram` (20 per decade): 4 per decade.
@@ -270,3 +276,58 @@ def serve(sources: Metrics | Source | Sequence[Metrics | Source], port: int = 0,
     except OSError as exc:
         raise InvalidArgumentError(f"cannot listen on {host}:{port} for metrics: {exc}",
                                    argument="port", value=port) from exc
+
+
+_MIRRORED: dict[tuple[int, str], Any] = {}
+_MIRROR_LOCK = threading.Lock()
+
+
+class PrometheusMirror:
+    """Mirror one kvtier source into ``prometheus_client`` metric objects (see the module
+    doc). ``sync()`` is cheap (a dict walk) and thread-safe; call it after updates or on a
+    timer. Needs the optional ``prometheus`` extra."""
+
+    def __init__(self, source: Metrics | Source, registry: Any = None):
+        try:
+            import prometheus_client
+        except ImportError as exc:
+            raise InvalidArgumentError("prometheus_client is not installed: pip install "
+                                       "'kvtier-core[prometheus]'", argument="registry") from exc
+        self._pc = prometheus_client
+        self._source = _as_sources(source)[0]
+        self._registry = registry if registry is not None else prometheus_client.REGISTRY
+        self._last: dict[tuple[str, tuple], float] = {}
+        self._lock = threading.Lock()
+
+    def _metric(self, kind: str, name: str, help_: str, labelnames: tuple[str, ...]) -> Any:
+        key = (id(self._registry), name)
+        with _MIRROR_LOCK:
+            m = _MIRRORED.get(key)
+            if m is None:
+                if kind == "counter":
+                    m = self._pc.Counter(name, help_, labelnames, registry=self._registry)
+                else:
+                    m = self._pc.Gauge(name, help_, labelnames, registry=self._registry,
+                                       multiprocess_mode="livesum")
+                _MIRRORED[key] = m
+            return m
+
+    def sync(self) -> None:
+        with self._lock:
+            for fam in families(self._source):
+                if fam.type == "histogram":
+                    continue
+                for _suffix, labels, value in fam.samples:
+                    names = tuple(sorted(labels))
+                    metric = self._metric(fam.type, fam.name, fam.help, names)
+                    if tuple(sorted(metric._labelnames)) != names:
+                        continue            # a family seen with other labels: not mirrored
+                    child = metric.labels(**labels) if names else metric
+                    if fam.type == "counter":
+                        k = (fam.name, tuple(sorted(labels.items())))
+                        delta = value - self._last.get(k, 0.0)
+                        if delta > 0:
+                            child.inc(delta)
+                        self._last[k] = value
+                    else:
+                        child.set(value)
