@@ -43,3 +43,13 @@ def test_legend_outside_the_data_and_a_readable_title() -> None:
         assert "float32, on cuda" in title and "cudafloat32" not in title
     finally:
         plt.close(fig)
+
+
+def test_transformers_outside_the_tested_range_is_refused_up_front() -> None:
+    from kvtier.demo.model import check_transformers
+    from kvtier.errors import ConfigError
+    check_transformers("5.24.0")
+    check_transformers("5.24.3.dev0")
+    for bad in ("5.17.0", "5.23.9", "5.25.0", "6.0.0", "4.57.1", "garbage"):
+        with pytest.raises(ConfigError, match="tested with transformers >=5.24,<5.25"):
+            check_transformers(bad)
