@@ -99,3 +99,16 @@ def test_reference_lists_every_field_with_type_default_and_comment() -> None:
     assert "| `name` | a string | required |  |" in md
     assert "| `mode` | one of 'a', 'b' | `'a'` |" in md
     assert "Extra settings over two lines." in md
+
+
+def test_docs_config_md_is_current() -> None:
+    from pathlib import Path
+
+    from kvtier.config import reference
+    doc = Path(__file__).resolve().parents[3] / "docs" / "config.md"
+    if not doc.exists():
+        if os.environ.get("CI"):
+            pytest.fail(f"{doc} is missing")
+        pytest.skip("not in a checkout of the repository")
+    assert doc.read_text() == reference(), \
+        "docs/config.md is stale: python -m kvtier.config > docs/config.md"

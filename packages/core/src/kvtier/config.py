@@ -286,3 +286,33 @@ def reference_markdown(sections: list[tuple[str, type, str]]) -> str:
                        f"{docs.get(f.name, '').replace('|', '/')} |")
         out.append("")
     return "\n".join(out)
+
+
+def reference() -> str:
+    """docs/config.md: every field of the controller's config and of core's own backends'
+    configs (``python -m kvtier.config > docs/config.md``; CI checks it is current)."""
+    from .cache import CacheConfig
+    from .host_allocators.mmap import MmapAllocator
+    from .host_allocators.torch_pinned import TorchPinnedAllocator
+    from .l3_stores.file import FileStore
+    from .l3_stores.memory import MemoryStore
+    from .l3_stores.mooncake import MooncakeStore
+    from .transfer_engines.torch_engine import TorchTransferEngine
+    head = ("# kvtier configuration reference\n\nGenerated from the config dataclasses by "
+            "`python -m kvtier.config > docs/config.md`; the tests check that it is current.\n"
+            "\nThe controller's config comes from a dict, a `CacheConfig`, a TOML file "
+            "(`--config FILE` or `KVTIER_CONFIG`, table `[cache]`) or `KVTIER_<FIELD>` "
+            "environment variables (dict fields as JSON); unknown keys and unknown `KVTIER_*` "
+            "variables are errors that name them. Backend configs go in `host_allocator_config`"
+            ", `l3_config` and `transfer_config`.\n")
+    sections = [("CacheConfig (the controller)", CacheConfig,
+                 "`kvtier.cache.CacheConfig`; environment: `KVTIER_<FIELD>`.")]
+    for cls in (TorchPinnedAllocator, MmapAllocator, MemoryStore, FileStore, MooncakeStore,
+                TorchTransferEngine):
+        sections.append((f"`{cls.name}` ({cls.__name__}.Config)", cls.Config,
+                         ((cls.__doc__ or "").strip().splitlines() or [""])[0]))
+    return head + "\n" + reference_markdown(sections)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    print(reference(), end="")
