@@ -32,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from ..host_allocators.mmap import MmapAllocator
 from ..host_pool import HostKVPool
 from ..l3_stores.file import _CHECKSUMS, FileStore, checksum_impl
 from ..report import progress, table
@@ -229,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
                     pools.pop(old)[1].close()
                 spec = _spec_for(ps)
                 n = max(1, total // spec.page_bytes)
-                pool = HostKVPool(spec, 2 * n, allocator="mmap")
+                pool = HostKVPool(spec, 2 * n, allocator=MmapAllocator())
                 g = torch.Generator().manual_seed(ps)
                 pool.raw[: n * spec.page_bytes].copy_(
                     torch.randint(0, 256, (n * spec.page_bytes,), dtype=torch.uint8,

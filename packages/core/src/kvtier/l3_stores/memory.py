@@ -9,7 +9,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..interfaces import INTERFACE_VERSION, Availability, Capabilities, L3Store
+from ..interfaces import INTERFACE_VERSION, Availability, L3Store
 
 
 class MemoryStore(L3Store):
@@ -34,10 +34,6 @@ class MemoryStore(L3Store):
     @classmethod
     def probe(cls) -> Availability:
         return Availability.available("in-process")
-
-    @classmethod
-    def capabilities(cls) -> Capabilities:
-        return Capabilities(zero_copy=False)
 
     def batch_exists(self, keys: Sequence[bytes]) -> int:
         self._check_batch(keys)
