@@ -8,11 +8,11 @@ from typing import Iterable, Sequence
 
 def table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
     """A GitHub-flavoured markdown table (readable in a terminal, pasteable into docs)."""
-    rows = [["" if v is None else str(v) for v in r] for r in rows]
-    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(header)]
-    fmt = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"
+    cells = [["" if v is None else str(v) for v in r] for r in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(header)]
+    fmt = lambda row: "| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |"
     lines = [fmt(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
-    lines += [fmt(r) for r in rows]
+    lines += [fmt(r) for r in cells]
     return "\n".join(lines)
 
 

@@ -338,10 +338,11 @@ def probe_pcie(args) -> dict[str, Any]:
                     rows.append({"what": name, "case": case, "direction": direction,
                                  "payload": r["calls"] * moved / r["ms"] / 1e6, **r})
                 eng.close()
-    for r in rows:    # data flows in (RX) for loads, out (TX) for backups
-        data, other = (r["rx"], r["tx"]) if r["direction"] == "h2d" else (r["tx"], r["rx"])
-        r["link_per_payload"] = data / r["payload"] if r["payload"] else None
-        r["reverse_per_payload"] = other / r["payload"] if r["payload"] else None
+    for row in rows:    # data flows in (RX) for loads, out (TX) for backups
+        data, other = ((row["rx"], row["tx"]) if row["direction"] == "h2d"
+                       else (row["tx"], row["rx"]))
+        row["link_per_payload"] = data / row["payload"] if row["payload"] else None
+        row["reverse_per_payload"] = other / row["payload"] if row["payload"] else None
     from kvtier.report import table
     print(table(["engine", "case", "dir", "payload GB/s", "NVML data-direction GB/s",
                  "NVML reverse GB/s", "link / payload", "reverse / payload"],
@@ -387,6 +388,9 @@ def probe_latency(args) -> dict[str, Any]:
     slots = min(16384, words.numel() * 8 // CHAIN_STRIDE)
     make_chain(words, slots)
     chain = _driver.host_device_pointer(words.data_ptr())
+    if chain is None:
+        raise SystemExit("kvtier bench limits latency: the host buffer is not registered with "
+                         "CUDA (no device address for it)")
     out = torch.zeros(2, dtype=torch.int64, device="cuda")
     n = args.reads
     rows: list[dict[str, Any]] = []

@@ -92,7 +92,7 @@ class _Suite:
         each test; the default does nothing."""
         yield None
 
-    def backend_class(self, backend_name: str) -> type:
+    def backend_class(self, backend_name: str) -> type[Any]:
         return registry.get_backend_class(self.group, backend_name)
 
     def make_config(self, backend_name: str, workdir: str) -> dict[str, Any]:
