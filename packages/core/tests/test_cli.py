@@ -142,3 +142,67 @@ def test_unknown_command_is_exit_2(capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(["no-such-command"])
     assert exc.value.code == 2
+
+
+# ----- a CLI that fits (issue: tables wider than the terminal, tracebacks for typos) -----------
+def test_table_wraps_long_cells_to_the_width():
+    from kvtier.report import table
+    rows = [["a", "short", "x " * 60], ["bb", "also-short", "y"]]
+    text = table(["k", "name", "reason"], rows, width=50)
+    assert max(len(line) for line in text.splitlines()) <= 50
+    assert "also-short" in text                     # short columns are not broken
+    words = " ".join(line.split("|")[3].strip() for line in text.splitlines()[2:])
+    assert words.split() == ("x " * 60).split() + ["y"]          # nothing lost
+    wide = table(["k", "name", "reason"], rows, width=None)
+    assert len(wide.splitlines()) == 4                              # no limit: one line a row
+
+
+def test_backends_fits_an_80_column_terminal():
+    import os
+    env = {**os.environ, "COLUMNS": "80"}
+    out = subprocess.run([sys.executable, "-m", "kvtier", "backends"], capture_output=True,
+                         text=True, env=env, check=True).stdout
+    assert max(len(line) for line in out.splitlines()) <= 80, out
+    assert "torch" in out and "why / how:" in out
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["simulate", "--trace", "t.jsonl", "--l1-pages", "1X", "--l2-pages", "4"],
+     "argument --l1-pages: invalid int value: '1X'"),
+    (["bench", "store", "--total", "1X"], "--total: '1X' is not a size"),
+    (["bench", "store", "--page-sizes", "4K,big"], "--page-sizes: 'big' is not a size"),
+    (["backends", "--kind", "nope"], "argument --kind: invalid choice: 'nope'"),
+])
+def test_user_mistakes_are_one_line_exit_2(argv, words):
+    out = subprocess.run([sys.executable, "-m", "kvtier", *argv], capture_output=True,
+                         text=True)
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1, \
+        out.stderr
+    assert words in out.stderr
+
+
+def test_parse_size():
+    from kvtier.errors import InvalidArgumentError
+    from kvtier.report import parse_size
+    assert parse_size("4096") == 4096 and parse_size("256K") == 256 << 10
+    assert parse_size("1.5M") == 3 << 19 and parse_size("1GiB") == 1 << 30
+    assert parse_size(" 2mb ") == 2 << 20
+    for bad in ("1X", "", "-4K", "0", "K", "nan", "1e3"):
+        with pytest.raises(InvalidArgumentError):
+            parse_size(bad, "--total")
+
+
+def test_help_shows_defaults():
+    _, out, _ = _modules_after(["simulate", "--help"])
+    assert "(default: write_through)" in out and "(default: wait_complete)" in out
+    assert "(default 64)" in out and "(default: 64)" not in out      # said once
+    assert "(default: None)" not in out and "(default: False)" not in out
+
+
+def test_progress_bar_stays_when_done():
+    from kvtier.report import progress
+    bar = progress(range(3), desc="x")
+    assert bar.leave is True
+    bar.close()
+    assert list(progress(range(2), disable=True)) == [0, 1]

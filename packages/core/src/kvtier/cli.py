@@ -17,6 +17,7 @@ by ``run`` is a one-line error and exit status 2.
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib
 import sys
 from dataclasses import dataclass
@@ -93,6 +94,38 @@ def discover_commands() -> dict[str, _Found]:
     return dict(sorted(found.items()))
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's default, unless its help already says it or there is none."""
+
+    @staticmethod
+    def _shows_default(action: argparse.Action) -> bool:
+        return bool(action.option_strings) and action.default not in (
+            None, False, True, argparse.SUPPRESS, "", [], {})
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "default" in text or not self._shows_default(action):
+            return text
+        return super()._get_help_string(action)
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if not action.help and self._shows_default(action):     # no help text: the default
+            action = copy.copy(action)
+            action.help = "(default: %(default)s)"
+        return super()._format_action(action)
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage mistakes are one line and exit status 2 (no usage dump)."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def _help(f: _Found | None) -> str:
     if f is None:
         return ""
@@ -126,7 +159,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     from ._version import __version__
     words = _positionals(list(sys.argv[1:] if argv is None else argv))
     commands = discover_commands()
-    parser = argparse.ArgumentParser(prog="kvtier", description="Tiered KV-cache offloading.")
+    parser = _Parser(prog="kvtier", description="Tiered KV-cache offloading.")
     parser.add_argument("--version", action="version", version=f"kvtier {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     tops = sorted({n.split(".")[0] for n in commands})

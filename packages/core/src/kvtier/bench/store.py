@@ -35,18 +35,10 @@ import torch
 from ..host_allocators.mmap import MmapAllocator
 from ..host_pool import HostKVPool
 from ..l3_stores.file import _CHECKSUMS, FileStore, checksum_impl
-from ..report import progress, table
+from ..report import parse_size, progress, table
 from ..spec import KVSpec
 
 CHUNK = 8 << 20
-_UNITS = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-
-
-def _size(text: str) -> int:
-    text = text.strip().lower().removesuffix("ib").removesuffix("b")
-    if text and text[-1] in _UNITS:
-        return int(float(text[:-1]) * _UNITS[text[-1]])
-    return int(text)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -200,8 +192,8 @@ def checksum_gbps(kind: str) -> tuple[float, str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    sizes = [_size(s) for s in args.page_sizes.split(",") if s.strip()]
-    total = _size(args.total)
+    sizes = [parse_size(s, "--page-sizes") for s in args.page_sizes.split(",") if s.strip()]
+    total = parse_size(args.total, "--total")
     direct = args.cache == "direct"
     own_dir = args.dir is None
     base = tempfile.mkdtemp(prefix="kvtier-bench-store-") if own_dir else args.dir
