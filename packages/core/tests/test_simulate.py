@@ -183,3 +183,9 @@ def test_l3_pages_hold_exactly_that_many_pages(tmp_path, store):
     res = simulate(path, l1_pages=1, l2_pages=1, l3=store, l3_pages=n, page_size=page,
                    l3_config=json.loads(config) if config else None, show_progress=False)
     assert res.l3_hit_tokens == 0, res.as_dict()
+
+
+def test_page_allocator_lives_in_its_own_module():
+    import kvtier.page_allocator
+    import kvtier.simulate
+    assert kvtier.simulate.PageAllocator is kvtier.page_allocator.PageAllocator
