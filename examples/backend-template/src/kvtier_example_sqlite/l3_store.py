@@ -74,8 +74,7 @@ class SqliteStore(L3Store):
         return n
 
     def batch_get(self, keys: Sequence[bytes], host_pages: Sequence[int]) -> list[bool]:
-        pages = self._check_batch(keys, host_pages)
-        assert self.host_pool is not None            # _check_batch refused an unattached store
+        pages = self._check_batch(keys, host_pages)   # refuses an unattached store, bad input
         import torch
         out = []
         for k, p in zip(keys, pages):
@@ -88,11 +87,7 @@ class SqliteStore(L3Store):
                 self._count(corrupted=1)             # never copy bytes we cannot vouch for
                 out.append(False)
                 continue
-            src = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-            off = 0
-            for seg in self.host_pool.page_segments(p):
-                seg.copy_(src[off:off + seg.numel()])
-                off += seg.numel()
+            self._copy_into_page(p, torch.frombuffer(bytearray(data), dtype=torch.uint8))
             out.append(True)
         hits = sum(out)
         self._count(gets=len(keys), get_hits=hits, bytes_read=hits * self.spec.page_bytes)

@@ -236,6 +236,15 @@ class L3Store(Backend):
     def clear(self) -> None:
         """Delete everything this store holds (for its namespace)."""
 
+    def _copy_into_page(self, page: int, data: "torch.Tensor") -> None:
+        """Copy ``data`` (one page's bytes, flat uint8, logical order) into host page ``page``
+        of the attached pool, whatever its layout."""
+        assert self.host_pool is not None, "attach(host_pool) first"
+        off = 0
+        for seg in self.host_pool.page_segments(page):
+            seg.copy_(data[off:off + seg.numel()])
+            off += seg.numel()
+
     def object_nbytes(self) -> int:
         """Bytes one stored page counts against the store's ``capacity_bytes`` (if it has
         one), once attached: the page itself unless the store adds framing or padding."""

@@ -56,10 +56,7 @@ class MemoryStore(L3Store):
             if obj is None:
                 out.append(False)
                 continue
-            off = 0
-            for seg in self.host_pool.page_segments(p):
-                seg.copy_(obj[off:off + seg.numel()])
-                off += seg.numel()
+            self._copy_into_page(p, obj)
             out.append(True)
         hits = sum(out)
         self._count(gets=len(keys), get_hits=hits, bytes_read=hits * self.spec.page_bytes)
