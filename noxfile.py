@@ -16,8 +16,8 @@ PACKAGES = sorted(p.name for p in (ROOT / "packages").iterdir() if (p / "pyproje
 TORCH = os.environ.get("KVTIER_TORCH", "torch==2.13.0")
 PYTHON = os.environ.get("KVTIER_NOX_PYTHON", "3.11")
 
-nox.options.sessions = [f"tests-{p}" for p in PACKAGES] + ["tests-sglang", "lint", "demo",
-                                                            "build"]
+nox.options.sessions = [f"tests-{p}" for p in PACKAGES] + ["tests-sglang", "lint", "typecheck",
+                                                            "demo", "build"]
 #: Extras of kvtier-core a package's tests need (core: the Mooncake client, so the `mooncake`
 #: L3 store runs against a real master -- .ci/run installs its system libraries -- and the
 #: demo's transformers model, so the demo's tests run instead of skipping).
@@ -76,9 +76,18 @@ def demo(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
-    """ruff over every package."""
+    """ruff over every package and the examples."""
     session.install("ruff>=0.6")
-    session.run("ruff", "check", "packages", "noxfile.py")
+    session.run("ruff", "check", "packages", "examples", "noxfile.py")
+
+
+@nox.session(python=PYTHON)
+def typecheck(session: nox.Session) -> None:
+    """mypy over every package's src/ (settings in pyproject.toml: not strict; vendor runtimes
+    are not installed, so their imports are Any)."""
+    session.install(TORCH)
+    session.install("mypy>=1.10", *(f"packages/{p}" for p in PACKAGES))
+    session.run("mypy", *(f"packages/{p}/src" for p in PACKAGES))
 
 
 #: Checks every built distribution: no file:// references; our own packages required with

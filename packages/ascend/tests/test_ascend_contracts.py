@@ -1,8 +1,9 @@
 """kvtier's contract suites over the package's backends, running on the FAKE vendor modules.
 
 The suites usually decide at collection time (from the registry's probe) whether a backend can
-run; here the fakes are installed per test by a fixture, so the backends are parametrised
-without that collection-time probe and the registry is re-probed once the fakes are in place.
+run; here the fakes are installed per test, through the suites' hook for fakes: the backends
+are listed in ``fake_backends`` and the ``backend_environment`` fixture installs the fakes (and
+re-probes the registry).
 The fake NPU's memory is host memory, so the "NPU" device pool is made of CPU tensors.
 """
 
@@ -10,41 +11,29 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier import registry
-from kvtier.interfaces import HOST_ALLOCATORS, TRANSFER_ENGINES
 from kvtier.testing import HostAllocatorContract, TransferEngineContract
 from kvtier_ascend.host_allocator import MemfabricHostAllocator
 
 DIST = "kvtier-ascend"
 
 
-def _params(group: str) -> list:
-    names = [r.name for r in registry.records(group) if r.distribution == DIST]
-    assert names, f"no {group} backend registered by {DIST}"
-    return [pytest.param(n, id=f"{n}-on-fakes") for n in names]
-
-
 class TestMemfabricAllocatorContract(HostAllocatorContract):
     distribution = DIST
 
-    def pytest_generate_tests(self, metafunc):
-        if "backend_name" in metafunc.fixturenames:
-            metafunc.parametrize("backend_name", _params(HOST_ALLOCATORS))
+    fake_backends = ("memfabric",)
 
     @pytest.fixture(autouse=True)
-    def _fakes(self, ascend_fakes):
+    def backend_environment(self, ascend_fakes):
         return ascend_fakes
 
 
 class TestAscendCEngineContract(TransferEngineContract):
     distribution = DIST
 
-    def pytest_generate_tests(self, metafunc):
-        if "backend_name" in metafunc.fixturenames:
-            metafunc.parametrize("backend_name", _params(TRANSFER_ENGINES))
+    fake_backends = ("ascendc",)
 
     @pytest.fixture(autouse=True)
-    def _fakes(self, ascend_fakes):
+    def backend_environment(self, ascend_fakes):
         self.fake_npu, self.fake_mf = ascend_fakes
         return ascend_fakes
 

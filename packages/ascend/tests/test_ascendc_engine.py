@@ -201,7 +201,7 @@ def test_empty_and_closed(pools, engine):
 
 def test_host_pool_must_be_memfabric_memory(ascend_fakes):
     dpool = device_pool()
-    with HostKVPool(SPEC, 4, allocator="torch-pinned") as hpool:
+    with HostKVPool(SPEC, 4) as hpool:
         with pytest.raises(ConfigError, match="allocator='memfabric'") as err:
             AscendCTransferEngine(dpool, hpool)
     assert err.value.key == "host_pool.allocator"

@@ -7,25 +7,18 @@ import logging
 import pytest
 
 from kvtier import registry
-from kvtier.testing.imports import vendor_modules_added
+from kvtier.testing import PackageContract
 from kvtier.errors import BackendUnavailableError
 from kvtier.interfaces import HOST_ALLOCATORS, TRANSFER_ENGINES
 from kvtier_ascend.host_allocator import MemfabricHostAllocator
 
 
-def test_backends_discovered_with_reason():
-    recs = [r for r in registry.records() if r.distribution == "kvtier-ascend"]
-    assert recs, "the package's entry points are not registered"
-    for rec in recs:
-        assert rec.error is None, rec.error
-        av = registry.probe(rec)
-        assert av.ok or av.reason, f"{rec.name}: unavailable without a reason"
+class TestPackage(PackageContract):
+    """Discovery with reasons, no vendor import, core imports nothing of the package."""
 
-
-def test_import_loads_no_vendor_runtime():
-    """Importing the package and discovering its backends adds no vendor module."""
-    stmts = "import kvtier, kvtier_ascend; from kvtier import registry; registry.discover()"
-    assert vendor_modules_added(stmts) == []
+    distribution = "kvtier-ascend"
+    module = "kvtier_ascend"
+    backends = {("host_allocator", "memfabric"), ("transfer_engine", "ascendc")}
 
 
 # ----- each failure mode, on the FAKE vendor modules (tests/fakes/) -------------------------------
@@ -126,3 +119,10 @@ def test_memfabric_logs_reach_python_logging(ascend_fakes, caplog):
     mf.errors.clear()
     assert any("release fail" in r.getMessage() for r in caplog.records)
     buf.close()
+
+
+def test_vendor_errors_are_kvtier_errors():
+    from kvtier.errors import KVTierError
+    from kvtier_ascend._memfabric import OffloadInitError
+    err = OffloadInitError("offload.initialize returned -3", code=-3)
+    assert isinstance(err, KVTierError) and isinstance(err, RuntimeError) and err.code == -3

@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from kvtier.host_allocators.mmap import MmapAllocator
 from kvtier.host_pool import HostKVPool
 from kvtier.l3_stores import file as file_mod
 from kvtier.l3_stores.file import FileStore
@@ -51,7 +52,7 @@ def check_page(page: torch.Tensor, key_index: int) -> int | None:
 
 
 def open_store(root: str, **config) -> tuple[FileStore, HostKVPool]:
-    pool = HostKVPool(SPEC, 2 * NUM_KEYS, allocator="mmap")   # aligned: O_DIRECT (auto)
+    pool = HostKVPool(SPEC, 2 * NUM_KEYS, allocator=MmapAllocator())   # aligned: O_DIRECT (auto)
     store = FileStore({"root": root, "io_threads": 2, **config}, spec=SPEC)
     store.attach(pool)
     return store, pool

@@ -315,6 +315,9 @@ class FailingHandle(TransferHandle):
     def done(self):
         return True
 
+    def synchronize(self):
+        raise TransferError("DMA fault", backend="test")
+
 
 def test_transfer_errors_reach_the_caller_and_register_nothing():
     s = Setup(None, host_pool_pages=8)

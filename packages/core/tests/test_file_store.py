@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from kvtier.errors import (ConfigError, InvalidArgumentError, KVTierError, PageIndexError,
                            StoreError)
+from kvtier.host_allocators.mmap import MmapAllocator
 from kvtier.host_pool import HostKVPool
 from kvtier.l3_stores import file as file_mod
 from kvtier.l3_stores.file import TRAILER_BYTES, FileStore, key_filename
@@ -196,7 +197,7 @@ ALIGNED = KVSpec.mha(num_layers=2, num_kv_heads=2, head_dim=64, page_size=8,
 def any_store(request, tmp_path):
     """(store, pool, spec) for both I/O paths."""
     spec = SPEC if request.param == "page-cache" else ALIGNED
-    pool = HostKVPool(spec, 16, allocator="mmap")
+    pool = HostKVPool(spec, 16, allocator=MmapAllocator())
     fill_random(pool.raw)
     s = FileStore({"root": str(tmp_path / "store"), "io_threads": 3,
                    "o_direct": "off" if request.param == "page-cache" else "auto"}, spec=spec)
@@ -483,7 +484,7 @@ def test_really_full_filesystem(tmp_path, path):
         pytest.skip("cannot mount a small tmpfs here (needs root and mount rights); the "
                     "fault-injection and RLIMIT_FSIZE tests cover the logic")
     spec = SPEC if path == "page-cache" else ALIGNED
-    pool = HostKVPool(spec, 16, allocator="mmap")
+    pool = HostKVPool(spec, 16, allocator=MmapAllocator())
     fill_random(pool.raw)
     try:
         store = FileStore({"root": str(mnt), "io_threads": 1,
@@ -753,7 +754,7 @@ def test_index_rebuilt_from_the_directory(tmp_path, pool):
 # O_DIRECT
 # --------------------------------------------------------------------------------------------
 def test_o_direct_round_trip_or_reported_fallback(tmp_path):
-    with HostKVPool(ALIGNED, 6, allocator="mmap") as pool:
+    with HostKVPool(ALIGNED, 6, allocator=MmapAllocator()) as pool:
         fill_random(pool.raw)
         s = FileStore({"root": str(tmp_path), "o_direct": "auto"}, spec=ALIGNED)
         s.attach(pool)
@@ -841,7 +842,7 @@ def test_checksum_provider_falls_back_to_zlib(monkeypatch):
 
 
 def test_capacity_counts_bytes_on_disk_for_o_direct_objects(tmp_path):
-    with HostKVPool(ALIGNED, 8, allocator="mmap") as pool:
+    with HostKVPool(ALIGNED, 8, allocator=MmapAllocator()) as pool:
         fill_random(pool.raw)
         probe = FileStore({"root": str(tmp_path)}, spec=ALIGNED)
         probe.attach(pool)

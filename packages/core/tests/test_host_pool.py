@@ -8,9 +8,11 @@ import threading
 import pytest
 import torch
 
-from kvtier.errors import LayoutError, PagePinnedError, PageIndexError, PoolExhaustedError
+from kvtier.errors import (InvalidArgumentError, LayoutError, PageIndexError, PagePinnedError,
+                           PoolExhaustedError)
 from kvtier.host_allocators.torch_pinned import TorchPinnedAllocator
 from kvtier.host_pool import HostKVPool
+from kvtier.registry import create_host_allocator
 from kvtier.layout import logical_view
 from kvtier.spec import KVSpec
 from kvtier.testing import fill_random, random_specs
@@ -20,7 +22,7 @@ SPEC = KVSpec.mha(num_layers=3, num_kv_heads=2, head_dim=24, page_size=5, dtype=
 
 @pytest.fixture(params=["torch-pinned", "mmap"])
 def allocator(request):
-    return request.param
+    return create_host_allocator(request.param)
 
 
 @pytest.mark.parametrize("layout", ["page_first", "layer_first"])
@@ -179,3 +181,13 @@ def test_pool_closes_the_buffer_it_allocated(allocator):
     pool = HostKVPool(SPEC, 3, allocator=allocator)
     pool.close()
     assert pool.buffer.closed
+
+
+def test_allocator_is_an_instance_not_a_name():
+    """The pool takes an allocator instance (names resolve through the registry, above it);
+    a name is a typed error before anything is allocated."""
+    with pytest.raises(InvalidArgumentError, match="HostAllocator instance"):
+        HostKVPool(SPEC, 2, allocator="torch-pinned")         # type: ignore[arg-type]
+    alloc = TorchPinnedAllocator()
+    with HostKVPool(SPEC, 2, allocator=alloc) as pool:
+        assert pool.buffer.nbytes >= pool.nbytes

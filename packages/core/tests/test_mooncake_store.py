@@ -354,4 +354,4 @@ def test_the_client_is_installed_in_ci():
 def test_capabilities():
     from kvtier.l3_stores.mooncake import MooncakeStore
     caps = MooncakeStore.capabilities()
-    assert caps.zero_copy and caps.shared_across_processes and not caps.persistent
+    assert caps.host_layouts == ("page_first", "layer_first")

@@ -11,6 +11,7 @@ import pytest
 
 from kvtier.cli import main
 from kvtier.errors import ConfigError, InvalidArgumentError
+from kvtier.trace import EmptyTraceWarning, TraceError, TraceFormatError
 from kvtier.simulate import (BLOCK_TOKENS, PageAllocator, TraceRequest, block_tokens,
                              load_trace, simulate)
 
@@ -42,12 +43,13 @@ def write_trace(path, reqs):
 
 def test_load_trace_names_the_bad_line(tmp_path):
     p = tmp_path / "t.jsonl"
-    p.write_text('{"input_length": 10, "hash_ids": [1]}\n\n{"input_length": 5}\n')
-    with pytest.raises(InvalidArgumentError) as ei:
+    good = '{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}'
+    p.write_text(good + '\n\n{"input_length": 5}\n')
+    with pytest.raises(TraceFormatError) as ei:
         load_trace(p)
-    assert ":3:" in str(ei.value)
-    p.write_text('{"input_length": 9999, "hash_ids": [1]}\n')
-    with pytest.raises(InvalidArgumentError):
+    assert ":3:" in str(ei.value) and ei.value.line == 3 and ei.value.source == str(p)
+    p.write_text(good.replace("10", "9999") + "\n")
+    with pytest.raises(TraceFormatError):
         load_trace(p)
     assert len(load_trace(write_trace(tmp_path / "u.jsonl", [([1], 5)] * 4), limit=2)) == 2
 
@@ -126,3 +128,64 @@ def test_replays_the_start_of_the_mooncake_trace(capsys):
                  "--limit", "150", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)["tiers"]
     assert d["requests"] == 150 and 0 < d["hit_rate"] <= d["ideal_hit_rate"] + 1e-9
+
+
+@pytest.mark.parametrize("content, words", [
+    (b'[1, 2]\n', "expected a JSON object, got list"),
+    (b'"just a string"\n', "expected a JSON object, got str"),
+    (b'\xff\xfe{}\n', "not UTF-8"),
+    (b'{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": "01"}\n',
+     "hash_ids must be a non-empty list"),
+    (b'{"timestamp": 0, "input_length": 6', "not valid JSON"),
+])
+def test_bad_trace_is_one_line_exit_2_naming_file_and_line(tmp_path, capsys, content, words):
+    p = tmp_path / "bad.jsonl"
+    good = b'{"timestamp": 0, "input_length": 512, "output_length": 1, "hash_ids": [4]}\n'
+    p.write_bytes(good + content)
+    assert main(["simulate", "--trace", str(p), "--l1-pages", "8", "--l2-pages", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert f"{p}:2:" in err and words in err and "TraceFormatError" in err
+
+
+@pytest.mark.parametrize("what", ["missing", "directory"])
+def test_missing_trace_or_directory_is_one_line_exit_2(tmp_path, capsys, what):
+    path = tmp_path / "nope.jsonl" if what == "missing" else tmp_path
+    assert main(["simulate", "--trace", str(path), "--l1-pages", "8", "--l2-pages", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert "TraceError" in err and str(path) in err
+
+
+def test_empty_trace_warns(tmp_path):
+    p = tmp_path / "empty.jsonl"
+    p.write_text("\n")
+    with pytest.warns(EmptyTraceWarning, match="holds no request"):
+        res = simulate(str(p), l1_pages=4, l2_pages=4, show_progress=False)
+    assert res.requests == 0 and res.hit_rate == 0.0
+    assert issubclass(TraceFormatError, TraceError)
+
+
+@pytest.mark.parametrize("store", ["file", "memory"])
+def test_l3_pages_hold_exactly_that_many_pages(tmp_path, store):
+    """--l3 STORE --l3-pages N keeps N pages: the file store's trailer (and padding) is
+    counted in the capacity, not against it. 12 distinct pages go through a one-page L1 and
+    L2 (write_through: each reaches L3); then the last N are all L3 hits and the one before
+    them is not."""
+    n, page = 5, 64
+    reqs = [([i], page) for i in range(12)]
+    config = json.dumps({"root": str(tmp_path / "l3")}) if store == "file" else None
+    path = write_trace(tmp_path / "t.jsonl", reqs + [([i], page) for i in range(12 - n, 12)])
+    res = simulate(path, l1_pages=1, l2_pages=1, l3=store, l3_pages=n, page_size=page,
+                   l3_config=json.loads(config) if config else None, show_progress=False)
+    assert res.l3_hit_tokens == n * page, res.as_dict()
+    path = write_trace(tmp_path / "u.jsonl", reqs + [([12 - n - 1], page)])
+    res = simulate(path, l1_pages=1, l2_pages=1, l3=store, l3_pages=n, page_size=page,
+                   l3_config=json.loads(config) if config else None, show_progress=False)
+    assert res.l3_hit_tokens == 0, res.as_dict()
+
+
+def test_page_allocator_lives_in_its_own_module():
+    import kvtier.page_allocator
+    import kvtier.simulate
+    assert kvtier.simulate.PageAllocator is kvtier.page_allocator.PageAllocator

@@ -10,7 +10,8 @@ import pytest
 from kvtier.demo.trace import (TraceFormatError, parse_line, read_trace, scaled_length,
                                trace_workload)
 from kvtier.demo.workload import WorkloadError
-from kvtier.errors import KVTierError
+from kvtier.errors import InputError, KVTierError
+from kvtier.trace import EmptyTraceWarning, TraceError
 
 
 def _rec(ts, n_in, ids, n_out=4):
@@ -39,7 +40,7 @@ def test_valid_lines_parse(trace_file):
     assert recs[2].timestamp == 25.5 and recs[2].output_length == 4
     assert [r.line for r in read_trace(trace_file, max_requests=2)] == [1, 2]
     assert [r.line for r in read_trace(trace_file, max_requests=2, skip=1)] == [2, 4]
-    with pytest.raises(WorkloadError, match="holds no request"):
+    with pytest.raises(TraceError, match="holds no request"):
         read_trace(trace_file, skip=4)
     wl = trace_workload(trace_file, start=2, max_requests=5, rounds=1)
     assert [r.arrival_ms for r in wl.requests] == [25.5, 40] and "requests 2..3" in \
@@ -91,7 +92,7 @@ def test_malformed_line_is_a_typed_error_naming_the_line(tmp_path, bad, field, w
     with pytest.raises(TraceFormatError) as ei:
         read_trace(p)
     err = ei.value
-    assert isinstance(err, KVTierError) and isinstance(err, WorkloadError)
+    assert isinstance(err, KVTierError) and isinstance(err, InputError)
     assert err.line == 3 and err.source == str(p) and err.field == field
     assert f"{p}:3:" in str(err) and words in str(err)
 
@@ -107,12 +108,16 @@ def test_parse_line_alone_and_utf8_errors(tmp_path):
 
 
 def test_missing_or_empty_trace_and_bad_scale(tmp_path):
-    with pytest.raises(WorkloadError, match="cannot read trace"):
+    with pytest.raises(TraceError, match="cannot read trace"):
         read_trace(tmp_path / "nope.jsonl")
+    with pytest.raises(TraceError, match="is a directory"):
+        read_trace(tmp_path)
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n\n")
-    with pytest.raises(WorkloadError, match="holds no request"):
+    with pytest.raises(TraceError, match="holds no request"):
         read_trace(empty)
+    with pytest.warns(EmptyTraceWarning, match="holds no request"):
+        assert read_trace(empty, allow_empty=True) == []
     ok = tmp_path / "ok.jsonl"
     ok.write_text(_rec(0, 512, [0]))
     for kwargs in ({"block_tokens": 0}, {"block_tokens": 513}, {"max_requests": 0},

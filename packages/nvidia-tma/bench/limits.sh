@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # What limits nvidia-tma page transfers: the runs behind docs/perf/nvidia-h200-transfer-limits.md.
-# Usage: packages/nvidia-tma/bench/limits.sh OUTDIR   (on a machine with the GPU; ~5 minutes)
+# Usage: packages/nvidia-tma/bench/limits.sh OUTDIR   (on a machine with the GPU; ~5 minutes).
+# The probes are `kvtier bench limits PROBE` (this package adds that command to kvtier).
 set -uo pipefail
 out=${1:?usage: limits.sh OUTDIR}
 mkdir -p "$out"
@@ -21,7 +22,7 @@ done
     --engines nvidia-tma,nvidia-register --directions both --modes all \
     --sweep ctas=2,4,8,16 --both-sweep --json "$out/both-ctas.json" 2>&1 \
     | grep -v '^transfer cases' | tee "$out/both-ctas.txt"
-"$py" -m kvtier_nvidia_tma.limits gemm --json "$out/gemm.json" 2>&1 | tee "$out/gemm.txt"
-"$py" -m kvtier_nvidia_tma.limits pcie --json "$out/pcie.json" 2>&1 | tee "$out/pcie.txt"
-"$py" -m kvtier_nvidia_tma.limits latency --json "$out/latency.json" 2>&1 | tee "$out/latency.txt"
-timeout 240 "$py" -m kvtier_nvidia_tma.limits ncu --mib 64 --json "$out/ncu.json" 2>&1 | tee "$out/ncu.txt"
+"$py" -m kvtier bench limits gemm --json "$out/gemm.json" 2>&1 | tee "$out/gemm.txt"
+"$py" -m kvtier bench limits pcie --json "$out/pcie.json" 2>&1 | tee "$out/pcie.txt"
+"$py" -m kvtier bench limits latency --json "$out/latency.json" 2>&1 | tee "$out/latency.txt"
+timeout 240 "$py" -m kvtier bench limits ncu --mib 64 --json "$out/ncu.json" 2>&1 | tee "$out/ncu.txt"

@@ -19,7 +19,7 @@ def main() -> int:
             for layout in ("page_first", "layer_first"):
                 try:
                     dpool = DeviceKVPool.empty(spec, 40, "cuda")
-                    hpool = HostKVPool(spec, 30, layout=layout, allocator="torch-pinned")
+                    hpool = HostKVPool(spec, 30, layout=layout)
                     fill_random(hpool.raw)
                     for comp in dpool.layers:
                         for t in comp:

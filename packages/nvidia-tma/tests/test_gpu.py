@@ -90,7 +90,7 @@ def test_roundtrip_bitwise(engine_name, spec, layout, layerwise):
         pytest.skip("16-byte rows only (misalignment is tested as a typed error)")
     rng = random.Random(hash((engine_name, _sid(spec), layout, layerwise)) & 0xFFFF)
     dpool = DeviceKVPool.empty(spec, 41, "cuda")
-    hpool = HostKVPool(spec, 37, layout=layout, allocator="torch-pinned")
+    hpool = HostKVPool(spec, 37, layout=layout)
     eng = _engine(engine_name, dpool, hpool, layerwise_load=layerwise,
                   layerwise_backup=layerwise)
     try:
@@ -134,7 +134,7 @@ def test_configurations_stay_bitwise(name, cfg):
         pytest.skip(f"{name} has no {sorted(set(cfg) - keys)}")
     spec = KVSpec.mla(num_layers=7, kv_lora_rank=512, rope_dim=64, page_size=2)
     dpool = DeviceKVPool.empty(spec, 64, "cuda")
-    hpool = HostKVPool(spec, 64, allocator="torch-pinned")
+    hpool = HostKVPool(spec, 64)
     rng = random.Random(5)
     try:
         for layerwise in (True, False):
@@ -167,7 +167,7 @@ def test_scattered_device_layers(name):
     bufs.reverse()
     dpool = DeviceKVPool(spec, bufs)
     _poison(dpool)
-    hpool = HostKVPool(spec, 30, allocator="torch-pinned")
+    hpool = HostKVPool(spec, 30)
     fill_random(hpool.raw)
     try:
         for layerwise in (True, False):
@@ -191,7 +191,7 @@ def test_layer_events_really_gate(name):
     _available(name)
     spec = KVSpec.mla(num_layers=6, kv_lora_rank=512, rope_dim=64, page_size=4)
     dpool = DeviceKVPool.empty(spec, 300, "cuda")
-    hpool = HostKVPool(spec, 300, allocator="torch-pinned")
+    hpool = HostKVPool(spec, 300)
     fill_random(hpool.raw)
     _poison(dpool)
     eng = _engine(name, dpool, hpool)
@@ -228,7 +228,7 @@ def test_misaligned_rows_are_typed_error(name):
     _available(name)
     spec = KVSpec.mla(num_layers=1, kv_lora_rank=20, rope_dim=0, page_size=1, dtype="float16")
     dpool = DeviceKVPool.empty(spec, 4, "cuda")
-    hpool = HostKVPool(spec, 4, allocator="torch-pinned")
+    hpool = HostKVPool(spec, 4)
     try:
         with pytest.raises(LayoutError, match="16"):
             _engine(name, dpool, hpool)
@@ -241,7 +241,7 @@ def test_copy_engine_max_batch_is_checked(bad):
     _available("nvidia-copy-engine")
     spec = KVSpec.mla(num_layers=2, kv_lora_rank=512, rope_dim=64, page_size=1)
     dpool = DeviceKVPool.empty(spec, 4, "cuda")
-    hpool = HostKVPool(spec, 4, allocator="torch-pinned")
+    hpool = HostKVPool(spec, 4)
     try:
         with pytest.raises(ConfigError, match="max_batch"):
             _engine("nvidia-copy-engine", dpool, hpool, max_batch=bad)
@@ -265,7 +265,7 @@ def test_unregistered_host_memory_is_typed_error(name):
 def test_wrong_device_is_typed_error(name):
     _available(name)
     spec = KVSpec.mla(num_layers=2, kv_lora_rank=512, rope_dim=64, page_size=1)
-    hpool = HostKVPool(spec, 4, allocator="torch-pinned")
+    hpool = HostKVPool(spec, 4)
     try:
         other = torch.cuda.device_count()           # cuda:N never exists; N-1 may
         with pytest.raises(LayoutError, match=f"cuda:{other}"):
@@ -281,7 +281,7 @@ def test_out_of_range_indices(name):
     _available(name)
     spec = KVSpec.mla(num_layers=3, kv_lora_rank=512, rope_dim=64, page_size=2)
     dpool = DeviceKVPool.empty(spec, 10, "cuda")
-    hpool = HostKVPool(spec, 8, allocator="torch-pinned")
+    hpool = HostKVPool(spec, 8)
     fill_random(hpool.raw)
     _poison(dpool)
     try:
@@ -319,7 +319,7 @@ def test_tma_on_a_gpu_without_tma(monkeypatch):
     fake = _driver.Device(**{**real.__dict__, "cc": 80, "name": "pretend-A100"})
     monkeypatch.setattr(_driver, "device", lambda ordinal: fake)
     spec = KVSpec.mla(num_layers=1, kv_lora_rank=512, rope_dim=64, page_size=1)
-    hpool = HostKVPool(spec, 2, allocator="torch-pinned")
+    hpool = HostKVPool(spec, 2)
     try:
         with pytest.raises(BackendUnavailableError, match="sm_90"):
             _engine("nvidia-tma", DeviceKVPool.empty(spec, 2, "cuda"), hpool)

@@ -102,3 +102,49 @@ def test_make_chain_is_one_cycle_through_every_slot():
     assert bool((words[untouched] == -1).all())
     with pytest.raises(ValueError):
         limits.make_chain(words, slots + 1)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["gemm", "--cases", "nope"], "unknown case(s) nope"),
+    (["gemm", "--ops", "sideways"], "--ops: sideways"),
+])
+def test_kvtier_bench_limits_is_the_same_tool(argv, message, capsys):
+    """This package adds ``kvtier bench limits``; a bad value is one line, exit 2, before any
+    GPU work."""
+    from kvtier import cli
+    assert cli.main(["bench", "limits", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_kvtier_bench_help_lists_limits_without_loading_it():
+    import subprocess
+    import sys
+    code = ("import sys; from kvtier.cli import main\n"
+            "try:\n    main(['bench', '--help'])\nexcept SystemExit:\n    pass\n"
+            "print('LOADED' if 'kvtier_nvidia_tma.limits' in sys.modules else 'LAZY')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert "limits" in out and "(kvtier-nvidia-tma)" in out
+    assert out.strip().endswith("LAZY")
+
+
+def test_limits_sh_commands_parse():
+    """Every kvtier command bench/limits.sh runs is accepted by kvtier's parser."""
+    import shlex
+    from pathlib import Path
+
+    from kvtier import cli
+    script = (Path(__file__).parents[1] / "bench" / "limits.sh").read_text()
+    script = script.replace("\\\n", " ")
+    runs = []
+    for line in script.splitlines():
+        if '-m kvtier ' not in line:
+            continue
+        words = shlex.split(line.split("-m kvtier ", 1)[1].split("2>&1")[0]
+                            .replace('"$out', '"/tmp/out').replace('"$order"', "random")
+                            .replace('"$cases"', "mla-p1"))
+        args = cli.build_parser(words).parse_args(words)
+        assert callable(args._run), words
+        runs.append(words[:2])
+    assert ["bench", "limits"] in runs and ["bench", "transfer"] in runs

@@ -103,3 +103,10 @@ def test_params_struct_matches_the_header():
         "struct KvtParams {"))]
     fields = re.findall(r"^\s*i64 (\w+);", body, re.M)
     assert fields == [f for f, _ in KvtParams._fields_]
+
+
+def test_compile_error_is_a_kvtier_error():
+    from kvtier.errors import KVTierError
+    err = _nvrtc.CompileError("NVRTC failed", log="line 3: error")
+    assert isinstance(err, KVTierError) and isinstance(err, RuntimeError)
+    assert err.log == "line 3: error" and "line 3" in str(err)

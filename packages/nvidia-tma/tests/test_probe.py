@@ -1,20 +1,12 @@
 """The package's backends are discovered and report honestly why they can or cannot run."""
 
-
-from kvtier import registry
-from kvtier.testing.imports import vendor_modules_added
+from kvtier.testing import PackageContract
 
 
-def test_backends_discovered_with_reason():
-    recs = [r for r in registry.records() if r.distribution == "kvtier-nvidia-tma"]
-    assert recs, "the package's entry points are not registered"
-    for rec in recs:
-        assert rec.error is None, rec.error
-        av = registry.probe(rec)
-        assert av.ok or av.reason, f"{rec.name}: unavailable without a reason"
+class TestPackage(PackageContract):
+    """Discovery with reasons, no vendor import, core imports nothing of the package."""
 
-
-def test_import_loads_no_vendor_runtime():
-    """Importing the package and discovering its backends adds no vendor module."""
-    stmts = "import kvtier, kvtier_nvidia_tma; from kvtier import registry; registry.discover()"
-    assert vendor_modules_added(stmts) == []
+    distribution = "kvtier-nvidia-tma"
+    module = "kvtier_nvidia_tma"
+    backends = {("host_allocator", "cuda-host-register"), ("transfer_engine", "nvidia-tma"),
+                ("transfer_engine", "nvidia-register"), ("transfer_engine", "nvidia-copy-engine")}

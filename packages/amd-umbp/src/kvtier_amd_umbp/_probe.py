@@ -23,7 +23,7 @@ from kvtier import Availability
 WHEEL_PYTHONS = ("3.10", "3.12")
 #: The release whose ``mori.umbp`` API this package is written against.
 MORI_VERSION = "1.2.4"
-INSTALL_HINT = (f"pip install 'kvtier-amd-umbp[mori]' (amd-mori>={MORI_VERSION} has x86_64 "
+INSTALL_HINT = (f"pip install 'kvtier-amd-umbp[runtime]' (amd-mori>={MORI_VERSION} has x86_64 "
                 "Linux wheels for CPython 3.10 (glibc 2.35+) and 3.12 (glibc 2.39+) only, and "
                 "needs the ROCm 7 runtime)")
 

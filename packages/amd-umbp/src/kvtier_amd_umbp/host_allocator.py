@@ -20,9 +20,8 @@ from typing import Any
 
 import torch
 from kvtier.logutil import warn_once
-from kvtier import Availability, Capabilities, HostAllocator, HostBuffer
+from kvtier import Availability, HostAllocator, HostBuffer
 from kvtier.errors import AllocationError, BackendUnavailableError, ConfigError
-from kvtier.host_allocators.torch_pinned import check_nbytes
 
 from . import KVTIER_INTERFACE_VERSION, _probe
 
@@ -136,10 +135,6 @@ class UmbpHostAllocator(HostAllocator):
         _, gpus = _probe.amd_gpus()
         return Availability.available(f"mori.umbp host memory works; {gpus}")
 
-    @classmethod
-    def capabilities(cls) -> Capabilities:
-        return Capabilities(device_addressable=_probe.amd_gpus()[0] > 0)
-
     def _backing(self) -> Any:
         B = self._mod.UMBPHostBufferBacking
         c = self.config
@@ -147,8 +142,7 @@ class UmbpHostAllocator(HostAllocator):
             return B.AnonymousShmHugetlb if c.hugepages else B.AnonymousShm
         return B.AnonymousHugetlb if c.hugepages else B.Anonymous
 
-    def allocate(self, nbytes: int) -> HostBuffer:
-        nbytes = check_nbytes(nbytes, self.name)
+    def _allocate(self, nbytes: int) -> HostBuffer:
         c = self.config
         requested = self._backing()
         handle = self._alloc.alloc(nbytes, requested, c.hugepage_size, c.numa_node, c.prefault)

@@ -267,7 +267,7 @@ class UmbpStore(L3Store):
 
     @classmethod
     def capabilities(cls) -> Capabilities:
-        return Capabilities(zero_copy=True, host_layouts=(PAGE_FIRST,))
+        return Capabilities(host_layouts=(PAGE_FIRST,))
 
     @classmethod
     def example_config(cls, workdir: str) -> dict[str, Any]:

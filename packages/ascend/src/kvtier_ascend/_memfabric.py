@@ -14,7 +14,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from kvtier.errors import AllocationError
+from kvtier.errors import AllocationError, KVTierError
 
 from ._probe import capture_log, load_memfabric, load_offload, quote_errors
 
@@ -23,8 +23,9 @@ GIB = 1 << 30
 PROBE_RESERVE = GIB
 
 
-class OffloadInitError(RuntimeError):
-    """``offload.initialize`` returned non-zero; the message quotes memfabric's log."""
+class OffloadInitError(KVTierError, RuntimeError):
+    """``offload.initialize`` returned non-zero; the message quotes memfabric's log, ``code``
+    is its return code."""
 
     def __init__(self, message: str, code: int):
         super().__init__(message)

@@ -20,7 +20,7 @@ from kvtier import Availability
 
 TORCH_NPU_HINT = ("install the Ascend CANN toolkit (source its set_env.sh) and the torch-npu "
                   "build matching your torch; neither is a kvtier dependency")
-MEMFABRIC_HINT = "pip install 'kvtier-ascend[memfabric]' (memfabric-hybrid needs the Ascend driver)"
+MEMFABRIC_HINT = "pip install 'kvtier-ascend[runtime]' (memfabric-hybrid needs the Ascend driver)"
 KERNEL_HINT = ("build memfabric's acc_offload kernel library on the NPU host: `mfcli kernel "
                "install` (needs CANN, torch and torch-npu; Atlas A3/A5 only)")
 DRIVER_HINT = ("memfabric needs the Ascend NPU driver and firmware (it checks the version in "

@@ -19,9 +19,8 @@ from typing import Any
 
 import torch
 
-from kvtier import Availability, Capabilities, HostAllocator, HostBuffer
+from kvtier import Availability, HostAllocator, HostBuffer
 from kvtier.errors import ConfigError
-from kvtier.host_allocators.torch_pinned import check_nbytes
 
 from . import KVTIER_INTERFACE_VERSION
 from ._memfabric import GIB, open_session, shutdown
@@ -59,15 +58,10 @@ class MemfabricHostAllocator(HostAllocator):
         return probe_memfabric()
 
     @classmethod
-    def capabilities(cls) -> Capabilities:
-        return Capabilities(device_addressable=True)
-
-    @classmethod
     def example_config(cls, workdir: str) -> dict[str, Any]:
         return {"capacity_bytes": GIB}
 
-    def allocate(self, nbytes: int) -> HostBuffer:
-        nbytes = check_nbytes(nbytes, self.name)
+    def _allocate(self, nbytes: int) -> HostBuffer:
         session = open_session(self.config.device_id, self.config.capacity_bytes,
                                self._flags(), self.name)
         ptr, dva = session.malloc(nbytes, self.name)

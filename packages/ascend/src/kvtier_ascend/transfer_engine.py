@@ -19,8 +19,9 @@ spaced device layers when the engine's layer tensors are scattered); its consume
 (L3 stores), so its ``wait()`` blocks the calling thread until the host pages hold the data.
 A non-zero return code from ``kv_exchange_copy`` raises ``TransferError`` carrying that code.
 
-The host pool must live in Memfabric offload memory (``HostKVPool(..., allocator="memfabric")``):
-the kernel reads host memory through its DVA, which torch's pinned memory does not have.
+The host pool must live in Memfabric offload memory
+(``HostKVPool(..., allocator=MemfabricHostAllocator(...))``): the kernel reads host memory
+through its DVA, which torch's pinned memory does not have.
 """
 
 from __future__ import annotations
@@ -110,8 +111,7 @@ class AscendCTransferEngine(TransferEngine):
 
     @classmethod
     def capabilities(cls) -> Capabilities:
-        return Capabilities(directions=("h2d", "d2h"), layerwise=True, device_types=("npu",),
-                            max_ctas=KERNEL_CORES)
+        return Capabilities(device_types=("npu",))
 
     def __init__(self, device_pool, host_pool, config: Any = None):
         super().__init__(device_pool, host_pool, config)

@@ -1,88 +1,203 @@
-"""The ``kvtier`` command line."""
+"""The ``kvtier`` command line.
+
+Every sub-command, core's included, is an entry point of the group ``kvtier.commands`` that
+points at a `Command`: its one-line help and the module that implements it. ``kvtier --help``
+and ``--version`` read only those records; a command's module is imported when that command
+runs or its ``--help`` is asked, so the tools (and torch) stay off the import path. A name
+with a dot is a sub-command of a group: ``bench.limits`` is ``kvtier bench limits``. A vendor
+package adds its own commands the same way::
+
+    [project.entry-points."kvtier.commands"]
+    "bench.limits" = "kvtier_nvidia_tma.commands:LIMITS"
+
+The module defines ``add_arguments(parser)`` and ``run(args) -> int``. A `KVTierError` raised
+by ``run`` is a one-line error and exit status 2.
+"""
 
 from __future__ import annotations
 
 import argparse
-import json
+import copy
+import importlib
 import sys
-from typing import Callable
+from dataclasses import dataclass
+from typing import Any
 
-#: Sub-commands other modules add: name -> (help, run(args) -> int).
-COMMANDS: dict[str, tuple[str, Callable]] = {}
-
-
-def command(name: str, help: str):
-    """Register a sub-command: decorate ``run(args)``; ``run.arguments(parser)``, if set
-    (before or after decorating), adds its flags."""
-    def deco(run):
-        COMMANDS[name] = (help, run)
-        return run
-    return deco
+#: Entry-point group of the sub-commands.
+COMMAND_GROUP = "kvtier.commands"
 
 
-def _backends_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.add_argument("--kind", choices=["host_allocator", "l3_store", "transfer_engine"],
-                   help="only this kind of backend")
+@dataclass(frozen=True)
+class Command:
+    """A sub-command: its help and the module (``add_arguments``, ``run``) behind it. A
+    group's own record (``bench``) has no module."""
+
+    help: str
+    module: str | None = None
 
 
-def _backends(args: argparse.Namespace) -> int:
-    from .registry import probe_all
-    rows = [r.as_dict() for r in probe_all()]
-    if args.kind:
-        rows = [r for r in rows if r["kind"] == args.kind]
-    if args.json:
-        print(json.dumps(rows, indent=2))
-        return 0
-    from .report import table
-    body = [[r["kind"], r["name"], r["distribution"], r["version"],
-             "yes" if r["available"] else "no",
-             r["reason"] + (f" (hint: {r['hint']})" if r["hint"] and not r["available"]
-                            else "")] for r in rows]
-    print(table(["kind", "name", "package", "version", "available", "reason / hint"], body))
-    return 0
+@dataclass
+class _Found:
+    name: str
+    command: Command | None
+    distribution: str
+    error: str = ""
 
 
-_backends.arguments = _backends_arguments  # type: ignore[attr-defined]
-command("backends", "list every discovered backend and whether it can run here")(_backends)
+# ----- core's commands (registered in kvtier-core's pyproject.toml) -----------------------------
+BACKENDS = Command("list every discovered backend and whether it can run here",
+                   "kvtier.backends_cli")
+DEMO = Command("replay a multi-turn workload through L1 / L1+L2 / L1+L2+L3 with a real model: "
+               "hit rate, TTFT, bytes moved", "kvtier.demo.command")
+SIMULATE = Command("replay a request trace through the tiers (no model): per-tier hit rates",
+                   "kvtier.simulate")
+BENCH = Command("run a benchmark (measures its own ceiling in the same run)")
+BENCH_KEYS = Command("page-key hashing and chaining throughput", "kvtier.bench.keys")
+BENCH_TRANSFER = Command("host<->device page transfers vs the pinned-memcpy ceiling",
+                         "kvtier.bench.transfer")
+BENCH_STORE = Command("file store batch_get/batch_set vs the disk's raw I/O",
+                      "kvtier.bench.store")
+BENCH_CONTROL = Command("controller match/fetch/commit overhead per page",
+                        "kvtier.bench.control")
+BENCH_MOONCAKE = Command("mooncake store batch_get/batch_set over loopback vs TCP and the file "
+                         "store", "kvtier.bench.mooncake_store")
 
 
-def _load_plugins() -> None:
-    """Import the modules that add sub-commands (kept out of ``import kvtier``)."""
-    import importlib
-    for mod in ("kvtier.bench", "kvtier.demo", "kvtier.simulate"):
+def discover_commands() -> dict[str, _Found]:
+    """Every registered command by its dotted name. A broken entry point or a name two
+    distributions claim is kept with its error (shown when it is run), never hiding others."""
+    import importlib.metadata as md
+    found: dict[str, _Found] = {}
+    seen: set[tuple[str, str]] = set()
+    for ep in md.entry_points(group=COMMAND_GROUP):
+        dist = ep.dist.name if ep.dist is not None else "<unknown>"
+        if (ep.name, ep.value) in seen:           # the same distribution twice on sys.path
+            continue
+        seen.add((ep.name, ep.value))
+        if ep.name in found:
+            other = found[ep.name]
+            other.error = (f"registered by two distributions: {other.distribution} and "
+                           f"{dist}; uninstall one")
+            other.command = None
+            continue
         try:
-            importlib.import_module(mod)
-        except ModuleNotFoundError as exc:
-            if exc.name != mod:
-                raise
+            cmd = ep.load()
+        except Exception as exc:          # one broken plugin must not break the others
+            found[ep.name] = _Found(ep.name, None, dist, f"entry point {ep.value!r} failed to "
+                                    f"load: {type(exc).__name__}: {exc}")
+            continue
+        if not isinstance(cmd, Command):
+            found[ep.name] = _Found(ep.name, None, dist,
+                                    f"entry point {ep.value!r} is not a kvtier.cli.Command")
+            continue
+        found[ep.name] = _Found(ep.name, cmd, dist)
+    return dict(sorted(found.items()))
 
 
-def build_parser() -> argparse.ArgumentParser:
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's default, unless its help already says it or there is none."""
+
+    @staticmethod
+    def _shows_default(action: argparse.Action) -> bool:
+        return bool(action.option_strings) and action.default not in (
+            None, False, True, argparse.SUPPRESS, "", [], {})
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "default" in text or not self._shows_default(action):
+            return text
+        return super()._get_help_string(action)
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if not action.help and self._shows_default(action):     # no help text: the default
+            action = copy.copy(action)
+            action.help = "(default: %(default)s)"
+        return super()._format_action(action)
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage mistakes are one line and exit status 2 (no usage dump)."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _help(f: _Found | None) -> str:
+    if f is None:
+        return ""
+    if f.command is None:
+        return f"(unusable: {f.error})"
+    return f.command.help
+
+
+def _positionals(argv: list[str]) -> list[str]:
+    return [a for a in argv if not a.startswith("-")]
+
+
+def _attach(p: argparse.ArgumentParser, path: str, f: _Found | None) -> None:
+    """Import the module behind one command and let it add its flags."""
+    if f is None or f.command is None or f.command.module is None:
+        p.set_defaults(_error=f"{path}: {f.error if f else 'not a command'}")
+        return
+    try:
+        mod = importlib.import_module(f.command.module)
+    except ImportError as exc:
+        p.set_defaults(_error=f"{path} ({f.distribution}) cannot be loaded: "
+                              f"{type(exc).__name__}: {exc}")
+        return
+    mod.add_arguments(p)
+    p.set_defaults(_run=mod.run)
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser for ``argv``: every command is listed, only the one ``argv`` names (if any)
+    gets its flags, which imports its module."""
     from ._version import __version__
-    _load_plugins()
-    parser = argparse.ArgumentParser(prog="kvtier", description="Tiered KV-cache offloading.")
+    words = _positionals(list(sys.argv[1:] if argv is None else argv))
+    commands = discover_commands()
+    parser = _Parser(prog="kvtier", description="Tiered KV-cache offloading.")
     parser.add_argument("--version", action="version", version=f"kvtier {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
-    for name, (help_, run) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_, description=help_)
-        getattr(run, "arguments", lambda _p: None)(p)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    tops = sorted({n.split(".")[0] for n in commands})
+    for top in tops:
+        children = {n.split(".", 1)[1]: f for n, f in commands.items()
+                    if n.startswith(top + ".")}
+        h = _help(commands.get(top))
+        p = sub.add_parser(top, help=h, description=h)
+        if not words or words[0] != top:
+            continue
+        if not children:
+            _attach(p, top, commands.get(top))
+            continue
+        gsub = p.add_subparsers(dest="subcommand", metavar="COMMAND", required=True)
+        for child, f in children.items():
+            ch = _help(f)
+            cp = gsub.add_parser(child, help=ch, description=ch)
+            if len(words) > 1 and words[1] == child:
+                _attach(cp, f"{top} {child}", f)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     from .errors import KVTierError
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(argv).parse_args(argv)
+    name = " ".join(x for x in (args.command, getattr(args, "subcommand", None)) if x)
+    run: Any = getattr(args, "_run", None)
+    if run is None:
+        print(f"kvtier: error: {getattr(args, '_error', name + ': not runnable')}",
+              file=sys.stderr)
+        return 2
     try:
-        return int(COMMANDS[args.command][1](args) or 0)
+        return int(run(args) or 0)
     except KVTierError as exc:
-        print(f"kvtier {args.command}: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"kvtier {name}: error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
 
 
 if __name__ == "__main__":  # pragma: no cover
-    # Run as a script this module is ``__main__``, and the sub-command modules would register
-    # into the other copy, ``kvtier.cli``: hand over to that one.
-    from kvtier.cli import main as _main
-    sys.exit(_main())
+    sys.exit(main())

@@ -144,3 +144,15 @@ class AllocationError(KVTierError, MemoryError):
         self.backend = backend
         self.nbytes = nbytes
         self.code = code
+
+
+class InputError(KVTierError, ValueError):
+    """A file or workload the user gave is invalid; ``source`` and ``line`` say where,
+    ``field`` what."""
+
+    def __init__(self, message: str, *, source: str | None = None, line: int | None = None,
+                 field: str | None = None):
+        super().__init__(message)
+        self.source = source
+        self.line = line
+        self.field = field

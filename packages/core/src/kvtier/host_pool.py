@@ -9,7 +9,8 @@ from typing import Sequence
 import torch
 
 from .device_pool import check_page_indices
-from .errors import LayoutError, PagePinnedError, PageIndexError, PoolExhaustedError
+from .errors import (InvalidArgumentError, LayoutError, PageIndexError, PagePinnedError,
+                     PoolExhaustedError)
 from .interfaces import HostAllocator, HostBuffer
 from .layout import PAGE_FIRST, check_layout, host_nbytes, logical_view, page_ranges
 from .spec import KVSpec
@@ -19,12 +20,14 @@ class HostKVPool:
     """Fixed-size pool of host KV pages with a free list and pin counts.
 
     ``view`` is the logical ``[page, layer, comp, token, head, dim]`` tensor over the buffer,
-    whatever the physical layout. With ``page_first`` (the default) each page is one contiguous
-    byte range, which is what L3 stores read into and write from. All methods are thread-safe.
+    whatever the physical layout. The memory is ``buffer``, or a buffer the pool allocates
+    and owns from ``allocator`` (an instance; default: a `TorchPinnedAllocator`). With
+    ``page_first`` (the default) each page is one contiguous byte range, which is what L3
+    stores read into and write from. All methods are thread-safe.
     """
 
     def __init__(self, spec: KVSpec, num_pages: int, *, layout: str = PAGE_FIRST,
-                 allocator: HostAllocator | str | None = None,
+                 allocator: HostAllocator | None = None,
                  buffer: HostBuffer | None = None):
         if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages <= 0:
             raise LayoutError(f"num_pages must be a positive int, got {num_pages!r}")
@@ -34,9 +37,14 @@ class HostKVPool:
         need = host_nbytes(spec, num_pages)
         self._owns_buffer = buffer is None
         if buffer is None:
-            if allocator is None or isinstance(allocator, str):
-                from .registry import create_host_allocator
-                allocator = create_host_allocator(allocator or "torch-pinned")
+            if allocator is None:
+                from .host_allocators.torch_pinned import TorchPinnedAllocator
+                allocator = TorchPinnedAllocator()
+            elif not isinstance(allocator, HostAllocator):
+                raise InvalidArgumentError(
+                    f"allocator must be a HostAllocator instance, got {allocator!r} (by name: "
+                    "kvtier.create_host_allocator(name, config))", argument="allocator",
+                    value=allocator)
             buffer = allocator.allocate(need)
         if buffer.nbytes < need:
             raise LayoutError(f"host buffer of {buffer.nbytes} bytes is smaller than the "

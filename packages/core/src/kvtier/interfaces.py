@@ -3,7 +3,10 @@
 A backend is a subclass of one of these, registered under the matching entry-point group
 (``kvtier.host_allocators``, ``kvtier.l3_stores``, ``kvtier.transfer_engines``). Every backend
 declares ``name``, the ``INTERFACE_VERSION`` it implements, a frozen-dataclass ``Config`` and a
-classmethod ``probe()`` that exercises its runtime and says why it cannot run.
+classmethod ``probe()`` that exercises its runtime and says why it cannot run; what it can do
+is a `Capabilities` from ``capabilities()``, which core reads instead of a backend's name.
+The helpers a backend validates with (`check_keys`, `check_nbytes`) are here too; the
+contract suites in `kvtier.testing` check all of it (docs/backends.md is the guide).
 """
 
 from __future__ import annotations
@@ -14,9 +17,9 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Sequence
 
-import torch
-
 if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
     from .device_pool import DeviceKVPool
     from .host_pool import HostKVPool
     from .spec import KVSpec
@@ -52,17 +55,19 @@ class Availability:
 
 @dataclass(frozen=True)
 class Capabilities:
-    """What a backend can do, as flags rather than surprises."""
+    """What a backend can do, as flags rather than surprises. Each field is read by core (the
+    contract suites, the benchmarks, the controller's checks), never a backend's name."""
 
-    directions: tuple[str, ...] = ()        # transfer engines: "h2d", "d2h"
-    layerwise: bool = False                 # per-layer completion (wait_layer)
-    device_types: tuple[str, ...] = ()      # torch device types it moves data for
+    #: Stores and engines: the host-pool layouts they work with.
     host_layouts: tuple[str, ...] = ("page_first", "layer_first")
-    max_ctas: int | None = None             # SM/CTA budget a kernel engine uses
-    zero_copy: bool = False                 # stores: reads/writes host pages in place
-    shared_across_processes: bool = False   # stores: other processes see the same objects
-    persistent: bool = False                # stores: survives process exit
-    device_addressable: bool = False        # allocators: device can address the memory
+    #: Transfer engines: torch device types they move data for ("any torch device": all).
+    device_types: tuple[str, ...] = ()
+    #: Transfer engines: page indices are read on the host (copy addresses are built by the
+    #: CPU), so callers pass Python lists or CPU tensors; device tensors cost a sync.
+    host_indices: bool = False
+    #: Transfer engines: a KV row (``spec.row_bytes``) must be a multiple of this many bytes
+    #: (16 for engines that move 16-byte units); other geometries raise LayoutError.
+    row_alignment: int = 1
 
 
 class Backend(abc.ABC):
@@ -103,7 +108,7 @@ class HostBuffer:
 
     ptr: int
     nbytes: int
-    tensor: torch.Tensor                    # 1-D uint8 view of the whole block
+    tensor: "torch.Tensor"                   # 1-D uint8 view of the whole block
     backing: str                            # e.g. "hugetlb-2MiB", "thp", "anonymous", "cuda-pinned"
     numa_node: int | None = None            # where the pages really are, None if unknown
     device_addressable: bool = False        # a device can DMA/address it directly (pinned etc.)
@@ -118,6 +123,7 @@ class HostBuffer:
             return
         self._closed = True
         release, self._release = self._release, None
+        import torch
         self.tensor = torch.empty(0, dtype=torch.uint8)
         if release is not None:
             release()
@@ -134,15 +140,30 @@ class HostBuffer:
 
 
 class HostAllocator(Backend):
-    """Allocates host memory for the L2 pool."""
+    """Allocates host memory for the L2 pool. Subclasses implement ``_allocate``; callers use
+    ``allocate``, which checks the size first."""
 
     def __init__(self, config: Any = None):
         from .config import build_config
         self.config = build_config(type(self).Config, config, section=self.name)
 
-    @abc.abstractmethod
     def allocate(self, nbytes: int) -> HostBuffer:
-        """Allocate ``nbytes`` (no power-of-two rounding visible to the caller)."""
+        """Allocate ``nbytes`` (no power-of-two rounding visible to the caller); a size that is
+        not a positive int is an InvalidArgumentError before anything is allocated."""
+        return self._allocate(check_nbytes(nbytes, self.name))
+
+    @abc.abstractmethod
+    def _allocate(self, nbytes: int) -> HostBuffer:
+        """Allocate ``nbytes`` (already checked: a positive int)."""
+
+
+def check_nbytes(nbytes: object, backend: str = "") -> int:
+    """A byte count must be a positive int (not a bool); raise a typed error naming it."""
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+        from .errors import InvalidArgumentError
+        raise InvalidArgumentError(f"{backend}: nbytes must be a positive int, got {nbytes!r}",
+                                   argument="nbytes", value=nbytes)
+    return nbytes
 
 
 # --------------------------------------------------------------------------------------------
@@ -215,6 +236,20 @@ class L3Store(Backend):
     def clear(self) -> None:
         """Delete everything this store holds (for its namespace)."""
 
+    def _copy_into_page(self, page: int, data: "torch.Tensor") -> None:
+        """Copy ``data`` (one page's bytes, flat uint8, logical order) into host page ``page``
+        of the attached pool, whatever its layout."""
+        assert self.host_pool is not None, "attach(host_pool) first"
+        off = 0
+        for seg in self.host_pool.page_segments(page):
+            seg.copy_(data[off:off + seg.numel()])
+            off += seg.numel()
+
+    def object_nbytes(self) -> int:
+        """Bytes one stored page counts against the store's ``capacity_bytes`` (if it has
+        one), once attached: the page itself unless the store adds framing or padding."""
+        return self.spec.page_bytes
+
     def _check_batch(self, keys: Sequence[bytes], host_pages: Sequence[int] | None = None,
                      *, distinct_pages: bool = False) -> list[int]:
         """Validate a batch before anything is touched; returns the pages as ints.
@@ -272,7 +307,9 @@ def check_keys(keys: Sequence[bytes], backend: str = "") -> None:
 # Transfer engines
 # --------------------------------------------------------------------------------------------
 class TransferHandle(abc.ABC):
-    """Completion of one load/backup: whole (``wait``/``done``) or per layer (``wait_layer``)."""
+    """Completion of one load/backup: whole (``wait``/``done``) or per layer (``wait_layer``),
+    for the caller's stream, and ``synchronize`` for the calling thread (the controller calls
+    it before it hands a host page to L3 or frees a source page)."""
 
     @abc.abstractmethod
     def wait(self) -> None:
@@ -285,6 +322,10 @@ class TransferHandle(abc.ABC):
     @abc.abstractmethod
     def done(self) -> bool:
         """True once every layer has landed (non-blocking)."""
+
+    @abc.abstractmethod
+    def synchronize(self) -> None:
+        """Block the calling thread until every layer has really landed."""
 
 
 class CompletedHandle(TransferHandle):
@@ -303,6 +344,9 @@ class CompletedHandle(TransferHandle):
 
     def done(self) -> bool:
         return True
+
+    def synchronize(self) -> None:
+        return None
 
 
 class TransferEngine(Backend):
@@ -324,13 +368,13 @@ class TransferEngine(Backend):
         self.spec = device_pool.spec
 
     @abc.abstractmethod
-    def load(self, host_pages: Sequence[int] | torch.Tensor,
-             device_pages: Sequence[int] | torch.Tensor) -> TransferHandle:
+    def load(self, host_pages: "Sequence[int] | torch.Tensor",
+             device_pages: "Sequence[int] | torch.Tensor") -> TransferHandle:
         """Copy host pages into device pages (H2D), layer by layer."""
 
     @abc.abstractmethod
-    def backup(self, device_pages: Sequence[int] | torch.Tensor,
-               host_pages: Sequence[int] | torch.Tensor) -> TransferHandle:
+    def backup(self, device_pages: "Sequence[int] | torch.Tensor",
+               host_pages: "Sequence[int] | torch.Tensor") -> TransferHandle:
         """Copy device pages into host pages (D2H)."""
 
     def close(self) -> None:

@@ -167,7 +167,7 @@ def get_record(group: str, name: str) -> BackendRecord:
     return found[name]
 
 
-def get_backend_class(group: str, name: str, *, check: bool = True) -> type:
+def get_backend_class(group: str, name: str, *, check: bool = True) -> type[Any]:
     """The class of a named backend; raises if it failed to load or (``check``) can't run."""
     rec = get_record(group, name)
     if rec.error is not None:

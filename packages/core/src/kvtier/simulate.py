@@ -18,60 +18,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
-from .cli import command
 from .errors import ConfigError, InvalidArgumentError
+from .page_allocator import PageAllocator
 
+#: Tokens per trace block (the Mooncake format's 512).
 BLOCK_TOKENS = 512
 
-
-class PageAllocator:
-    """A free list of device pages: the engine side of the L1 contract (tests, simulator,
-    demos). ``alloc(n)`` is all-or-nothing and returns None when fewer than n are free."""
-
-    def __init__(self, num_pages: int):
-        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages <= 0:
-            raise InvalidArgumentError(f"num_pages must be a positive int, got {num_pages!r}",
-                                       argument="num_pages", value=num_pages)
-        self.num_pages = num_pages
-        self._free = list(range(num_pages - 1, -1, -1))
-        self._used = bytearray(num_pages)
-        self._lock = threading.Lock()
-
-    @property
-    def free_count(self) -> int:
-        with self._lock:
-            return len(self._free)
-
-    def alloc(self, n: int) -> list[int] | None:
-        with self._lock:
-            if n > len(self._free):
-                return None
-            out = [self._free.pop() for _ in range(n)]
-            for p in out:
-                self._used[p] = 1
-            return out
-
-    def free(self, pages: Iterable[int]) -> None:
-        pages = list(pages)
-        with self._lock:
-            for p in pages:
-                if not 0 <= p < self.num_pages or not self._used[p]:
-                    raise InvalidArgumentError(f"page {p} is not allocated (double free?)",
-                                               argument="pages", value=p)
-            if len(set(pages)) != len(pages):
-                raise InvalidArgumentError("pages to free contain duplicates",
-                                           argument="pages")
-            for p in pages:
-                self._used[p] = 0
-                self._free.append(p)
+__all__ = ["BLOCK_TOKENS", "PageAllocator", "SimResult", "TraceRequest", "block_tokens",
+           "l3_config_for", "load_trace", "simulate", "add_arguments", "run"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -103,28 +64,16 @@ def block_tokens(hash_ids: Sequence[int], input_length: int) -> np.ndarray:
 
 
 def load_trace(path: str | Path, limit: int | None = None) -> list[TraceRequest]:
-    """Read a JSON-lines trace; a malformed line is an InvalidArgumentError naming it."""
-    out: list[TraceRequest] = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if limit is not None and len(out) >= limit:
-                break
-            if not line.strip():
-                continue
-            try:
-                d = json.loads(line)
-                req = TraceRequest(float(d.get("timestamp", 0)), int(d["input_length"]),
-                                   int(d.get("output_length", 0)),
-                                   tuple(int(h) for h in d["hash_ids"]))
-            except (ValueError, KeyError, TypeError) as exc:
-                raise InvalidArgumentError(f"{path}:{lineno}: not a trace record: {exc}",
-                                           argument="trace") from None
-            if not 0 <= req.input_length <= len(req.hash_ids) * BLOCK_TOKENS:
-                raise InvalidArgumentError(
-                    f"{path}:{lineno}: input_length {req.input_length} does not fit "
-                    f"{len(req.hash_ids)} blocks", argument="trace")
-            out.append(req)
-    return out
+    """Read a Mooncake trace through `kvtier.trace.read_trace` (typed errors naming the file
+    and line; an empty trace warns and gives no request)."""
+    from .trace import read_trace
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)
+                              or limit < 1):
+        raise ConfigError(f"limit must be an int >= 1 or None, got {limit!r}", key="limit",
+                          value=limit)
+    return [TraceRequest(r.timestamp, r.input_length, r.output_length, r.hash_ids)
+            for r in read_trace(path, max_requests=limit, source_block=BLOCK_TOKENS,
+                                allow_empty=True)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -191,6 +140,30 @@ def l3_config_for(store: str, pages: int | None, page_bytes: int,
     return cfg
 
 
+def _sized_store(store: str, pages: int | None, base: dict[str, Any] | None, spec: Any,
+                 host_pool: Any) -> Any:
+    """The L3 store, attached to ``host_pool``, holding ``pages`` pages: its capacity is
+    counted in what one stored page really takes there (`L3Store.object_nbytes`: the file
+    store's objects carry a trailer and may be padded), measured on a first instance."""
+    from .registry import create_l3_store
+    per_page = spec.page_bytes
+    if pages is not None:
+        l3_config_for(store, pages, per_page, base)           # checks the store has a capacity
+        probe = create_l3_store(store, dict(base or {}), spec=spec)
+        try:
+            probe.attach(host_pool)
+            per_page = probe.object_nbytes()
+        finally:
+            probe.close()
+    s = create_l3_store(store, l3_config_for(store, pages, per_page, base), spec=spec)
+    try:
+        s.attach(host_pool)
+    except BaseException:
+        s.close()
+        raise
+    return s
+
+
 def simulate(trace: str | Path | Sequence[TraceRequest], *, l1_pages: int, l2_pages: int,
              l3: str | None = None, l3_pages: int | None = None,
              l3_config: dict[str, Any] | None = None, page_size: int = 64,
@@ -203,14 +176,19 @@ def simulate(trace: str | Path | Sequence[TraceRequest], *, l1_pages: int, l2_pa
     ``count_only_l1`` counts L2/L3 hits as computed (with a one-page L2 and no L3 this is the
     L1-only baseline: L1's contents evolve as if the lower tiers were absent).
     """
-    from .cache import TieredKVCache
+    from .cache import CacheConfig
     from .device_pool import DeviceKVPool
-    from .report import progress
     from .spec import KVSpec
 
     for name, v in (("l1_pages", l1_pages), ("l2_pages", l2_pages), ("page_size", page_size)):
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
             raise ConfigError(f"{name} must be a positive int, got {v!r}", key=name, value=v)
+    if l3 is None and (l3_pages is not None or l3_config):
+        raise ConfigError("l3_pages/l3_config need an l3 store", key="l3")
+    if l3_pages is not None and (isinstance(l3_pages, bool) or not isinstance(l3_pages, int)
+                                 or l3_pages <= 0):
+        raise ConfigError(f"l3_pages must be a positive int, got {l3_pages!r}",
+                          key="l3_pages", value=l3_pages)
     reqs = load_trace(trace, limit) if isinstance(trace, (str, Path)) else list(trace)[:limit]
     spec = KVSpec.mha(num_layers=1, num_kv_heads=1, head_dim=1, page_size=page_size,
                       dtype="uint8")
@@ -218,17 +196,48 @@ def simulate(trace: str | Path | Sequence[TraceRequest], *, l1_pages: int, l2_pa
     alloc = PageAllocator(l1_pages)
     cfg: dict[str, Any] = {
         "model_id": "kvtier-simulate", "host_pool_pages": l2_pages,
-        "write_policy": write_policy, "prefetch_policy": prefetch_policy,
-        "l3_store": l3, "l3_config": l3_config_for(l3, l3_pages, spec.page_bytes, l3_config)
-        if l3 else {}}
+        "write_policy": write_policy, "prefetch_policy": prefetch_policy}
+    host_pool = store = None
+    if l3 is not None:
+        # the cache's default pool and the store are made here, so that the store's capacity
+        # is counted in its real object size
+        from .host_pool import HostKVPool
+        from .registry import create_host_allocator
+        c = CacheConfig.from_dict(cfg)
+        host_pool = HostKVPool(spec, l2_pages, layout=c.host_layout, allocator=(
+            create_host_allocator(c.host_allocator, c.host_allocator_config)))
+        try:
+            store = _sized_store(l3, l3_pages, l3_config, spec, host_pool)
+        except BaseException:
+            host_pool.close()
+            raise
     res = SimResult(settings={"l1_pages": l1_pages, "l2_pages": l2_pages, "l3": l3,
                               "l3_pages": l3_pages, "page_size": page_size,
                               "write_policy": write_policy, "prefetch_policy": prefetch_policy,
                               "count_only_l1": count_only_l1})
-    seen: set[bytes] = set()
     t0 = time.perf_counter()
+    try:
+        _replay(reqs, cfg, res, device_pool, alloc, host_pool, store, page_size,
+                count_only_l1, show_progress, desc)
+    finally:
+        if store is not None:
+            store.close()
+        if host_pool is not None:
+            host_pool.close()
+    res.elapsed_s = time.perf_counter() - t0
+    return res
+
+
+def _replay(reqs: Sequence[TraceRequest], cfg: dict[str, Any], res: SimResult,
+            device_pool: Any, alloc: PageAllocator, host_pool: Any, store: Any,
+            page_size: int, count_only_l1: bool, show_progress: bool, desc: str) -> None:
+    from .cache import TieredKVCache
+    from .report import progress
+    l1_pages = device_pool.num_pages
+    seen: set[bytes] = set()
     with TieredKVCache.from_config(cfg, device_pool=device_pool, free_device_pages=alloc.free,
-                                   allocate_device_pages=alloc.alloc) as cache:
+                                   allocate_device_pages=alloc.alloc, host_pool=host_pool,
+                                   store=store) as cache:
 
         def take(n: int) -> list[int] | None:
             if n == 0:
@@ -282,14 +291,12 @@ def simulate(trace: str | Path | Sequence[TraceRequest], *, l1_pages: int, l2_pa
             res.computed_tokens += req.input_length - l1 - l2 - l3h
             cache.wait_idle()
         res.metrics = cache.metrics()
-    res.elapsed_s = time.perf_counter() - t0
-    return res
 
 
 # --------------------------------------------------------------------------------------------
 # CLI
 # --------------------------------------------------------------------------------------------
-def _arguments(p: argparse.ArgumentParser) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", required=True, help="JSON-lines trace (Mooncake format)")
     p.add_argument("--l1-pages", type=int, required=True, help="device (L1) pages")
     p.add_argument("--l2-pages", type=int, required=True, help="host (L2) pages")
@@ -309,7 +316,6 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
-@command("simulate", "replay a request trace through the tiers (no model): per-tier hit rates")
 def run(args: argparse.Namespace) -> int:
     from .report import table
     if args.l3_config:
@@ -355,5 +361,3 @@ def run(args: argparse.Namespace) -> int:
         print(f"tiers vs L1 only: {gain:+.1f} percentage points of hit rate")
     return 0
 
-
-run.arguments = _arguments  # type: ignore[attr-defined]

@@ -6,7 +6,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 import torch
 
@@ -25,8 +25,8 @@ DTYPES: dict[str, torch.dtype] = {
 _ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16",
             "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 
-KIND_MHA = "mha"
-KIND_MLA = "mla"
+KIND_MHA: Final = "mha"
+KIND_MLA: Final = "mla"
 
 
 def dtype_name(dtype: str | torch.dtype) -> str:

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from kvtier.errors import KVTierError
+
 KERNEL_DIR = Path(__file__).with_name("kernels")
 #: Kernel sources, each with the extern "C" entry points it defines.
 SOURCES: dict[str, tuple[str, ...]] = {
@@ -27,8 +29,8 @@ SOURCES: dict[str, tuple[str, ...]] = {
 MIN_ARCH: dict[str, int] = {"register_copy.cu": 70, "tma_copy.cu": 90, "hold.cu": 70}
 
 
-class CompileError(RuntimeError):
-    """NVRTC rejected a kernel; carries the compiler log."""
+class CompileError(KVTierError, RuntimeError):
+    """NVRTC rejected a kernel (or none fits the device); carries the compiler log."""
 
     def __init__(self, message: str, log: str = ""):
         super().__init__(message + (f"\n{log}" if log else ""))

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from kvtier import Availability
 
 CUDA_HINT = "install the NVIDIA driver (libcuda.so.1) on a machine with an NVIDIA GPU"
-NVRTC_HINT = "pip install 'kvtier-nvidia-tma[cuda]' (cuda-bindings and nvidia-cuda-nvrtc)"
+NVRTC_HINT = "pip install 'kvtier-nvidia-tma[runtime]' (cuda-bindings and nvidia-cuda-nvrtc)"
 
 
 @dataclass(frozen=True)

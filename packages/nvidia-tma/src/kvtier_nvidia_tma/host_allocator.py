@@ -14,10 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from kvtier import Availability, Capabilities, HostAllocator, HostBuffer
+from kvtier import Availability, HostAllocator, HostBuffer
 from kvtier.errors import AllocationError, ConfigError
 from kvtier.host_allocators.mmap import MmapAllocator, anon_huge_bytes
-from kvtier.host_allocators.torch_pinned import check_nbytes
 
 from . import KVTIER_INTERFACE_VERSION
 from ._probe import probe_cuda
@@ -44,10 +43,6 @@ class CudaHostRegisterAllocator(HostAllocator):
     def probe(cls) -> Availability:
         return probe_cuda(need_nvrtc=False)
 
-    @classmethod
-    def capabilities(cls) -> Capabilities:
-        return Capabilities(device_addressable=True)
-
     def __init__(self, config: Any = None):
         super().__init__(config)
         cb = self.config.chunk_bytes
@@ -57,8 +52,7 @@ class CudaHostRegisterAllocator(HostAllocator):
         self._mmap = MmapAllocator({"hugepages": self.config.hugepages,
                                     "numa_node": self.config.numa_node, "prefault": False})
 
-    def allocate(self, nbytes: int) -> HostBuffer:
-        nbytes = check_nbytes(nbytes, self.name)
+    def _allocate(self, nbytes: int) -> HostBuffer:
         from . import _driver
         try:
             dev = _driver.device(self.config.device)

@@ -1,4 +1,5 @@
-"""What limits host <-> device page transfers on this GPU: ``python -m kvtier_nvidia_tma.limits``.
+"""What limits host <-> device page transfers on this GPU: ``kvtier bench limits``
+(or ``python -m kvtier_nvidia_tma.limits``).
 
 ``kvtier bench transfer`` says how fast each engine is against the pinned-memcpy ceiling; these
 probes say why it is not faster. Each prints a table and, with ``--json``, keeps every number.
@@ -337,10 +338,11 @@ def probe_pcie(args) -> dict[str, Any]:
                     rows.append({"what": name, "case": case, "direction": direction,
                                  "payload": r["calls"] * moved / r["ms"] / 1e6, **r})
                 eng.close()
-    for r in rows:    # data flows in (RX) for loads, out (TX) for backups
-        data, other = (r["rx"], r["tx"]) if r["direction"] == "h2d" else (r["tx"], r["rx"])
-        r["link_per_payload"] = data / r["payload"] if r["payload"] else None
-        r["reverse_per_payload"] = other / r["payload"] if r["payload"] else None
+    for row in rows:    # data flows in (RX) for loads, out (TX) for backups
+        data, other = ((row["rx"], row["tx"]) if row["direction"] == "h2d"
+                       else (row["tx"], row["rx"]))
+        row["link_per_payload"] = data / row["payload"] if row["payload"] else None
+        row["reverse_per_payload"] = other / row["payload"] if row["payload"] else None
     from kvtier.report import table
     print(table(["engine", "case", "dir", "payload GB/s", "NVML data-direction GB/s",
                  "NVML reverse GB/s", "link / payload", "reverse / payload"],
@@ -386,6 +388,9 @@ def probe_latency(args) -> dict[str, Any]:
     slots = min(16384, words.numel() * 8 // CHAIN_STRIDE)
     make_chain(words, slots)
     chain = _driver.host_device_pointer(words.data_ptr())
+    if chain is None:
+        raise SystemExit("kvtier bench limits latency: the host buffer is not registered with "
+                         "CUDA (no device address for it)")
     out = torch.zeros(2, dtype=torch.int64, device="cuda")
     n = args.reads
     rows: list[dict[str, Any]] = []
@@ -568,20 +573,24 @@ def _parse_ncu_csv(text: str) -> list[dict[str, str]]:
 
 
 # ----------------------------------------------------------------------------------------------
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvtier_nvidia_tma.limits",
-                                description=__doc__.split("\n\n")[0])
-    sub = p.add_subparsers(dest="probe", required=True)
-    for name, cases, engines in (
-            ("gemm", "mla-p1,mha-32k", "nvidia-tma,nvidia-register"),
-            ("pcie", "mla-p1,mha-8k,mla-p64", "nvidia-tma,nvidia-register,nvidia-copy-engine"),
-            ("ncu", "mla-p1,mla-p64", "nvidia-tma,nvidia-register"),
-            ("latency", "mla-p64", "nvidia-tma"),
-            ("workload", "mla-p1,mla-p64", "nvidia-tma,nvidia-register")):
-        s = sub.add_parser(name)
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The probes as sub-commands of ``p`` (``kvtier bench limits`` or ``python -m``)."""
+    sub = p.add_subparsers(dest="probe", metavar="PROBE", required=True)
+    for name, cases, engines, help_ in (
+            ("gemm", "mla-p1,mha-32k", "nvidia-tma,nvidia-register",
+             "GEMM slowdown from transfers vs from SMs merely held"),
+            ("pcie", "mla-p1,mha-8k,mla-p64", "nvidia-tma,nvidia-register,nvidia-copy-engine",
+             "NVML PCIe link bytes per payload byte"),
+            ("ncu", "mla-p1,mla-p64", "nvidia-tma,nvidia-register",
+             "Nsight Compute system-memory and PCIe counters of a few launches"),
+            ("latency", "mla-p64", "nvidia-tma", "PCIe read round trip, idle and under load"),
+            ("workload", "mla-p1,mla-p64", "nvidia-tma,nvidia-register",
+             "the transfers the ncu probe profiles (run under Nsight Compute)")):
+        s = sub.add_parser(name, help=help_, description=help_,
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
         s.add_argument("--mib", type=int, default=256, help="MiB per transfer")
-        s.add_argument("--cases", default=cases)
-        s.add_argument("--engines", default=engines)
+        s.add_argument("--cases", default=cases, help="transfer cases (kvtier bench transfer's)")
+        s.add_argument("--engines", default=engines, help="engines to measure")
         s.add_argument("--json", help="write the results here")
         if name == "gemm":
             s.add_argument("--ops", default="loads,backups,both",
@@ -596,20 +605,31 @@ def main(argv: list[str] | None = None) -> int:
         if name == "pcie":
             s.add_argument("--seconds", type=float, default=1.5, help="time per measurement")
             s.add_argument("--order", choices=["random", "sequential"], default="random")
-    args = p.parse_args(argv)
-    from kvtier.bench.transfer import CASES
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """Reject bad values before any GPU work (InvalidArgumentError naming the flag)."""
+    from kvtier.bench.transfer import CASES, parse_value
+    from kvtier.errors import InvalidArgumentError
     bad = [c for c in args.cases.split(",") if c not in CASES]
     if bad:
-        p.error(f"unknown case(s) {', '.join(bad)}; have {', '.join(CASES)}")
+        raise InvalidArgumentError(f"unknown case(s) {', '.join(bad)}; have {', '.join(CASES)}",
+                                   argument="cases")
     if args.probe == "gemm":
         bad = [o for o in args.ops.split(",") if o not in ("loads", "backups", "both")]
         if bad:
-            p.error(f"--ops: {', '.join(bad)}: expected loads, backups or both")
-        from kvtier.bench.transfer import parse_value
-        pairs = [x.partition("=") for x in args.engine_config.split(",") if x]
-        if any(not k or not sep for k, sep, _ in pairs):
-            p.error(f"--config {args.engine_config!r}: expected KEY=VALUE[,KEY=VALUE]")
-        args.engine_config = {k: parse_value(v) for k, _, v in pairs}
+            raise InvalidArgumentError(f"--ops: {', '.join(bad)}: expected loads, backups or "
+                                       "both", argument="ops")
+        if isinstance(args.engine_config, str):
+            pairs = [x.partition("=") for x in args.engine_config.split(",") if x]
+            if any(not k or not sep for k, sep, _ in pairs):
+                raise InvalidArgumentError(f"--config {args.engine_config!r}: expected "
+                                           "KEY=VALUE[,KEY=VALUE]", argument="config")
+            args.engine_config = {k: parse_value(v) for k, _, v in pairs}
+
+
+def run(args: argparse.Namespace) -> int:
+    check_arguments(args)
     if args.probe == "workload":
         workload(args)
         return 0
@@ -619,6 +639,20 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1, default=str)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kvtier_nvidia_tma.limits``: the same as ``kvtier bench limits``."""
+    from kvtier.errors import KVTierError
+    p = argparse.ArgumentParser(prog="python -m kvtier_nvidia_tma.limits",
+                                description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    args = p.parse_args(argv)
+    try:
+        check_arguments(args)
+    except KVTierError as exc:
+        p.error(str(exc))
+    return run(args)
 
 
 if __name__ == "__main__":

@@ -71,8 +71,9 @@ class _NvidiaEngine(TransferEngine):
 
     @classmethod
     def capabilities(cls) -> Capabilities:
-        return Capabilities(directions=("h2d", "d2h"), layerwise=True, device_types=("cuda",),
-                            host_layouts=("page_first", "layer_first"))
+        return Capabilities(device_types=("cuda",), host_layouts=("page_first", "layer_first"),
+                            row_alignment=16 if cls._needs_16b else 1,
+                            host_indices=cls.name == "nvidia-copy-engine")
 
     def __init__(self, device_pool, host_pool, config: Any = None):
         super().__init__(device_pool, host_pool, config)

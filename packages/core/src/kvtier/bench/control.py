@@ -56,7 +56,7 @@ class _Rig:
                  write_policy: str, l3: str | None, device: str = "cpu"):
         from ..cache import TieredKVCache
         from ..device_pool import DeviceKVPool
-        from ..simulate import PageAllocator
+        from ..page_allocator import PageAllocator
         self.spec = KVSpec.mha(num_layers=1, num_kv_heads=1, head_dim=1, page_size=page_size,
                                dtype="uint8")
         self.alloc = PageAllocator(device_pages)

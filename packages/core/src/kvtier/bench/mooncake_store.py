@@ -32,11 +32,10 @@ import time
 import torch
 
 from ..host_pool import HostKVPool
-from ..report import progress, table
+from ..report import parse_size, progress, table
 from ..spec import KVSpec
 
 CHUNK = 8 << 20
-_UNITS = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -52,13 +51,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--streams", type=int, default=4,
                    help="parallel TCP streams of the loopback reference (default 4)")
     p.add_argument("--no-file", action="store_true", help="skip the file store comparison")
-
-
-def _size(text: str) -> int:
-    text = text.strip().lower().removesuffix("ib").removesuffix("b")
-    if text and text[-1] in _UNITS:
-        return int(float(text[:-1]) * _UNITS[text[-1]])
-    return int(text)
 
 
 def _label(n: int) -> str:
@@ -223,8 +215,8 @@ def run(args: argparse.Namespace) -> int:
     if not av.ok:
         print(f"mooncake unavailable: {av.reason} ({av.hint})")
         return 2
-    sizes = [_size(s) for s in args.page_sizes.split(",") if s.strip()]
-    total = _size(args.total)
+    sizes = [parse_size(s, "--page-sizes") for s in args.page_sizes.split(",") if s.strip()]
+    total = parse_size(args.total, "--total")
     master_proc, address = (None, args.master) if args.master else _start_master()
     holder = None
     segment = max(2 * total, 64 << 20)

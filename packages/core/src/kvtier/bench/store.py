@@ -38,20 +38,13 @@ from typing import Any
 
 import torch
 
+from ..host_allocators.mmap import MmapAllocator
 from ..host_pool import HostKVPool
 from ..l3_stores.file import _CHECKSUMS, FileStore, checksum_impl
-from ..report import progress, table
+from ..report import parse_size, progress, table
 from ..spec import KVSpec
 
 CHUNK = 8 << 20
-_UNITS = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-
-
-def _size(text: str) -> int:
-    text = text.strip().lower().removesuffix("ib").removesuffix("b")
-    if text and text[-1] in _UNITS:
-        return int(float(text[:-1]) * _UNITS[text[-1]])
-    return int(text)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -302,8 +295,8 @@ def run(args: argparse.Namespace) -> int:
         if args.plot:
             plot(data, args.plot)
         return 0
-    sizes = [_size(s) for s in args.page_sizes.split(",") if s.strip()]
-    total = _size(args.total)
+    sizes = [parse_size(s, "--page-sizes") for s in args.page_sizes.split(",") if s.strip()]
+    total = parse_size(args.total, "--total")
     direct = args.cache == "direct"
     own_dir = args.dir is None
     base = tempfile.mkdtemp(prefix="kvtier-bench-store-") if own_dir else args.dir
@@ -331,7 +324,7 @@ def run(args: argparse.Namespace) -> int:
                     pools.pop(old)[1].close()
                 spec = _spec_for(ps)
                 n = max(1, total // spec.page_bytes)
-                pool = HostKVPool(spec, 2 * n, allocator="mmap")
+                pool = HostKVPool(spec, 2 * n, allocator=MmapAllocator())
                 g = torch.Generator().manual_seed(ps)
                 pool.raw[: n * spec.page_bytes].copy_(
                     torch.randint(0, 256, (n * spec.page_bytes,), dtype=torch.uint8,

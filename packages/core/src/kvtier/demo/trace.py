@@ -11,108 +11,17 @@ requests; the sharing structure is unchanged.
 
 from __future__ import annotations
 
-import json
-import math
 import os
-from dataclasses import dataclass
+
 import numpy as np
 
+from ..trace import (SOURCE_BLOCK_TOKENS, TraceError, TraceFormatError, TraceRecord, parse_line,
+                     read_trace)
 from .workload import Request, Workload, WorkloadError, round_of
 
-#: Tokens per ``hash_ids`` entry in Mooncake traces.
-SOURCE_BLOCK_TOKENS = 512
-
-
-class TraceFormatError(WorkloadError):
-    """A trace line is not a valid Mooncake record; ``line`` is its 1-based number."""
-
-
-@dataclass(frozen=True)
-class TraceRecord:
-    line: int
-    timestamp: float
-    input_length: int
-    output_length: int
-    hash_ids: tuple[int, ...]
-
-
-def _int_field(obj: dict, name: str, minimum: int, where: str, source: str, line: int) -> int:
-    if name not in obj:
-        raise TraceFormatError(f"{where}: missing field {name!r}", source=source, line=line,
-                               field=name)
-    v = obj[name]
-    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-        raise TraceFormatError(f"{where}: {name} must be an int >= {minimum}, got {v!r}",
-                               source=source, line=line, field=name)
-    return v
-
-
-def parse_line(text: str, *, line: int, source: str = "<trace>",
-               source_block: int = SOURCE_BLOCK_TOKENS) -> TraceRecord:
-    """Validate one line; raises `TraceFormatError` naming the line and the field."""
-    where = f"{source}:{line}"
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise TraceFormatError(f"{where}: not valid JSON: {exc.msg} (column {exc.colno})",
-                               source=source, line=line) from None
-    if not isinstance(obj, dict):
-        raise TraceFormatError(f"{where}: expected a JSON object, got {type(obj).__name__}",
-                               source=source, line=line)
-    ts = obj.get("timestamp")
-    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts) \
-            or ts < 0:
-        raise TraceFormatError(f"{where}: timestamp must be a number >= 0, got {ts!r}",
-                               source=source, line=line, field="timestamp")
-    n_in = _int_field(obj, "input_length", 1, where, source, line)
-    n_out = _int_field(obj, "output_length", 0, where, source, line)
-    ids = obj.get("hash_ids")
-    if not isinstance(ids, list) or not ids:
-        raise TraceFormatError(f"{where}: hash_ids must be a non-empty list, got {ids!r:.60}",
-                               source=source, line=line, field="hash_ids")
-    for i, h in enumerate(ids):
-        if isinstance(h, bool) or not isinstance(h, int) or h < 0:
-            raise TraceFormatError(f"{where}: hash_ids[{i}] must be an int >= 0, got {h!r}",
-                                   source=source, line=line, field="hash_ids")
-    want = -(-n_in // source_block)
-    if len(ids) != want:
-        raise TraceFormatError(f"{where}: input_length {n_in} needs {want} hash_ids of "
-                               f"{source_block} tokens, got {len(ids)}", source=source,
-                               line=line, field="hash_ids")
-    return TraceRecord(line, float(ts), n_in, n_out, tuple(ids))
-
-
-def read_trace(path: str | os.PathLike, *, max_requests: int | None = None, skip: int = 0,
-               source_block: int = SOURCE_BLOCK_TOKENS) -> list[TraceRecord]:
-    """Parse a trace file (blank lines are skipped): the ``max_requests`` records after the
-    first ``skip`` (which are validated too)."""
-    source = os.fspath(path)
-    try:
-        fh = open(source, "rb")
-    except OSError as exc:
-        raise WorkloadError(f"cannot read trace {source}: {exc.strerror or exc}",
-                            source=source) from None
-    records: list[TraceRecord] = []
-    seen = 0
-    with fh:
-        for line_no, raw in enumerate(fh, 1):
-            if max_requests is not None and len(records) >= max_requests:
-                break
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise TraceFormatError(f"{source}:{line_no}: not UTF-8 text: {exc.reason}",
-                                       source=source, line=line_no) from None
-            if not text.strip():
-                continue
-            rec = parse_line(text, line=line_no, source=source, source_block=source_block)
-            seen += 1
-            if seen > skip:
-                records.append(rec)
-    if not records:
-        raise WorkloadError(f"trace {source} holds no request", source=source)
-    return records
-
+#: The reader is `kvtier.trace` (shared with ``kvtier simulate``); these names stay here too.
+__all__ = ["SOURCE_BLOCK_TOKENS", "TraceError", "TraceFormatError", "TraceRecord", "parse_line",
+           "read_trace", "BlockTokens", "scaled_length", "trace_workload"]
 
 class BlockTokens:
     """Deterministic token ids of a block id: the same id always gives the same tokens."""

@@ -12,18 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 import numpy as np
 
-from ..errors import KVTierError
+from ..errors import InputError
 
 
-class WorkloadError(KVTierError, ValueError):
-    """A workload parameter or input file is invalid; ``source``/``line`` say where."""
-
-    def __init__(self, message: str, *, source: str | None = None, line: int | None = None,
-                 field: str | None = None):
-        super().__init__(message)
-        self.source = source
-        self.line = line
-        self.field = field
+class WorkloadError(InputError):
+    """A workload parameter is invalid (``field`` names it). Trace files have their own
+    errors (`kvtier.trace.TraceError`); both are `InputError`."""
 
 
 @dataclass(frozen=True)

@@ -34,8 +34,7 @@ import torch
 
 from ..errors import AllocationError, ConfigError
 from ..logutil import warn_once
-from ..interfaces import INTERFACE_VERSION, Availability, Capabilities, HostAllocator, HostBuffer
-from .torch_pinned import check_nbytes
+from ..interfaces import INTERFACE_VERSION, Availability, HostAllocator, HostBuffer
 
 log = logging.getLogger(__name__)
 
@@ -284,16 +283,11 @@ class MmapAllocator(HostAllocator):
         return Availability.available("; ".join(parts))
 
     @classmethod
-    def capabilities(cls) -> Capabilities:
-        return Capabilities(device_addressable=False)
-
-    @classmethod
     def example_config(cls, workdir: str) -> dict[str, Any]:
         return {"prefault": True, "prefault_threads": 2}
 
     # ----------------------------------------------------------------------------------------
-    def allocate(self, nbytes: int) -> HostBuffer:
-        nbytes = check_nbytes(nbytes, self.name)
+    def _allocate(self, nbytes: int) -> HostBuffer:
         c = self.config
         libc = _libc()
         attempts: list[dict[str, Any]] = []

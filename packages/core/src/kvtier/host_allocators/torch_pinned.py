@@ -7,15 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import AllocationError, InvalidArgumentError
-from ..interfaces import INTERFACE_VERSION, Availability, Capabilities, HostAllocator, HostBuffer
-
-
-def check_nbytes(nbytes: object, backend: str) -> int:
-    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
-        raise InvalidArgumentError(f"{backend}: nbytes must be a positive int, got {nbytes!r}",
-                                   argument="nbytes", value=nbytes)
-    return nbytes
+from ..errors import AllocationError
+from ..interfaces import INTERFACE_VERSION, Availability, HostAllocator, HostBuffer
 
 
 def _gpu_runtime() -> str | None:
@@ -45,12 +38,7 @@ class TorchPinnedAllocator(HostAllocator):
         return Availability.available(f"pinned via {rt}" if rt else
                                       "no GPU runtime: plain (pageable) host memory")
 
-    @classmethod
-    def capabilities(cls) -> Capabilities:
-        return Capabilities(device_addressable=_gpu_runtime() is not None)
-
-    def allocate(self, nbytes: int) -> HostBuffer:
-        nbytes = check_nbytes(nbytes, self.name)
+    def _allocate(self, nbytes: int) -> HostBuffer:
         rt = _gpu_runtime()
         if rt is None and self.config.require_pinned:
             raise AllocationError(f"{self.name}: require_pinned is set but torch sees no "

@@ -67,7 +67,7 @@ from typing import Any, Callable, Literal, Sequence
 
 from ..errors import ConfigError, StoreError
 from ..logutil import warn_once
-from ..interfaces import INTERFACE_VERSION, Availability, Capabilities, L3Store
+from ..interfaces import INTERFACE_VERSION, Availability, L3Store
 from ..layout import PAGE_FIRST, page_ranges
 
 log = logging.getLogger(__name__)
@@ -422,10 +422,6 @@ class FileStore(L3Store):
         except OSError as exc:
             return Availability.unavailable(f"cannot write a temporary file: {exc}")
         return Availability.available("local files (pwritev/preadv, atomic rename)")
-
-    @classmethod
-    def capabilities(cls) -> Capabilities:
-        return Capabilities(zero_copy=True, shared_across_processes=True, persistent=True)
 
     @classmethod
     def example_config(cls, workdir: str) -> dict[str, Any]:
@@ -1041,6 +1037,11 @@ class FileStore(L3Store):
     def _write_size(self) -> int:
         """Bytes one object written now takes on disk."""
         return self.padded_bytes if self._direct and self._direct_pool else self.object_bytes
+
+    def object_nbytes(self) -> int:
+        """What one page counts against ``capacity_bytes``: payload, trailer and, with
+        O_DIRECT on an aligned pool, the padding to 4 KiB."""
+        return self._write_size()
 
     # ----- one object -------------------------------------------------------------------------
     def _views(self, page: int) -> list[memoryview]:

@@ -9,7 +9,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..interfaces import INTERFACE_VERSION, Availability, Capabilities, L3Store
+from ..interfaces import INTERFACE_VERSION, Availability, L3Store
 
 
 class MemoryStore(L3Store):
@@ -35,10 +35,6 @@ class MemoryStore(L3Store):
     def probe(cls) -> Availability:
         return Availability.available("in-process")
 
-    @classmethod
-    def capabilities(cls) -> Capabilities:
-        return Capabilities(zero_copy=False)
-
     def batch_exists(self, keys: Sequence[bytes]) -> int:
         self._check_batch(keys)
         n = 0
@@ -60,10 +56,7 @@ class MemoryStore(L3Store):
             if obj is None:
                 out.append(False)
                 continue
-            off = 0
-            for seg in self.host_pool.page_segments(p):
-                seg.copy_(obj[off:off + seg.numel()])
-                off += seg.numel()
+            self._copy_into_page(p, obj)
             out.append(True)
         hits = sum(out)
         self._count(gets=len(keys), get_hits=hits, bytes_read=hits * self.spec.page_bytes)

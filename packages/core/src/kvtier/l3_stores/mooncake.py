@@ -61,7 +61,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Literal, Sequence
 
 from ..errors import BackendUnavailableError, ConfigError, StoreError
-from ..interfaces import INTERFACE_VERSION, Availability, Capabilities, L3Store
+from ..interfaces import INTERFACE_VERSION, Availability, L3Store
 from ..layout import PAGE_FIRST, page_ranges
 
 log = logging.getLogger(__name__)
@@ -159,11 +159,6 @@ class MooncakeStore(L3Store):
                 hint = "apt-get install libibverbs1 (the wheel links against it even for TCP)"
             return Availability.unavailable(reason, hint)
         return Availability.available(f"mooncake-transfer-engine {_mooncake_version()}")
-
-    @classmethod
-    def capabilities(cls) -> Capabilities:
-        return Capabilities(zero_copy=True, shared_across_processes=True, persistent=False,
-                            host_layouts=("page_first", "layer_first"))
 
     @classmethod
     def example_config(cls, workdir: str) -> dict[str, Any]:

@@ -16,7 +16,8 @@ import torch
 
 from .. import registry
 from ..errors import (InvalidArgumentError, KVTierError, LayoutError, PageIndexError)
-from ..interfaces import HOST_ALLOCATORS, L3_STORES, TRANSFER_ENGINES, HostBuffer
+from ..interfaces import (GROUPS, HOST_ALLOCATORS, INTERFACE_VERSION, L3_STORES,
+                          TRANSFER_ENGINES, Availability, HostBuffer)
 from ..spec import KVSpec
 from .data import fill_random, make_device_pool, make_host_pool, random_specs, spec_id
 
@@ -54,15 +55,44 @@ def assert_bitwise_equal(a: torch.Tensor, b: torch.Tensor, what: str = "") -> No
 
 
 class _Suite:
+    """What every suite shares: which backends run, and the hook for fake-backed runs.
+
+    By default the parameters are the discovered backends of ``group`` from
+    ``distribution``, probed at collection time (unavailable ones are skipped with the
+    probe's reason). A suite over FAKE vendor modules cannot probe then (the fakes are put in
+    place per test), so it lists its backends in ``fake_backends`` and overrides the
+    ``backend_environment`` fixture to install the fakes (and refresh the registry) for each
+    test::
+
+        class TestOnFakes(L3StoreContract):
+            distribution = "kvtier-my-vendor"
+            fake_backends = ("my-store",)
+
+            @pytest.fixture(autouse=True)
+            def backend_environment(self, my_fake_runtime):   # a fixture of the package
+                yield my_fake_runtime
+    """
+
     group: str = ""
     distribution: str | None = None
+    #: Backends to run without a collection-time probe (suites over fakes); None: discover.
+    fake_backends: tuple[str, ...] | None = None
 
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
         if "backend_name" in metafunc.fixturenames:
-            metafunc.parametrize("backend_name",
-                                 backend_params(self.group, self.distribution))
+            if self.fake_backends is not None:
+                params = [pytest.param(n, id=f"{n}-on-fakes") for n in self.fake_backends]
+            else:
+                params = backend_params(self.group, self.distribution)
+            metafunc.parametrize("backend_name", params)
 
-    def backend_class(self, backend_name: str) -> type:
+    @pytest.fixture(autouse=True)
+    def backend_environment(self):
+        """Hook: override (autouse, same name) to put fakes of vendor modules in place for
+        each test; the default does nothing."""
+        yield None
+
+    def backend_class(self, backend_name: str) -> type[Any]:
         return registry.get_backend_class(self.group, backend_name)
 
     def make_config(self, backend_name: str, workdir: str) -> dict[str, Any]:
@@ -298,7 +328,17 @@ class TransferEngineContract(_Suite):
         hpool = make_host_pool(spec, self.host_pages, layout,
                                self.host_allocator(backend_name))
         cls = self.backend_class(backend_name)
-        engine = cls(dpool, hpool, self.make_config(backend_name, str(tmp_path)))
+        config = self.make_config(backend_name, str(tmp_path))
+        if spec.row_bytes % caps.row_alignment:
+            try:
+                with pytest.raises(LayoutError):
+                    cls(dpool, hpool, config)
+            finally:
+                hpool.close()
+            pytest.skip(f"{backend_name} needs rows of a multiple of {caps.row_alignment} B "
+                        f"(capabilities().row_alignment); {spec.row_bytes} B rows are refused "
+                        "with LayoutError, as declared")
+        engine = cls(dpool, hpool, config)
         yield engine, dpool, hpool
         engine.close()
         hpool.close()
@@ -352,7 +392,9 @@ class TransferEngineContract(_Suite):
             dev, host = self._pairs(5, dpool.num_pages, hpool.num_pages, 10 + rep)
             fill_random(hpool.raw)
             want = [hpool.view[p].clone() for p in host]
-            d_idx = torch.tensor(dev, dtype=torch.int64, device=dpool.device)
+            on_host = self.backend_class(engine.name).capabilities().host_indices
+            d_idx = torch.tensor(dev, dtype=torch.int64,
+                                 device="cpu" if on_host else dpool.device)
             engine.load(torch.tensor(host), d_idx).wait()
             _sync(dpool)
             for i, p in enumerate(dev):
@@ -386,3 +428,71 @@ class TransferEngineContract(_Suite):
 def _sync(dpool) -> None:
     if dpool.device.type == "cuda":
         torch.cuda.synchronize(dpool.device)
+
+
+# --------------------------------------------------------------------------------------------
+class PackageContract:
+    """What every backend package promises, whatever its backends: subclass it in the
+    package's tests and set ``distribution`` and ``module`` (its top-level import).
+
+    - every backend it registers is discovered, loads, implements this INTERFACE_VERSION and
+      has a typed ``Config``; one that cannot run says why (a non-empty probe reason);
+    - importing the package and discovering its backends adds no vendor runtime module
+      (`kvtier.testing.imports.VENDOR_ROOTS`, or ``vendor_roots``);
+    - ``import kvtier`` (and the ``kvtier`` command's listing) imports nothing of the package
+      (core never imports a vendor package).
+    """
+
+    distribution: str = ""
+    module: str = ""
+    #: (kind, name) pairs the package must register; None: at least one backend.
+    backends: set[tuple[str, str]] | None = None
+    vendor_roots: tuple[str, ...] | None = None
+
+    def _records(self) -> list[Any]:
+        assert self.distribution and self.module, "set distribution and module"
+        return [r for g in GROUPS for r in registry.records(g)
+                if r.distribution == self.distribution]
+
+    def test_backends_discovered_with_reason(self):
+        recs = self._records()
+        assert recs, f"{self.distribution} registers no backend (are its entry points there?)"
+        if self.backends is not None:
+            assert {(r.kind, r.name) for r in recs} == set(self.backends)
+        for rec in recs:
+            assert rec.error is None, rec.error
+            av = registry.probe(rec)
+            assert isinstance(av, Availability)
+            assert av.ok or av.reason, f"{rec.name}: unavailable without a reason"
+
+    def test_backends_declare_the_interface(self):
+        import dataclasses
+        for rec in self._records():
+            cls = rec.cls
+            assert cls is not None and cls.interface_version == INTERFACE_VERSION
+            assert dataclasses.is_dataclass(cls.Config), f"{rec.name}: Config is no dataclass"
+            assert cls.__module__.split(".")[0] == self.module, (
+                f"{rec.name} lives in {cls.__module__}, outside {self.module}")
+
+    def test_import_loads_no_vendor_runtime(self):
+        from .imports import VENDOR_ROOTS, vendor_modules_added
+        stmts = f"import kvtier, {self.module}; from kvtier import registry; registry.discover()"
+        assert vendor_modules_added(stmts, tuple(self.vendor_roots or VENDOR_ROOTS)) == []
+
+    def test_core_does_not_import_the_package(self):
+        """``import kvtier`` imports nothing of the package; ``kvtier --help`` only what its
+        ``kvtier.commands`` entry points name (light modules: no backend, no tool)."""
+        import json
+        import subprocess
+        import sys
+        mod = self.module
+        code = (f"import sys, json\nmine = lambda: sorted(m for m in sys.modules "
+                f"if m.split('.')[0] == {mod!r})\n"
+                "import kvtier, kvtier.cli\nafter_import = mine()\n"
+                "try:\n    kvtier.cli.main(['--help'])\nexcept SystemExit:\n    pass\n"
+                "print(json.dumps([after_import, mine()]))")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             check=True)
+        after_import, after_help = json.loads(out.stdout.strip().splitlines()[-1])
+        assert after_import == []
+        assert set(after_help) <= {mod, f"{mod}._version", f"{mod}.commands"}, after_help

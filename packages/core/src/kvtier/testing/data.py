@@ -43,6 +43,10 @@ def fill_random(t: torch.Tensor, generator: torch.Generator | None = None) -> to
 
 def make_host_pool(spec: KVSpec, num_pages: int, layout: str = "page_first",
                    allocator: HostAllocator | str = "torch-pinned") -> HostKVPool:
+    """A host pool of random bytes; ``allocator`` is an instance or a registered name."""
+    if isinstance(allocator, str):
+        from ..registry import create_host_allocator
+        allocator = create_host_allocator(allocator)
     pool = HostKVPool(spec, num_pages, layout=layout, allocator=allocator)
     fill_random(pool.raw)
     return pool

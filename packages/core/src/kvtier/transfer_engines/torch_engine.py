@@ -91,8 +91,7 @@ class TorchTransferEngine(TransferEngine):
 
     @classmethod
     def capabilities(cls) -> Capabilities:
-        return Capabilities(directions=("h2d", "d2h"), layerwise=True,
-                            device_types=("cpu", "cuda", "any torch device"))
+        return Capabilities(device_types=("cpu", "cuda", "any torch device"))
 
     def __init__(self, device_pool, host_pool, config: Any = None):
         super().__init__(device_pool, host_pool, config)

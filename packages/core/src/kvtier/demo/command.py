@@ -1,0 +1,142 @@
+"""``kvtier demo``: the command (its flags and its run); see `kvtier.demo`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def _json_object(text: str) -> dict:
+    try:
+        v = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(v, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return v
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The demo's flags (each maps onto a `kvtier.demo.run.DemoConfig` field)."""
+    from .model import MODEL_SIZES
+    g = p.add_argument_group("model")
+    g.add_argument("--model-size", choices=sorted(MODEL_SIZES), default="small",
+                   help="Llama shape (default: small, for a 2-core CPU; medium/large for GPUs)")
+    g.add_argument("--device", default="cpu", help="torch device of the model and L1 (cpu, "
+                   "cuda, cuda:1, ...)")
+    g.add_argument("--dtype", default="float32", help="model and KV dtype (float32, bfloat16, "
+                   "float16); the check is bitwise only for float32 on CPU")
+    g.add_argument("--page-size", type=int, default=64, help="tokens per KV page")
+    g.add_argument("--threads", type=int, default=None, help="torch intra-op threads "
+                   "(default on cpu: 1, leaving the other cores to kvtier's I/O threads)")
+    g = p.add_argument_group("workload")
+    g.add_argument("--workload", choices=["multiturn", "trace"], default="multiturn")
+    g.add_argument("--clients", type=int, default=8, help="multiturn: conversations")
+    g.add_argument("--rounds", type=int, default=8, help="multiturn: rounds per conversation; "
+                   "trace: groups of requests in the per-round plot")
+    g.add_argument("--first-tokens", type=int, default=1024,
+                   help="multiturn: tokens of a conversation's first prompt (+-25%%)")
+    g.add_argument("--turn-tokens", type=int, default=160,
+                   help="multiturn: tokens of each later user turn (+-25%%)")
+    g.add_argument("--answer-tokens", type=int, default=96,
+                   help="multiturn: tokens of each answer appended to the history (+-25%%)")
+    g.add_argument("--system-tokens", type=int, default=0,
+                   help="multiturn: shared system prompt tokens in front of every history")
+    g.add_argument("--trace", metavar="PATH", help="trace: a Mooncake-format JSONL file")
+    g.add_argument("--trace-block-tokens", type=int, default=16,
+                   help="trace: tokens each 512-token block of the trace becomes (scale)")
+    g.add_argument("--trace-requests", type=int, default=400,
+                   help="trace: replay N requests")
+    g.add_argument("--trace-start", type=int, default=0,
+                   help="trace: skip the first N requests")
+    g = p.add_argument_group("tiers and backends")
+    g.add_argument("--l1-pages", type=int, default=None, help="device pool pages (default: "
+                   "15%% of the workload's distinct pages, so that L1 alone thrashes)")
+    g.add_argument("--l2-pages", type=int, default=None,
+                   help="host pool pages (default: half the workload's distinct pages)")
+    g.add_argument("--l3-bytes", type=int, default=None,
+                   help="L3 store capacity in bytes (default: no limit)")
+    g.add_argument("--host-allocator", default=None, help="host allocator by name (default: "
+                   "mmap on cpu, so the file store can use O_DIRECT; torch-pinned elsewhere)")
+    g.add_argument("--l3-store", default="file", help="L3 store by name (file: a temporary "
+                   "directory unless --l3-config gives a root)")
+    g.add_argument("--l3-config", type=_json_object, default={}, metavar="JSON",
+                   help="the L3 store's config as a JSON object")
+    g.add_argument("--transfer-engine", default="torch", help="transfer engine by name")
+    g.add_argument("--write-policy", default="write_through",
+                   choices=["write_through", "write_through_selective", "write_back"])
+    g.add_argument("--prefetch-policy", default="wait_complete",
+                   choices=["best_effort", "wait_complete", "timeout"],
+                   help="how long a request waits for L3 pages (requests arrive one at a "
+                   "time, so best_effort gets only what landed by then)")
+    g.add_argument("--setups", default=",".join(("L1 only", "L1+L2", "L1+L2+L3")),
+                   help="comma-separated subset of: L1 only, L1+L2, L1+L2+L3")
+    g = p.add_argument_group("run")
+    g.add_argument("--seed", type=int, default=0, help="weights, workload and check sampling")
+    g.add_argument("--check", choices=["all", "sample", "none"], default="sample",
+                   help="compare prefills on restored KV with a full recompute: every "
+                   "request, a sample (the first L1 reuse and first L2/L3 load of each setup "
+                   "plus --check-rate of the rest), or none")
+    g.add_argument("--check-rate", type=float, default=0.1)
+    g.add_argument("--out", default="kvtier-demo-out",
+                   help="directory for results.json, tables.md and demo.png")
+    g.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help="serve every setup's kvtier metrics (Prometheus text format) at "
+                   "http://127.0.0.1:PORT/metrics while the demo runs; 0 picks a free port")
+    g.add_argument("--metrics-host", default="127.0.0.1",
+                   help="address the metrics exporter binds to (loopback unless told)")
+    g.add_argument("--corrupt-restore", action="store_true",
+                   help="testing: flip one bit of the first page each request restores "
+                   "from L2/L3, to show that the check fails")
+
+
+def config_from_args(args: argparse.Namespace):
+    from .run import DemoConfig
+    data = {
+        "model_size": args.model_size, "device": args.device, "dtype": args.dtype,
+        "page_size": args.page_size, "threads": args.threads, "workload": args.workload,
+        "clients": args.clients, "rounds": args.rounds, "first_tokens": args.first_tokens,
+        "turn_tokens": args.turn_tokens, "answer_tokens": args.answer_tokens,
+        "system_tokens": args.system_tokens, "trace": args.trace,
+        "trace_block_tokens": args.trace_block_tokens, "trace_requests": args.trace_requests,
+        "trace_start": args.trace_start,
+        "l1_pages": args.l1_pages, "l2_pages": args.l2_pages, "l3_bytes": args.l3_bytes,
+        "host_allocator": args.host_allocator, "l3_store": args.l3_store,
+        "l3_config": args.l3_config, "transfer_engine": args.transfer_engine,
+        "write_policy": args.write_policy, "prefetch_policy": args.prefetch_policy,
+        "setups": tuple(s.strip() for s in args.setups.split(",") if s.strip()),
+        "seed": args.seed, "check": args.check, "check_rate": args.check_rate,
+        "out": args.out, "plot": not args.no_plot, "progress": not args.no_progress,
+        "metrics_port": args.metrics_port, "metrics_host": args.metrics_host,
+    }
+    return DemoConfig.from_dict(data)
+
+
+def run(args: argparse.Namespace) -> int:
+    import sys
+    import time
+
+    from .run import run_demo, tables, write_outputs
+    cfg = config_from_args(args)
+    t0 = time.perf_counter()
+    report = run_demo(cfg, corrupt_restore=args.corrupt_restore)
+    files = write_outputs(report, cfg.out)
+    print(tables(report))
+    for run in report.runs:
+        if run.store_stats:
+            shown = {k: v for k, v in run.store_stats.items() if k not in ("root", "name")}
+            print(f"{run.name}: L3 store {run.l3}: {shown}", file=sys.stderr)
+    checked = sum(r.checks for r in report.runs)
+    print(f"\ncorrectness: {checked} prefill(s) on restored KV matched a full recompute "
+          f"({'bit for bit' if report.runs and _bitwise(report) else 'within tolerance'}); "
+          f"{time.perf_counter() - t0:.0f} s in all; files: "
+          + ", ".join(files.values()), file=sys.stderr)
+    return 0
+
+
+def _bitwise(report) -> bool:
+    return all(r.check is None or r.check.exact for run in report.runs for r in run.results)
+
+

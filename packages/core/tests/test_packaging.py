@@ -1,0 +1,47 @@
+"""What every distribution of the repository ships the same way: the Apache-2.0 LICENSE its
+metadata declares, py.typed, a `runtime` extra for a vendor package's runtime."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+PACKAGES = sorted(p for p in (ROOT / "packages").iterdir() if (p / "pyproject.toml").exists())
+
+pytestmark = pytest.mark.skipif(sys.version_info < (3, 11), reason="tomllib is Python 3.11+")
+
+
+def _project(pkg: Path) -> dict:
+    import tomllib
+    return tomllib.loads((pkg / "pyproject.toml").read_text())["project"]
+
+
+def test_every_distribution_ships_the_license_it_declares():
+    text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text
+    for pkg in [ROOT, *PACKAGES, ROOT / "examples" / "backend-template"]:
+        assert _project(pkg)["license"] == "Apache-2.0", pkg
+        assert (pkg / "LICENSE").read_text() == text, f"{pkg}/LICENSE differs from LICENSE"
+
+
+def test_every_package_is_typed():
+    for pkg in PACKAGES:
+        (top,) = [d for d in (pkg / "src").iterdir() if d.is_dir() and d.name.isidentifier()]
+        assert (top / "py.typed").exists(), top
+
+
+@pytest.mark.parametrize("pkg", [p for p in PACKAGES if p.name != "core"], ids=lambda p: p.name)
+def test_vendor_runtime_extra_is_named_runtime(pkg):
+    """One name across vendor packages: ``pip install 'kvtier-<vendor>[runtime]'``; the
+    probe's install hint says the same."""
+    proj = _project(pkg)
+    extras = proj.get("optional-dependencies", {})
+    assert extras.get("runtime"), f"{proj['name']} has no runtime extra"
+    hints = "".join(p.read_text() for p in (pkg / "src").rglob("_probe.py"))
+    assert f"{proj['name']}[runtime]" in hints
+    for name, reqs in extras.items():       # the older names are aliases of runtime*
+        if not name.startswith("runtime"):
+            assert all(r.startswith(f"{proj['name']}[runtime") for r in reqs), (name, reqs)
