@@ -5,18 +5,26 @@ in L3 yet) is pinned and marked ``wb_pending`` until its L3 write is done, and a
 for its children's write-backs. L1: leaves not pinned and not being copied; a page needs an L2
 copy first (demotion) when the policy says so or when children of it stay in the index.
 
-These functions change the index only (lock held by the caller); they return what the caller
-must do with the data: host pages to free, pages to write to L3, device pages to copy down.
-The controller and the planner both use them.
+`select_l2`, `after_l3_write`, `select_l1` and `release_l1` change the index only (lock held
+by the caller) and return what the caller must do with the data (host pages to free, pages to
+write to L3, device pages to copy down); the controller and the planner both use them. The
+functions after them are the controller's: they allocate, copy and give pages back.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from . import transfers
 from .index import Node, PageIndex
 
-__all__ = ["L2Eviction", "select_l2", "after_l3_write", "select_l1", "release_l1"]
+if TYPE_CHECKING:
+    from .controller import TieredKVCache
+
+__all__ = ["L2Eviction", "select_l2", "after_l3_write", "select_l1", "release_l1",
+           "alloc_host", "evict_l1", "evict_l2", "allocate_device"]
 
 
 @dataclass
@@ -141,3 +149,124 @@ def _l2_subtree(top: Node) -> list[Node] | None:
         order.append(nd)
         stack.extend(nd.kids)
     return order
+
+
+# --------------------------------------------------------------------------------------------
+# The controller's eviction (L1 pages given back to the engine, demotions copied to L2)
+# --------------------------------------------------------------------------------------------
+def alloc_host(c: "TieredKVCache", n: int) -> list[int]:
+    """Up to ``n`` host pages, evicting unpinned L2 leaves as needed (lock held)."""
+    if n <= 0:
+        return []
+    free = c.host_pool.free_count
+    if free < n:
+        evict_l2(c, n - free)
+        free = c.host_pool.free_count
+    return c.host_pool.alloc(min(n, free))
+
+
+def writebacks_pending(c: "TieredKVCache") -> bool:
+    """Are L2 pages being written to L3 before they are freed (room on its way)?"""
+    return c._l3 is not None and c.write_policy.l3_on_l2_evict and c._l3.writes_pending()
+
+
+def wait_writebacks(c: "TieredKVCache") -> None:
+    """Wait (lock not held) for queued write-backs, within the store calls' deadline."""
+    if c._l3 is not None:
+        c._l3.wait_idle(c.config.l3_call_timeout_s + 1.0, writes_only=True)
+
+
+def evict_l2(c: "TieredKVCache", n: int) -> int:
+    """Free up to ``n`` host pages: clean leaves now; dirty ones (write_back) after their
+    L3 write. Returns how many were freed now (lock held)."""
+    wb = c.write_policy.l3_on_l2_evict
+    usable = c._l3_usable()
+    ev = select_l2(c._index, n, l3_writeback=wb and usable,
+                   l3_broken=wb and c.store is not None and not usable)
+    if ev.freed:
+        c.host_pool.free(ev.freed)
+        c.metrics_registry.add_many({"l2_evictions": len(ev.freed),
+                                     "l3_writes_dropped": ev.lost})
+    if ev.later:
+        c._enqueue_write(ev.later, evict_after=True, write=ev.write)
+    return len(ev.freed)
+
+
+def evict_l1(c: "TieredKVCache", n: int) -> int:
+    """Free up to ``n`` L1 pages (lock not held). Pages being copied to L2 are pinned until
+    the copy lands, and a demotion whose L2 room is still being written to L3 waits for it
+    (write_back): it never drops a page that a wait would have kept."""
+    freed, short = evict_l1_once(c, n)
+    for _ in range(4):
+        if freed >= n:
+            break
+        if c._index.backups_inflight:
+            c._completer.wait_idle(None)
+        elif short and writebacks_pending(c):
+            wait_writebacks(c)
+        else:
+            break
+        more, short = evict_l1_once(c, n - freed)
+        freed += more
+    return freed
+
+
+def evict_l1_once(c: "TieredKVCache", n: int) -> tuple[int, int]:
+    """One eviction pass: (pages freed, victims kept because their L2 room is on its way)."""
+    pol = c.write_policy
+    idx = c._index
+    kept: set[bytes] = set()
+    with c._lock:
+        victims, demote = select_l1(idx, n, demote_on_evict=pol.demote_on_l1_evict)
+        pages = alloc_host(c, len(demote)) if demote else []
+        if len(pages) < len(demote) and writebacks_pending(c):
+            kept = {nd.key for nd in demote[len(pages):]}
+        demote = demote[:len(pages)]
+        transfers.pin_backup(c, demote)
+        handle = None
+        if demote:
+            try:
+                handle = c.engine.backup([nd.device_page for nd in demote], pages)
+            except BaseException:
+                transfers.undo_backup(c, demote, pages)
+                raise
+    if handle is not None:
+        t0 = time.perf_counter()
+        err: BaseException | None = None
+        try:
+            transfers.host_wait(handle)
+        except Exception as exc:
+            err = exc
+        transfers.finish_backup(c, demote, pages, err, t0, l3=pol.l3_on_backup)
+        c.metrics_registry.add("l1_demotions", len(demote) if err is None else 0)
+    with c._lock:
+        dev, host, dropped = release_l1(idx, victims, demote_on_evict=pol.demote_on_l1_evict,
+                                        keep=kept)
+        if host:
+            c.host_pool.free(host)
+            c.metrics_registry.add("l2_evictions", len(host))
+    if dev:
+        c.metrics_registry.add_many({"l1_evictions": len(dev), "l1_dirty_dropped": dropped})
+        c._free_cb(dev)
+    return len(dev), len(kept)
+
+
+def allocate_device(c: "TieredKVCache", n: int) -> list[int]:
+    """``n`` device pages from the engine's allocator, evicting L1 when it has none; fewer
+    (halving) if even that does not free enough."""
+    if n == 0:
+        return []
+    if c._alloc_cb is None:
+        from ..errors import InvalidArgumentError
+        raise InvalidArgumentError("fetch without device_pages needs the "
+                                   "allocate_device_pages callback", argument="device_pages")
+    want = n
+    while want > 0:
+        pages = c._alloc_cb(want)
+        if pages is None:
+            evict_l1(c, want)
+            pages = c._alloc_cb(want)
+        if pages is not None:
+            return c._check_engine_pages(pages, "allocate_device_pages()")
+        want //= 2
+    return []

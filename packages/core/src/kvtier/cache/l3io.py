@@ -147,6 +147,7 @@ class L3IO:
         self._exists_thread: threading.Thread | None = None
         self._exists_q: queue.SimpleQueue = queue.SimpleQueue()
         self._serial = 0
+        self._exists_serial = 0
         self.start_workers()
 
     # ----- health -----------------------------------------------------------------------------
@@ -214,11 +215,17 @@ class L3IO:
             self._workers = [t for t in self._workers
                              if t.is_alive() and t not in self._replaced]
             while len(self._workers) < self.threads:
-                self._serial += 1
                 t = threading.Thread(target=self._work, daemon=True,
                                      name=f"{self._name}-{self._serial}")
+                self._serial += 1
                 self._workers.append(t)
                 t.start()
+
+    @property
+    def workers(self) -> list[threading.Thread]:
+        """The worker threads (not those replaced after a deadline)."""
+        with self._lock:
+            return list(self._workers)
 
     def submit(self, task: Any) -> None:
         self.queue.put(task)
@@ -283,9 +290,10 @@ class L3IO:
             t = self._exists_thread
             if t is None or not t.is_alive() or t in self._replaced:
                 self._exists_q = queue.SimpleQueue()
-                self._serial += 1
+                self._exists_serial += 1
                 t = threading.Thread(target=self._exists_loop, args=(self._exists_q,),
-                                     daemon=True, name=f"{self._name}-exists-{self._serial}")
+                                     daemon=True,
+                                     name=f"{self._name}-exists-{self._exists_serial}")
                 self._exists_thread = t
                 t.start()
             q = self._exists_q
@@ -353,8 +361,7 @@ class L3IO:
         q = self.queue
 
         def idle() -> bool:
-            stuck = sum(1 for t in self._replaced if t.is_alive())
-            busy = q.inflight - stuck
+            busy = q.inflight - self.stuck_calls()
             return not q.writes and busy <= 0 and (writes_only or not q.reads)
         with q.cv:
             while not idle():
@@ -367,6 +374,18 @@ class L3IO:
 
     def depths(self) -> tuple[int, int]:
         return self.queue.depths()
+
+    def writes_pending(self) -> bool:
+        """A write is queued or a task is running (not counting calls stuck past their
+        deadline)."""
+        q = self.queue
+        with q.cv:
+            return bool(q.writes) or q.inflight > self.stuck_calls()
+
+    def stuck_calls(self) -> int:
+        """Store calls past their deadline that have not returned yet."""
+        with self._lock:
+            return sum(1 for t in self._replaced if t.is_alive())
 
     def stop(self, timeout: float) -> None:
         """Stop the workers (queued tasks should be drained first); waits up to ``timeout``
