@@ -82,10 +82,27 @@ EXIT_CLOSE_TIMEOUT_S = 10.0
 _live: "weakref.WeakSet[TieredKVCache]" = weakref.WeakSet()
 
 
-@atexit.register
-def _close_at_exit() -> None:
-    for cache in list(_live):
-        cache._close(min(cache.config.close_timeout_s, EXIT_CLOSE_TIMEOUT_S))
+def _close_at_exit(ref: "weakref.ref[TieredKVCache] | None" = None) -> None:
+    for cache in [ref()] if ref is not None else list(_live):
+        if cache is not None:
+            cache._close(min(cache.config.close_timeout_s, EXIT_CLOSE_TIMEOUT_S))
+
+
+def _close_on_exit(cache: "TieredKVCache") -> None:
+    """Close ``cache`` at exit if its owner did not, while every thread still runs: before
+    the interpreter shuts down thread pools (which the stores use) and tears down threads
+    that are still copying (which aborted the process)."""
+    _live.add(cache)
+    register = getattr(threading, "_register_atexit", None)
+    if register is not None:
+        try:
+            register(_close_at_exit, weakref.ref(cache))
+            return
+        except RuntimeError:                 # already shutting down
+            pass
+
+
+atexit.register(_close_at_exit)              # the fallback (and a no-op for closed caches)
 
 
 def _is_meta(x: Any) -> bool:
@@ -166,7 +183,7 @@ class TieredKVCache:
                             call_timeout_s=cfg.l3_call_timeout_s,
                             metrics=self.metrics_registry, on_failure=self._l3_failed)
         self._register_gauges()
-        _live.add(self)
+        _close_on_exit(self)
 
     @classmethod
     def from_config(cls, config: CacheConfig | Mapping[str, Any], **kwargs: Any
@@ -214,11 +231,11 @@ class TieredKVCache:
         m = Match(self, keys, len(tokens), self.spec.page_size, l1, l2, l3)
         ps = self.spec.page_size
         miss = n - i - l3
-        self.metrics_registry.add_many({
+        self.metrics_registry.add_many({    # l2/l3 *hit* pages: counted once loaded
             "match_calls": 1, "match_pages": n, "l1_hit_pages": len(l1),
-            "l2_hit_pages": len(l2), "l3_hit_pages": l3, "miss_pages": miss,
+            "l2_matched_pages": len(l2), "l3_matched_pages": l3, "miss_pages": miss,
             "match_tokens": len(tokens), "l1_hit_tokens": len(l1) * ps,
-            "l2_hit_tokens": len(l2) * ps, "l3_hit_tokens": l3 * ps,
+            "l2_matched_tokens": len(l2) * ps, "l3_matched_tokens": l3 * ps,
             "miss_tokens": len(tokens) - (n - miss) * ps})
         self.metrics_registry.observe("match", time.perf_counter() - t0)
         return m
@@ -293,7 +310,7 @@ class TieredKVCache:
             else:
                 handle = CompletedHandle(self.spec.num_layers)
             fh = FetchHandle(self._finish_fetch, match, handle, nodes, load, unused,
-                             self.spec.num_layers)
+                             self.spec.num_layers, from_l2=n2)
             match.attach_fetch(fh)
             for d in load:
                 self._loading[d] = fh

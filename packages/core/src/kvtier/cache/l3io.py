@@ -12,9 +12,10 @@ late ``batch_get`` may still write into them) until the call returns, and its re
 thrown away. ``batch_exists`` runs on a helper thread under the same deadline.
 
 Health (``state``): ``"none"`` (no store), ``"ok"``, ``"degraded: ..."`` (calls stuck past
-their deadline; still used), ``"failed: ..."`` (``error_limit`` failed calls in a row, or a
-dead worker). Failed is reported once through ``on_failure`` and stays until `restart`; every
-queued task is aborted then.
+their deadline; still used), ``"failed: ..."`` (``error_limit`` failed calls in a row,
+``error_limit`` calls stuck at once -- each holds a thread -- or a dead worker). Failed is
+reported once through ``on_failure`` and stays until `restart`; every queued task is aborted
+then.
 """
 
 from __future__ import annotations
@@ -351,6 +352,10 @@ class L3IO:
             if c.task is not None and hasattr(c.task, "deadline_passed"):
                 c.task.deadline_passed()
             self.error(c.op, TimeoutError(f"no return within {self.call_timeout_s:g}s"))
+        stuck = self.stuck_calls()
+        if stuck >= self.error_limit:          # each one holds a thread: bound them
+            self.fail(f"{stuck} store calls stuck past the {self.call_timeout_s:g}s deadline",
+                      None)
         if not self._stopped and self._failed is None:
             self.start_workers()
 
