@@ -170,10 +170,10 @@ class L3IO:
         """Mark the tier failed if a worker died (not one replaced after a deadline)."""
         if self._failed is not None or self._stopped:
             return
-        for t in list(self._workers):
-            if not t.is_alive() and t not in self._replaced:
-                self.fail(f"L3 I/O thread {t.name} is dead", None)
-                return
+        with self._lock:               # start_workers lists a thread before starting it
+            dead = [t for t in self._workers if not t.is_alive() and t not in self._replaced]
+        if dead:
+            self.fail(f"L3 I/O thread {dead[0].name} is dead", None)
 
     def fail(self, message: str, cause: BaseException | None) -> None:
         with self._lock:
