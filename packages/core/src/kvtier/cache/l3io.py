@@ -107,7 +107,8 @@ class _ExistsJob:
     def __init__(self, keys: list[bytes]):
         self.keys = keys
         self.result: int | None = None
-        self.done = threading.Event()
+        self.done = threading.Lock()      # held until the helper has the result
+        self.done.acquire()
 
 
 class _Call:
@@ -300,7 +301,7 @@ class L3IO:
             q = self._exists_q
         q.put(job)
         # The call's own deadline fires first; the margin covers the watchdog's wake-up.
-        job.done.wait(self.call_timeout_s + 1.0)
+        job.done.acquire(timeout=self.call_timeout_s + 1.0)
         return job.result if job.result is not None else 0
 
     def _exists_loop(self, q: "queue.SimpleQueue[_ExistsJob | None]") -> None:
@@ -315,7 +316,7 @@ class L3IO:
                     "batch_exists", self.store.batch_exists, job.keys,
                     check=lambda r, n=n: not isinstance(r, bool) and isinstance(r, int)
                     and 0 <= r <= n)
-                job.done.set()
+                job.done.release()
         finally:
             with self._lock:
                 self._replaced.discard(me)
