@@ -105,6 +105,8 @@ def test_load_through_l3_after_l2_eviction(split):
         assert torch.equal(split.page(d), want[i])
     m = split.pl.metrics()
     assert m["l3_loaded_pages"] == len(plan.l3_reads) and m["load_failed_pages"] == 0
+    assert m["l3_hit_pages"] == len(plan.l3_reads) and m["l2_hit_pages"] == hit.l2_pages
+    assert m["l3_matched_pages"] == 6 - hit.l2_pages
 
 
 def test_l3_miss_fails_only_those_loads(split):
@@ -215,3 +217,73 @@ def test_concurrent_requests_keep_invariants(split):
         split.pl.complete(res)
     assert split.pl.pending_plans() == []
     split.pl.check()
+
+
+# ---------------------------------------------------------------------------------------------
+# Two real processes: the planner here, the executor in a child, a shared file L3
+# ---------------------------------------------------------------------------------------------
+def _worker_process(conn, root: str) -> None:
+    """The worker side: owns the KV buffers, runs plans, answers with plain data."""
+    dpool = DeviceKVPool.empty(SPEC, 32)
+    gen = torch.Generator().manual_seed(11)
+    for comp in dpool.layers:
+        for t in comp:
+            fill_random(t, gen)
+    cfg = {"model_id": "split", "host_pool_pages": 4, "l3_io_threads": 1,
+           "l3_store": "file", "l3_config": {"root": root}}
+    with CacheExecutor.from_config(cfg, device_pool=dpool) as ex:
+        while True:
+            msg = conn.recv()
+            if msg[0] == "plan":
+                ex.submit(msg[1])
+                ex.wait(msg[1].plan_id, 30)
+                conn.send(ex.poll())
+            elif msg[0] == "same":
+                a, b = msg[1], msg[2]
+                conn.send(all(torch.equal(raw_bytes(dpool.page(c, layer, x)),
+                                          raw_bytes(dpool.page(c, layer, y)))
+                              for x, y in zip(a, b) for layer in range(SPEC.num_layers)
+                              for c in range(SPEC.num_components)))
+            else:
+                conn.send(None)
+                return
+
+
+def test_planner_and_executor_in_two_processes(tmp_path):
+    import multiprocessing as mp
+
+    from kvtier.l3_stores.file import FileStore
+    root = str(tmp_path / "l3")
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    child = ctx.Process(target=_worker_process, args=(there, root), daemon=True)
+    child.start()
+    probe = FileStore({"root": root}, spec=SPEC)   # the scheduler's view of L3: presence only
+    try:
+        pl = CachePlanner({"model_id": "split", "host_pool_pages": 4}, spec=SPEC,
+                          num_host_pages=4, l3_exists=probe.batch_exists)
+
+        def run(plan):
+            here.send(("plan", plan))
+            (res,) = here.recv()
+            pl.complete(res)
+            return res
+
+        keys = pl.keys(toks(4 * 6, 21))
+        assert run(pl.plan_save(keys, [0, 1, 2, 3, 4, 5])).ok   # 4 fit in L2, written to L3
+        hit = pl.lookup(keys)
+        assert hit.pages == 4 and hit.l3_pages == 0                # L2 held 4, L3 has them
+        run(pl.plan_evict(4))
+        assert pl.lookup(keys) == Lookup(0, 0, 4)                  # now only in L3
+        plan = pl.plan_load(keys[:4], [20, 21, 22, 23])
+        assert len(plan.l3_reads) == 4
+        assert run(plan).loaded_prefix == 4
+        here.send(("same", [0, 1, 2, 3], [20, 21, 22, 23]))
+        assert here.recv() is True                                 # bitwise, across processes
+        pl.check()
+    finally:
+        here.send(("stop",))
+        here.recv()
+        child.join(30)
+        probe.close()
+    assert child.exitcode == 0

@@ -220,7 +220,10 @@ class CacheExecutor:
             return
         run.loads_started.wait(timeout)
         for h in list(run.handles):
-            h.wait_layer(layer)
+            try:
+                h.wait_layer(layer)
+            except Exception:           # reported in the plan's result
+                pass
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         with self._cv:
@@ -246,7 +249,11 @@ class CacheExecutor:
                 self._done[pid] = run.plan.failed()
             self._runs.clear()
             self._cv.notify_all()
+        stuck = self.l3 is not None and self.l3.stuck_calls() > 0
         for obj in reversed(self._owned):
+            if stuck and obj is self.host_pool:
+                log.error("kvtier executor: an L3 call is stuck; the host pool is left open")
+                continue
             try:
                 obj.close()
             except Exception as exc:

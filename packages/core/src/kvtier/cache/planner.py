@@ -127,7 +127,7 @@ class CachePlanner:
                 self.prefetch_policy.consult_l3(rest * self.spec.page_size):
             n3 = self._exists(list(keys[start + n2:]))
         self.metrics_registry.add_many({"lookup_calls": 1, "lookup_pages": len(keys) - start,
-                                        "l2_hit_pages": n2, "l3_hit_pages": n3})
+                                        "l2_matched_pages": n2, "l3_matched_pages": n3})
         return Lookup(start, n2, n3)
 
     def pending_plans(self) -> list[int]:
@@ -299,7 +299,10 @@ class CachePlanner:
             if free:
                 self.host.free(free)
         wrote = sum(result.l3_writes)
+        read_hp = {hp for _, hp in p.l3_reads}
+        l3_hits = sum(1 for (hp, _), ok in zip(p.loads, result.loads) if ok and hp in read_hp)
         self.metrics_registry.add_many({
+            "l2_hit_pages": sum(result.loads) - l3_hits, "l3_hit_pages": l3_hits,
             "l3_loaded_pages": sum(result.l3_reads),
             "l3_read_failed_pages": len(result.l3_reads) - sum(result.l3_reads),
             "loaded_pages": sum(result.loads),
