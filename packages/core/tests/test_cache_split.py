@@ -7,6 +7,7 @@ from __future__ import annotations
 import pickle
 import random
 import threading
+import time
 
 import pytest
 import torch
@@ -287,3 +288,70 @@ def test_planner_and_executor_in_two_processes(tmp_path):
         child.join(30)
         probe.close()
     assert child.exitcode == 0
+
+
+def test_executor_store_call_past_its_deadline_fails_the_ops_not_the_caller():
+    from kvtier.host_pool import HostKVPool
+    from kvtier.l3_stores.memory import MemoryStore
+    from kvtier.registry import create_transfer_engine
+
+    class Stuck(MemoryStore):
+        release = threading.Event()
+
+        def batch_get(self, keys, host_pages):
+            self.release.wait()
+            return super().batch_get(keys, host_pages)
+
+    dpool = DeviceKVPool.empty(SPEC, 8)
+    host = HostKVPool(SPEC, 4, allocator="torch-pinned")
+    store = Stuck(spec=SPEC)
+    store.attach(host)
+    engine = create_transfer_engine("torch", dpool, host)
+    ex = CacheExecutor(host_pool=host, engine=engine, store=store, l3_call_timeout_s=0.3,
+                       owned=(engine, store, host))
+    try:
+        keys = [bytes([i]) * 32 for i in range(2)]
+        ex.submit(Plan(1, backups=((0, 0), (1, 1)), l3_writes=((0, keys[0]), (1, keys[1]))))
+        assert ex.wait(1, 10)
+        assert ex.poll()[0].ok
+        ex.submit(Plan(2, l3_reads=((keys[0], 2), (keys[1], 3)), loads=((2, 4), (3, 5))))
+        t0 = time.monotonic()
+        assert ex.wait(2, 5)
+        assert time.monotonic() - t0 < 3
+        (res,) = ex.poll()
+        assert res.l3_reads == (False, False) and res.loads == (False, False)
+        assert sorted(res.held_host_pages) == [2, 3]      # the late call may still write
+        assert ex.l3_state.startswith("degraded")
+        assert ex.metrics()["l3_timeouts"] == 1
+        Stuck.release.set()
+        deadline = time.monotonic() + 5
+        got: list = []
+        while not got:
+            assert time.monotonic() < deadline
+            got = ex.poll()
+            time.sleep(0.01)
+        assert got[0].plan_id == 2 and sorted(got[0].released_host_pages) == [2, 3]
+        t0 = time.monotonic()
+        ex.close(timeout=1.0)
+        assert time.monotonic() - t0 < 2
+    finally:
+        Stuck.release.set()
+
+
+def test_planner_keeps_held_host_pages_out_of_use_until_released():
+    pl = CachePlanner({"model_id": "split"}, spec=SPEC, num_host_pages=4,
+                      l3_exists=lambda keys: len(keys))
+    keys = pl.keys(toks(4 * 3, 31))
+    plan = pl.plan_load(keys, [0, 1, 2])
+    assert len(plan.l3_reads) == 3 and pl.host.free_count == 1
+    stuck = plan.l3_reads[1][1]
+    res = PlanResult(plan.plan_id, (True, False, False), (True, False, False),
+                     held_host_pages=(stuck,))
+    pl.complete(res)
+    assert pl.host.free_count == 2 and len(pl.l2_pages()) == 1     # one landed, one held
+    assert stuck not in pl.host.alloc(2)                           # never handed out
+    pl.check()
+    pl.complete(PlanResult(plan.plan_id, released_host_pages=(stuck,)))
+    assert pl.host.free_count == 1
+    with pytest.raises(InvalidArgumentError):
+        pl.complete(PlanResult(plan.plan_id, released_host_pages=(stuck,)))
