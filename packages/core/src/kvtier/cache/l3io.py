@@ -381,13 +381,6 @@ class L3IO:
     def depths(self) -> tuple[int, int]:
         return self.queue.depths()
 
-    def writes_pending(self) -> bool:
-        """A write is queued or a task is running (not counting calls stuck past their
-        deadline)."""
-        q = self.queue
-        with q.cv:
-            return bool(q.writes) or q.inflight > self.stuck_calls()
-
     def stuck_calls(self) -> int:
         """Store calls past their deadline that have not returned yet."""
         with self._lock:
