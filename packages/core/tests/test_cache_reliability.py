@@ -361,3 +361,30 @@ def test_best_effort_counts_matched_but_not_loaded_apart():
     finally:
         store.release.set()
         r.close()
+
+
+def test_close_returns_in_time_with_a_write_stuck_and_keeps_its_host_pages():
+    class StuckWrites(MemoryStore):
+        release = threading.Event()
+
+        def batch_set(self, keys, host_pages):
+            self.release.wait()
+            return super().batch_set(keys, host_pages)
+
+    store = StuckWrites(spec=SPEC)
+    r = Rig(store=store, write_policy="write_through", l3_call_timeout_s=0.3,
+            close_timeout_s=1.0)
+    try:
+        r.request(toks(3 * 4, seed=40))                   # its L3 write gets stuck
+        deadline = time.monotonic() + 5
+        while not r.cache.metrics().get("l3_timeouts"):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert r.cache.metrics()["l3_state"].startswith("degraded")
+        host = r.cache.host_pool
+        t0 = time.monotonic()
+        r.close()
+        assert time.monotonic() - t0 < 2
+        assert not host.buffer.closed                     # the stuck call still reads it
+    finally:
+        StuckWrites.release.set()
