@@ -17,37 +17,10 @@ import torch
 from kvtier.errors import InvalidArgumentError, KVTierError, PageIndexError
 from kvtier.l3_stores.memory import MemoryStore
 from kvtier.simulate import TraceRequest, simulate
-from test_cache import SPEC, Rig, _l3_only, toks
+from test_cache import SPEC, Rig, _l3_only, gate_transfers, toks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CHILD = os.path.join(HERE, "cache_exit_child.py")
-
-
-class GatedLoads:
-    """Makes the cache's engine loads land only when ``gate`` opens."""
-
-    def __init__(self, cache):
-        self.gate = threading.Event()
-        real = cache.engine.load
-        gate = self.gate
-
-        class Gated:
-            def __init__(self, h):
-                self.h = h
-
-            def synchronize(self):
-                gate.wait(10)
-                self.h.synchronize()
-
-            def wait(self):
-                self.synchronize()
-
-            def wait_layer(self, i):
-                self.synchronize()
-
-            def done(self):
-                return gate.is_set() and self.h.done()
-        cache.engine.load = lambda hp, dp: Gated(real(hp, dp))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -60,7 +33,7 @@ def test_device_pages_of_a_fetch_in_flight_are_refused_state_unchanged():
         t, other = toks(3 * 4, seed=1), toks(3 * 4, seed=2)
         r.request(t)
         r.l1_only_to_l2()
-        gated = GatedLoads(c)
+        gate = gate_transfers(c, "load")
         m1 = c.match(t)
         pages = r.take(3)
         h1 = c.fetch(m1, pages)                           # in flight until the gate opens
@@ -77,7 +50,7 @@ def test_device_pages_of_a_fetch_in_flight_are_refused_state_unchanged():
         assert after["commit_calls"] == mt.get("commit_calls", 0)
         assert after["fetch_calls"] == mt["fetch_calls"]
         c.check_invariants()
-        gated.gate.set()
+        gate.set()
         h1.wait()
         r.verify(m1.keys, h1.device_pages)
         c.commit(t, h1.device_pages, match=m1)
