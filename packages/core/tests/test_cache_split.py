@@ -303,7 +303,7 @@ def test_executor_store_call_past_its_deadline_fails_the_ops_not_the_caller():
             return super().batch_get(keys, host_pages)
 
     dpool = DeviceKVPool.empty(SPEC, 8)
-    host = HostKVPool(SPEC, 4, allocator="torch-pinned")
+    host = HostKVPool(SPEC, 4)
     store = Stuck(spec=SPEC)
     store.attach(host)
     engine = create_transfer_engine("torch", dpool, host)

@@ -695,6 +695,7 @@ def test_reads_by_another_process_count_as_use(tmp_path, pool):
         a.batch_set([k[i]], [i])
         old = time.time() - 60 + i             # written a while ago (reads refresh mtimes
         os.utime(_path(a, k[i]), (old, old))   # older than a second)
+    time.sleep(0.05)    # B's refresh must be a later (coarse, per-tick) file time than A's write
     assert b.batch_get([k[0]], [9]) == [True]
     time.sleep(0.02)
     assert a.batch_set([k[3]], [3]) == [True]
