@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 from kvtier.testing import HostAllocatorContract, TransferEngineContract
+from kvtier.testing.contracts import DeviceLayoutContract
 from kvtier.testing.data import random_specs, spec_id
 
 DIST = "kvtier-nvidia-tma"
@@ -23,4 +24,10 @@ class TestTransferEngines(TransferEngineContract):
 
 
 class TestHostAllocator(HostAllocatorContract):
+    distribution = DIST
+
+
+class TestDeviceLayouts(DeviceLayoutContract):
+    """Every device layout: moved bitwise, or refused with LayoutError when built."""
+
     distribution = DIST

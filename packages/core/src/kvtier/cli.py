@@ -37,9 +37,11 @@ def _backends(args: argparse.Namespace) -> int:
     from .report import table
     body = [[r["kind"], r["name"], r["distribution"], r["version"],
              "yes" if r["available"] else "no",
+             "-" if r.get("auto_priority") is None else r["auto_priority"],
              r["reason"] + (f" (hint: {r['hint']})" if r["hint"] and not r["available"]
                             else "")] for r in rows]
-    print(table(["kind", "name", "package", "version", "available", "reason / hint"], body))
+    print(table(["kind", "name", "package", "version", "available", "auto rank",
+                 "reason / hint"], body))
     return 0
 
 

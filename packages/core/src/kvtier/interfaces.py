@@ -63,6 +63,11 @@ class Capabilities:
     shared_across_processes: bool = False   # stores: other processes see the same objects
     persistent: bool = False                # stores: survives process exit
     device_addressable: bool = False        # allocators: device can address the memory
+    # transfer engines: rank for transfer_engine="auto" among the available engines that move
+    # data for the device type (higher first); None: never chosen automatically
+    auto_priority: int | None = None
+    host_indices: bool = False              # transfer engines: page indices are read on the
+    #                                         host (device-resident index tensors cost a sync)
 
 
 class Backend(abc.ABC):

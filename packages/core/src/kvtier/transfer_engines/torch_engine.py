@@ -136,7 +136,7 @@ class TorchTransferEngine(TransferEngine):
     @classmethod
     def capabilities(cls) -> Capabilities:
         return Capabilities(directions=("h2d", "d2h"), layerwise=True,
-                            device_types=("cpu", "cuda", "any torch device"))
+                            device_types=("cpu", "cuda", "any torch device"), auto_priority=0)
 
     def __init__(self, device_pool, host_pool, config: Any = None):
         super().__init__(device_pool, host_pool, config)
