@@ -368,3 +368,17 @@ def test_cuda_calls_do_not_sync_the_caller():
     finally:
         eng.close()
         hpool.close()
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["cpu", "staged"])
+def test_rows_split_over_threads(staged):
+    """Copies large enough to be split among CPU threads land whole (every row, both ways)."""
+    spec = KVSpec.mha(num_layers=2, num_kv_heads=8, head_dim=128, page_size=64)
+    dpool, hpool = make_device_pool(spec, 12), make_host_pool(spec, 14)
+    eng = (StagedTorchEngine if staged else TorchTransferEngine)(
+        dpool, hpool, {"host_threads": 4, "staging_bytes": 5 << 20})
+    try:
+        _roundtrip(dpool, hpool, eng, 3, 11)
+    finally:
+        eng.close()
+        hpool.close()

@@ -156,7 +156,7 @@ class TorchTransferEngine(TransferEngine):
         self.layer_bytes = self.spec.page_bytes // self.spec.num_layers
         cpus = os.cpu_count() or 1
         self.host_threads = c.host_threads or max(1, min(8, cpus))
-        self._pool = (ThreadPoolExecutor(self.host_threads, thread_name_prefix="kvtier-torch-cpy")
+        self._pool = (ThreadPoolExecutor(self.host_threads - 1, thread_name_prefix="kvtier-cpy")
                       if self.host_threads > 1 else None)
         self._slots: list[_Slot] = []
         self._stream = None
@@ -323,17 +323,25 @@ class TorchTransferEngine(TransferEngine):
         pieces = self._pieces[layer]
         if self._dm is None:               # CPU device pool: host rows straight to its rows
             d_np = d_idx.numpy()
-            for p in pieces:
-                self._parallel(_copy_rows, p.dev.numpy(), d_np, p.host, h_idx)
+            pairs = [(p.dev.numpy(), p.host) for p in pieces]
+
+            def copy(a: int, b: int) -> None:
+                for dst, src in pairs:
+                    dst[d_np[a:b]] = np.take(src, h_idx[a:b], axis=0, mode="clip")
+            self._split_rows(len(h_idx), copy)
             handle._signal(layer)
             return
         lb = self.layer_bytes
         for s, e in self._batches(len(h_idx)):
             nb = e - s
             slot = self._slot()
-            for p in pieces:
-                out = _rows(slot.host, nb, lb, p, p.dev.dtype).numpy()
-                self._parallel(_gather_rows, out, p.host, h_idx[s:e])
+            outs = [(_rows(slot.host, nb, lb, p, p.dev.dtype).numpy(), p.host) for p in pieces]
+            part = h_idx[s:e]
+
+            def gather(a: int, b: int, outs=outs, part=part) -> None:
+                for out, src in outs:        # indices were checked when the call was made
+                    np.take(src, part[a:b], axis=0, out=out[a:b], mode="clip")
+            self._split_rows(nb, gather)
             slot.dev[:nb * lb].copy_(slot.host[:nb * lb], non_blocking=True)
             slot.free = self._record()
             for p in pieces:
@@ -345,8 +353,12 @@ class TorchTransferEngine(TransferEngine):
         pieces = self._pieces[layer]
         if self._dm is None:
             d_np = d_idx.numpy()
-            for p in pieces:
-                self._parallel(_copy_rows, p.host, h_idx, p.dev.numpy(), d_np)
+            pairs = [(p.host, p.dev.numpy()) for p in pieces]
+
+            def copy(a: int, b: int) -> None:
+                for dst, src in pairs:
+                    dst[h_idx[a:b]] = np.take(src, d_np[a:b], axis=0, mode="clip")
+            self._split_rows(len(h_idx), copy)
             handle._signal(layer)
             return
         lb = self.layer_bytes
@@ -367,23 +379,26 @@ class TorchTransferEngine(TransferEngine):
         layer, slot, ev, h_part, last = item
         ev.synchronize()                   # the worker waits, never the caller
         nb = len(h_part)
-        for p in self._pieces[layer]:
-            src = _rows(slot.host, nb, self.layer_bytes, p, p.dev.dtype).numpy()
-            self._parallel(_scatter_rows, p.host, h_part, src)
+        ins = [(p.host, _rows(slot.host, nb, self.layer_bytes, p, p.dev.dtype).numpy())
+               for p in self._pieces[layer]]
+
+        def scatter(a: int, b: int) -> None:
+            for dst, src in ins:
+                dst[h_part[a:b]] = src[a:b]
+        self._split_rows(nb, scatter)
         if last:
             handle._signal(layer)
 
-    def _parallel(self, fn: Callable, *args) -> None:
-        """Run a row copy split by rows over the CPU threads (small copies on this one)."""
-        n = len(args[2]) if fn is _gather_rows else len(args[1])
-        row = args[0].shape[1] * args[0].itemsize
-        parts = min(self.host_threads, max(1, n * row // _MIN_PART), n)
+    def _split_rows(self, n: int, work: Callable[[int, int], None]) -> None:
+        """Run ``work(a, b)`` over rows ``0..n`` split among the CPU threads (this thread
+        takes the last part; small copies stay on it)."""
+        parts = min(self.host_threads, max(1, n * self.layer_bytes // _MIN_PART), n)
         if parts <= 1 or self._pool is None:
-            fn(*args)
+            work(0, n)
             return
         bounds = [n * i // parts for i in range(parts + 1)]
-        futs = [self._pool.submit(fn, *_split(fn, args, a, b))
-                for a, b in zip(bounds, bounds[1:])]
+        futs = [self._pool.submit(work, a, b) for a, b in zip(bounds[:-2], bounds[1:-1])]
+        work(bounds[-2], bounds[-1])
         for f in futs:
             f.result()
 
@@ -393,28 +408,3 @@ def _rows(flat: torch.Tensor, nb: int, lb: int, p: _Piece, dtype: torch.dtype) -
     w = torch.empty((), dtype=dtype).element_size()
     start = nb * p.col0 * w
     return flat[start:start + nb * p.cols * w].view(dtype).view(nb, p.cols)
-
-
-def _gather_rows(out: np.ndarray, src: np.ndarray, idx: np.ndarray) -> None:
-    np.take(src, idx, axis=0, out=out, mode="clip")    # indices were checked when called
-
-
-def _scatter_rows(dst: np.ndarray, idx: np.ndarray, src: np.ndarray) -> None:
-    dst[idx] = src
-
-
-def _copy_rows(dst: np.ndarray, d_idx: np.ndarray, src: np.ndarray, s_idx: np.ndarray
-               ) -> None:
-    dst[d_idx] = np.take(src, s_idx, axis=0, mode="clip")
-
-
-def _split(fn: Callable, args: tuple, a: int, b: int) -> tuple:
-    """The arguments of ``fn`` for rows ``a:b`` of the call's index range."""
-    if fn is _gather_rows:
-        out, src, idx = args
-        return out[a:b], src, idx[a:b]
-    if fn is _scatter_rows:
-        dst, idx, src = args
-        return dst, idx[a:b], src[a:b]
-    dst, d_idx, src, s_idx = args
-    return dst, d_idx[a:b], src, s_idx[a:b]
