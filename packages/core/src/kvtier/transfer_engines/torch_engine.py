@@ -21,6 +21,7 @@ layer, never for the device. A backup's layer lands when the CPU scatter of its 
 
 from __future__ import annotations
 
+import ctypes
 import os
 import queue
 import threading
@@ -40,6 +41,9 @@ from ..layout import PAGE_FIRST
 _WIDTHS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
 #: A thread's share of a CPU gather or scatter is at least this many bytes.
 _MIN_PART = 512 << 10
+#: Host runs at least this long are copied one memmove each, by several threads; shorter
+#: ones by one torch index op (its per-row cost is lower).
+_MEMMOVE_MIN = 4096
 
 
 class LayerwiseHandle(TransferHandle):
@@ -95,12 +99,26 @@ class LayerwiseHandle(TransferHandle):
 
 @dataclass
 class _Piece:
-    """One contiguous byte run of a page-layer: where it is on the device and on the host."""
+    """One device chunk (or part of one) of a layer and its columns in a staging row."""
 
-    dev: torch.Tensor        # [device pages, cols] (elements of ``width`` bytes), a view
-    host: np.ndarray         # [host pages, cols], a view of the host pool
-    col0: int                # first column inside the layer's staging rows
+    dev: torch.Tensor        # [device pages, cols] in elements of the layer's width, a view
+    col0: int                # first column inside the layer's staging rows (same elements)
     cols: int
+
+
+@dataclass
+class _Run:
+    """A contiguous byte run of a page-layer on the host side and, for CPU device pools, on
+    the device side: host rows at ``host_off + page * host_stride`` (bytes into the pool)."""
+
+    host_off: int
+    host_stride: int
+    col: int                 # byte offset inside the staging row
+    nbytes: int
+    host_view: torch.Tensor  # [host pages, nbytes // w] typed view (small-row path)
+    dev_base: int = 0        # CPU device pools: address of page 0's run and the page stride
+    dev_stride: int = 0
+    dev_view: torch.Tensor | None = None
 
 
 class _Slot:
@@ -152,8 +170,11 @@ class TorchTransferEngine(TransferEngine):
                               f"{host_pool.raw.device}")
         self.device = device_pool.device
         self._dm = self._device_module(self.device)
-        self._pieces = [self._layer_pieces(layer) for layer in range(self.spec.num_layers)]
         self.layer_bytes = self.spec.page_bytes // self.spec.num_layers
+        plans = [self._layer_plan(layer) for layer in range(self.spec.num_layers)]
+        self._pieces = [p[0] for p in plans]
+        self._runs = [p[1] for p in plans]
+        self._width = [p[2] for p in plans]
         cpus = os.cpu_count() or 1
         self.host_threads = c.host_threads or max(1, min(8, cpus))
         self._pool = (ThreadPoolExecutor(self.host_threads - 1, thread_name_prefix="kvtier-cpy")
@@ -188,9 +209,9 @@ class TorchTransferEngine(TransferEngine):
         """What the benchmark records beside a result."""
         return {"host_threads": self.host_threads,
                 "staging_bytes": len(self._slots) and self._slots[0].host.numel(),
-                "element_bytes": sorted({p.dev.element_size() for ps in self._pieces
-                                         for p in ps}),
-                "pieces_per_layer": len(self._pieces[0])}
+                "element_bytes": sorted(set(self._width)),
+                "pieces_per_layer": len(self._pieces[0]),
+                "host_runs_per_layer": len(self._runs[0])}
 
     def close(self) -> None:
         if not self._closed:
@@ -213,43 +234,54 @@ class TorchTransferEngine(TransferEngine):
         return dm
 
     # ----- layout ---------------------------------------------------------------------------
-    def _layer_pieces(self, layer: int) -> list[_Piece]:
-        """The layer's device chunks as byte runs, each paired with its host rows; a chunk
-        that spans host components (layer_first host pools) is cut at their boundaries."""
+    def _layer_plan(self, layer: int) -> tuple[list[_Piece], list[_Run], int]:
+        """A layer's device chunks as columns of a staging row (one row per page, the page's
+        bytes of this layer in host order), and the host runs those rows come from: one per
+        page for page_first host pools; one per chunk (cut at component boundaries) for
+        layer_first ones. Copies use the widest element (8, 4, 2 or 1 bytes) the sizes,
+        strides and addresses allow."""
         spec, hp = self.spec, self.host_pool
         raw, P = hp.raw, hp.num_pages
         C, cb = spec.num_components, spec.chunk_bytes
-        lb = spec.page_bytes // spec.num_layers
-        runs = []                   # (device view uint8 [pages, n], host offset, host stride)
+        lb = self.layer_bytes
+        cuts = []                   # (device view uint8 [pages, n], byte column, host off, stride)
         at = 0
         for chunk in self.device_pool.chunks[layer]:
             n = int(chunk.shape[1])
             o = 0
             while o < n:
                 if hp.layout == PAGE_FIRST:
-                    take = n - o
-                    runs.append((chunk[:, o:o + take], layer * lb + at + o, spec.page_bytes))
+                    take, hoff, hstride = n - o, layer * lb + at + o, spec.page_bytes
                 else:
                     comp, within = divmod(at + o, cb)
                     take = min(n - o, cb - within)
-                    runs.append((chunk[:, o:o + take], (layer * C + comp) * P * cb + within, cb))
+                    hoff, hstride = (layer * C + comp) * P * cb + within, cb
+                cuts.append((chunk[:, o:o + take], at + o, hoff, hstride))
                 o += take
             at += n
         if at != lb:
             raise LayoutError(f"{self.name}: device chunks of layer {layer} hold {at} bytes, "
                               f"a page-layer is {lb}")
         base = raw.data_ptr()
-        pieces, col = [], 0
-        for dev, off, stride in runs:
-            n = int(dev.shape[1])
-            w, dt = next((w, dt) for w, dt in _WIDTHS
-                         if not (n % w or off % w or stride % w or (base + off) % w
-                                 or dev.stride(0) % w or dev.data_ptr() % w or col % w))
-            host = raw.as_strided((P, n), (stride, 1), raw.storage_offset() + off)
-            pieces.append(_Piece(dev=dev.view(dt), host=host.view(dt).numpy(), col0=col // w,
-                                 cols=n // w))
-            col += n
-        return pieces
+        w, dt = next((w, dt) for w, dt in _WIDTHS if not lb % w and all(
+            not (int(d.shape[1]) % w or col % w or off % w or stride % w or (base + off) % w
+                 or d.stride(0) % w or d.data_ptr() % w) for d, col, off, stride in cuts))
+        pieces = [_Piece(dev=d.view(dt), col0=col // w, cols=int(d.shape[1]) // w)
+                  for d, col, _, _ in cuts]
+
+        def host_view(off: int, stride: int, n: int) -> torch.Tensor:
+            return raw.as_strided((P, n), (stride, 1), raw.storage_offset() + off).view(dt)
+        if self.device.type == "cpu":           # device rows are plain memory: run by run
+            runs = [_Run(off, stride, col, int(d.shape[1]), host_view(off, stride,
+                         int(d.shape[1])), d.data_ptr(), d.stride(0), d.view(dt))
+                    for d, col, off, stride in cuts]
+        elif hp.layout == PAGE_FIRST:
+            runs = [_Run(layer * lb, spec.page_bytes, 0, lb,
+                         host_view(layer * lb, spec.page_bytes, lb))]
+        else:
+            runs = [_Run(off, stride, col, int(d.shape[1]), host_view(off, stride,
+                         int(d.shape[1]))) for d, col, off, stride in cuts]
+        return pieces, runs, w
 
     # ----- internals ------------------------------------------------------------------------
     def _indices(self, host_pages, device_pages) -> tuple[torch.Tensor, torch.Tensor]:
@@ -320,57 +352,38 @@ class TorchTransferEngine(TransferEngine):
 
     def _load_layer(self, layer: int, h_idx: np.ndarray, d_idx: torch.Tensor,
                     handle: LayerwiseHandle, pending: list) -> None:
-        pieces = self._pieces[layer]
         if self._dm is None:               # CPU device pool: host rows straight to its rows
-            d_np = d_idx.numpy()
-            pairs = [(p.dev.numpy(), p.host) for p in pieces]
-
-            def copy(a: int, b: int) -> None:
-                for dst, src in pairs:
-                    dst[d_np[a:b]] = np.take(src, h_idx[a:b], axis=0, mode="clip")
-            self._split_rows(len(h_idx), copy)
+            self._direct(layer, h_idx, d_idx.numpy(), to_device=True)
             handle._signal(layer)
             return
-        lb = self.layer_bytes
+        lb, w = self.layer_bytes, self._width[layer]
         for s, e in self._batches(len(h_idx)):
             nb = e - s
             slot = self._slot()
-            outs = [(_rows(slot.host, nb, lb, p, p.dev.dtype).numpy(), p.host) for p in pieces]
-            part = h_idx[s:e]
-
-            def gather(a: int, b: int, outs=outs, part=part) -> None:
-                for out, src in outs:        # indices were checked when the call was made
-                    np.take(src, part[a:b], axis=0, out=out[a:b], mode="clip")
-            self._split_rows(nb, gather)
+            self._host_rows(layer, slot.host, h_idx[s:e], gather=True)
             slot.dev[:nb * lb].copy_(slot.host[:nb * lb], non_blocking=True)
             slot.free = self._record()
-            for p in pieces:
-                p.dev.index_copy_(0, d_idx[s:e], _rows(slot.dev, nb, lb, p, p.dev.dtype))
+            rows = _staged(slot.dev, nb, lb, w, self._pieces[layer][0].dev.dtype)
+            for p in self._pieces[layer]:
+                p.dev.index_copy_(0, d_idx[s:e], rows[:, p.col0:p.col0 + p.cols])
         handle._signal(layer, self._record())
 
     def _backup_layer(self, layer: int, h_idx: np.ndarray, d_idx: torch.Tensor,
                       handle: LayerwiseHandle, pending: list) -> None:
-        pieces = self._pieces[layer]
         if self._dm is None:
-            d_np = d_idx.numpy()
-            pairs = [(p.host, p.dev.numpy()) for p in pieces]
-
-            def copy(a: int, b: int) -> None:
-                for dst, src in pairs:
-                    dst[h_idx[a:b]] = np.take(src, d_np[a:b], axis=0, mode="clip")
-            self._split_rows(len(h_idx), copy)
+            self._direct(layer, h_idx, d_idx.numpy(), to_device=False)
             handle._signal(layer)
             return
-        lb = self.layer_bytes
+        lb, w = self.layer_bytes, self._width[layer]
         batches = list(self._batches(len(h_idx)))
         for s, e in batches:
             while len(pending) >= len(self._slots):   # its slot's bytes are still unread
                 self._finish_backup(pending.pop(0), handle)
             nb = e - s
             slot = self._slot()
-            for p in pieces:
-                torch.index_select(p.dev, 0, d_idx[s:e], out=_rows(slot.dev, nb, lb, p,
-                                                                   p.dev.dtype))
+            rows = _staged(slot.dev, nb, lb, w, self._pieces[layer][0].dev.dtype)
+            for p in self._pieces[layer]:
+                torch.index_select(p.dev, 0, d_idx[s:e], out=rows[:, p.col0:p.col0 + p.cols])
             slot.host[:nb * lb].copy_(slot.dev[:nb * lb], non_blocking=True)
             slot.free = self._record()
             pending.append((layer, slot, slot.free, h_idx[s:e], e == len(h_idx)))
@@ -378,33 +391,73 @@ class TorchTransferEngine(TransferEngine):
     def _finish_backup(self, item: tuple, handle: LayerwiseHandle) -> None:
         layer, slot, ev, h_part, last = item
         ev.synchronize()                   # the worker waits, never the caller
-        nb = len(h_part)
-        ins = [(p.host, _rows(slot.host, nb, self.layer_bytes, p, p.dev.dtype).numpy())
-               for p in self._pieces[layer]]
-
-        def scatter(a: int, b: int) -> None:
-            for dst, src in ins:
-                dst[h_part[a:b]] = src[a:b]
-        self._split_rows(nb, scatter)
+        self._host_rows(layer, slot.host, h_part, gather=False)
         if last:
             handle._signal(layer)
 
-    def _split_rows(self, n: int, work: Callable[[int, int], None]) -> None:
-        """Run ``work(a, b)`` over rows ``0..n`` split among the CPU threads (this thread
-        takes the last part; small copies stay on it)."""
-        parts = min(self.host_threads, max(1, n * self.layer_bytes // _MIN_PART), n)
+    # ----- host-side copies -------------------------------------------------------------------
+    def _host_rows(self, layer: int, staging: torch.Tensor, h: np.ndarray, gather: bool
+                   ) -> None:
+        """Gather the layer's host rows of pages ``h`` into ``staging`` (page-major rows of
+        layer_bytes), or scatter them back."""
+        lb, w = self.layer_bytes, self._width[layer]
+        nb = len(h)
+        base, sbase = self.host_pool.raw.data_ptr(), staging.data_ptr()
+        rows = None
+        for r in self._runs[layer]:
+            if r.nbytes >= _MEMMOVE_MIN:
+                host = base + r.host_off + h.astype(np.uint64) * np.uint64(r.host_stride)
+                st = sbase + r.col + np.arange(nb, dtype=np.uint64) * np.uint64(lb)
+                dst, src = (st, host) if gather else (host, st)
+                self._memmoves(dst, src, r.nbytes)
+                continue
+            if rows is None:
+                rows = _staged(staging, nb, lb, w, r.host_view.dtype)
+            cols = rows[:, r.col // w:(r.col + r.nbytes) // w]
+            if gather:
+                torch.index_select(r.host_view, 0, torch.from_numpy(h), out=cols)
+            else:
+                r.host_view.index_copy_(0, torch.from_numpy(h), cols)
+
+    def _direct(self, layer: int, h: np.ndarray, d: np.ndarray, to_device: bool) -> None:
+        """CPU device pools: each run straight between the two pools."""
+        base = self.host_pool.raw.data_ptr()
+        for r in self._runs[layer]:
+            if r.nbytes >= _MEMMOVE_MIN:
+                host = base + r.host_off + h.astype(np.uint64) * np.uint64(r.host_stride)
+                dev = r.dev_base + d.astype(np.uint64) * np.uint64(r.dev_stride)
+                dst, src = (dev, host) if to_device else (host, dev)
+                self._memmoves(dst, src, r.nbytes)
+            elif to_device:
+                r.dev_view.index_copy_(0, torch.from_numpy(d),
+                                       r.host_view.index_select(0, torch.from_numpy(h)))
+            else:
+                r.host_view.index_copy_(0, torch.from_numpy(h),
+                                        r.dev_view.index_select(0, torch.from_numpy(d)))
+
+    def _memmoves(self, dst: np.ndarray, src: np.ndarray, nbytes: int) -> None:
+        """``memmove(dst[i], src[i], nbytes)`` for every i, split over the CPU threads (each
+        memmove runs without the GIL)."""
+        n = len(dst)
+        parts = min(self.host_threads, max(1, n * nbytes // _MIN_PART), n)
+        dl, sl = dst.tolist(), src.tolist()
         if parts <= 1 or self._pool is None:
-            work(0, n)
+            _memmove_rows(dl, sl, nbytes)
             return
         bounds = [n * i // parts for i in range(parts + 1)]
-        futs = [self._pool.submit(work, a, b) for a, b in zip(bounds[:-2], bounds[1:-1])]
-        work(bounds[-2], bounds[-1])
+        futs = [self._pool.submit(_memmove_rows, dl[a:b], sl[a:b], nbytes)
+                for a, b in zip(bounds[:-2], bounds[1:-1])]
+        _memmove_rows(dl[bounds[-2]:], sl[bounds[-2]:], nbytes)
         for f in futs:
             f.result()
 
 
-def _rows(flat: torch.Tensor, nb: int, lb: int, p: _Piece, dtype: torch.dtype) -> torch.Tensor:
-    """The ``[nb, cols]`` piece-major block of a staging buffer holding piece ``p``."""
-    w = torch.empty((), dtype=dtype).element_size()
-    start = nb * p.col0 * w
-    return flat[start:start + nb * p.cols * w].view(dtype).view(nb, p.cols)
+def _memmove_rows(dst: list[int], src: list[int], nbytes: int) -> None:
+    mm = ctypes.memmove
+    for d, s in zip(dst, src):
+        mm(d, s, nbytes)
+
+
+def _staged(flat: torch.Tensor, nb: int, lb: int, w: int, dtype: torch.dtype) -> torch.Tensor:
+    """The first ``nb`` page-major rows of a staging buffer, in elements of ``w`` bytes."""
+    return flat[:nb * lb].view(dtype).view(nb, lb // w)
