@@ -215,12 +215,12 @@ class StagedTorchEngine(TorchTransferEngine):
         return _FakeDeviceModule
 
 
-def _layout_case(layout, which, host_layout, staging, device="cpu", staged=True):
+def _layout_case(layout, which, host_layout, staging, device="cpu", staged=True, **cfg):
     spec = layout_specs(layout)[which]
     dpool = make_layout_pool(spec, layout, 23, device)
     hpool = make_host_pool(spec, 31, host_layout)
     cls = StagedTorchEngine if staged else TorchTransferEngine
-    return spec, dpool, hpool, cls(dpool, hpool, {"staging_bytes": staging})
+    return spec, dpool, hpool, cls(dpool, hpool, {"staging_bytes": staging, **cfg})
 
 
 def _host_page(hpool, p):
@@ -235,6 +235,8 @@ def _roundtrip(dpool, hpool, eng, seed, n):
     host = rng.sample(range(hpool.num_pages), n)
     want = [dpool.page_bytes(p).cpu() for p in src]
     eng.backup(torch.tensor(src), host).wait()
+    if dpool.device.type == "cuda":          # wait() orders the caller's stream; read on host
+        torch.cuda.current_stream().synchronize()
     for i, p in enumerate(host):
         assert torch.equal(_host_page(hpool, p), want[i]), f"backup page {src[i]} -> {p}"
     for layer in dpool.chunks:
@@ -333,11 +335,13 @@ def test_device_without_streams_is_refused():
 @pytest.mark.parametrize("host_layout", ["page_first", "layer_first"])
 @pytest.mark.parametrize("layout", DEVICE_LAYOUTS)
 @pytest.mark.parametrize("staging", [1, 64 << 20], ids=["batched", "one-batch"])
-def test_cuda_every_layout(layout, host_layout, staging):
+@pytest.mark.parametrize("zero_copy", [True, False], ids=["zero-copy", "staged"])
+def test_cuda_every_layout(layout, host_layout, staging, zero_copy):
     for which in range(2):
         spec, dpool, hpool, eng = _layout_case(layout, which, host_layout, staging, "cuda",
-                                               staged=False)
+                                               staged=False, zero_copy=zero_copy)
         try:
+            assert eng.zero_copy == zero_copy        # torch-pinned host pools allow it
             for seed in range(3):
                 _roundtrip(dpool, hpool, eng, seed + 11 * which, random.Random(seed).randint(1, 20))
         finally:
@@ -382,3 +386,22 @@ def test_rows_split_over_threads(staged):
     finally:
         eng.close()
         hpool.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("zero_copy", [True, False], ids=["zero-copy", "staged"])
+def test_cuda_large_rows_and_pageable_host(zero_copy):
+    """128 KiB chunks (the memmove path when staged) and a pageable (mmap) host pool, which
+    cannot be read in place and is always staged."""
+    spec = KVSpec.mha(num_layers=3, num_kv_heads=8, head_dim=128, page_size=64)
+    dpool = make_device_pool(spec, 12, "cuda")
+    for alloc in ("torch-pinned", "mmap"):
+        hpool = make_host_pool(spec, 14, "page_first", alloc)
+        eng = TorchTransferEngine(dpool, hpool, {"zero_copy": zero_copy, "host_threads": 4,
+                                                 "staging_bytes": 3 << 20})
+        try:
+            assert eng.zero_copy == (zero_copy and alloc == "torch-pinned")
+            _roundtrip(dpool, hpool, eng, 5, 11)
+        finally:
+            eng.close()
+            hpool.close()

@@ -562,7 +562,7 @@ class RoutedTransferEngine(TransferEngine):
         crossover_bytes: int = 0
         #: Prefer the copy engine where it is within this fraction of the SM path (it leaves
         #: the SMs to the model: a GEMM beside it is not slowed).
-        prefer_copy_within: float = 0.05
+        prefer_copy_within: float = 0.10
         #: Calibration cache file ("": ~/.cache/kvtier/nvidia-routed.json; "none": no cache).
         cache_file: str = ""
         #: MiB moved per calibration transfer (32 MiB transfers undersell the copy engine:

@@ -119,13 +119,14 @@ class _Run:
     dev_base: int = 0        # CPU device pools: address of page 0's run and the page stride
     dev_stride: int = 0
     dev_view: torch.Tensor | None = None
+    alias: torch.Tensor | None = None   # the same rows seen from the device (zero copy)
 
 
 class _Slot:
     """One staging pair: pinned host memory and device memory of the same size."""
 
-    def __init__(self, nbytes: int, device: torch.device, pinned: bool):
-        self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+    def __init__(self, nbytes: int, device: torch.device, pinned: bool, host: bool = True):
+        self.host = torch.empty(nbytes if host else 0, dtype=torch.uint8, pin_memory=pinned)
         self.dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
         self.free: Any = None     # event after which the pinned half may be rewritten
 
@@ -143,6 +144,9 @@ class TorchTransferEngine(TransferEngine):
         staging_bytes: int = 32 << 20
         #: CPU threads that gather and scatter host rows (0: min(8, CPUs)).
         host_threads: int = 0
+        #: CUDA with a pinned host pool: the device's index kernels read and write the host
+        #: pool in place (no CPU copies, no pinned staging); False: always stage.
+        zero_copy: bool = True
 
     @classmethod
     def probe(cls) -> Availability:
@@ -171,6 +175,8 @@ class TorchTransferEngine(TransferEngine):
         self.device = device_pool.device
         self._dm = self._device_module(self.device)
         self.layer_bytes = self.spec.page_bytes // self.spec.num_layers
+        self._alias = self._host_alias() if c.zero_copy else None
+        self.zero_copy = self._alias is not None
         plans = [self._layer_plan(layer) for layer in range(self.spec.num_layers)]
         self._pieces = [p[0] for p in plans]
         self._runs = [p[1] for p in plans]
@@ -187,7 +193,8 @@ class TorchTransferEngine(TransferEngine):
             self.batch_pages = size // self.layer_bytes
             with self._dm.device(self.device):
                 self._slots = [_Slot(self.batch_pages * self.layer_bytes, self.device,
-                                     self.device.type != "cpu") for _ in range(2)]
+                                     self.device.type != "cpu", host=not self.zero_copy)
+                               for _ in range(1 if self.zero_copy else 2)]
                 self._stream = self._dm.Stream(self.device) if c.side_stream else None
         self._next = 0
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -207,8 +214,8 @@ class TorchTransferEngine(TransferEngine):
 
     def describe(self) -> dict[str, Any]:
         """What the benchmark records beside a result."""
-        return {"host_threads": self.host_threads,
-                "staging_bytes": len(self._slots) and self._slots[0].host.numel(),
+        return {"host_threads": self.host_threads, "zero_copy": self.zero_copy,
+                "staging_bytes": len(self._slots) and self._slots[0].dev.numel(),
                 "element_bytes": sorted(set(self._width)),
                 "pieces_per_layer": len(self._pieces[0]),
                 "host_runs_per_layer": len(self._runs[0])}
@@ -232,6 +239,22 @@ class TorchTransferEngine(TransferEngine):
             raise LayoutError(f"{self.name}: torch has no streams and events for device type "
                               f"{device.type!r}; it cannot move pages there")
         return dm
+
+    def _host_alias(self) -> torch.Tensor | None:
+        """The host pool as a CUDA tensor (same address: CUDA's unified addressing maps pinned
+        and registered host memory into the device's), or None where that does not hold: not
+        CUDA (ROCm and other devices stage), or a host pool that is not pinned."""
+        raw = self.host_pool.raw
+        if self.device.type != "cuda" or not torch.version.cuda or not raw.is_pinned():
+            return None
+
+        class _Iface:
+            __cuda_array_interface__ = {"shape": (raw.numel(),), "typestr": "|u1",
+                                        "data": (raw.data_ptr(), False), "version": 2}
+        alias = torch.as_tensor(_Iface(), device=self.device)
+        if alias.data_ptr() != raw.data_ptr():
+            return None
+        return alias
 
     # ----- layout ---------------------------------------------------------------------------
     def _layer_plan(self, layer: int) -> tuple[list[_Piece], list[_Run], int]:
@@ -269,8 +292,8 @@ class TorchTransferEngine(TransferEngine):
         pieces = [_Piece(dev=d.view(dt), col0=col // w, cols=int(d.shape[1]) // w)
                   for d, col, _, _ in cuts]
 
-        def host_view(off: int, stride: int, n: int) -> torch.Tensor:
-            return raw.as_strided((P, n), (stride, 1), raw.storage_offset() + off).view(dt)
+        def host_view(off: int, stride: int, n: int, of: torch.Tensor = raw) -> torch.Tensor:
+            return of.as_strided((P, n), (stride, 1), of.storage_offset() + off).view(dt)
         if self.device.type == "cpu":           # device rows are plain memory: run by run
             runs = [_Run(off, stride, col, int(d.shape[1]), host_view(off, stride,
                          int(d.shape[1])), d.data_ptr(), d.stride(0), d.view(dt))
@@ -281,6 +304,9 @@ class TorchTransferEngine(TransferEngine):
         else:
             runs = [_Run(off, stride, col, int(d.shape[1]), host_view(off, stride,
                          int(d.shape[1]))) for d, col, off, stride in cuts]
+        if self._alias is not None:
+            for r in runs:
+                r.alias = host_view(r.host_off, r.host_stride, r.nbytes, self._alias)
         return pieces, runs, w
 
     # ----- internals ------------------------------------------------------------------------
@@ -292,7 +318,20 @@ class TorchTransferEngine(TransferEngine):
         if h_idx.numel() != d_idx.numel():
             raise InvalidArgumentError(f"{self.name}: {h_idx.numel()} host pages but "
                                        f"{d_idx.numel()} device pages", argument="pages")
-        return h_idx, d_idx.to(self.device, non_blocking=True)
+        if self.zero_copy:
+            h_idx = self._to_device(h_idx)
+        return h_idx, self._to_device(d_idx)
+
+    def _to_device(self, idx: torch.Tensor) -> torch.Tensor:
+        """Indices on the engine's device; from the CPU through (cached) pinned memory, so the
+        copy is queued on the caller's stream instead of synchronising it."""
+        if idx.device == self.device:
+            return idx
+        if self._dm is None or idx.device.type != "cpu":
+            return idx.to(self.device)
+        pinned = torch.empty(idx.shape, dtype=idx.dtype, pin_memory=True)
+        pinned.copy_(idx)
+        return pinned.to(self.device, non_blocking=True)
 
     def _submit(self, per_layer: Callable, h_idx: torch.Tensor, d_idx: torch.Tensor
                 ) -> TransferHandle:
@@ -314,7 +353,7 @@ class TorchTransferEngine(TransferEngine):
             per_layer, h_idx, d_idx, handle, start = job
             pending: list[tuple] = []
             try:
-                h_np = h_idx.cpu().numpy()
+                h_np = h_idx if self.zero_copy else h_idx.cpu().numpy()
                 if self._dm is None:
                     for layer in range(self.spec.num_layers):
                         per_layer(layer, h_np, d_idx, handle, pending)
@@ -323,8 +362,9 @@ class TorchTransferEngine(TransferEngine):
                     stream = self._stream or dm.current_stream(self.device)
                     with dm.device(self.device), dm.stream(stream):
                         stream.wait_event(start)
-                        if d_idx.device.type != "cpu":
-                            d_idx.record_stream(stream)
+                        for t in (h_np, d_idx):
+                            if isinstance(t, torch.Tensor) and t.device.type != "cpu":
+                                t.record_stream(stream)
                         for layer in range(self.spec.num_layers):
                             per_layer(layer, h_np, d_idx, handle, pending)
                         while pending:
@@ -360,9 +400,15 @@ class TorchTransferEngine(TransferEngine):
         for s, e in self._batches(len(h_idx)):
             nb = e - s
             slot = self._slot()
-            self._host_rows(layer, slot.host, h_idx[s:e], gather=True)
-            slot.dev[:nb * lb].copy_(slot.host[:nb * lb], non_blocking=True)
-            slot.free = self._record()
+            if self.zero_copy:               # the device reads the host rows itself
+                rows = _staged(slot.dev, nb, lb, w, self._pieces[layer][0].dev.dtype)
+                for r in self._runs[layer]:
+                    torch.index_select(r.alias, 0, h_idx[s:e],
+                                       out=rows[:, r.col // w:(r.col + r.nbytes) // w])
+            else:
+                self._host_rows(layer, slot.host, h_idx[s:e], gather=True)
+                slot.dev[:nb * lb].copy_(slot.host[:nb * lb], non_blocking=True)
+                slot.free = self._record()
             rows = _staged(slot.dev, nb, lb, w, self._pieces[layer][0].dev.dtype)
             for p in self._pieces[layer]:
                 p.dev.index_copy_(0, d_idx[s:e], rows[:, p.col0:p.col0 + p.cols])
@@ -384,6 +430,13 @@ class TorchTransferEngine(TransferEngine):
             rows = _staged(slot.dev, nb, lb, w, self._pieces[layer][0].dev.dtype)
             for p in self._pieces[layer]:
                 torch.index_select(p.dev, 0, d_idx[s:e], out=rows[:, p.col0:p.col0 + p.cols])
+            if self.zero_copy:               # the device writes the host rows itself
+                for r in self._runs[layer]:
+                    r.alias.index_copy_(0, h_idx[s:e],
+                                        rows[:, r.col // w:(r.col + r.nbytes) // w])
+                if e == len(h_idx):
+                    handle._signal(layer, self._record())
+                continue
             slot.host[:nb * lb].copy_(slot.dev[:nb * lb], non_blocking=True)
             slot.free = self._record()
             pending.append((layer, slot, slot.free, h_idx[s:e], e == len(h_idx)))
