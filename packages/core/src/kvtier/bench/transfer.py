@@ -84,6 +84,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", help="write every result here")
     p.add_argument("--plot", help="save a PNG of GB/s vs chunk size here")
     p.add_argument("--replot", help="read results from this JSON instead of running")
+    p.add_argument("--plot-engines", help="comma-separated engines to draw (default: all)")
 
 
 def parse_value(v: str) -> Any:
@@ -210,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
             data = json.load(f)
         print(render(data))
         if args.plot:
-            plot(data, args.plot)
+            plot(data, args.plot, engines=args.plot_engines)
         return 0
     import torch
     if not torch.cuda.is_available():
@@ -313,7 +314,7 @@ def _run(args: argparse.Namespace, torch) -> int:
     _save(data, args.json)
     print(render(data))
     if args.plot:
-        plot(data, args.plot)
+        plot(data, args.plot, engines=args.plot_engines)
     return 0
 
 
@@ -496,7 +497,8 @@ def render(data: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot(data: dict[str, Any], path: str, max_series: int = 8) -> None:
+def plot(data: dict[str, Any], path: str, max_series: int = 8, engines: str | None = None
+         ) -> None:
     """% of the same-run ceiling vs chunk size: one panel per direction, one line per engine
     and launch mode (its best setting at each size), the legend below the panels."""
     import matplotlib
@@ -505,8 +507,9 @@ def plot(data: dict[str, Any], path: str, max_series: int = 8) -> None:
     dirs = [d for d in ("h2d", "d2h", "both") if any(r["direction"] == d
                                                      for r in data["results"])]
     order: list[str] = []
+    keep = set(engines.split(",")) if engines else None
     for r in data["results"]:
-        if r["engine"] not in order:
+        if r["engine"] not in order and (keep is None or r["engine"] in keep):
             order.append(r["engine"])
     fig, axes = plt.subplots(1, len(dirs), figsize=(5.2 * len(dirs), 4.4), squeeze=False,
                              sharey=True)
@@ -514,7 +517,7 @@ def plot(data: dict[str, Any], path: str, max_series: int = 8) -> None:
     for ax, d in zip(axes[0], dirs):
         series: dict[tuple[str, str], dict[int, float]] = {}
         for r in data["results"]:
-            if r["direction"] != d:
+            if r["direction"] != d or r["engine"] not in order:
                 continue
             cur = series.setdefault((r["engine"], r["mode"]), {})
             cur[r["chunk_bytes"]] = max(cur.get(r["chunk_bytes"], 0), 100 * r["ratio"])
@@ -534,7 +537,7 @@ def plot(data: dict[str, Any], path: str, max_series: int = 8) -> None:
         ax.set_title(f"{d}: ceiling {data['ceiling'][d]:.1f} GB/s")
         ax.set_ylim(0, 105)
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("% of the same-run pinned-memcpy ceiling (dotted 92%, dash-dot 50%)")
+    axes[0][0].set_ylabel("% of the same-run ceiling (dotted 92%, dash-dot 50%)")
     fig.legend(list(handles.values()), list(handles), loc="lower center",
                ncol=min(4, len(handles)), fontsize=8, frameon=False)
     env = data.get("env", {})
