@@ -1,22 +1,26 @@
-"""`torch`: the portable transfer engine, built from torch and NumPy copies of bytes.
+"""`torch`: the portable transfer engine, built from torch's own copies of bytes.
 
 Works for the CPU and for any torch accelerator with streams and events (CUDA, ROCm, and
 devices such as Ascend's whose torch module mirrors ``torch.cuda``). It moves bytes, never
 typed elements, so every dtype (fp8 included) and every device layout moves the same way: each
 layer of a page is the device pool's byte chunks (``pool.chunks``) in order.
 
-Loads (host -> device), per layer: the host rows of the pages are gathered by a few CPU threads
-into a pinned staging buffer, copied to the device in one contiguous copy, and scattered into
-the device chunks there (one ``index_copy_`` per chunk). Backups run the same steps backwards
-(device gather, one copy to pinned staging, CPU scatter). Staging buffers are allocated once,
-when the engine is built (two of each, so the CPU fills one while the other is on the link),
-and a layer larger than a buffer goes in batches of pages.
+Per layer, in batches of pages, through a device staging buffer of page-major rows:
+
+* **zero copy** (CUDA, host pool pinned or registered): the host pool is seen from the device
+  at its own address (unified addressing), and torch's index kernels gather host rows into the
+  staging rows and scatter them into the device chunks (backups: the reverse). No CPU copies.
+* **staged** (pageable host pools, other devices): CPU threads gather the host rows into a
+  pinned staging buffer (one memmove per row, or one torch index op for short rows), one
+  contiguous copy moves it, and ``index_copy_`` scatters it on the device; backups the reverse.
+  Two staging pairs are allocated when the engine is built, so the CPU fills one while the
+  other is on the link.
 
 Each call becomes one job on the engine's worker thread (jobs run in submission order). On an
 accelerator the copies run on a side stream ordered after the caller's stream at call time;
-each layer signals as soon as it is queued, and ``wait_layer(i)`` then makes the caller's stream
-wait on layer ``i``'s event: the caller's thread waits at most for the CPU gather of that
-layer, never for the device. A backup's layer lands when the CPU scatter of its rows is done.
+each layer signals as soon as it is queued (staged backups: once its rows are in the host
+pool), and ``wait_layer(i)`` then makes the caller's stream wait on layer ``i``'s event: the
+caller's thread waits at most for the CPU side of that layer, never for the device.
 """
 
 from __future__ import annotations
