@@ -143,8 +143,8 @@ class TorchTransferEngine(TransferEngine):
     class Config:
         #: Run copies on a dedicated stream (accelerators only).
         side_stream: bool = True
-        #: Bytes of each staging buffer (two pinned + two device buffers; capped at what one
-        #: layer of the whole device pool needs).
+        #: Bytes of each staging buffer (device memory, plus pinned host memory when staged;
+        #: capped at one layer of the whole device pool).
         staging_bytes: int = 32 << 20
         #: CPU threads that gather and scatter host rows (0: min(8, CPUs)).
         host_threads: int = 0
