@@ -308,7 +308,7 @@ def test_wide_elements_where_aligned():
 
 
 @pytest.mark.parametrize("bad", [{"staging_bytes": 0}, {"staging_bytes": -1},
-                                 {"host_threads": -1}, {"host_threads": 1.5},
+                                 {"staging_bytes": 1.5}, {"host_threads": 4},
                                  {"staging_bytes": True}, {"no_such_key": 1}])
 def test_bad_config_is_refused_when_built(bad):
     dpool, hpool = make_device_pool(MHA, 3), make_host_pool(MHA, 3)
@@ -375,12 +375,12 @@ def test_cuda_calls_do_not_sync_the_caller():
 
 
 @pytest.mark.parametrize("staged", [False, True], ids=["cpu", "staged"])
-def test_rows_split_over_threads(staged):
-    """Copies large enough to be split among CPU threads land whole (every row, both ways)."""
+def test_large_rows_in_batches(staged):
+    """128 KiB chunks over several staging batches land whole (every row, both ways)."""
     spec = KVSpec.mha(num_layers=2, num_kv_heads=8, head_dim=128, page_size=64)
     dpool, hpool = make_device_pool(spec, 12), make_host_pool(spec, 14)
     eng = (StagedTorchEngine if staged else TorchTransferEngine)(
-        dpool, hpool, {"host_threads": 4, "staging_bytes": 5 << 20})
+        dpool, hpool, {"staging_bytes": 5 << 20})
     try:
         _roundtrip(dpool, hpool, eng, 3, 11)
     finally:
@@ -391,13 +391,13 @@ def test_rows_split_over_threads(staged):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("zero_copy", [True, False], ids=["zero-copy", "staged"])
 def test_cuda_large_rows_and_pageable_host(zero_copy):
-    """128 KiB chunks (the memmove path when staged) and a pageable (mmap) host pool, which
+    """128 KiB chunks in several batches, and a pageable (mmap) host pool, which
     cannot be read in place and is always staged."""
     spec = KVSpec.mha(num_layers=3, num_kv_heads=8, head_dim=128, page_size=64)
     dpool = make_device_pool(spec, 12, "cuda")
     for alloc in ("torch-pinned", "mmap"):
         hpool = make_host_pool(spec, 14, "page_first", alloc)
-        eng = TorchTransferEngine(dpool, hpool, {"zero_copy": zero_copy, "host_threads": 4,
+        eng = TorchTransferEngine(dpool, hpool, {"zero_copy": zero_copy,
                                                  "staging_bytes": 3 << 20})
         try:
             assert eng.zero_copy == (zero_copy and alloc == "torch-pinned")

@@ -98,9 +98,9 @@ def test_nothing_that_fits_is_a_typed_error(pools, monkeypatch):
 
 
 def test_auto_config_maps_engine_names(pools):
-    eng = registry.create_transfer_engine("auto", *pools, {"torch": {"host_threads": 1}})
+    eng = registry.create_transfer_engine("auto", *pools, {"torch": {"staging_bytes": 7}})
     try:
-        assert eng.host_threads == 1
+        assert eng.config.staging_bytes == 7
     finally:
         eng.close()
     from kvtier.errors import ConfigError
