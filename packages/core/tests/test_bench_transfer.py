@@ -38,3 +38,42 @@ def test_render_names_the_order_and_mixed_rows():
     out = transfer.render(data)
     assert "pages in sequential order" in out
     assert "| a+b " in out and "60.0%" in out
+
+
+def test_engine_modes_and_indices_follow_declared_capabilities():
+    """Engines without layerwise switches run their one (per-layer) mode; index tensors stay
+    on the device unless the engine declares host_indices -- no engine named anywhere."""
+    import torch
+    from kvtier.transfer_engines.torch_engine import TorchTransferEngine
+    assert transfer._modes(TorchTransferEngine, ["layer", "all"]) == ["layer"]
+    assert transfer._with_mode(TorchTransferEngine, {"zero_copy": False}, "all") == \
+        {"zero_copy": False}
+
+    class Switches:
+        class Config:
+            __dataclass_fields__ = {"layerwise_load": 1, "layerwise_backup": 1}
+
+        @classmethod
+        def capabilities(cls):
+            from kvtier.interfaces import Capabilities
+            return Capabilities(host_indices=True)
+    assert transfer._modes(Switches, ["layer", "all"]) == ["layer", "all"]
+    assert transfer._with_mode(Switches, {}, "all") == {"layerwise_load": False,
+                                                         "layerwise_backup": False}
+    pools = {k: torch.arange(3) for k in ("host", "dev", "host2", "dev2")}
+    h, d = transfer.indices(pools, Switches, "load")
+    assert h.device.type == "cpu" and d.device.type == "cpu"
+    assert transfer.indices(pools, TorchTransferEngine, "backup")[0] is pools["host2"]
+
+
+def test_plot_has_one_panel_per_direction(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = [{"case": c, "chunk_bytes": b, "engine": e, "config": {}, "mode": m,
+             "direction": d, "ctas": None, "gbps": 40.0, "ratio": 0.8}
+            for c, b in (("a", 1024), ("b", 65536)) for e in ("torch", "x")
+            for m in ("layer", "all") for d in ("h2d", "d2h")]
+    data = {"env": {"gpu": "G"}, "ceiling": {"h2d": 50.0, "d2h": 50.0, "both": 90.0},
+            "results": rows}
+    path = tmp_path / "p.png"
+    transfer.plot(data, str(path))
+    assert path.stat().st_size > 0

@@ -139,8 +139,7 @@ def test_engines_refuse_layouts_they_cannot_move() -> None:
     with pytest.raises(LayoutError, match="vllm_cpu"):
         pool.require_layers("some-engine")
     host = HostKVPool(spec, 4, allocator=TorchPinnedAllocator())
-    try:
-        with pytest.raises(LayoutError, match="torch: device layout 'vllm_cpu'"):
-            TorchTransferEngine(pool, host)
+    try:     # the torch engine moves byte chunks, so it takes every layout
+        TorchTransferEngine(pool, host).close()
     finally:
         host.close()

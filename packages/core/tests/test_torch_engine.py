@@ -3,6 +3,7 @@ surfacing through the handle, bad pools and closed engines."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import pytest
@@ -14,7 +15,8 @@ from kvtier.errors import ConfigError, InvalidArgumentError, LayoutError, PageIn
 from kvtier.host_pool import HostKVPool
 from kvtier.spec import KVSpec
 from kvtier.testing import fill_random, make_device_pool, make_host_pool
-from kvtier.testing.contracts import assert_bitwise_equal
+from kvtier.testing.contracts import (DEVICE_LAYOUTS, DeviceLayoutContract,
+                                      assert_bitwise_equal, layout_specs, make_layout_pool)
 from kvtier.transfer_engines.torch_engine import TorchTransferEngine
 
 MHA = KVSpec.mha(num_layers=4, num_kv_heads=3, head_dim=20, page_size=7, dtype="bfloat16")
@@ -160,3 +162,246 @@ def test_layer_i_waits_only_for_layer_i(engine, spec, monkeypatch):
     assert h.done()
     caps = TorchTransferEngine.capabilities()
     assert not caps.host_indices and caps.row_alignment == 1
+
+
+# ----- byte chunks: every device layout, fp8, the staged path ---------------------------------
+class TestTorchDeviceLayouts(DeviceLayoutContract):
+    """The layout round trips for the torch engine, which must move every layout."""
+
+    distribution = "kvtier-core"
+    refusals_allowed = False
+
+
+class _FakeStream:
+    def wait_event(self, ev):
+        pass
+
+
+class _FakeEvent:
+    def record(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+
+class _FakeDeviceModule:
+    """Streams and events for the CPU, so the staged path (gather, copy, scatter through two
+    staging buffers in batches) runs in CI; CPU work is synchronous, so they order nothing."""
+
+    Stream = staticmethod(lambda device=None: _FakeStream())
+    Event = _FakeEvent
+
+    @staticmethod
+    def current_stream(device=None):
+        return _FakeStream()
+
+    @staticmethod
+    @contextlib.contextmanager
+    def stream(s):
+        yield
+
+    @staticmethod
+    @contextlib.contextmanager
+    def device(d):
+        yield
+
+
+class StagedTorchEngine(TorchTransferEngine):
+    def _device_module(self, device):
+        return _FakeDeviceModule
+
+
+def _layout_case(layout, which, host_layout, staging, device="cpu", staged=True, **cfg):
+    spec = layout_specs(layout)[which]
+    dpool = make_layout_pool(spec, layout, 23, device)
+    hpool = make_host_pool(spec, 31, host_layout)
+    cls = StagedTorchEngine if staged else TorchTransferEngine
+    return spec, dpool, hpool, cls(dpool, hpool, {"staging_bytes": staging, **cfg})
+
+
+def _host_page(hpool, p):
+    return torch.cat(hpool.page_segments(p))
+
+
+def _roundtrip(dpool, hpool, eng, seed, n):
+    """Random (repeated on the host side) pages out and back in; every page checked as bytes,
+    each layer checked as soon as wait_layer returns."""
+    rng = random.Random(seed)
+    src = rng.sample(range(dpool.num_pages), n)
+    host = rng.sample(range(hpool.num_pages), n)
+    want = [dpool.page_bytes(p).cpu() for p in src]
+    eng.backup(torch.tensor(src), host).wait()
+    if dpool.device.type == "cuda":          # wait() orders the caller's stream; read on host
+        torch.cuda.current_stream().synchronize()
+    for i, p in enumerate(host):
+        assert torch.equal(_host_page(hpool, p), want[i]), f"backup page {src[i]} -> {p}"
+    for layer in dpool.chunks:
+        for chunk in layer:
+            fill_random(chunk)
+    dst = rng.sample(range(dpool.num_pages), n)
+    h = eng.load(host, torch.tensor(dst, device=dpool.device))
+    lb = dpool.spec.page_bytes // dpool.spec.num_layers
+    for layer in rng.sample(range(dpool.spec.num_layers), dpool.spec.num_layers):
+        h.wait_layer(layer)
+        if dpool.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+        for i, p in enumerate(dst):
+            got = torch.cat([c[p] for c in dpool.chunks[layer]]).cpu()
+            assert torch.equal(got, want[i][layer * lb:(layer + 1) * lb]), \
+                f"load layer {layer} host {host[i]} -> device {p}"
+    h.wait()
+
+
+@pytest.mark.parametrize("host_layout", ["page_first", "layer_first"])
+@pytest.mark.parametrize("layout", DEVICE_LAYOUTS)
+@pytest.mark.parametrize("which", [0, 1])
+@pytest.mark.parametrize("staging", [1, 1 << 20], ids=["batched", "one-batch"])
+def test_staged_path_every_layout(layout, which, host_layout, staging):
+    """Staging of 1 byte is rounded up to one page-layer: every page is its own batch and the
+    two staging buffers are reused many times per layer."""
+    spec, dpool, hpool, eng = _layout_case(layout, which, host_layout, staging)
+    try:
+        if staging == 1:
+            assert eng.batch_pages == 1
+        for seed in range(2):
+            _roundtrip(dpool, hpool, eng, seed * 7 + which, random.Random(seed).randint(1, 17))
+    finally:
+        eng.close()
+        hpool.close()
+
+
+def test_fp8_moves_as_bytes():
+    """fp8 (no CPU index_copy_ for it in torch) moves as bytes, NaN patterns included."""
+    spec = KVSpec.mha(num_layers=2, num_kv_heads=1, head_dim=16, page_size=4,
+                      dtype="float8_e4m3fn")
+    for staged in (False, True):
+        dpool = make_device_pool(spec, 9)
+        hpool = make_host_pool(spec, 9)
+        dpool.chunks[0][0][3].fill_(0x7F)          # e4m3fn NaN
+        eng = (StagedTorchEngine if staged else TorchTransferEngine)(dpool, hpool)
+        try:
+            eng.backup([3], [5]).wait()
+            assert torch.equal(hpool.page_bytes_view(5), dpool.page_bytes(3))
+            assert int(hpool.page_bytes_view(5)[0]) == 0x7F
+        finally:
+            eng.close()
+            hpool.close()
+
+
+def test_wide_elements_where_aligned():
+    """Rows whose sizes and addresses allow it move as 8-byte elements; odd rows as bytes."""
+    even = KVSpec.mha(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, dtype="bfloat16")
+    odd = KVSpec.mha(num_layers=2, num_kv_heads=1, head_dim=3, page_size=3,
+                     dtype="float8_e4m3fn")
+    for spec, widths in ((even, [8]), (odd, [1])):
+        dpool, hpool = make_device_pool(spec, 3), make_host_pool(spec, 3)
+        eng = TorchTransferEngine(dpool, hpool)
+        try:
+            assert eng.describe()["element_bytes"] == widths
+        finally:
+            eng.close()
+            hpool.close()
+
+
+@pytest.mark.parametrize("bad", [{"staging_bytes": 0}, {"staging_bytes": -1},
+                                 {"staging_bytes": 1.5}, {"host_threads": 4},
+                                 {"staging_bytes": True}, {"no_such_key": 1}])
+def test_bad_config_is_refused_when_built(bad):
+    dpool, hpool = make_device_pool(MHA, 3), make_host_pool(MHA, 3)
+    try:
+        with pytest.raises(ConfigError):
+            TorchTransferEngine(dpool, hpool, bad)
+    finally:
+        hpool.close()
+
+
+def test_device_without_streams_is_refused():
+    class NoStreams(TorchTransferEngine):
+        def _device_module(self, device):
+            return TorchTransferEngine._device_module(self, torch.device("meta"))
+    dpool, hpool = make_device_pool(MHA, 3), make_host_pool(MHA, 3)
+    try:
+        with pytest.raises(LayoutError, match="streams and events"):
+            NoStreams(dpool, hpool)
+    finally:
+        hpool.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("host_layout", ["page_first", "layer_first"])
+@pytest.mark.parametrize("layout", DEVICE_LAYOUTS)
+@pytest.mark.parametrize("staging", [1, 64 << 20], ids=["batched", "one-batch"])
+@pytest.mark.parametrize("zero_copy", [True, False], ids=["zero-copy", "staged"])
+def test_cuda_every_layout(layout, host_layout, staging, zero_copy):
+    for which in range(2):
+        spec, dpool, hpool, eng = _layout_case(layout, which, host_layout, staging, "cuda",
+                                               staged=False, zero_copy=zero_copy)
+        try:
+            assert eng.zero_copy == zero_copy        # torch-pinned host pools allow it
+            for seed in range(3):
+                _roundtrip(dpool, hpool, eng, seed + 11 * which, random.Random(seed).randint(1, 20))
+        finally:
+            eng.close()
+            hpool.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_calls_do_not_sync_the_caller():
+    """A load queued behind a long kernel on the caller's stream returns at once and its data
+    lands only after that kernel (the side stream is ordered after the caller's)."""
+    spec = KVSpec.mha(num_layers=2, num_kv_heads=8, head_dim=128, page_size=16)
+    dpool, hpool = make_device_pool(spec, 64, "cuda"), make_host_pool(spec, 64)
+    eng = TorchTransferEngine(dpool, hpool)
+    try:
+        a = torch.randn(4096, 4096, device="cuda")
+        torch.cuda.synchronize()
+        for _ in range(20):
+            a = a @ a / 64                     # ~ tens of ms queued on the caller's stream
+        dpool.chunks[0][0][:].fill_(0)         # also queued: must be overwritten by the load
+        import time
+        t = time.perf_counter()
+        h = eng.load(list(range(32)), list(range(32)))
+        assert time.perf_counter() - t < 0.01
+        h.wait()
+        torch.cuda.synchronize()
+        assert torch.equal(dpool.page_bytes(5).cpu(), hpool.page_bytes_view(5))
+    finally:
+        eng.close()
+        hpool.close()
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["cpu", "staged"])
+def test_large_rows_in_batches(staged):
+    """128 KiB chunks over several staging batches land whole (every row, both ways)."""
+    spec = KVSpec.mha(num_layers=2, num_kv_heads=8, head_dim=128, page_size=64)
+    dpool, hpool = make_device_pool(spec, 12), make_host_pool(spec, 14)
+    eng = (StagedTorchEngine if staged else TorchTransferEngine)(
+        dpool, hpool, {"staging_bytes": 5 << 20})
+    try:
+        _roundtrip(dpool, hpool, eng, 3, 11)
+    finally:
+        eng.close()
+        hpool.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("zero_copy", [True, False], ids=["zero-copy", "staged"])
+def test_cuda_large_rows_and_pageable_host(zero_copy):
+    """128 KiB chunks in several batches, and a pageable (mmap) host pool, which
+    cannot be read in place and is always staged."""
+    spec = KVSpec.mha(num_layers=3, num_kv_heads=8, head_dim=128, page_size=64)
+    dpool = make_device_pool(spec, 12, "cuda")
+    for alloc in ("torch-pinned", "mmap"):
+        hpool = make_host_pool(spec, 14, "page_first", alloc)
+        eng = TorchTransferEngine(dpool, hpool, {"zero_copy": zero_copy,
+                                                 "staging_bytes": 3 << 20})
+        try:
+            assert eng.zero_copy == (zero_copy and alloc == "torch-pinned")
+            _roundtrip(dpool, hpool, eng, 5, 11)
+        finally:
+            eng.close()
+            hpool.close()

@@ -4,6 +4,7 @@ probe's reason)."""
 from __future__ import annotations
 
 from kvtier.testing import HostAllocatorContract, TransferEngineContract
+from kvtier.testing.contracts import DeviceLayoutContract
 
 DIST = "kvtier-nvidia-tma"
 
@@ -15,4 +16,10 @@ class TestTransferEngines(TransferEngineContract):
 
 
 class TestHostAllocator(HostAllocatorContract):
+    distribution = DIST
+
+
+class TestDeviceLayouts(DeviceLayoutContract):
+    """Every device layout: moved bitwise, or refused with LayoutError when built."""
+
     distribution = DIST

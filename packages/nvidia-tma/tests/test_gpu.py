@@ -360,3 +360,109 @@ def test_host_register_large_pool_and_transfer():
         ptr = buf.ptr
         buf.close()
     assert _driver.host_device_pointer(ptr) is None, "still registered after close"
+
+
+# ----- device layouts (pool.chunks) and the chunk-size router --------------------------------
+@pytest.mark.parametrize("layout", ["flashinfer_nhd", "flashinfer_hnd", "vllm_cpu", "mla"])
+def test_kernel_engines_refuse_untyped_layouts_copy_engine_takes_them(layout):
+    from kvtier.testing.contracts import layout_specs, make_layout_pool
+    _available("nvidia-routed")
+    spec = layout_specs(layout)[0]
+    dpool = make_layout_pool(spec, layout, 5, "cuda")
+    hpool = HostKVPool(spec, 5, allocator="torch-pinned")
+    try:
+        for name in ("nvidia-tma", "nvidia-register", "nvidia-routed"):
+            with pytest.raises(LayoutError, match="device layout"):
+                _engine(name, dpool, hpool, **({"crossover_bytes": 1}
+                                               if name == "nvidia-routed" else {}))
+        _engine("nvidia-copy-engine", dpool, hpool).close()
+    finally:
+        hpool.close()
+
+
+@pytest.mark.parametrize("crossover, path", [(1, "copy_engine"), (1 << 40, "sm")])
+@pytest.mark.parametrize("spec", [SPECS[0], SPECS[3],
+                                  KVSpec.mha(num_layers=3, num_kv_heads=2, head_dim=16,
+                                             page_size=5, dtype="float8_e4m3fn")], ids=_sid)
+def test_routed_paths_bitwise_and_counted(spec, crossover, path):
+    _available("nvidia-routed")
+    rng = random.Random(crossover % 97 + spec.num_layers)
+    dpool = DeviceKVPool.empty(spec, 41, "cuda")
+    hpool = HostKVPool(spec, 37, allocator="torch-pinned")
+    eng = _engine("nvidia-routed", dpool, hpool, crossover_bytes=crossover)
+    try:
+        assert eng.route == {"h2d": path, "d2h": path}
+        assert eng.crossover_source == "configured"
+        moved = 0
+        for n, form in [(1, "list"), (9, "cuda"), (33, "cpu")]:
+            wrap = {"list": lambda x: x, "cpu": lambda x: torch.tensor(x),
+                    "cuda": lambda x: torch.tensor(x, device="cuda")}[form]
+            fill_random(hpool.raw)
+            _poison(dpool)
+            host = [rng.randrange(37) for _ in range(n)]
+            dev = rng.sample(range(41), n)
+            h = eng.load(wrap(host), wrap(dev))
+            for layer in range(spec.num_layers):
+                h.wait_layer(layer)
+            h.wait()
+            torch.cuda.synchronize()
+            assert_device_has(dpool, hpool, host, dev)
+            fill_random(hpool.raw)
+            src, dst = [rng.randrange(41) for _ in range(n)], rng.sample(range(37), n)
+            eng.backup(wrap(src), wrap(dst)).wait()
+            torch.cuda.synchronize()
+            assert_host_has(dpool, hpool, src, dst)
+            moved += 2 * n * spec.page_bytes
+        st = eng.stats()
+        assert st["bytes"][path] == moved and sum(st["bytes"].values()) == moved
+        assert st["transfers"][path] == 6
+    finally:
+        eng.close()
+        hpool.close()
+
+
+def test_routed_calibration_is_measured_then_cached(tmp_path):
+    _available("nvidia-routed")
+    spec = KVSpec.mha(num_layers=2, num_kv_heads=8, head_dim=128, page_size=64)   # 128 KiB
+    dpool = DeviceKVPool.empty(spec, 9, "cuda")
+    hpool = HostKVPool(spec, 9, allocator="torch-pinned")
+    cache = str(tmp_path / "routes.json")
+    try:
+        first = _engine("nvidia-routed", dpool, hpool, cache_file=cache, calibrate_mib=8)
+        assert first.crossover_source == "calibrated"
+        for d in ("h2d", "d2h"):
+            table = first.calibration[d]["table"]
+            assert len(table) >= 5 and all(len(v) == 2 and min(v) > 0 for v in table.values())
+            cross = first.crossover[d]
+            want = "copy_engine" if cross is not None and spec.chunk_bytes >= cross else "sm"
+            assert first.route[d] == want
+        second = _engine("nvidia-routed", dpool, hpool, cache_file=cache, calibrate_mib=8)
+        assert second.crossover_source == "cached"
+        assert second.crossover == first.crossover
+        first.close()
+        second.close()
+    finally:
+        hpool.close()
+
+
+def test_auto_picks_the_router_on_cuda_and_reports_it(caplog):
+    import logging
+    _available("nvidia-routed")
+    spec = SPECS[3]
+    dpool = DeviceKVPool.empty(spec, 5, "cuda")
+    hpool = HostKVPool(spec, 5, allocator="torch-pinned")
+    try:
+        with caplog.at_level(logging.INFO, logger="kvtier.registry"):
+            eng = registry.create_transfer_engine(
+                "auto", dpool, hpool, {"nvidia-routed": {"crossover_bytes": 1}})
+        assert eng.name == "nvidia-routed" and eng.auto_selection["chosen"] == "nvidia-routed"
+        assert "chose 'nvidia-routed'" in caplog.text
+        eng.close()
+        from kvtier.testing.contracts import make_layout_pool
+        fpool = make_layout_pool(spec, "flashinfer_hnd", 5, "cuda")
+        eng = registry.create_transfer_engine("auto", fpool, hpool)
+        assert eng.name == "nvidia-copy-engine"          # the kernels refuse this layout
+        assert "nvidia-tma" in eng.auto_selection["skipped"]
+        eng.close()
+    finally:
+        hpool.close()

@@ -23,8 +23,9 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=2))
         return 0
     body = [[r["kind"], r["name"], f"{r['distribution']} {r['version']}",
-             "yes" if r["available"] else "no"] for r in rows]
-    print(table(["kind", "name", "package", "available"], body))
+             "yes" if r["available"] else "no",
+             "-" if r.get("auto_priority") is None else str(r["auto_priority"])] for r in rows]
+    print(table(["kind", "name", "package", "available", "auto rank"], body))
     width = output_width() or 100
     lines = []
     for r in rows:

@@ -68,6 +68,9 @@ class Capabilities:
     #: Transfer engines: a KV row (``spec.row_bytes``) must be a multiple of this many bytes
     #: (16 for engines that move 16-byte units); other geometries raise LayoutError.
     row_alignment: int = 1
+    #: Transfer engines: rank for ``transfer_engine="auto"`` among the available engines that
+    #: move data for the device type (higher first); None: never chosen automatically.
+    auto_priority: int | None = None
 
 
 class Backend(abc.ABC):

@@ -10,6 +10,7 @@ another INTERFACE_VERSION is refused. Nothing here branches on a backend's name.
 from __future__ import annotations
 
 import importlib.metadata as md
+import logging
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +19,8 @@ from .errors import (BackendConflictError, BackendNotFoundError, BackendUnavaila
                      EntryPointError, InterfaceVersionError)
 from .interfaces import (GROUPS, HOST_ALLOCATORS, INTERFACE_VERSION, L3_STORES,
                          TRANSFER_ENGINES, Availability, HostAllocator, L3Store, TransferEngine)
+
+_log = logging.getLogger(__name__)
 
 KIND_OF_GROUP = {HOST_ALLOCATORS: "host_allocator", L3_STORES: "l3_store",
                  TRANSFER_ENGINES: "transfer_engine"}
@@ -51,7 +54,10 @@ class BackendRecord:
                 "reason": str(self.error) if self.error else
                 ("" if av is None else av.reason),
                 "hint": (getattr(self.error, "hint", "") if self.error else
-                         ("" if av is None else av.hint))}
+                         ("" if av is None else av.hint)),
+                "auto_priority": (self.cls.capabilities().auto_priority
+                                  if self.cls is not None and self.group == TRANSFER_ENGINES
+                                  else None)}
 
 
 _lock = threading.RLock()
@@ -193,4 +199,72 @@ def create_l3_store(name: str, config: Any = None, *, spec: Any) -> L3Store:
 
 def create_transfer_engine(name: str, device_pool: Any, host_pool: Any,
                            config: Any = None) -> TransferEngine:
+    """The named engine over the two pools; ``"auto"``: see `select_transfer_engine`."""
+    if name == AUTO:
+        return select_transfer_engine(device_pool, host_pool, config)
     return get_backend_class(TRANSFER_ENGINES, name)(device_pool, host_pool, config)
+
+
+# --------------------------------------------------------------------------------------------
+# transfer_engine="auto": chosen by declared capabilities, reported
+AUTO = "auto"
+
+
+def auto_candidates(device_type: str, host_layout: str | None = None
+                    ) -> list[tuple[BackendRecord, str]]:
+    """Every transfer engine with its verdict for ``device_type``, best first: ``""`` if
+    ``auto`` may build it, else why not (unavailable, other devices, no auto rank, ...)."""
+    out = []
+    for rec in records(TRANSFER_ENGINES):
+        av = probe(rec)
+        caps = rec.cls.capabilities() if rec.cls is not None and av.ok else None
+        if caps is None:
+            why = f"unavailable: {av.reason}"
+        elif caps.auto_priority is None:
+            why = "not chosen automatically (no auto_priority)"
+        elif not ({"h2d", "d2h"} <= set(caps.directions)):
+            why = f"moves only {', '.join(caps.directions) or 'nothing'}"
+        elif device_type not in caps.device_types and "any torch device" not in \
+                caps.device_types:
+            why = f"moves data for {', '.join(caps.device_types)}, not {device_type}"
+        elif host_layout is not None and host_layout not in caps.host_layouts:
+            why = f"does not take {host_layout} host pools"
+        else:
+            why = ""
+        out.append((rec, why, -(caps.auto_priority or 0) if caps and not why else 0))
+    out.sort(key=lambda t: (bool(t[1]), t[2], t[0].name))
+    return [(rec, why) for rec, why, _ in out]
+
+
+def select_transfer_engine(device_pool: Any, host_pool: Any,
+                           config: Any = None) -> TransferEngine:
+    """Build the highest-ranked available engine (``Capabilities.auto_priority``) that moves
+    data for the device pool's device type; one that refuses these pools when built (a typed
+    KVTierError: layout, alignment, memory) is passed over for the next. ``config`` maps engine
+    names to their configs. The choice is logged and kept on the engine as ``auto_selection``
+    ({"chosen", "skipped": {name: why}}). Nothing available raises BackendUnavailableError."""
+    from .errors import ConfigError, KVTierError
+    if config is not None and not isinstance(config, dict):
+        raise ConfigError("transfer_engine 'auto': config must map engine names to their "
+                          f"configs, got {type(config).__name__}", key="transfer_engine_config")
+    configs = dict(config or {})
+    device_type = device_pool.device.type
+    candidates = auto_candidates(device_type, getattr(host_pool, "layout", None))
+    skipped = {rec.name: why for rec, why in candidates if why}
+    for rec, why in candidates:
+        if why:
+            continue
+        try:
+            engine = rec.cls(device_pool, host_pool, configs.get(rec.name))  # type: ignore
+        except KVTierError as exc:
+            skipped[rec.name] = f"refused these pools: {type(exc).__name__}: {exc}"
+            continue
+        engine.auto_selection = {"chosen": rec.name, "device_type": device_type,
+                                 "skipped": skipped}
+        _log.info("transfer_engine=auto chose %r for %s pools (passed over: %s)", rec.name,
+                  device_type, "; ".join(f"{k}: {v}" for k, v in skipped.items()) or "none")
+        return engine
+    raise BackendUnavailableError(
+        f"transfer_engine 'auto': no transfer engine can move pages for a {device_type} device "
+        "pool here: " + "; ".join(f"{k}: {v}" for k, v in skipped.items()),
+        kind="transfer_engine", name=AUTO, reason="no engine fits")

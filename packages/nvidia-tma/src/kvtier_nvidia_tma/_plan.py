@@ -399,3 +399,26 @@ def _tmap_box(t: TensorMapGeometry, page: int, layer: int, stage: bytearray, wri
             else:
                 buf[o:o + row] = stage[s0:s0 + row]
 
+
+
+# --------------------------------------------------------------------------------------------
+# Chunk-size routing (nvidia-routed): where the copy engine takes over from the SM kernel
+def choose_crossover(table: dict[int, tuple[float, float]], prefer_copy_within: float
+                     ) -> int | None:
+    """The smallest measured chunk size from which on the copy engine is never slower than
+    ``(1 - prefer_copy_within)`` x the SM path, given ``{chunk_bytes: (sm_gbps, copy_gbps)}``;
+    None when the copy engine never catches up (every size goes to the SMs).
+
+    Ties go to the copy engine on purpose: it leaves the SMs to the model."""
+    if not 0 <= prefer_copy_within < 1:
+        raise ConfigError(f"prefer_copy_within must be in [0, 1), got {prefer_copy_within!r}",
+                          key="prefer_copy_within", value=prefer_copy_within)
+    sizes = sorted(table)
+    cross = None
+    for c in reversed(sizes):
+        sm, ce = table[c]
+        if ce >= (1 - prefer_copy_within) * sm:
+            cross = c
+        else:
+            break
+    return cross

@@ -16,6 +16,7 @@ lands); ``debug=True`` rejects them.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -28,6 +29,8 @@ from . import KVTIER_INTERFACE_VERSION
 from ._plan import (Geometry, KvtParams, check_alignment, host_strides, plan_register,
                     plan_tma, tensor_map_geometry, uniform_strides)
 from ._probe import probe_cuda
+
+log = logging.getLogger(__name__)
 
 #: 1 GiB: how far apart the host pool's registration is sampled (cuMemHostRegister chunks).
 _REG_SAMPLE = 1 << 30
@@ -68,12 +71,16 @@ class _NvidiaEngine(TransferEngine):
     _min_cc = 0
     _needs_16b = True
     _no_null_stream = False
+    #: The kernels address K/V as [slots, heads, dim] tensors (token_major / vllm_flash only).
+    _needs_layers = True
+    _auto_priority: int | None = None
 
     @classmethod
     def capabilities(cls) -> Capabilities:
         return Capabilities(device_types=("cuda",), host_layouts=("page_first", "layer_first"),
                             row_alignment=16 if cls._needs_16b else 1,
-                            host_indices=cls.name == "nvidia-copy-engine")
+                            auto_priority=cls._auto_priority,
+                            host_indices=not cls._needs_layers)
 
     def __init__(self, device_pool, host_pool, config: Any = None):
         super().__init__(device_pool, host_pool, config)
@@ -102,6 +109,7 @@ class _NvidiaEngine(TransferEngine):
                                           name=self.name, reason=reason,
                                           hint="use nvidia-register or nvidia-copy-engine")
         spec = self.spec
+        layers = device_pool.require_layers(self.name) if self._needs_layers else None
         if self._needs_16b:
             check_alignment(spec.chunk_bytes, spec.row_bytes, f"{self.name}: ")
         raw = host_pool.raw
@@ -110,8 +118,8 @@ class _NvidiaEngine(TransferEngine):
                               f"{raw.device}")
         self._host_dptr = self._registered_base(raw.data_ptr(), raw.numel())
         C, L = spec.num_components, spec.num_layers
-        table = [device_pool.layers[c][layer].data_ptr() for layer in range(L)
-                 for c in range(C)]
+        table = ([layers[c][layer].data_ptr() for layer in range(L) for c in range(C)]
+                 if layers is not None else [])
         for g, ptr in enumerate(table):
             if self._needs_16b and ptr % 16:
                 raise LayoutError(f"{self.name}: device buffer (layer {g // C}, comp {g % C}) "
@@ -262,6 +270,7 @@ class TmaTransferEngine(_NvidiaEngine):
 
     name = "nvidia-tma"
     _min_cc = 90
+    _auto_priority = 20
 
     @dataclass(frozen=True)
     class Config:
@@ -357,6 +366,7 @@ class RegisterTransferEngine(_NvidiaEngine):
 
     name = "nvidia-register"
     _min_cc = 70
+    _auto_priority = 5
 
     @dataclass(frozen=True)
     class Config:
@@ -408,6 +418,8 @@ class CopyEngineTransferEngine(_NvidiaEngine):
     _min_cc = 0
     _needs_16b = False
     _no_null_stream = True
+    _needs_layers = False           # moves pool.chunks: every device layout
+    _auto_priority = 10
 
     @dataclass(frozen=True)
     class Config:
@@ -435,7 +447,7 @@ class CopyEngineTransferEngine(_NvidiaEngine):
                               value=self.config.max_batch)
         self._np = np
         self._copier = _driver.BatchCopier()
-        self._table_np = np.asarray(self._table, dtype=np.uint64)
+        self._runs = chunk_runs(device_pool, host_pool)
 
     def _index(self, pages, limit, what):
         torch = self._torch
@@ -445,19 +457,55 @@ class CopyEngineTransferEngine(_NvidiaEngine):
         return check_page_indices(pages, limit, what)
 
     def _launch(self, h, d, d2h, layer0, layers, stream) -> None:
-        np = self._np
-        g = self._geo
-        hs = h.numpy().astype(np.uint64)
-        ds = d.numpy().astype(np.uint64)
-        gs = np.arange(layer0 * g.comps, (layer0 + layers) * g.comps, dtype=np.uint64)
-        cb = np.uint64(g.chunk_bytes)
-        host = (np.uint64(self._host_dptr) + hs[:, None] * np.uint64(g.host_page_stride)
-                + gs[None, :] * np.uint64(g.host_chunk_stride)).ravel()
-        dev = (self._table_np[gs][None, :] + ds[:, None] * cb).ravel()
-        src, dst = (dev, host) if d2h else (host, dev)
-        sizes = np.full(src.shape, cb, dtype=np.uint64)
-        src, dst, sizes = merge_runs(src, dst, sizes)
+        src, dst, sizes = copy_list(self._runs, self._host_dptr, h.numpy(), d.numpy(), d2h,
+                                    layer0, layers)
         self._copier(dst, src, sizes, stream, self.config.max_batch)
+
+
+def copy_list(runs: dict[str, Any], host_base: int, h, d, d2h: bool, layer0: int,
+              layers: int):
+    """(src, dst, sizes) of every copy of a transfer of pairs (h[i], d[i]) over the layers
+    ``layer0 .. layer0 + layers``, page by page in page order, contiguous runs merged."""
+    import numpy as np
+    r = runs
+    sel = (r["layer"] >= layer0) & (r["layer"] < layer0 + layers)
+    hs = np.asarray(h).astype(np.uint64)[:, None]
+    ds = np.asarray(d).astype(np.uint64)[:, None]
+    host = np.uint64(host_base) + r["host_off"][sel] + hs * r["host_stride"][sel]
+    dev = r["dev_base"][sel] + ds * r["dev_stride"][sel]
+    sizes = np.broadcast_to(r["nbytes"][sel], host.shape).ravel()
+    host, dev = host.ravel(), dev.ravel()
+    src, dst = (dev, host) if d2h else (host, dev)
+    return merge_runs(src, dst, sizes)
+
+
+def chunk_runs(device_pool, host_pool) -> dict[str, Any]:
+    """Every contiguous byte run of a page, per layer in page order: where it starts on the
+    device (base + page * stride) and on the host (offset + page * stride), as NumPy arrays.
+    Device runs are ``pool.chunks`` (any device layout); a chunk that spans two host
+    components of a layer_first host pool is cut at the boundary."""
+    import numpy as np
+    spec = device_pool.spec
+    P, C, cb = host_pool.num_pages, spec.num_components, spec.chunk_bytes
+    lb = spec.page_bytes // spec.num_layers
+    rows = []
+    for layer, chunks in enumerate(device_pool.chunks):
+        at = 0
+        for chunk in chunks:
+            n, o = int(chunk.shape[1]), 0
+            while o < n:
+                if host_pool.layout == "page_first":
+                    take, hoff, hstride = n - o, layer * lb + at + o, spec.page_bytes
+                else:
+                    comp, within = divmod(at + o, cb)
+                    take = min(n - o, cb - within)
+                    hoff, hstride = (layer * C + comp) * P * cb + within, cb
+                rows.append((layer, chunk.data_ptr() + o, chunk.stride(0), hoff, hstride, take))
+                o += take
+            at += n
+    a = np.asarray(rows, dtype=np.uint64).reshape(-1, 6)
+    return {"layer": a[:, 0].astype(np.int64), "dev_base": a[:, 1], "dev_stride": a[:, 2],
+            "host_off": a[:, 3], "host_stride": a[:, 4], "nbytes": a[:, 5]}
 
 
 def merge_runs(src, dst, sizes):
@@ -469,3 +517,256 @@ def merge_runs(src, dst, sizes):
     starts = np.flatnonzero(np.concatenate(([True], ~cont)))
     run_sizes = np.add.reduceat(sizes, starts)
     return src[starts], dst[starts], run_sizes.astype(np.uint64)
+
+
+# --------------------------------------------------------------------------------------------
+class RoutedHandle(TransferHandle):
+    """The handle of the sub-engine a transfer went to."""
+
+    def __init__(self, inner: TransferHandle, path: str):
+        self.inner, self.path = inner, path
+        self.num_layers = getattr(inner, "num_layers", None)
+
+    def wait(self) -> None:
+        self.inner.wait()
+
+    def wait_layer(self, layer: int) -> None:
+        self.inner.wait_layer(layer)
+
+    def done(self) -> bool:
+        return self.inner.done()
+
+    def synchronize(self) -> None:
+        getattr(self.inner, "synchronize", self.inner.wait)()
+
+
+#: Chunk sizes the calibration measures (bytes); the crossover is one of them.
+CALIBRATION_CHUNKS = (4096, 8192, 16384, 32768, 65536, 131072, 262144)
+
+
+class RoutedTransferEngine(TransferEngine):
+    """``nvidia-routed``: each transfer goes to the copy engine where the pool's chunks are
+    large enough for it to run at the link and to the SM kernel (``nvidia-tma`` on sm_90+,
+    else ``nvidia-register``) where they are small. The crossover, per direction, is measured on
+    this machine the first time (both paths timed over scratch pools at the chunk sizes of
+    ``CALIBRATION_CHUNKS``) and cached in a file keyed by GPU, driver and settings, or set with
+    ``crossover_bytes``. ``stats()`` says which path moved how many bytes."""
+
+    name = "nvidia-routed"
+    interface_version = KVTIER_INTERFACE_VERSION
+
+    @dataclass(frozen=True)
+    class Config:
+        #: Chunk size (bytes) from which the copy engine takes a transfer, both directions
+        #: (0: measured on this machine, per direction, and cached).
+        crossover_bytes: int = 0
+        #: Prefer the copy engine where it is within this fraction of the SM path (it leaves
+        #: the SMs to the model: a GEMM beside it is not slowed).
+        prefer_copy_within: float = 0.10
+        #: Calibration cache file ("": ~/.cache/kvtier/nvidia-routed.json; "none": no cache).
+        cache_file: str = ""
+        #: MiB moved per calibration transfer (32 MiB transfers undersell the copy engine:
+        #: 56-65% of the link at 64-256 KiB chunks where 256 MiB ones reach ~90%).
+        calibrate_mib: int = 128
+        #: CTAs of the SM kernel (where chunks are small).
+        ctas: int = 2
+        #: Copies per cuMemcpyBatchAsync call on the copy-engine path.
+        max_batch: int = 256
+        layerwise_load: bool = True
+        layerwise_backup: bool = False
+        debug: bool = False
+        device: int | None = None
+
+    @classmethod
+    def probe(cls) -> Availability:
+        return probe_cuda((7, 0), "the register-copy or TMA kernel and the copy engine")
+
+    @classmethod
+    def capabilities(cls) -> Capabilities:
+        return Capabilities(device_types=("cuda",), host_layouts=("page_first", "layer_first"),
+                            row_alignment=16, auto_priority=30)
+
+    def __init__(self, device_pool, host_pool, config: Any = None):
+        super().__init__(device_pool, host_pool, config)
+        c = self.config
+        for key, lo in (("crossover_bytes", 0), ("calibrate_mib", 1), ("ctas", 1),
+                        ("max_batch", 0)):
+            v = getattr(c, key)
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ConfigError(f"{self.name}: {key} must be an integer >= {lo}, got {v!r}",
+                                  key=key, value=v)
+        common = {"layerwise_load": c.layerwise_load, "layerwise_backup": c.layerwise_backup,
+                  "debug": c.debug, "device": c.device}
+        self.copy = CopyEngineTransferEngine(device_pool, host_pool,
+                                             {**common, "max_batch": c.max_batch})
+        sm_cls = TmaTransferEngine if self.copy._dev.cc >= TmaTransferEngine._min_cc \
+            else RegisterTransferEngine
+        self.sm = sm_cls(device_pool, host_pool, {**common, "ctas": c.ctas})
+        self.device = self.sm.device
+        self.chunk_bytes = min(device_pool.chunk_nbytes)
+        if c.crossover_bytes:
+            self.crossover = {"h2d": c.crossover_bytes, "d2h": c.crossover_bytes}
+            self.crossover_source = "configured"
+            self.calibration: dict[str, Any] = {}
+        else:
+            self.calibration, self.crossover_source = self._calibration()
+            self.crossover = {d: self.calibration[d]["crossover"] for d in ("h2d", "d2h")}
+        self.route = {d: ("copy_engine" if self.crossover[d] is not None
+                          and self.chunk_bytes >= self.crossover[d] else "sm")
+                      for d in ("h2d", "d2h")}
+        self.ctas = self.sm.ctas if "sm" in self.route.values() else 0
+        self._bytes = {"copy_engine": 0, "sm": 0}
+        self._transfers = {"copy_engine": 0, "sm": 0}
+        log.info("%s: %d-byte chunks: loads -> %s, backups -> %s (crossover %s, %s)",
+                 self.name, self.chunk_bytes, self.route["h2d"], self.route["d2h"],
+                 self.crossover, self.crossover_source)
+
+    # ----- public API ---------------------------------------------------------------------
+    def load(self, host_pages, device_pages) -> TransferHandle:
+        return self._go("h2d", lambda e: e.load(host_pages, device_pages), host_pages)
+
+    def backup(self, device_pages, host_pages) -> TransferHandle:
+        return self._go("d2h", lambda e: e.backup(device_pages, host_pages), host_pages)
+
+    def stats(self) -> dict[str, Any]:
+        """Which path moved how many bytes (and transfers), the routes and the crossover."""
+        return {"bytes": dict(self._bytes), "transfers": dict(self._transfers),
+                "route": dict(self.route), "crossover_bytes": dict(self.crossover),
+                "crossover_source": self.crossover_source, "sm_engine": self.sm.name}
+
+    def describe(self) -> dict[str, Any]:
+        return {**self.stats(), "chunk_bytes": self.chunk_bytes,
+                "calibration": self.calibration}
+
+    def close(self) -> None:
+        self.copy.close()
+        self.sm.close()
+
+    def _go(self, direction: str, call, host_pages) -> TransferHandle:
+        path = self.route[direction]
+        handle = call(self.copy if path == "copy_engine" else self.sm)
+        n = len(host_pages)
+        self._bytes[path] += n * self.spec.page_bytes
+        self._transfers[path] += 1
+        return RoutedHandle(handle, path)
+
+    # ----- calibration --------------------------------------------------------------------
+    def _cache_key(self) -> str:
+        import torch
+        dev = self.sm._dev
+        return "|".join(str(x) for x in (
+            dev.name, f"sm_{dev.cc}", _driver_version(), torch.version.cuda, self.sm.name,
+            self.config.ctas, self.config.max_batch, self.config.prefer_copy_within,
+            self.config.calibrate_mib, self.host_pool.buffer.backing))
+
+    def _cache_path(self) -> str | None:
+        import os
+        f = self.config.cache_file
+        if f == "none":
+            return None
+        if f:
+            return f
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"),
+                                                                ".cache")
+        return os.path.join(base, "kvtier", "nvidia-routed.json")
+
+    def _calibration(self) -> tuple[dict[str, Any], str]:
+        import json
+        import os
+        path, key = self._cache_path(), self._cache_key()
+        cache: dict[str, Any] = {}
+        if path and os.path.exists(path):
+            try:
+                with open(path) as f:
+                    cache = json.load(f)
+                if key in cache:
+                    return cache[key], "cached"
+            except (OSError, ValueError):
+                cache = {}
+        result = calibrate(self.sm._dev.ordinal, type(self.sm), self.config)
+        if path:
+            try:
+                os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+                cache[key] = result
+                tmp = f"{path}.{os.getpid()}.tmp"
+                with open(tmp, "w") as f:
+                    json.dump(cache, f, indent=1)
+                os.replace(tmp, path)
+            except OSError as exc:
+                log.warning("%s: could not cache the calibration in %s: %s", self.name, path,
+                            exc)
+        return result, "calibrated"
+
+
+def _driver_version() -> str:
+    try:
+        from . import _driver
+        return str(_driver.check(_driver.drv().cuDriverGetVersion(), "cuDriverGetVersion"))
+    except Exception:   # the key only needs to change when the driver does
+        return "?"
+
+
+def calibrate(ordinal: int, sm_cls: type, config: Any) -> dict[str, Any]:
+    """Time the SM kernel and the copy engine at each of ``CALIBRATION_CHUNKS`` over scratch
+    pools (random pages, all-layer transfers, median of 3 after a warm-up); returns per
+    direction the table ``{chunk: [sm GB/s, copy GB/s]}`` and the crossover."""
+    import torch
+    from kvtier import DeviceKVPool, HostKVPool, KVSpec
+    from kvtier.interfaces import HostBuffer
+    from ._plan import choose_crossover
+    nbytes = config.calibrate_mib << 20
+    dev = torch.device("cuda", ordinal)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    host.random_(1, 255)
+    buf = HostBuffer(host.data_ptr(), nbytes, host, "cuda-pinned", device_addressable=True)
+    tables: dict[str, dict[int, list[float]]] = {"h2d": {}, "d2h": {}}
+    stream = torch.cuda.Stream(dev)
+    g = torch.Generator().manual_seed(5)
+    with torch.cuda.device(dev), torch.cuda.stream(stream):
+        for chunk in CALIBRATION_CHUNKS:
+            spec = KVSpec.mha(num_layers=4, num_kv_heads=1, head_dim=128,
+                              page_size=chunk // 256)
+            pages = nbytes // spec.page_bytes
+            if pages < 2:
+                continue
+            dpool = DeviceKVPool.empty(spec, pages, dev)
+            hpool = HostKVPool(spec, pages, buffer=buf)
+            perm_h = torch.randperm(pages, generator=g)
+            perm_d = torch.randperm(pages, generator=g)
+            engines = [sm_cls(dpool, hpool, {"ctas": config.ctas, "layerwise_load": False}),
+                       CopyEngineTransferEngine(dpool, hpool, {"max_batch": config.max_batch,
+                                                               "layerwise_load": False})]
+            for d in ("h2d", "d2h"):
+                row = []
+                for eng in engines:
+                    host_idx = eng.capabilities().host_indices
+                    h = perm_h if host_idx else perm_h.to(dev)
+                    dd = perm_d if host_idx else perm_d.to(dev)
+                    fn = (lambda e=eng, h=h, dd=dd: e.load(h, dd).wait()) if d == "h2d" \
+                        else (lambda e=eng, h=h, dd=dd: e.backup(dd, h).wait())
+                    row.append(pages * spec.page_bytes / _median_ms(torch, fn) / 1e6)
+                tables[d][chunk] = row
+            for eng in engines:
+                eng.close()
+            del dpool, hpool
+    torch.cuda.synchronize(dev)
+    out: dict[str, Any] = {}
+    for d, table in tables.items():
+        out[d] = {"table": {str(k): v for k, v in table.items()},
+                  "crossover": choose_crossover({k: tuple(v) for k, v in table.items()},
+                                                config.prefer_copy_within)}
+    return out
+
+
+def _median_ms(torch, fn, repeat: int = 3) -> float:
+    times = []
+    for i in range(repeat + 1):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        if i:
+            times.append(a.elapsed_time(b))
+    times.sort()
+    return times[len(times) // 2]

@@ -51,7 +51,7 @@ CASES: dict[str, KVSpec] = {
 }
 #: Cases run by default (the flat controls only when named).
 DEFAULT_CASES = [c for c in CASES if not c.startswith("flat-")]
-DEFAULT_ENGINES = "nvidia-tma,nvidia-register,nvidia-copy-engine"
+DEFAULT_ENGINES = "torch,nvidia-routed,nvidia-tma,nvidia-register,nvidia-copy-engine"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -84,6 +84,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", help="write every result here")
     p.add_argument("--plot", help="save a PNG of GB/s vs chunk size here")
     p.add_argument("--replot", help="read results from this JSON instead of running")
+    p.add_argument("--plot-engines", help="comma-separated engines to draw (default: all)")
 
 
 def parse_value(v: str) -> Any:
@@ -210,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
             data = json.load(f)
         print(render(data))
         if args.plot:
-            plot(data, args.plot)
+            plot(data, args.plot, engines=args.plot_engines)
         return 0
     import torch
     if not torch.cuda.is_available():
@@ -274,17 +275,16 @@ def _run(args: argparse.Namespace, torch) -> int:
         n, dpool, hpool = pools["n"], pools["dpool"], pools["hpool"]
         moved = n * spec.page_bytes
         first_cfg = cfg == _configs(cls, sweeps, fixed.get(name, {}), explicit.get(name))[0]
-        for mode in modes:
-            lw = mode == "layer"
-            full = {**cfg, "layerwise_load": lw, "layerwise_backup": lw}
+        for mode in _modes(cls, modes):
+            full = _with_mode(cls, cfg, mode)
             try:
                 eng = cls(dpool, hpool, full)
             except KVTierError as exc:
                 print(f"{name} {case} {full}: {exc}", file=sys.stderr)
                 continue
             side = torch.cuda.Stream()
-            h, d = indices(pools, name, "load")
-            h2, d2 = indices(pools, name, "backup")
+            h, d = indices(pools, cls, "load")
+            h2, d2 = indices(pools, cls, "backup")
             fns = {"h2d": lambda eng=eng, h=h, d=d: eng.load(h, d).wait(),
                    "d2h": lambda eng=eng, h=h, d=d: eng.backup(d, h).wait(),
                    "both": lambda eng=eng, side=side, h=h, h2=h2, d=d, d2=d2: _both(
@@ -314,16 +314,36 @@ def _run(args: argparse.Namespace, torch) -> int:
     _save(data, args.json)
     print(render(data))
     if args.plot:
-        plot(data, args.plot)
+        plot(data, args.plot, engines=args.plot_engines)
     return 0
 
 
-def indices(pools: dict[str, Any], engine: str, op: str) -> tuple[Any, Any]:
-    """(host, device) indices for a load or a backup, where the engine wants them."""
+def indices(pools: dict[str, Any], cls: type, op: str) -> tuple[Any, Any]:
+    """(host, device) indices for a load or a backup, where the engine wants them (on the host
+    for engines that declare ``host_indices``, else on the device)."""
     h, d = (pools["host"], pools["dev"]) if op == "load" else (pools["host2"], pools["dev2"])
-    if engine == "nvidia-copy-engine":       # addresses are built on the host
+    if cls.capabilities().host_indices:
         h, d = h.cpu(), d.cpu()
     return h, d
+
+
+def _layer_keys(cls: type) -> bool:
+    keys = getattr(cls.Config, "__dataclass_fields__", {})
+    return "layerwise_load" in keys and "layerwise_backup" in keys
+
+
+def _modes(cls: type, modes: list[str]) -> list[str]:
+    """Launch modes an engine has: engines without the layerwise switches run per layer."""
+    if _layer_keys(cls):
+        return modes
+    return ["layer"] if "layer" in modes or "all" in modes else []
+
+
+def _with_mode(cls: type, cfg: dict[str, Any], mode: str) -> dict[str, Any]:
+    if not _layer_keys(cls):
+        return dict(cfg)
+    lw = mode == "layer"
+    return {**cfg, "layerwise_load": lw, "layerwise_backup": lw}
 
 
 def _both(torch, load_eng, backup_eng, side, h, d, h2, d2) -> None:
@@ -353,20 +373,18 @@ def _mixed(torch, data, pair, cases, modes, fixed, nbytes, host_buf, pools, args
             make_pools(torch, pools, case, nbytes, host_buf, args.order)
         moved = 2 * pools["n"] * spec.page_bytes
         for mode in modes:
-            lw = mode == "layer"
             engs = []
             try:
                 for n, cls in zip(names, classes):
                     cfg = _configs(cls, {}, fixed.get(n, {}))[0]
-                    engs.append(cls(pools["dpool"], pools["hpool"],
-                                    {**cfg, "layerwise_load": lw, "layerwise_backup": lw}))
+                    engs.append(cls(pools["dpool"], pools["hpool"], _with_mode(cls, cfg, mode)))
             except KVTierError as exc:
                 print(f"--mixed {pair} {case}: {exc}", file=sys.stderr)
                 for e in engs:
                     e.close()
                 continue
-            h, d = indices(pools, names[0], "load")
-            h2, d2 = indices(pools, names[1], "backup")
+            h, d = indices(pools, classes[0], "load")
+            h2, d2 = indices(pools, classes[1], "backup")
             side = torch.cuda.Stream()
             run_both = functools.partial(_both, torch, engs[0], engs[1], side, h, d, h2, d2)
             ms = median_ms(torch, run_both, args.repeat)
@@ -421,7 +439,7 @@ def gemm_slowdown(torch, engines, sweeps, fixed, args, host_buf, pools) -> list[
         for name, cls in engines:
             cfg = _configs(cls, {}, fixed.get(name, {}))[0]
             eng = cls(dpool, hpool, cfg)
-            hi, hi2 = (idx.cpu(), idx2.cpu()) if name == "nvidia-copy-engine" else (idx, idx2)
+            hi, hi2 = (idx.cpu(), idx2.cpu()) if cls.capabilities().host_indices else (idx, idx2)
             for prio in streams:
                 load_s, back_s = torch.cuda.Stream(), torch.cuda.Stream()
                 # enough transfers to cover the GEMM window, on their own streams
@@ -479,39 +497,51 @@ def render(data: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot(data: dict[str, Any], path: str) -> None:
-    """GB/s vs chunk size, one line per engine/setting, per direction; ceilings dashed."""
+def plot(data: dict[str, Any], path: str, max_series: int = 8, engines: str | None = None
+         ) -> None:
+    """% of the same-run ceiling vs chunk size: one panel per direction, one line per engine
+    and launch mode (its best setting at each size), the legend below the panels."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     dirs = [d for d in ("h2d", "d2h", "both") if any(r["direction"] == d
                                                      for r in data["results"])]
-    fig, axes = plt.subplots(1, len(dirs), figsize=(6.5 * len(dirs), 6), squeeze=False)
+    order: list[str] = []
+    keep = set(engines.split(",")) if engines else None
+    for r in data["results"]:
+        if r["engine"] not in order and (keep is None or r["engine"] in keep):
+            order.append(r["engine"])
+    fig, axes = plt.subplots(1, len(dirs), figsize=(5.2 * len(dirs), 4.4), squeeze=False,
+                             sharey=True)
+    handles: dict[str, Any] = {}
     for ax, d in zip(axes[0], dirs):
-        series: dict[str, dict[int, float]] = {}
+        series: dict[tuple[str, str], dict[int, float]] = {}
         for r in data["results"]:
-            if r["direction"] != d:
+            if r["direction"] != d or r["engine"] not in order:
                 continue
-            label = f"{r['engine']} {_cfg_text(r['config'])} ({r['mode']})"
-            cur = series.setdefault(label, {})
-            cur[r["chunk_bytes"]] = max(cur.get(r["chunk_bytes"], 0), r["gbps"])
-        best = sorted(series.items(), key=lambda kv: -statistics.mean(kv[1].values()))
-        for i, (label, pts) in enumerate(best[:20]):
+            cur = series.setdefault((r["engine"], r["mode"]), {})
+            cur[r["chunk_bytes"]] = max(cur.get(r["chunk_bytes"], 0), 100 * r["ratio"])
+        keys = sorted(series, key=lambda k: (order.index(k[0]), k[1] != "all"))[:max_series]
+        for key in keys:
+            pts = series[key]
             xs = sorted(pts)
-            ax.plot(xs, [pts[x] for x in xs], marker="o", ms=3, label=label,
-                    color=plt.cm.tab20(i % 20),
-                    ls="--" if label.endswith("(layer)") else "-", lw=1)
-        ceil = data["ceiling"][d]
-        ax.axhline(ceil, color="k", ls="--", lw=1, label=f"pinned memcpy {ceil:.1f}")
-        ax.axhline(0.97 * ceil, color="gray", ls=":", lw=1, label="97% of ceiling")
+            label = f"{key[0]} ({'per-layer' if key[1] == 'layer' else 'all-layer'})"
+            color = plt.cm.tab10(order.index(key[0]) % 10)
+            (line,) = ax.plot(xs, [pts[x] for x in xs], marker="o", ms=3, color=color,
+                              ls="--" if key[1] == "layer" else "-", lw=1.2)
+            handles.setdefault(label, line)
+        for y, style in ((92, ":"), (50, "-.")):
+            ax.axhline(y, color="gray", ls=style, lw=0.8)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("chunk bytes (page_size x row)")
-        ax.set_ylabel("GB/s")
-        ax.set_title(d)
-        ax.set_ylim(0, ceil * 1.08)
-        ax.legend(fontsize=5.5, loc="lower right", ncol=2)
+        ax.set_title(f"{d}: ceiling {data['ceiling'][d]:.1f} GB/s")
+        ax.set_ylim(0, 105)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("% of the same-run ceiling (dotted 92%, dash-dot 50%)")
+    fig.legend(list(handles.values()), list(handles), loc="lower center",
+               ncol=min(4, len(handles)), fontsize=8, frameon=False)
     env = data.get("env", {})
     fig.suptitle(f"kvtier page transfers, {env.get('gpu', '')}, driver {env.get('driver', '')},"
                  f" {env.get('date', '')}", fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.06 + 0.035 * ((len(handles) - 1) // 4), 1, 1))
     fig.savefig(path, dpi=130)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+import zlib
 from typing import Any
 
 import pytest
@@ -496,3 +497,98 @@ class PackageContract:
         after_import, after_help = json.loads(out.stdout.strip().splitlines()[-1])
         assert after_import == []
         assert set(after_help) <= {mod, f"{mod}._version", f"{mod}.commands"}, after_help
+
+
+# Device layouts (pool.chunks): every engine moves each layout bitwise or refuses it when built.
+DEVICE_LAYOUTS = ("token_major", "vllm_flash", "flashinfer_nhd", "flashinfer_hnd", "vllm_cpu",
+                  "mla")
+
+
+def make_layout_pool(spec: KVSpec, layout: str, num_pages: int, device: str = "cpu"):
+    """A device pool of random bytes in ``layout`` (``token_major``: DeviceKVPool(spec, k, v))."""
+    from ..device_pool import BLOCK_LAYOUTS, DeviceKVPool
+    if layout == "token_major":
+        return make_device_pool(spec, num_pages, device)
+    H, D = spec.row_shape
+    shape = BLOCK_LAYOUTS[layout][1](num_pages, spec.page_size, H, D)
+    tensors = [fill_random(torch.empty(shape, dtype=spec.torch_dtype, device=device))
+               for _ in range(spec.num_layers)]
+    return DeviceKVPool.from_blocks(spec, tensors, layout)
+
+
+def layout_specs(layout: str) -> list[KVSpec]:
+    """Odd geometries for a layout: fp8 and 2-byte dtypes, odd page sizes and dims."""
+    if layout == "mla":
+        return [KVSpec.mla(num_layers=3, kv_lora_rank=40, rope_dim=8, page_size=5,
+                           dtype="float8_e4m3fn"),
+                KVSpec.mla(num_layers=2, kv_lora_rank=20, rope_dim=4, page_size=3,
+                           dtype="bfloat16")]
+    return [KVSpec.mha(num_layers=3, num_kv_heads=3, head_dim=16, page_size=5,
+                       dtype="float8_e4m3fn"),
+            KVSpec.mha(num_layers=2, num_kv_heads=2, head_dim=12, page_size=3, dtype="float16")]
+
+
+class DeviceLayoutContract(_Suite):
+    """Round trips over every device layout with random pages; an engine that cannot move a
+    layout must refuse it with LayoutError when built (unless ``refusals_allowed`` is False)."""
+
+    group = TRANSFER_ENGINES
+    device_pages = 13
+    host_pages = 17
+    refusals_allowed = True
+    devices = TransferEngineContract.devices
+    host_allocator = TransferEngineContract.host_allocator
+
+    def make_config(self, backend_name: str, workdir: str) -> dict[str, Any]:
+        return self.backend_class(backend_name).example_config(workdir)
+
+    @pytest.fixture(params=["page_first", "layer_first"])
+    def layout(self, request) -> str:
+        return request.param
+
+    @pytest.fixture(params=[(lay, i) for lay in DEVICE_LAYOUTS for i in range(2)],
+                    ids=lambda p: f"{p[0]}-{p[1]}")
+    def layout_case(self, request):
+        return request.param
+
+    def test_layout_roundtrip_bitwise(self, backend_name, layout_case, layout, tmp_path):
+        dev_layout, which = layout_case
+        spec = layout_specs(dev_layout)[which]
+        cls = self.backend_class(backend_name)
+        if layout not in cls.capabilities().host_layouts:
+            pytest.skip(f"{backend_name} does not support host layout {layout}")
+        devices = self.devices(backend_name)
+        if not devices:
+            pytest.skip(f"{backend_name}: no device here")
+        dpool = make_layout_pool(spec, dev_layout, self.device_pages, devices[-1])
+        hpool = make_host_pool(spec, self.host_pages, layout, self.host_allocator(backend_name))
+        try:
+            try:
+                engine = cls(dpool, hpool, self.make_config(backend_name, str(tmp_path)))
+            except LayoutError:
+                if not self.refusals_allowed:
+                    raise
+                return                       # refused when built: allowed
+            try:
+                rng = random.Random(zlib.crc32(repr((layout_case, layout)).encode()))
+                src = rng.sample(range(dpool.num_pages), 9)
+                host = rng.sample(range(hpool.num_pages), 9)
+                want = [dpool.page_bytes(p).cpu() for p in src]
+                engine.backup(src, host).wait()
+                _sync(dpool)
+                for i, p in enumerate(host):
+                    got = torch.cat(hpool.page_segments(p))
+                    assert torch.equal(got, want[i]), f"backup of device page {src[i]}"
+                for layer in dpool.chunks:
+                    for chunk in layer:
+                        fill_random(chunk)
+                dst = rng.sample(range(dpool.num_pages), 9)
+                h = engine.load(host, dst)
+                h.wait()
+                _sync(dpool)
+                for i, p in enumerate(dst):
+                    assert torch.equal(dpool.page_bytes(p).cpu(), want[i]), f"load of {p}"
+            finally:
+                engine.close()
+        finally:
+            hpool.close()
