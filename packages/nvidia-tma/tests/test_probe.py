@@ -9,4 +9,5 @@ class TestPackage(PackageContract):
     distribution = "kvtier-nvidia-tma"
     module = "kvtier_nvidia_tma"
     backends = {("host_allocator", "cuda-host-register"), ("transfer_engine", "nvidia-tma"),
-                ("transfer_engine", "nvidia-register"), ("transfer_engine", "nvidia-copy-engine")}
+                ("transfer_engine", "nvidia-register"), ("transfer_engine", "nvidia-copy-engine"),
+                ("transfer_engine", "nvidia-routed")}

@@ -222,8 +222,6 @@ def auto_candidates(device_type: str, host_layout: str | None = None
             why = f"unavailable: {av.reason}"
         elif caps.auto_priority is None:
             why = "not chosen automatically (no auto_priority)"
-        elif not ({"h2d", "d2h"} <= set(caps.directions)):
-            why = f"moves only {', '.join(caps.directions) or 'nothing'}"
         elif device_type not in caps.device_types and "any torch device" not in \
                 caps.device_types:
             why = f"moves data for {', '.join(caps.device_types)}, not {device_type}"
