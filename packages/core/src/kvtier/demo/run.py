@@ -109,6 +109,13 @@ class DemoConfig:
         if not 0.0 <= self.check_rate <= 1.0:
             raise ConfigError(f"check_rate must be in [0, 1], got {self.check_rate}",
                               key="check_rate", value=self.check_rate)
+        if self.recompute_tokens_per_s is not None:
+            from ..cache.cost import check_rate
+            check_rate("recompute_tokens_per_s", self.recompute_tokens_per_s)
+        if self.long_min_tokens and self.long_max_tokens and \
+                self.long_max_tokens < self.long_min_tokens:
+            raise ConfigError("long_max_tokens must be >= long_min_tokens",
+                              key="long_max_tokens", value=self.long_max_tokens)
         if self.workload == "trace" and not self.trace:
             raise ConfigError("--workload trace needs --trace PATH (a Mooncake-format JSONL "
                               "file)", key="trace")
@@ -198,19 +205,20 @@ class DemoReport:
         rows = [r.summary() for r in self.runs]
         base = next((s for s in rows if s["setup"] == "L1 only"), None)
         base_run = next((r for r in self.runs if r.name == "L1 only"), None)
-        rate = base["recompute_tokens_per_s"] if base is not None else None
+        rate, attn = fit_prefill_cost(base_run.results) if base_run is not None \
+            else (math.nan, 0.0)
+        self.prefill_fit = (rate, attn)
         ps, pb = self.model["page_size"], self.model["page_bytes"]
         for s, run in zip(rows, self.runs):
             s["ideal_speedup"] = s["achieved_of_ideal"] = s["slower_pct"] = None
             if base_run is None:
                 s["hit_gain_pts"] = s["ttft_speedup"] = s["p90_speedup"] = None
                 continue
-            r = rate or s["recompute_tokens_per_s"]
-            if r:
+            if rate > 0:
                 s["ideal_speedup"] = ideal_speedup(
-                    run.results, base_run.results, recompute_tps=r, page_size=ps,
+                    run.results, base_run.results, recompute_tps=rate, page_size=ps,
                     page_bytes=pb, h2d_bps=s["l2_load_bytes_per_s"],
-                    l3_bps=s["l3_read_bytes_per_s"])
+                    l3_bps=s["l3_read_bytes_per_s"], attn=attn)
             s["slower_pct"] = 100.0 * slower_share(run.results, base_run.results)
             s["hit_gain_pts"] = s["hit_rate_pct"] - base["hit_rate_pct"]
             s["ttft_speedup"] = base["ttft_mean_ms"] / s["ttft_mean_ms"] \
@@ -222,14 +230,33 @@ class DemoReport:
         return rows
 
 
+def fit_prefill_cost(results: list[RequestResult]) -> tuple[float, float]:
+    """Least-squares fit of the measured prefills: seconds = c / rate + attn x (n^2 - s^2) / 2
+    for ``c`` tokens computed at positions ``s..n`` (the second term is attention over the
+    context). Returns (rate in tokens/s, attn in s per token pair); attn 0 when the fit
+    gives no positive attention term."""
+    rows = [(r.computed_tokens, (r.tokens ** 2 - (r.tokens - r.computed_tokens) ** 2) / 2,
+             r.prefill_s) for r in results if r.computed_tokens and r.prefill_s > 0]
+    if not rows:
+        return math.nan, 0.0
+    a = np.array([[c, q] for c, q, _ in rows], dtype=float)
+    t = np.array([x for _, _, x in rows], dtype=float)
+    if len(rows) >= 2:
+        (lin, attn), *_ = np.linalg.lstsq(a, t, rcond=None)
+        if lin > 0 and attn >= 0:
+            return 1.0 / lin, float(attn)
+    return float(a[:, 0].sum() / t.sum()), 0.0
+
+
 def ideal_ttft(*, tokens: int, l1_tokens: int, l2_tokens: int, l3_tokens: int,
                page_size: int, page_bytes: int, recompute_tps: float,
-               h2d_bps: float | None, l3_bps: float | None) -> float:
+               h2d_bps: float | None, l3_bps: float | None, attn: float = 0.0) -> float:
     """The least time to the first token of one request at the measured rates, with loads
     fully overlapped with compute: over every split (the first ``k`` hit pages loaded, the
     rest recomputed), ``max(load(k), compute(k))``, where a page from L3 costs its read plus
-    its L2 -> L1 load and L1 hits cost nothing. A rate not measured (None) makes its tier's
-    pages unusable (recomputed)."""
+    its L2 -> L1 load, L1 hits cost nothing, and computing positions ``s..n`` costs
+    ``(n - s) / recompute_tps + attn (n^2 - s^2) / 2`` (`fit_prefill_cost`). A rate not
+    measured (None) makes its tier's pages unusable (recomputed)."""
     n2, n3 = l2_tokens // page_size, l3_tokens // page_size
     if h2d_bps is None:
         n2 = n3 = 0
@@ -242,21 +269,25 @@ def ideal_ttft(*, tokens: int, l1_tokens: int, l2_tokens: int, l3_tokens: int,
         if k:
             load = k * page_bytes / h2d_bps                          # type: ignore[operator]
             load += max(0, k - n2) * page_bytes / l3_bps if k > n2 else 0.0  # type: ignore
-        comp = (rest + (n2 + n3 - k) * page_size) / recompute_tps
+        c = rest + (n2 + n3 - k) * page_size
+        comp = c / recompute_tps + attn * (tokens ** 2 - (tokens - c) ** 2) / 2
         best = min(best, max(load, comp))
     return best
 
 
 def ideal_speedup(results: list[RequestResult], base: list[RequestResult], *,
                   recompute_tps: float, page_size: int, page_bytes: int,
-                  h2d_bps: float | None, l3_bps: float | None) -> float:
+                  h2d_bps: float | None, l3_bps: float | None, attn: float = 0.0) -> float:
     """Mean TTFT of L1 only over the mean ideal TTFT of this setup, both at the measured
     rates (L1 only: its own L1 hits reused, the rest recomputed)."""
     ideal = sum(ideal_ttft(tokens=r.tokens, l1_tokens=r.l1_tokens, l2_tokens=r.l2_hit_tokens,
                            l3_tokens=r.l3_hit_tokens, page_size=page_size,
                            page_bytes=page_bytes, recompute_tps=recompute_tps,
-                           h2d_bps=h2d_bps, l3_bps=l3_bps) for r in results)
-    ref = sum((b.tokens - b.l1_tokens) / recompute_tps for b in base)
+                           h2d_bps=h2d_bps, l3_bps=l3_bps, attn=attn) for r in results)
+    ref = sum(ideal_ttft(tokens=b.tokens, l1_tokens=b.l1_tokens, l2_tokens=0, l3_tokens=0,
+                         page_size=page_size, page_bytes=page_bytes,
+                         recompute_tps=recompute_tps, h2d_bps=None, l3_bps=None, attn=attn)
+              for b in base)
     return ref / ideal if ideal > 0 else math.inf
 
 
@@ -580,7 +611,11 @@ def tables(report: DemoReport) -> str:
           _mib(s["bytes_l3_read"]), _mib(s["bytes_l3_written"]), s["store_errors"],
           f"{s['skipped_pages_l2']}/{s['skipped_pages_l3']}",
           s["checks_passed"], f"{s['busy_s']:.1f}"] for s in rows])
-    return main + "\n\n" + physics(report) + "\n\n" + details
+    rate, attn = getattr(report, "prefill_fit", (math.nan, 0.0))
+    fit = "" if not rate > 0 else (
+        f"\n\nPrefill cost fitted to the L1-only requests (for the ideal): {rate:,.0f} "
+        f"tokens/s plus attention {attn * 1e9:.3g} ns x (n^2 - s^2)/2 for positions s..n.")
+    return main + "\n\n" + physics(report) + fit + "\n\n" + details
 
 
 def write_outputs(report: DemoReport, out_dir: str) -> dict[str, str]:
