@@ -172,7 +172,8 @@ class FetchHandle:
 
     def __init__(self, on_finish: Callable[["FetchHandle", BaseException | None], None],
                  match: Match, handle: TransferHandle, nodes: list[Node],
-                 device_pages: list[int], unused: list[int], num_layers: int):
+                 device_pages: list[int], unused: list[int], num_layers: int, *,
+                 from_l2: int = 0):
         self._on_finish = on_finish
         self.match = match
         self._handle = handle
@@ -181,6 +182,7 @@ class FetchHandle:
         self.unused_pages = unused              # pages given but not loaded (the engine's)
         self.pages_loaded = len(device_pages)
         self.num_layers = num_layers
+        self.from_l2 = min(from_l2, len(device_pages))   # leading pages loaded from L2
         self._finished = False
         self._error: BaseException | None = None
         self._t0 = time.perf_counter()
