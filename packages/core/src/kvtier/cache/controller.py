@@ -270,7 +270,7 @@ class TieredKVCache:
             skip2, skip3 = n2 - min(n2, k), n3_want - max(0, k - n2)
             n2, n3_want = n2 - skip2, n3_want - skip3
             if skip3:                       # read on into L2 for later requests
-                self._start_read(match)
+                l3tasks.start_read(self, match)
         if n3_want:
             l3tasks.start_read(self, match)
             l3tasks.wait_read(self, match, n3_want)
@@ -556,7 +556,7 @@ class TieredKVCache:
                        write: list[bool] | None = None) -> None:
         if not evict_after and not self.config.l3_write_when_slow and \
                 self.cost.l3_slower_than_recompute(self.spec.page_size, self.spec.page_bytes):
-            task = WriteTask(self, nodes, evict_after, write)
+            task = l3tasks.WriteTask(self, nodes, evict_after, write)
             self.metrics_registry.add("cost_skipped_l3_writes", sum(task.write))
             task.done([None] * len(nodes))
             return
