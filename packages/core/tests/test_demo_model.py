@@ -185,3 +185,23 @@ def test_layer_i_runs_before_layer_i_plus_1_of_the_prefix_lands():
     layers = model.size.layers
     assert events == [e for i in range(layers) for e in (("landed", i), ("run", i))]
     assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("q_len, kv_len", [(40, 100), (16, 16), (1, 9), (33, 33 + 64)])
+def test_blocked_attention_after_a_prefix_is_causal_sdpa(monkeypatch, q_len, kv_len):
+    """Queries after a prefix are attended in blocks (the upper triangle skipped): the same
+    as one SDPA over all keys with the bottom-right causal mask."""
+    from kvtier.demo import model as mod
+    monkeypatch.setattr(mod, "ATTENTION_BLOCK", 16)
+    g = torch.Generator().manual_seed(q_len)
+    q = torch.randn(1, 4, q_len, 8, generator=g)
+    k = torch.randn(1, 4, kv_len, 8, generator=g)
+    v = torch.randn(1, 4, kv_len, 8, generator=g)
+
+    class Layer(torch.nn.Module):
+        is_causal = True
+    out, _ = mod._attention(Layer(), q, k, v, None, scaling=8 ** -0.5, dropout=0.0)
+    mask = torch.ones(q_len, kv_len, dtype=torch.bool).tril(kv_len - q_len)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                           scale=8 ** -0.5)
+    assert torch.allclose(out, ref.transpose(1, 2), atol=1e-6)

@@ -65,6 +65,38 @@ MODEL_SIZES: dict[str, ModelSize] = {s.name: s for s in (
 PREFILL_MODES = ("fast", "paged")
 
 
+#: Query rows per attention block when queries follow a cached prefix (see `_attention`).
+ATTENTION_BLOCK = 1024
+ATTENTION = "kvtier_sdpa"
+
+
+def _attention(module, query, key, value, attention_mask, **kwargs):
+    """SDPA as engines' prefill kernels do it: with no prefix (as many queries as keys) plain
+    causal SDPA; when the queries follow a prefix (fewer queries than keys), blocks of
+    ``ATTENTION_BLOCK`` query rows, each over the keys up to its last row with a bottom-right
+    causal mask, so the masked upper triangle is skipped rather than computed (one masked
+    SDPA over all keys costs q x kv, up to twice the causal work)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    q_len, kv_len = query.shape[-2], key.shape[-2]
+    if q_len == kv_len or q_len == 1:
+        return sdpa_attention_forward(module, query, key, value, None, **kwargs)
+    outs = []
+    for b in range(0, q_len, ATTENTION_BLOCK):
+        e = min(b + ATTENTION_BLOCK, q_len)
+        end = kv_len - q_len + e
+        rows = torch.arange(e - b, device=query.device).unsqueeze(1)
+        mask = torch.arange(end, device=query.device).unsqueeze(0) <= rows + (end - (e - b))
+        out, _ = sdpa_attention_forward(module, query[:, :, b:e], key[:, :, :end],
+                                        value[:, :, :end], mask[None, None], **kwargs)
+        outs.append(out)
+    return torch.cat(outs, dim=1), None
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+    AttentionInterface.register(ATTENTION, _attention)
+
+
 class CheckFailedError(KVTierError, AssertionError):
     """A prefill on restored KV did not match the full recompute."""
 
@@ -156,7 +188,8 @@ class DemoModel:
                           intermediate_size=size.intermediate, num_hidden_layers=size.layers,
                           num_attention_heads=size.heads, num_key_value_heads=size.kv_heads,
                           max_position_embeddings=1 << 17, tie_word_embeddings=False)
-        cfg._attn_implementation = "sdpa"
+        _register_attention()
+        cfg._attn_implementation = ATTENTION
         # Initialise on the target device (fast for the large sizes); the seed fixes the
         # weights per device type (CPU and CUDA generators differ).
         forked = [self.device] if self.device.type == "cuda" else []
