@@ -199,14 +199,19 @@ def test_ideal_speedup_on_hand_made_numbers():
 
 def test_prefill_cost_fit_on_hand_made_numbers():
     from kvtier.demo.engine import RequestResult
-    from kvtier.demo.run import fit_prefill_cost
-    rate, attn = 10_000.0, 2e-9
+    from kvtier.demo.run import fit_prefill_cost, ideal_ttft
+    rate, attn, over = 10_000.0, 2e-9, 0.03
 
-    def res(n, c):
-        t = c / rate + attn * (n * n - (n - c) ** 2) / 2
+    def res(n, c, overhead=over, a=attn):
+        t = overhead + c / rate + a * (n * n - (n - c) ** 2) / 2
         return RequestResult(0, 0, n, n - c, 0, 0, c, t, 0, 0, t, 0)
-    got = fit_prefill_cost([res(1000, 1000), res(4000, 200), res(3000, 3000), res(500, 100)])
-    assert got == pytest.approx((rate, attn), rel=1e-6)
-    # no measurable attention term: tokens / seconds
-    flat = [RequestResult(0, 0, n, 0, 0, 0, n, n / rate, 0, 0, n / rate, 0) for n in (10, 20)]
-    assert fit_prefill_cost(flat)[0] == pytest.approx(rate)
+    sizes = [(1000, 1000), (4000, 200), (3000, 3000), (500, 100), (2500, 700)]
+    got = fit_prefill_cost([res(n, c) for n, c in sizes])
+    assert got == pytest.approx((rate, attn, over), rel=1e-6)
+    # no fixed cost, no attention: tokens / seconds, the other terms 0
+    flat = fit_prefill_cost([res(n, c, 0.0, 0.0) for n, c in sizes])
+    assert flat[0] == pytest.approx(rate) and flat[1:] == pytest.approx((0, 0), abs=1e-12)
+    # the fixed cost is paid in every split
+    assert ideal_ttft(tokens=641, l1_tokens=640, l2_tokens=0, l3_tokens=0, page_size=64,
+                      page_bytes=1, recompute_tps=64_000.0, h2d_bps=None, l3_bps=None,
+                      overhead_s=0.03) == pytest.approx(0.03 + 1 / 64_000)

@@ -205,9 +205,10 @@ class DemoReport:
         rows = [r.summary() for r in self.runs]
         base = next((s for s in rows if s["setup"] == "L1 only"), None)
         base_run = next((r for r in self.runs if r.name == "L1 only"), None)
-        rate, attn = fit_prefill_cost(base_run.results) if base_run is not None \
-            else (math.nan, 0.0)
-        self.prefill_fit = (rate, attn)
+        # one cost function for every setup's prefills: their mix of prefix lengths tells the
+        # attention term from the per-token one better than full prefills alone
+        rate, attn, over = fit_prefill_cost([x for r in self.runs for x in r.results])
+        self.prefill_fit = (rate, attn, over)
         ps, pb = self.model["page_size"], self.model["page_bytes"]
         for s, run in zip(rows, self.runs):
             s["ideal_speedup"] = s["achieved_of_ideal"] = s["slower_pct"] = None
@@ -219,7 +220,7 @@ class DemoReport:
                 s["ideal_speedup"] = ideal_speedup(
                     run.results, base_run.results, recompute_tps=rate, page_size=ps,
                     page_bytes=pb, h2d_bps=s["l2_load_bytes_per_s"],
-                    l3_bps=s["l3_read_bytes_per_s"], attn=attn)
+                    l3_bps=s["l3_read_bytes_per_s"], attn=attn, overhead_s=over)
             s["slower_pct"] = 100.0 * slower_share(run.results, base_run.results)
             s["slower_loading_pct"] = 100.0 * slower_share(run.results, base_run.results,
                                                            loading_only=True)
@@ -233,33 +234,48 @@ class DemoReport:
         return rows
 
 
-def fit_prefill_cost(results: list[RequestResult]) -> tuple[float, float]:
-    """Least-squares fit of the measured prefills: seconds = c / rate + attn x (n^2 - s^2) / 2
-    for ``c`` tokens computed at positions ``s..n`` (the second term is attention over the
-    context). Returns (rate in tokens/s, attn in s per token pair); attn 0 when the fit
-    gives no positive attention term."""
-    rows = [(r.computed_tokens, (r.tokens ** 2 - (r.tokens - r.computed_tokens) ** 2) / 2,
-             r.prefill_s) for r in results if r.computed_tokens and r.prefill_s > 0]
+def fit_prefill_cost(results: list[RequestResult]) -> tuple[float, float, float]:
+    """Least-squares fit of the measured prefills: seconds = overhead + c / rate
+    + attn x (n^2 - s^2) / 2 for ``c`` tokens computed at positions ``s..n`` (a fixed cost per
+    prefill, a cost per token, and attention over the context), every coefficient >= 0 (the
+    best fit over the subsets of terms that keeps them so). Returns (rate in tokens/s, attn
+    in s per token pair, overhead in s); rate NaN when nothing was measured."""
+    import itertools
+    rows = [(1.0, r.computed_tokens,
+             (r.tokens ** 2 - (r.tokens - r.computed_tokens) ** 2) / 2, r.prefill_s)
+            for r in results if r.computed_tokens and r.prefill_s > 0]
     if not rows:
-        return math.nan, 0.0
-    a = np.array([[c, q] for c, q, _ in rows], dtype=float)
-    t = np.array([x for _, _, x in rows], dtype=float)
-    if len(rows) >= 2:
-        (lin, attn), *_ = np.linalg.lstsq(a, t, rcond=None)
-        if lin > 0 and attn >= 0:
-            return 1.0 / lin, float(attn)
-    return float(a[:, 0].sum() / t.sum()), 0.0
+        return math.nan, 0.0, 0.0
+    a = np.array([x[:3] for x in rows], dtype=float)
+    t = np.array([x[3] for x in rows], dtype=float)
+    best: tuple[float, np.ndarray] | None = None
+    for cols in itertools.chain.from_iterable(itertools.combinations((0, 2), k)
+                                              for k in (2, 1, 0)):
+        use = [1, *cols]                          # the per-token term is always in
+        coef, *_ = np.linalg.lstsq(a[:, use], t, rcond=None)
+        if coef[use.index(1)] <= 0 or (coef < 0).any():
+            continue
+        full = np.zeros(3)
+        full[use] = coef
+        err = float(((a @ full - t) ** 2).sum())
+        if best is None or err < best[0] - 1e-15:
+            best = (err, full)
+    if best is None:
+        return float(a[:, 1].sum() / t.sum()), 0.0, 0.0
+    over, lin, attn = best[1]
+    return 1.0 / lin, float(attn), float(over)
 
 
 def ideal_ttft(*, tokens: int, l1_tokens: int, l2_tokens: int, l3_tokens: int,
                page_size: int, page_bytes: int, recompute_tps: float,
-               h2d_bps: float | None, l3_bps: float | None, attn: float = 0.0) -> float:
+               h2d_bps: float | None, l3_bps: float | None, attn: float = 0.0,
+               overhead_s: float = 0.0) -> float:
     """The least time to the first token of one request at the measured rates, with loads
     fully overlapped with compute: over every split (the first ``k`` hit pages loaded, the
     rest recomputed), ``max(load(k), compute(k))``, where a page from L3 costs its read plus
     its L2 -> L1 load, L1 hits cost nothing, and computing positions ``s..n`` costs
-    ``(n - s) / recompute_tps + attn (n^2 - s^2) / 2`` (`fit_prefill_cost`). A rate not
-    measured (None) makes its tier's pages unusable (recomputed)."""
+    ``overhead_s + (n - s) / recompute_tps + attn (n^2 - s^2) / 2`` (`fit_prefill_cost`). A
+    rate not measured (None) makes its tier's pages unusable (recomputed)."""
     n2, n3 = l2_tokens // page_size, l3_tokens // page_size
     if h2d_bps is None:
         n2 = n3 = 0
@@ -275,21 +291,24 @@ def ideal_ttft(*, tokens: int, l1_tokens: int, l2_tokens: int, l3_tokens: int,
         c = rest + (n2 + n3 - k) * page_size
         comp = c / recompute_tps + attn * (tokens ** 2 - (tokens - c) ** 2) / 2
         best = min(best, max(load, comp))
-    return best
+    return overhead_s + best
 
 
 def ideal_speedup(results: list[RequestResult], base: list[RequestResult], *,
                   recompute_tps: float, page_size: int, page_bytes: int,
-                  h2d_bps: float | None, l3_bps: float | None, attn: float = 0.0) -> float:
+                  h2d_bps: float | None, l3_bps: float | None, attn: float = 0.0,
+                  overhead_s: float = 0.0) -> float:
     """Mean TTFT of L1 only over the mean ideal TTFT of this setup, both at the measured
     rates (L1 only: its own L1 hits reused, the rest recomputed)."""
     ideal = sum(ideal_ttft(tokens=r.tokens, l1_tokens=r.l1_tokens, l2_tokens=r.l2_hit_tokens,
                            l3_tokens=r.l3_hit_tokens, page_size=page_size,
                            page_bytes=page_bytes, recompute_tps=recompute_tps,
-                           h2d_bps=h2d_bps, l3_bps=l3_bps, attn=attn) for r in results)
+                           h2d_bps=h2d_bps, l3_bps=l3_bps, attn=attn, overhead_s=overhead_s)
+                for r in results)
     ref = sum(ideal_ttft(tokens=b.tokens, l1_tokens=b.l1_tokens, l2_tokens=0, l3_tokens=0,
                          page_size=page_size, page_bytes=page_bytes,
-                         recompute_tps=recompute_tps, h2d_bps=None, l3_bps=None, attn=attn)
+                         recompute_tps=recompute_tps, h2d_bps=None, l3_bps=None, attn=attn,
+                         overhead_s=overhead_s)
               for b in base)
     return ref / ideal if ideal > 0 else math.inf
 
@@ -617,10 +636,11 @@ def tables(report: DemoReport) -> str:
           _mib(s["bytes_l3_read"]), _mib(s["bytes_l3_written"]), s["store_errors"],
           f"{s['skipped_pages_l2']}/{s['skipped_pages_l3']}",
           s["checks_passed"], f"{s['busy_s']:.1f}"] for s in rows])
-    rate, attn = getattr(report, "prefill_fit", (math.nan, 0.0))
+    rate, attn, over = getattr(report, "prefill_fit", (math.nan, 0.0, 0.0))
     fit = "" if not rate > 0 else (
-        f"\n\nPrefill cost fitted to the L1-only requests (for the ideal): {rate:,.0f} "
-        f"tokens/s plus attention {attn * 1e9:.3g} ns x (n^2 - s^2)/2 for positions s..n.")
+        f"\n\nPrefill cost fitted to every prefill of the run (for the ideal): "
+        f"{over * 1e3:.1f} ms + tokens / {rate:,.0f} per s + {attn * 1e9:.3g} ns x "
+        f"(n^2 - s^2)/2 for positions s..n.")
     return main + "\n\n" + physics(report) + fit + "\n\n" + details
 
 
