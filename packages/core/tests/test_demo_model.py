@@ -193,6 +193,7 @@ def test_blocked_attention_after_a_prefix_is_causal_sdpa(monkeypatch, q_len, kv_
     as one SDPA over all keys with the bottom-right causal mask."""
     from kvtier.demo import model as mod
     monkeypatch.setattr(mod, "ATTENTION_BLOCK", 16)
+    monkeypatch.setattr(mod, "ATTENTION_BLOCK_CPU", 16)
     g = torch.Generator().manual_seed(q_len)
     q = torch.randn(1, 4, q_len, 8, generator=g)
     k = torch.randn(1, 4, kv_len, 8, generator=g)

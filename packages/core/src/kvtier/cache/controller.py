@@ -36,6 +36,11 @@ landed, so call prefetch() early (when the request is queued) or it loads nothin
 ``l3_hit_pages`` counts pages L3 matched, ``l3_loaded_pages`` those read into L2 and
 ``fetched_l3_pages`` those loaded into L1.
 
+Cost-aware fetch (``cost_aware_fetch``, on by default; `kvtier.cache.cost`): a fetch loads only
+the leading hit pages whose loading beats recomputing them at the measured L2 -> L1 and L3
+rates and the engine's recompute rate (``recompute_tokens_per_s`` or `observe_recompute`);
+the rest stay the engine's to compute (``cost_skipped_pages_l2``/``_l3``).
+
 Ownership: the cache owns every device page it registered (taken by commit or a fetch) and
 gives it back through ``free_device_pages`` when it evicts it; other pages stay the engine's.
 Pages passed to fetch/commit must be the engine's and not in a fetch still loading (else a
