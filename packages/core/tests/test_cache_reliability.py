@@ -17,37 +17,10 @@ import torch
 from kvtier.errors import InvalidArgumentError, KVTierError, PageIndexError
 from kvtier.l3_stores.memory import MemoryStore
 from kvtier.simulate import TraceRequest, simulate
-from test_cache import SPEC, Rig, _l3_only, toks
+from test_cache import SPEC, Rig, _l3_only, gate_transfers, toks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CHILD = os.path.join(HERE, "cache_exit_child.py")
-
-
-class GatedLoads:
-    """Makes the cache's engine loads land only when ``gate`` opens."""
-
-    def __init__(self, cache):
-        self.gate = threading.Event()
-        real = cache.engine.load
-        gate = self.gate
-
-        class Gated:
-            def __init__(self, h):
-                self.h = h
-
-            def synchronize(self):
-                gate.wait(10)
-                self.h.synchronize()
-
-            def wait(self):
-                self.synchronize()
-
-            def wait_layer(self, i):
-                self.synchronize()
-
-            def done(self):
-                return gate.is_set() and self.h.done()
-        cache.engine.load = lambda hp, dp: Gated(real(hp, dp))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -60,7 +33,7 @@ def test_device_pages_of_a_fetch_in_flight_are_refused_state_unchanged():
         t, other = toks(3 * 4, seed=1), toks(3 * 4, seed=2)
         r.request(t)
         r.l1_only_to_l2()
-        gated = GatedLoads(c)
+        gate = gate_transfers(c, "load")
         m1 = c.match(t)
         pages = r.take(3)
         h1 = c.fetch(m1, pages)                           # in flight until the gate opens
@@ -77,7 +50,7 @@ def test_device_pages_of_a_fetch_in_flight_are_refused_state_unchanged():
         assert after["commit_calls"] == mt.get("commit_calls", 0)
         assert after["fetch_calls"] == mt["fetch_calls"]
         c.check_invariants()
-        gated.gate.set()
+        gate.set()
         h1.wait()
         r.verify(m1.keys, h1.device_pages)
         c.commit(t, h1.device_pages, match=m1)
@@ -154,18 +127,31 @@ def test_write_back_with_l3_moves_pages_down_instead_of_dropping_them():
     assert with_l3.metrics.get("l1_dirty_dropped", 0) <= without.metrics["l1_dirty_dropped"]
 
 
-def test_write_back_simulate_is_deterministic():
-    reqs = [TraceRequest(0, 1024, 1, ((i * 7) % 5, (i * 3) % 4 + 10)) for i in range(24)]
-    runs = [simulate(reqs, l1_pages=4, l2_pages=4, page_size=512, write_policy="write_back",
-                     l3="memory", l3_pages=64, show_progress=False) for _ in range(3)]
-    first = runs[0].as_dict() if hasattr(runs[0], "as_dict") else vars(runs[0])
-    for r in runs[1:]:
-        d = r.as_dict() if hasattr(r, "as_dict") else vars(r)
-        for k in ("l1_hit_tokens", "l2_hit_tokens", "l3_hit_tokens", "computed_tokens"):
-            assert d[k] == first[k], k
-    base = simulate(reqs, l1_pages=4, l2_pages=4, page_size=512, write_policy="write_back",
-                    show_progress=False)
+def _shared_prefix_trace(n: int, seed: int) -> list[TraceRequest]:
+    """Requests of 2-6 blocks that share prefixes (a tree of block ids), as chat turns do."""
+    import random
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        ids, node = [], 0
+        for depth in range(rng.randint(2, 6)):
+            node = node * 4 + rng.randint(1, 3 if depth < 2 else 4)
+            ids.append(node % 100_000)
+        out.append(TraceRequest(0, 512 * len(ids), 1, tuple(ids)))
+    return out
+
+
+def test_write_back_simulate_is_deterministic_and_l3_only_adds_hits():
+    reqs = _shared_prefix_trace(150, seed=3)
+    kw = dict(l1_pages=12, l2_pages=16, page_size=512, write_policy="write_back",
+              show_progress=False)
+    runs = [simulate(reqs, l3="memory", l3_pages=400, **kw) for _ in range(3)]
+    tiers = [(r.l1_hit_tokens, r.l2_hit_tokens, r.l3_hit_tokens) for r in runs]
+    assert tiers[0] == tiers[1] == tiers[2], tiers
+    base = simulate(reqs, **kw)
     assert runs[0].hit_tokens >= base.hit_tokens
+    assert runs[0].l1_hit_tokens == base.l1_hit_tokens      # L1 behaves as without L3
+    assert runs[0].metrics.get("l1_dirty_dropped", 0) <= base.metrics.get("l1_dirty_dropped", 0)
 
 
 def test_simulate_cli_minimal_case(tmp_path):
@@ -348,3 +334,30 @@ def test_best_effort_counts_matched_but_not_loaded_apart():
     finally:
         store.release.set()
         r.close()
+
+
+def test_close_returns_in_time_with_a_write_stuck_and_keeps_its_host_pages():
+    class StuckWrites(MemoryStore):
+        release = threading.Event()
+
+        def batch_set(self, keys, host_pages):
+            self.release.wait()
+            return super().batch_set(keys, host_pages)
+
+    store = StuckWrites(spec=SPEC)
+    r = Rig(store=store, write_policy="write_through", l3_call_timeout_s=0.3,
+            close_timeout_s=1.0)
+    try:
+        r.request(toks(3 * 4, seed=40))                   # its L3 write gets stuck
+        deadline = time.monotonic() + 5
+        while not r.cache.metrics().get("l3_timeouts"):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert r.cache.metrics()["l3_state"].startswith("degraded")
+        host = r.cache.host_pool
+        t0 = time.monotonic()
+        r.close()
+        assert time.monotonic() - t0 < 2
+        assert not host.buffer.closed                     # the stuck call still reads it
+    finally:
+        StuckWrites.release.set()

@@ -29,12 +29,11 @@ Usage (every name below is public API)::
     cache.metrics()                 # counters, gauges (l3_state), latency percentiles
     cache.wait_idle(timeout); cache.restart_l3(); cache.close()   # or `with cache:`
 
-Prefetch policies: ``timeout`` (the default) waits for L3 pages up to a budget that grows with
-the request (``prefetch_timeout_*``); ``wait_complete`` waits for every page (each store call
-still under ``l3_call_timeout_s``); ``best_effort`` never waits: fetch takes only what has
-landed, so call prefetch() early (when the request is queued) or it loads nothing from L3.
-``l3_hit_pages`` counts pages L3 matched, ``l3_loaded_pages`` those read into L2 and
-``fetched_l3_pages`` those loaded into L1.
+Prefetch policies (`kvtier.policies`): ``wait_complete`` (the default) waits for every L3
+page, each store call within ``l3_call_timeout_s``; ``timeout`` waits up to a budget growing
+with the request; ``best_effort`` never waits, so without an early prefetch() it loads nothing
+from L3. Metrics: ``l2/l3_matched_pages`` what match() found, ``l2/l3_hit_pages`` what was
+loaded into L1, ``prefetch_cut_pages`` matched but not loaded.
 
 Cost-aware fetch (``cost_aware_fetch``, on by default; `kvtier.cache.cost`): a fetch loads only
 the leading hit pages whose loading beats recomputing them at the measured L2 -> L1 and L3
@@ -69,7 +68,7 @@ from ..interfaces import CompletedHandle, L3Store, TransferEngine, TransferHandl
 from ..keys import PageKeyer
 from ..metrics import Metrics
 from ..policies import PrefetchPolicy, WritePolicy, make_prefetch_policy, make_write_policy
-from . import eviction, l3tasks, lifecycle, transfers
+from . import eviction, handles, l3tasks, lifecycle, transfers
 from .config import CacheConfig
 from .cost import CostModel, TimedStore
 from .handles import CommitResult, FetchHandle, Match
@@ -79,11 +78,6 @@ from .l3io import L3IO
 log = logging.getLogger("kvtier.cache")
 
 __all__ = ["CacheConfig", "TieredKVCache", "Match", "FetchHandle", "CommitResult"]
-
-
-def _is_meta(x: Any) -> bool:
-    dev = getattr(x, "device", None)
-    return getattr(dev, "type", None) == "meta"
 
 
 class TieredKVCache:
@@ -174,7 +168,7 @@ class TieredKVCache:
     # ----- public API -----------------------------------------------------------------------
     def keys(self, tokens: Any) -> list[bytes]:
         """Chained keys of every full page of ``tokens`` in this cache's namespace."""
-        if _is_meta(tokens):
+        if handles.is_meta(tokens):
             raise TokensError("tokens are a meta-device tensor (no data); pass real token ids")
         return self.keyer.keys(tokens)
 
@@ -517,42 +511,13 @@ class TieredKVCache:
             self._finish_fetch(fh, err)
 
     def _check_match(self, match: Match) -> None:
-        if not isinstance(match, Match) or not match.belongs_to(self):
-            raise InvalidArgumentError("expected a Match from this cache's match()",
-                                       argument="match")
-        if match.released:
-            raise InvalidArgumentError("this match was released", argument="match")
+        handles.check_match(self, match)
 
     def _page_list(self, pages: Any, what: str) -> list[int]:
-        """Device page indices as a list of ints, range-checked (fast path for int lists)."""
-        if isinstance(pages, (list, tuple)) and all(type(p) is int for p in pages):
-            if pages and (min(pages) < 0 or max(pages) >= self.device_pool.num_pages):
-                bad = min(pages) if min(pages) < 0 else max(pages)
-                raise PageIndexError(f"{what}: device page {bad} out of range [0, "
-                                     f"{self.device_pool.num_pages})", index=bad,
-                                     limit=self.device_pool.num_pages)
-            return list(pages)
-        if _is_meta(pages):
-            raise PageIndexError(f"{what} is a meta-device tensor (no data); pass page "
-                                 "indices")
-        return self.device_pool.check_pages(pages, what).tolist()
+        return handles.device_page_list(self.device_pool, pages, what)
 
     def _check_engine_pages(self, pages: Any, what: str) -> list[int]:
-        dev = self._page_list(pages, what)
-        if len(set(dev)) != len(dev):
-            raise PageIndexError(f"{what} contain duplicates")
-        with self._lock:
-            owned = [d for d in dev if self._index.l1_owner(d) is not None]
-            busy = [d for d in dev if d in self._loading]
-        if owned:
-            raise InvalidArgumentError(f"{what}: device page {owned[0]} belongs to the cache "
-                                       "(an L1 page); pass free engine pages",
-                                       argument="device_pages", value=owned[0])
-        if busy:
-            raise InvalidArgumentError(f"{what}: device page {busy[0]} is being loaded by a "
-                                       "fetch still in flight", argument="device_pages",
-                                       value=busy[0])
-        return dev
+        return handles.check_engine_pages(self, pages, what)
 
     def _alloc_host(self, n: int) -> list[int]:
         return eviction.alloc_host(self, n)

@@ -9,7 +9,7 @@ Deadlines: a call that has not returned after ``call_timeout_s`` is a counted fa
 (``l3_timeouts``; it adds to the error streak) and its worker is replaced, so a store that
 blocks forever costs misses, never a hang. The stuck thread keeps its task's host pages (a
 late ``batch_get`` may still write into them) until the call returns, and its result is then
-thrown away. ``batch_exists`` runs on a helper thread under the same deadline.
+thrown away. ``batch_exists`` runs on a thread of its own under the same deadline.
 
 Health (``state``): ``"none"`` (no store), ``"ok"``, ``"degraded: ..."`` (calls stuck past
 their deadline; still used), ``"failed: ..."`` (``error_limit`` failed calls in a row,
@@ -107,7 +107,7 @@ class _ExistsJob:
     def __init__(self, keys: list[bytes]):
         self.keys = keys
         self.result: int | None = None
-        self.done = threading.Lock()      # held until the helper has the result
+        self.done = threading.Lock()      # held until the exists thread has the result
         self.done.acquire()
 
 
@@ -286,7 +286,7 @@ class L3IO:
         return result
 
     def exists(self, keys: Sequence[bytes]) -> int:
-        """``batch_exists`` under the deadline, on a helper thread; 0 on any failure."""
+        """``batch_exists`` under the deadline, on its own thread; 0 on any failure."""
         job = _ExistsJob(list(keys))
         with self._lock:
             t = self._exists_thread
@@ -380,13 +380,6 @@ class L3IO:
 
     def depths(self) -> tuple[int, int]:
         return self.queue.depths()
-
-    def writes_pending(self) -> bool:
-        """A write is queued or a task is running (not counting calls stuck past their
-        deadline)."""
-        q = self.queue
-        with q.cv:
-            return bool(q.writes) or q.inflight > self.stuck_calls()
 
     def stuck_calls(self) -> int:
         """Store calls past their deadline that have not returned yet."""

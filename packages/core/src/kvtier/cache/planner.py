@@ -157,12 +157,7 @@ class CachePlanner:
         L2 run directly, the rest through L3 reads into newly allocated host pages. The plan
         may cover fewer pages (``len(plan.loads)``) when L2 changed or has no room; a page L3
         no longer holds fails in the result (use `PlanResult.loaded_prefix`)."""
-        self._check_start(keys, start)
-        dev = self._pages(device_pages)
-        if start + len(dev) > len(keys):
-            raise InvalidArgumentError(f"plan_load got {len(dev)} device pages for "
-                                       f"{len(keys) - start} keys from page {start}",
-                                       argument="device_pages", value=len(dev))
+        dev = self._span(keys, device_pages, start, "plan_load")
         with self._lock:
             st = _Pending(Plan(self._new_id()))
             l2 = self.index.l2_run(keys, start)[:len(dev)]
@@ -193,12 +188,7 @@ class CachePlanner:
                   ) -> Plan:
         """Back up ``keys[start + i]`` held in ``device_pages[i]`` to L2 (and L3) under the
         write policy; pages already in L2 or in flight are skipped."""
-        self._check_start(keys, start)
-        dev = self._pages(device_pages)
-        if start + len(dev) > len(keys):
-            raise InvalidArgumentError(f"plan_save got {len(dev)} device pages for "
-                                       f"{len(keys) - start} keys from page {start}",
-                                       argument="device_pages", value=len(dev))
+        dev = self._span(keys, device_pages, start, "plan_save")
         pol = self.write_policy
         with self._lock:
             st = _Pending(Plan(self._new_id()))
@@ -420,6 +410,18 @@ class CachePlanner:
             log.warning("kvtier planner: l3_exists returned %r", n)
             return 0
         return n
+
+    @classmethod
+    def _span(cls, keys: Sequence[bytes], device_pages: Sequence[int], start: int,
+              what: str) -> list[int]:
+        """Checked device pages for ``keys[start:start + len(device_pages)]``."""
+        cls._check_start(keys, start)
+        dev = cls._pages(device_pages)
+        if start + len(dev) > len(keys):
+            raise InvalidArgumentError(f"{what} got {len(dev)} device pages for "
+                                       f"{len(keys) - start} keys from page {start}",
+                                       argument="device_pages", value=len(dev))
+        return dev
 
     @staticmethod
     def _check_start(keys: Sequence[bytes], start: int) -> None:
