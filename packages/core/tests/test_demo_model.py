@@ -1,6 +1,9 @@
-"""The demo model's paged prefill: restored-prefix prefill vs full recompute, RoPE offsets."""
+"""The demo model's prefills: restored-prefix prefill vs full recompute (paged: bitwise;
+fast: within the tolerance), RoPE offsets, layer-by-layer overlap with the loads."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
@@ -50,13 +53,13 @@ def test_prefill_on_restored_pages_is_bitwise_the_full_recompute(model, n, resto
     pool = DeviceKVPool.empty(model.spec, 32)
     toks = _tokens(model, n, seed=n)
     first = list(range(31, 31 - n // PS, -1))                  # scattered pages, reversed
-    logits = model.prefill(toks, pool, [], first)
+    logits = model.prefill(toks, pool, [], first, mode="paged")
     assert model.check_restored(toks, logits, pool, first).exact
     # a later request restores `restored` pages and computes the rest into other pages
     more = torch.cat([toks, _tokens(model, 21, seed=7)])
     new = list(range(len(more) // PS - restored))
     pages = first[:restored] + new
-    logits2 = model.prefill(more, pool, first[:restored], new)
+    logits2 = model.prefill(more, pool, first[:restored], new, mode="paged")
     res = model.check_restored(more, logits2, pool, pages)
     assert res.exact and res.passed and res.kv_pages_differing == 0
     assert res.logits_max_abs_diff == 0.0 == res.kv_max_abs_diff
@@ -65,8 +68,8 @@ def test_prefill_on_restored_pages_is_bitwise_the_full_recompute(model, n, resto
 def test_rope_positions_continue_after_the_restored_prefix(model):
     pool = DeviceKVPool.empty(model.spec, 16)
     toks = _tokens(model, 150, seed=3)
-    model.prefill(toks[:96], pool, [], list(range(6)))
-    logits = model.prefill(toks, pool, list(range(4)), list(range(8, 13)))
+    model.prefill(toks[:96], pool, [], list(range(6)), mode="paged")
+    logits = model.prefill(toks, pool, list(range(4)), list(range(8, 13)), mode="paged")
     ref_logits, ref_kv = _plain_forward(model, toks)
     # chunking changes rounding, not results: close to one plain forward of all tokens
     assert torch.allclose(logits, ref_logits, atol=1e-5, rtol=1e-4)
@@ -87,7 +90,7 @@ def test_rope_positions_continue_after_the_restored_prefix(model):
 def test_check_catches_one_flipped_bit(model):
     pool = DeviceKVPool.empty(model.spec, 8)
     toks = _tokens(model, 70, seed=5)
-    logits = model.prefill(toks, pool, [], [0, 1, 2, 3])
+    logits = model.prefill(toks, pool, [], [0, 1, 2, 3], mode="paged")
     pool.layers[1][1][2 * PS + 3].view(torch.uint8).view(-1)[5] ^= 0x10
     res = model.check_restored(toks, logits, pool, [0, 1, 2, 3])
     assert not res.exact and not res.passed and res.kv_pages_differing == 1
@@ -107,3 +110,99 @@ def test_bad_arguments(model):
         model.as_tokens([])
     with pytest.raises(ConfigError, match="model size"):
         DemoModel("huge")
+    with pytest.raises(InvalidArgumentError, match="mode"):
+        model.prefill(toks, pool, [], [0, 1], mode="eager")
+    with pytest.raises(ConfigError, match="max_forward_tokens"):
+        DemoModel("tiny", max_forward_tokens=0)
+
+
+@pytest.mark.parametrize("n, restored, chunk", [(100, 3, 8192), (97, 6, 8192), (150, 2, 40),
+                                                (33, 2, 1)])
+def test_fast_prefill_on_restored_pages_matches_a_full_recompute(n, restored, chunk):
+    model = DemoModel("tiny", page_size=PS, seed=1, max_forward_tokens=chunk)
+    pool = DeviceKVPool.empty(model.spec, 32)
+    toks = _tokens(model, n, seed=n)
+    first = list(range(31, 31 - n // PS, -1))
+    model.prefill(toks, pool, [], first)
+    more = torch.cat([toks, _tokens(model, 21, seed=7)])
+    new = list(range(len(more) // PS - restored))
+    logits = model.prefill(more, pool, first[:restored], new)
+    res = model.check_logits(more, logits)
+    assert res.passed and res.same_token and res.tolerance == model.fast_tolerance == 1e-4
+    assert res.logits_max_abs_diff <= 1e-4 * max(1.0, float(logits.abs().max()))
+    ref_logits, ref_kv = _plain_forward(model, more)
+    assert int(logits.argmax()) == int(ref_logits.argmax())
+    slots = torch.tensor([p * PS + i for p in first[:restored] + new for i in range(PS)])
+    for layer, (k, v) in enumerate(ref_kv):        # the new pages hold the right KV
+        assert torch.allclose(pool.layers[0][layer][slots], k[:len(slots)], atol=1e-5)
+        assert torch.allclose(pool.layers[1][layer][slots], v[:len(slots)], atol=1e-5)
+
+
+def test_check_logits_fails_on_wrong_logits(model):
+    pool = DeviceKVPool.empty(model.spec, 8)
+    toks = _tokens(model, 70, seed=5)
+    logits = model.prefill(toks, pool, [], [0, 1, 2, 3])
+    assert model.check_logits(toks, logits).passed
+    bad = logits.clone()
+    bad[3] += 0.5                                   # far above the tolerance
+    assert not model.check_logits(toks, bad).passed
+    other = logits.clone()                          # another first token
+    other[int(logits.argmin())] = float(logits.max()) + 1e-3
+    res = model.check_logits(toks, other)
+    assert not res.same_token and not res.passed
+
+
+def test_layer_i_runs_before_layer_i_plus_1_of_the_prefix_lands():
+    """A slow fake load: layer i lands only when the model asks for it. The prefill asks for
+    layer i just before running decoder layer i, and runs layer i before asking for i + 1."""
+    model = DemoModel("small", page_size=PS, seed=2)
+    pool = DeviceKVPool.empty(model.spec, 16)
+    toks = _tokens(model, 100, seed=9)
+    model.prefill(toks[:80], pool, [], list(range(5)))
+    # the same prefill with the pages in place at once, for the reference logits
+    ref = model.prefill(toks, pool, list(range(3)), [8, 9, 10])
+    events: list[tuple[str, int]] = []
+    landed: set[int] = set()
+    hooks = []
+    for i, layer in enumerate(model.model.model.layers):
+        def probe(module, args, i=i):
+            # the layer's past K/V must be in place by the time it runs
+            assert i in landed, f"layer {i} ran before its prefix landed"
+            events.append(("run", i))
+        hooks.append(layer.register_forward_pre_hook(probe))
+
+    def slow_wait_layer(i: int) -> None:
+        time.sleep(0.02)                            # this layer's copy takes a while
+        landed.add(i)
+        events.append(("landed", i))
+
+    try:
+        got = model.prefill(toks, pool, list(range(3)), [8, 9, 10],
+                            wait_layer=slow_wait_layer)
+    finally:
+        for h in hooks:
+            h.remove()
+    layers = model.size.layers
+    assert events == [e for i in range(layers) for e in (("landed", i), ("run", i))]
+    assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("q_len, kv_len", [(40, 100), (16, 16), (1, 9), (33, 33 + 64)])
+def test_blocked_attention_after_a_prefix_is_causal_sdpa(monkeypatch, q_len, kv_len):
+    """Queries after a prefix are attended in blocks (the upper triangle skipped): the same
+    as one SDPA over all keys with the bottom-right causal mask."""
+    from kvtier.demo import model as mod
+    monkeypatch.setattr(mod, "ATTENTION_BLOCK", 16)
+    monkeypatch.setattr(mod, "ATTENTION_BLOCK_CPU", 16)
+    g = torch.Generator().manual_seed(q_len)
+    q = torch.randn(1, 4, q_len, 8, generator=g)
+    k = torch.randn(1, 4, kv_len, 8, generator=g)
+    v = torch.randn(1, 4, kv_len, 8, generator=g)
+
+    class Layer(torch.nn.Module):
+        is_causal = True
+    out, _ = mod._attention(Layer(), q, k, v, None, scaling=8 ** -0.5, dropout=0.0)
+    mask = torch.ones(q_len, kv_len, dtype=torch.bool).tril(kv_len - q_len)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                           scale=8 ** -0.5)
+    assert torch.allclose(out, ref.transpose(1, 2), atol=1e-6)

@@ -89,3 +89,25 @@ def test_bad_parameters_are_typed_errors(kwargs, field):
 def test_round_of_splits_evenly():
     assert [round_of(i, 10, 3) for i in range(10)] == [0, 0, 0, 0, 1, 1, 1, 2, 2, 2]
     assert [round_of(i, 2, 2) for i in range(2)] == [0, 1]
+
+
+def test_long_context_documents_are_asked_every_round():
+    from kvtier.demo.workload import long_context
+    w = long_context(3, 4, min_tokens=500, max_tokens=900, question_tokens=40, jitter=0.0,
+                     seed=2)
+    assert w.name == "long" and len(w) == 12 and w.num_rounds == 4
+    docs: dict[int, np.ndarray] = {}
+    for r in range(4):
+        rs = [q for q in w.requests if q.round == r]
+        assert sorted(q.client for q in rs) == [0, 1, 2]       # each document once a round
+    for q in w.requests:
+        n = q.num_tokens
+        assert 500 + 40 <= n <= 900 + 40
+        d = docs.setdefault(q.client, q.tokens[:n - 40])
+        assert np.array_equal(q.tokens[:n - 40], d)   # every ask: the whole document first
+    assert len({len(d) for d in docs.values()}) > 1
+    again = long_context(3, 4, min_tokens=500, max_tokens=900, question_tokens=40, jitter=0.0,
+                         seed=2)
+    assert all(np.array_equal(a.tokens, b.tokens) for a, b in zip(w.requests, again.requests))
+    with pytest.raises(WorkloadError, match="max_tokens"):
+        long_context(2, 2, min_tokens=100, max_tokens=50)

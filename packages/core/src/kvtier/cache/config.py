@@ -10,6 +10,7 @@ from typing import Any, Literal, Mapping
 
 from ..config import build_config, config_fields, config_from_env
 from ..errors import ConfigError
+from .cost import check_rate
 
 __all__ = ["CacheConfig"]
 
@@ -63,6 +64,16 @@ class CacheConfig:
     #: pages to L3); "cancel" drops queued writes not yet started.
     close_policy: Literal["flush", "cancel"] = "flush"
     close_timeout_s: float = 300.0
+    #: Cost-aware fetch (`kvtier.cache.cost`): load only the leading hit pages whose loading
+    #: beats recomputing them at the measured rates; False loads every hit.
+    cost_aware_fetch: bool = True
+    #: The engine's prefill rate in tokens/s (None: measured from ``observe_recompute``).
+    recompute_tokens_per_s: float | None = None
+    #: Weight of each new observation in the measured rates' moving averages.
+    cost_ewma_alpha: float = 0.3
+    #: False: drop write-through L3 writes while reading a page from L3 is measured slower
+    #: than recomputing it (counted in ``cost_skipped_l3_writes``).
+    l3_write_when_slow: bool = True
 
     def __post_init__(self) -> None:
         for name in _DICT_FIELDS:
@@ -93,6 +104,12 @@ class CacheConfig:
             if not (v >= 0) or math.isinf(v):
                 raise ConfigError(f"{name} must be a finite number >= 0, got {v!r}", key=name,
                                   value=v)
+        if self.recompute_tokens_per_s is not None:
+            check_rate("recompute_tokens_per_s", self.recompute_tokens_per_s)
+        if not (0 < self.cost_ewma_alpha <= 1):
+            raise ConfigError(f"cost_ewma_alpha must be in (0, 1], got "
+                              f"{self.cost_ewma_alpha!r}", key="cost_ewma_alpha",
+                              value=self.cost_ewma_alpha)
         if self.l3_store == "":
             object.__setattr__(self, "l3_store", None)
 

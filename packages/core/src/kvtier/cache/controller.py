@@ -35,6 +35,11 @@ with the request; ``best_effort`` never waits, so without an early prefetch() it
 from L3. Metrics: ``l2/l3_matched_pages`` what match() found, ``l2/l3_hit_pages`` what was
 loaded into L1, ``prefetch_cut_pages`` matched but not loaded.
 
+Cost-aware fetch (``cost_aware_fetch``, on by default; `kvtier.cache.cost`): a fetch loads only
+the leading hit pages whose loading beats recomputing them at the measured L2 -> L1 and L3
+rates and the engine's recompute rate (``recompute_tokens_per_s`` or `observe_recompute`);
+the rest stay the engine's to compute (``cost_skipped_pages_l2``/``_l3``).
+
 Ownership: the cache owns every device page it registered (taken by commit or a fetch) and
 gives it back through ``free_device_pages`` when it evicts it; other pages stay the engine's.
 Pages passed to fetch/commit must be the engine's and not in a fetch still loading (else a
@@ -65,6 +70,7 @@ from ..metrics import Metrics
 from ..policies import PrefetchPolicy, WritePolicy, make_prefetch_policy, make_write_policy
 from . import eviction, handles, l3tasks, lifecycle, transfers
 from .config import CacheConfig
+from .cost import CostModel, TimedStore
 from .handles import CommitResult, FetchHandle, Match
 from .index import Node, PageIndex
 from .l3io import L3IO
@@ -142,8 +148,12 @@ class TieredKVCache:
         self._failure_reported = True
         self._l3: L3IO | None = None
         self._completer = transfers.Completer(self._completer_died)
+        self.cost = CostModel(enabled=cfg.cost_aware_fetch, alpha=cfg.cost_ewma_alpha,
+                              recompute_tokens_per_s=cfg.recompute_tokens_per_s,
+                              engine=cfg.transfer_engine, store=cfg.l3_store or "")
         if store is not None:
-            self._l3 = L3IO(store, threads=cfg.l3_io_threads, error_limit=cfg.l3_error_limit,
+            self._l3 = L3IO(TimedStore(store, self.cost, spec.page_bytes),
+                            threads=cfg.l3_io_threads, error_limit=cfg.l3_error_limit,
                             call_timeout_s=cfg.l3_call_timeout_s,
                             metrics=self.metrics_registry, on_failure=self._l3_failed)
         self._register_gauges()
@@ -249,6 +259,17 @@ class TieredKVCache:
                                            argument="device_pages", value=len(dev))
         n2 = min(match.l2_count, len(dev))
         n3_want = min(match.l3_count, len(dev) - n2)
+        skip2 = skip3 = 0
+        if self.cost.enabled and n2 + n3_want:
+            ps = self.spec.page_size
+            k = self.cost.pages_to_load(
+                l2_pages=n2, l3_pages=n3_want, l3_ready=match.l3_pages_landed,
+                compute_tokens=max(1, match.num_tokens - match.total_pages * ps),
+                page_size=ps, page_bytes=self.spec.page_bytes, layers=self.spec.num_layers)
+            skip2, skip3 = n2 - min(n2, k), n3_want - max(0, k - n2)
+            n2, n3_want = n2 - skip2, n3_want - skip3
+            if skip3:                       # read on into L2 for later requests
+                l3tasks.start_read(self, match)
         if n3_want:
             l3tasks.start_read(self, match)
             l3tasks.wait_read(self, match, n3_want)
@@ -258,12 +279,13 @@ class TieredKVCache:
             task = match.read
             landed: list[Node] = []
             rest: list[Node] = []
-            if task is not None:
+            if task is not None and not skip3:
                 task.cancelled = True             # later pages land unpinned, for others
                 landed, rest = task.landed[:n3_want], task.landed[n3_want:]
             nodes = match.hand_over_l2(n2, landed, rest)
             match.give(dev)
             load, unused = dev[:len(nodes)], dev[len(nodes):]
+            t_load = time.perf_counter()
             if nodes:
                 try:
                     handle: TransferHandle = self.engine.load(
@@ -280,11 +302,18 @@ class TieredKVCache:
                 self._loading[d] = fh
         self.metrics_registry.add_many({
             "fetch_calls": 1, "fetched_l2_pages": n2, "fetched_l3_pages": len(landed),
-            "prefetch_cut_pages": n3_want - len(landed) + (match.l3_count - n3_want),
+            "prefetch_cut_pages": n3_want - len(landed) + (match.l3_count - n3_want - skip3),
+            "cost_skipped_pages_l2": skip2, "cost_skipped_pages_l3": skip3,
             "bytes_h2d": len(nodes) * self.spec.page_bytes})
         self.metrics_registry.observe("fetch", time.perf_counter() - t0)
         if nodes:
-            self._completer.submit(handle, lambda err: self._finish_fetch(fh, err))
+            nbytes = len(nodes) * self.spec.page_bytes
+
+            def landed_cb(err: BaseException | None) -> None:
+                if err is None:
+                    self.cost.observe_load(nbytes, time.perf_counter() - t_load)
+                self._finish_fetch(fh, err)
+            self._completer.submit(handle, landed_cb)
         else:
             self._finish_fetch(fh, None)
         return fh
@@ -407,6 +436,11 @@ class TieredKVCache:
             if self._completer.depth() == 0:   # an L3 write may not queue new transfers
                 return True
 
+    def observe_recompute(self, tokens: int, seconds: float) -> None:
+        """The engine prefilled ``tokens`` tokens in ``seconds``: the recompute rate the
+        cost-aware fetch weighs loads against (unless the config gives it)."""
+        self.cost.observe_recompute(tokens, seconds)
+
     def metrics(self) -> dict[str, Any]:
         """A snapshot of every counter, gauge and latency summary."""
         return self.metrics_registry.snapshot()
@@ -490,6 +524,12 @@ class TieredKVCache:
 
     def _enqueue_write(self, nodes: list[Node], *, evict_after: bool,
                        write: list[bool] | None = None) -> None:
+        if not evict_after and not self.config.l3_write_when_slow and \
+                self.cost.l3_slower_than_recompute(self.spec.page_size, self.spec.page_bytes):
+            task = l3tasks.WriteTask(self, nodes, evict_after, write)
+            self.metrics_registry.add("cost_skipped_l3_writes", sum(task.write))
+            task.done([None] * len(nodes))
+            return
         l3tasks.enqueue_write(self, nodes, evict_after=evict_after, write=write)
 
     def _register_gauges(self) -> None:
@@ -506,3 +546,8 @@ class TieredKVCache:
         m.gauge("l3_state", lambda: io.state if io else "none")
         m.gauge("page_bytes", lambda: self.spec.page_bytes)
         m.gauge("page_size", lambda: self.spec.page_size)
+        cost = self.cost
+        m.gauge("cost_aware_fetch", lambda: int(cost.enabled))
+        m.gauge("recompute_tokens_per_s", lambda: cost.recompute_tokens_per_s or 0.0)
+        m.gauge("l2_load_bytes_per_s", lambda: cost.h2d_bytes_per_s or 0.0)
+        m.gauge("l3_read_bytes_per_s", lambda: cost.l3_bytes_per_s or 0.0)

@@ -21,7 +21,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from .model import MODEL_SIZES
     g = p.add_argument_group("model")
     g.add_argument("--model-size", choices=sorted(MODEL_SIZES), default="small",
-                   help="Llama shape (default: small, for a 2-core CPU; medium/large for GPUs)")
+                   help="Llama shape (default: small, for a 2-core CPU; medium/large/8b for "
+                   "GPUs; 8b is Llama-3-8B's shape with random weights)")
     g.add_argument("--device", default="cpu", help="torch device of the model and L1 (cpu, "
                    "cuda, cuda:1, ...)")
     g.add_argument("--dtype", default="float32", help="model and KV dtype (float32, bfloat16, "
@@ -29,15 +30,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--page-size", type=int, default=64, help="tokens per KV page")
     g.add_argument("--threads", type=int, default=None, help="torch intra-op threads "
                    "(default on cpu: 1, leaving the other cores to kvtier's I/O threads)")
+    g.add_argument("--max-forward-tokens", type=int, default=8192,
+                   help="longest forward pass of a prefill (longer suffixes are chunked, as "
+                   "engines' chunked prefill does)")
     g = p.add_argument_group("workload")
-    g.add_argument("--workload", choices=["multiturn", "trace"], default="multiturn")
-    g.add_argument("--clients", type=int, default=8, help="multiturn: conversations")
+    g.add_argument("--workload", choices=["multiturn", "trace", "long"], default="multiturn")
+    g.add_argument("--clients", type=int, default=8, help="multiturn: conversations; long: "
+                   "documents")
+    g.add_argument("--long-min-tokens", type=int, default=None,
+                   help="long: shortest document (default 8192 on accelerators, 1024 on cpu)")
+    g.add_argument("--long-max-tokens", type=int, default=None,
+                   help="long: longest document (default 32768 on accelerators, 4096 on cpu)")
     g.add_argument("--rounds", type=int, default=8, help="multiturn: rounds per conversation; "
                    "trace: groups of requests in the per-round plot")
     g.add_argument("--first-tokens", type=int, default=1024,
                    help="multiturn: tokens of a conversation's first prompt (+-25%%)")
     g.add_argument("--turn-tokens", type=int, default=160,
-                   help="multiturn: tokens of each later user turn (+-25%%)")
+                   help="multiturn: tokens of each later user turn; long: of each question "
+                   "(+-25%%)")
     g.add_argument("--answer-tokens", type=int, default=96,
                    help="multiturn: tokens of each answer appended to the history (+-25%%)")
     g.add_argument("--system-tokens", type=int, default=0,
@@ -69,6 +79,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    choices=["best_effort", "wait_complete", "timeout"],
                    help="how long a request waits for L3 pages (requests arrive one at a "
                    "time, so best_effort gets only what landed by then)")
+    g.add_argument("--no-cost-aware", action="store_true",
+                   help="load every L2/L3 hit (default: the controller skips hit pages that "
+                   "load slower than they recompute, at the rates it measures)")
+    g.add_argument("--recompute-tokens-per-s", type=float, default=None,
+                   help="the engine's prefill rate given to the controller (default: "
+                   "measured as the demo runs)")
     g.add_argument("--setups", default=",".join(("L1 only", "L1+L2", "L1+L2+L3")),
                    help="comma-separated subset of: L1 only, L1+L2, L1+L2+L3")
     g = p.add_argument_group("run")
@@ -78,6 +94,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "request, a sample (the first L1 reuse and first L2/L3 load of each setup "
                    "plus --check-rate of the rest), or none")
     g.add_argument("--check-rate", type=float, default=0.1)
+    g.add_argument("--check-mode", choices=["logits", "bitwise"], default="logits",
+                   help="logits: prefill as engines do (one forward) and compare the first "
+                   "token and logits with a full recompute within a tolerance; bitwise: "
+                   "prefill one page per forward (~10x slower) and compare logits and every "
+                   "KV page bit for bit (CPU float32). Restored pages are checked against "
+                   "their digests at commit in both")
     g.add_argument("--out", default="kvtier-demo-out",
                    help="directory for results.json, tables.md and demo.png")
     g.add_argument("--no-plot", action="store_true", help="skip the PNG")
@@ -89,7 +111,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="address the metrics exporter binds to (loopback unless told)")
     g.add_argument("--corrupt-restore", action="store_true",
                    help="testing: flip one bit of the first page each request restores "
-                   "from L2/L3, to show that the check fails")
+                   "from L2/L3, to show that the digest check fails the run (exit 2)")
 
 
 def config_from_args(args: argparse.Namespace):
@@ -101,7 +123,10 @@ def config_from_args(args: argparse.Namespace):
         "turn_tokens": args.turn_tokens, "answer_tokens": args.answer_tokens,
         "system_tokens": args.system_tokens, "trace": args.trace,
         "trace_block_tokens": args.trace_block_tokens, "trace_requests": args.trace_requests,
-        "trace_start": args.trace_start,
+        "trace_start": args.trace_start, "long_min_tokens": args.long_min_tokens,
+        "long_max_tokens": args.long_max_tokens, "check_mode": args.check_mode,
+        "max_forward_tokens": args.max_forward_tokens, "cost_aware": not args.no_cost_aware,
+        "recompute_tokens_per_s": args.recompute_tokens_per_s,
         "l1_pages": args.l1_pages, "l2_pages": args.l2_pages, "l3_bytes": args.l3_bytes,
         "host_allocator": args.host_allocator, "l3_store": args.l3_store,
         "l3_config": args.l3_config, "transfer_engine": args.transfer_engine,
@@ -129,8 +154,10 @@ def run(args: argparse.Namespace) -> int:
             shown = {k: v for k, v in run.store_stats.items() if k not in ("root", "name")}
             print(f"{run.name}: L3 store {run.l3}: {shown}", file=sys.stderr)
     checked = sum(r.checks for r in report.runs)
-    print(f"\ncorrectness: {checked} prefill(s) on restored KV matched a full recompute "
-          f"({'bit for bit' if report.runs and _bitwise(report) else 'within tolerance'}); "
+    pages = sum(x.restored_checked for r in report.runs for x in r.results)
+    print(f"\ncorrectness: {pages} restored page(s) matched their digest at commit bit for "
+          f"bit; {checked} prefill(s) on restored KV matched a full recompute "
+          f"({'bit for bit' if report.runs and _bitwise(report) else _tol(report)}); "
           f"{time.perf_counter() - t0:.0f} s in all; files: "
           + ", ".join(files.values()), file=sys.stderr)
     return 0
@@ -140,3 +167,9 @@ def _bitwise(report) -> bool:
     return all(r.check is None or r.check.exact for run in report.runs for r in run.results)
 
 
+
+
+def _tol(report) -> str:
+    tols = {r.check.tolerance for run in report.runs for r in run.results if r.check}
+    return "within relative tolerance " + "/".join(f"{t:g}" for t in sorted(tols)) + \
+        " of max(1, max |logit|), same first token"

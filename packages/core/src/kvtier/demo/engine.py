@@ -1,6 +1,9 @@
 """A minimal inference "engine" around `TieredKVCache`: it owns the device KV pool (L1) and
-its free list, and serves one request at a time -- match, fetch, prefill the rest, commit,
-release -- timing each request from its arrival to its first token's logits.
+its free list, and serves one request at a time -- match (which starts the L3 -> L2 read),
+fetch (the cost-aware controller decides how many hit pages to load), prefill the rest with
+layer ``i`` waiting only for layer ``i`` of the restored prefix, commit, release -- timing
+each request from its arrival to its first token's logits. Every page restored from L2/L3 is
+checked against the digest recorded when it was committed (`kvtier.demo.digest`).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import torch
 from ..cache import TieredKVCache
 from ..device_pool import DeviceKVPool
 from ..errors import PoolExhaustedError
+from .digest import PageDigests
 from .model import CheckResult, DemoModel
 from .workload import Request
 
@@ -36,6 +40,11 @@ class RequestResult:
     prefill_s: float
     commit_s: float          # after the first token: commit + release (not in TTFT)
     check: CheckResult | None = None
+    l2_hit_tokens: int = 0   # hit in L2 at the match (loaded or, by the cost model, not)
+    l3_hit_tokens: int = 0   # hit in L3 at the match
+    skipped_tokens: int = 0  # hit in L2/L3 but recomputed: loading them was slower
+    restored_checked: int = 0    # restored pages whose digest matched
+    restored_bad: int = 0        # restored pages matching no digest of their key
 
     @property
     def hit_tokens(self) -> int:
@@ -51,8 +60,9 @@ class DemoEngine:
     """
 
     def __init__(self, model: DemoModel, cache_config: Mapping[str, Any], *, l1_pages: int,
-                 lower_tiers: bool = True):
+                 lower_tiers: bool = True, prefill_mode: str = "fast"):
         self.model = model
+        self.prefill_mode = prefill_mode
         #: False: reuse L1 hits only, never load from L2/L3 (the L1-only baseline)
         self.lower_tiers = lower_tiers
         self.pool = DeviceKVPool.empty(model.spec, l1_pages, device=model.device)
@@ -66,6 +76,7 @@ class DemoEngine:
         self.corrupted = 0
         #: how long `allocate` waits for pinned L1 pages to become evictable
         self.alloc_timeout_s = 10.0
+        self.digests = PageDigests(self.pool)
 
     # ----- the device page allocator ------------------------------------------------------
     def _take(self, n: int) -> list[int] | None:
@@ -121,14 +132,20 @@ class DemoEngine:
         # At most n - 1 tokens may come from the cache: the last one must be computed to
         # produce the logits of the first output token.
         m = cache.match(tokens_np[:n - 1])
+        if self.lower_tiers and m.l3_count:
+            cache.prefetch(m)                 # L3 -> L2 starts as early as the match
         t1 = time.perf_counter()
         want = m.l2_count + m.l3_count if self.lower_tiers else 0
         load_pages = self.allocate(want)
+        reg = cache.metrics_registry
+        skipped0 = reg.get("cost_skipped_pages_l2") + reg.get("cost_skipped_pages_l3")
         fh = cache.fetch(m, load_pages)
+        skipped = reg.get("cost_skipped_pages_l2") + reg.get("cost_skipped_pages_l3") - skipped0
         loaded = fh.pages_loaded
         prefix = list(m.l1_pages) + list(fh.device_pages[:loaded])
-        # Pages given to fetch but not loaded (an L3 miss cut the hit short) stay ours: they
-        # take new KV, and `release` hands back whatever the cache did not take.
+        # Pages given to fetch but not loaded (the cost model skipped them, or an L3 miss cut
+        # the hit short) stay ours: they take new KV, and `release` hands back whatever the
+        # cache did not take.
         spare = list(fh.unused_pages)
         n_new = n_full - len(prefix)
         new_pages = spare[:n_new]
@@ -150,25 +167,49 @@ class DemoEngine:
 
         t2 = time.perf_counter()
         logits = model.prefill(tokens, self.pool, prefix, new_pages,
-                               wait_layer=wait_layer if loaded else None)
+                               wait_layer=wait_layer if loaded else None,
+                               mode=self.prefill_mode)
         _sync(model.device)
         t3 = time.perf_counter()
         if not waited:
             fh.wait()
+        computed = n - len(prefix) * ps
+        cache.observe_recompute(computed, max(t3 - t2 - wait_s, 1e-9))
+        restored = list(fh.device_pages[:loaded])
+        bad = self.digests.mismatches(m.keys[m.l1_count:m.l1_count + loaded], restored)
         result_check = None
         if check if isinstance(check, bool) else check(m.l1_count, loaded):
-            result_check = model.check_restored(tokens, logits, self.pool, prefix + new_pages)
+            if self.prefill_mode == "paged":
+                result_check = model.check_restored(tokens, logits, self.pool,
+                                                    prefix + new_pages)
+            else:
+                result_check = model.check_logits(tokens, logits)
         t4 = time.perf_counter()
-        cache.commit(tokens_np, prefix + new_pages, match=m)
+        pages = prefix + new_pages
+        res = cache.commit(tokens_np, pages, match=m)
         self._give(cache.release(m))
         t5 = time.perf_counter()
+        if self.lower_tiers and res.taken:
+            where = {d: j for j, d in enumerate(pages)}
+            taken = [d for d in res.taken if d in where]
+            self.digests.record([m.keys[where[d]] if where[d] < len(m.keys)
+                                 else self._key(tokens_np, where[d]) for d in taken], taken)
         l2 = min(loaded, m.l2_count)
         return RequestResult(
             index=request.index, round=request.round, tokens=n,
             l1_tokens=m.l1_count * ps, l2_tokens=l2 * ps, l3_tokens=(loaded - l2) * ps,
-            computed_tokens=n - len(prefix) * ps, ttft_s=t3 - t0, match_s=t1 - t0,
+            computed_tokens=computed, ttft_s=t3 - t0, match_s=t1 - t0,
             load_s=t2 - t1 + wait_s, prefill_s=t3 - t2 - wait_s, commit_s=t5 - t4,
-            check=result_check)
+            check=result_check,
+            l2_hit_tokens=m.l2_count * ps if self.lower_tiers else 0,
+            l3_hit_tokens=m.l3_count * ps if self.lower_tiers else 0,
+            skipped_tokens=skipped * ps,
+            restored_checked=loaded - len(bad), restored_bad=len(bad))
+
+    def _key(self, tokens_np: np.ndarray, j: int) -> bytes:
+        """The key of full page ``j`` of ``tokens`` (the match covers n - 1 tokens, so the
+        last full page may lie beyond its keys)."""
+        return self.cache.keys(tokens_np[:(j + 1) * self.model.spec.page_size])[j]
 
     def _corrupt(self, page: int) -> None:
         ps = self.model.spec.page_size
@@ -182,7 +223,7 @@ class DemoEngine:
         pages = self.allocate(2)
         try:
             toks = self.model.as_tokens(torch.arange(2 * ps + 1) % vocab_size)
-            self.model.prefill(toks, self.pool, [], pages)
+            self.model.prefill(toks, self.pool, [], pages, mode=self.prefill_mode)
         finally:
             self._give(pages)
 

@@ -41,7 +41,7 @@ class DemoConfig:
     device: str = "cpu"
     dtype: str = "float32"
     threads: int | None = None
-    workload: Literal["multiturn", "trace"] = "multiturn"
+    workload: Literal["multiturn", "trace", "long"] = "multiturn"
     clients: int = 8
     rounds: int = 8
     first_tokens: int = 1024
@@ -52,6 +52,18 @@ class DemoConfig:
     trace_block_tokens: int = 16
     trace_requests: int = 400
     trace_start: int = 0
+    #: long: document lengths (None: 8K-32K tokens on accelerators, 1K-4K on CPU)
+    long_min_tokens: int | None = None
+    long_max_tokens: int | None = None
+    #: "logits": real-engine prefill (the suffix in one forward), logits compared with a full
+    #: recompute within a tolerance; "bitwise": one page per forward, KV and logits compared
+    #: bit for bit (CPU float32). Restored pages are checked against digests in both.
+    check_mode: Literal["logits", "bitwise"] = "logits"
+    max_forward_tokens: int = 8192
+    #: the controller's cost-aware fetch (skip hit pages slower to load than to recompute)
+    cost_aware: bool = True
+    #: the engine's recompute rate given to the controller (None: measured as it runs)
+    recompute_tokens_per_s: float | None = None
     l1_pages: int | None = None          # None: sized so that L1 alone thrashes
     l2_pages: int | None = None          # None: half the workload's distinct pages
     l3_bytes: int | None = None          # None: no limit
@@ -85,7 +97,8 @@ class DemoConfig:
         for name in ("answer_tokens", "system_tokens", "trace_start"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0", key=name, value=getattr(self, name))
-        for name in ("l1_pages", "l2_pages", "l3_bytes", "threads"):
+        for name in ("l1_pages", "l2_pages", "l3_bytes", "threads", "long_min_tokens",
+                     "long_max_tokens", "max_forward_tokens"):
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ConfigError(f"{name} must be >= 1, got {v}", key=name, value=v)
@@ -96,6 +109,13 @@ class DemoConfig:
         if not 0.0 <= self.check_rate <= 1.0:
             raise ConfigError(f"check_rate must be in [0, 1], got {self.check_rate}",
                               key="check_rate", value=self.check_rate)
+        if self.recompute_tokens_per_s is not None:
+            from ..cache.cost import check_rate
+            check_rate("recompute_tokens_per_s", self.recompute_tokens_per_s)
+        if self.long_min_tokens and self.long_max_tokens and \
+                self.long_max_tokens < self.long_min_tokens:
+            raise ConfigError("long_max_tokens must be >= long_min_tokens",
+                              key="long_max_tokens", value=self.long_max_tokens)
         if self.workload == "trace" and not self.trace:
             raise ConfigError("--workload trace needs --trace PATH (a Mooncake-format JSONL "
                               "file)", key="trace")
@@ -147,7 +167,20 @@ class SetupRun:
             "store_errors": int(m.get("store_errors", 0)),
             "checks_passed": self.checks, "busy_s": self.busy_s,
             "l1_pages": self.l1_pages, "l2_pages": self.l2_pages, "l3": self.l3,
+            "skipped_tokens": sum(r.skipped_tokens for r in res),
+            "skipped_pages_l2": int(m.get("cost_skipped_pages_l2", 0)),
+            "skipped_pages_l3": int(m.get("cost_skipped_pages_l3", 0)),
+            "restored_pages_checked": sum(r.restored_checked for r in res),
+            "recompute_tokens_per_s": self.recompute_rate(),
+            "l2_load_bytes_per_s": float(m.get("l2_load_bytes_per_s") or 0.0) or None,
+            "l3_read_bytes_per_s": float(m.get("l3_read_bytes_per_s") or 0.0) or None,
         }
+
+    def recompute_rate(self) -> float | None:
+        """Prefill tokens computed per second of prefill (load waits excluded)."""
+        t = sum(r.prefill_s for r in self.results if r.computed_tokens)
+        n = sum(r.computed_tokens for r in self.results)
+        return n / t if t > 0 else None
 
     def per_round(self, num_rounds: int) -> dict[str, list[float]]:
         hit, ttft = [], []
@@ -171,16 +204,122 @@ class DemoReport:
     def summaries(self) -> list[dict[str, Any]]:
         rows = [r.summary() for r in self.runs]
         base = next((s for s in rows if s["setup"] == "L1 only"), None)
-        for s in rows:
-            if base is None:
+        base_run = next((r for r in self.runs if r.name == "L1 only"), None)
+        # one cost function for every setup's prefills: their mix of prefix lengths tells the
+        # attention term from the per-token one better than full prefills alone
+        rate, attn, over = fit_prefill_cost([x for r in self.runs for x in r.results])
+        self.prefill_fit = (rate, attn, over)
+        ps, pb = self.model["page_size"], self.model["page_bytes"]
+        for s, run in zip(rows, self.runs):
+            s["ideal_speedup"] = s["achieved_of_ideal"] = s["slower_pct"] = None
+            s["slower_loading_pct"] = None
+            if base_run is None:
                 s["hit_gain_pts"] = s["ttft_speedup"] = s["p90_speedup"] = None
                 continue
+            if rate > 0:
+                s["ideal_speedup"] = ideal_speedup(
+                    run.results, base_run.results, recompute_tps=rate, page_size=ps,
+                    page_bytes=pb, h2d_bps=s["l2_load_bytes_per_s"],
+                    l3_bps=s["l3_read_bytes_per_s"], attn=attn, overhead_s=over)
+            s["slower_pct"] = 100.0 * slower_share(run.results, base_run.results)
+            s["slower_loading_pct"] = 100.0 * slower_share(run.results, base_run.results,
+                                                           loading_only=True)
             s["hit_gain_pts"] = s["hit_rate_pct"] - base["hit_rate_pct"]
             s["ttft_speedup"] = base["ttft_mean_ms"] / s["ttft_mean_ms"] \
                 if s["ttft_mean_ms"] else math.inf
             s["p90_speedup"] = base["ttft_p90_ms"] / s["ttft_p90_ms"] \
                 if s["ttft_p90_ms"] else math.inf
+            if s["ideal_speedup"]:
+                s["achieved_of_ideal"] = s["ttft_speedup"] / s["ideal_speedup"]
         return rows
+
+
+def fit_prefill_cost(results: list[RequestResult]) -> tuple[float, float, float]:
+    """Least-squares fit of the measured prefills: seconds = overhead + c / rate
+    + attn x (n^2 - s^2) / 2 for ``c`` tokens computed at positions ``s..n`` (a fixed cost per
+    prefill, a cost per token, and attention over the context), every coefficient >= 0 (the
+    best fit over the subsets of terms that keeps them so). Returns (rate in tokens/s, attn
+    in s per token pair, overhead in s); rate NaN when nothing was measured."""
+    import itertools
+    rows = [(1.0, r.computed_tokens,
+             (r.tokens ** 2 - (r.tokens - r.computed_tokens) ** 2) / 2, r.prefill_s)
+            for r in results if r.computed_tokens and r.prefill_s > 0]
+    if not rows:
+        return math.nan, 0.0, 0.0
+    a = np.array([x[:3] for x in rows], dtype=float)
+    t = np.array([x[3] for x in rows], dtype=float)
+    best: tuple[float, np.ndarray] | None = None
+    for cols in itertools.chain.from_iterable(itertools.combinations((0, 2), k)
+                                              for k in (2, 1, 0)):
+        use = [1, *cols]                          # the per-token term is always in
+        coef, *_ = np.linalg.lstsq(a[:, use], t, rcond=None)
+        if coef[use.index(1)] <= 0 or (coef < 0).any():
+            continue
+        full = np.zeros(3)
+        full[use] = coef
+        err = float(((a @ full - t) ** 2).sum())
+        if best is None or err < best[0] - 1e-15:
+            best = (err, full)
+    if best is None:
+        return float(a[:, 1].sum() / t.sum()), 0.0, 0.0
+    over, lin, attn = best[1]
+    return 1.0 / lin, float(attn), float(over)
+
+
+def ideal_ttft(*, tokens: int, l1_tokens: int, l2_tokens: int, l3_tokens: int,
+               page_size: int, page_bytes: int, recompute_tps: float,
+               h2d_bps: float | None, l3_bps: float | None, attn: float = 0.0,
+               overhead_s: float = 0.0) -> float:
+    """The least time to the first token of one request at the measured rates, with loads
+    fully overlapped with compute: over every split (the first ``k`` hit pages loaded, the
+    rest recomputed), ``max(load(k), compute(k))``, where a page from L3 costs its read plus
+    its L2 -> L1 load, L1 hits cost nothing, and computing positions ``s..n`` costs
+    ``overhead_s + (n - s) / recompute_tps + attn (n^2 - s^2) / 2`` (`fit_prefill_cost`). A
+    rate not measured (None) makes its tier's pages unusable (recomputed)."""
+    n2, n3 = l2_tokens // page_size, l3_tokens // page_size
+    if h2d_bps is None:
+        n2 = n3 = 0
+    if l3_bps is None:
+        n3 = 0
+    rest = tokens - l1_tokens - (n2 + n3) * page_size     # computed in every split
+    best = math.inf
+    for k in range(n2 + n3 + 1):
+        load = 0.0
+        if k:
+            load = k * page_bytes / h2d_bps                          # type: ignore[operator]
+            load += max(0, k - n2) * page_bytes / l3_bps if k > n2 else 0.0  # type: ignore
+        c = rest + (n2 + n3 - k) * page_size
+        comp = c / recompute_tps + attn * (tokens ** 2 - (tokens - c) ** 2) / 2
+        best = min(best, max(load, comp))
+    return overhead_s + best
+
+
+def ideal_speedup(results: list[RequestResult], base: list[RequestResult], *,
+                  recompute_tps: float, page_size: int, page_bytes: int,
+                  h2d_bps: float | None, l3_bps: float | None, attn: float = 0.0,
+                  overhead_s: float = 0.0) -> float:
+    """Mean TTFT of L1 only over the mean ideal TTFT of this setup, both at the measured
+    rates (L1 only: its own L1 hits reused, the rest recomputed)."""
+    ideal = sum(ideal_ttft(tokens=r.tokens, l1_tokens=r.l1_tokens, l2_tokens=r.l2_hit_tokens,
+                           l3_tokens=r.l3_hit_tokens, page_size=page_size,
+                           page_bytes=page_bytes, recompute_tps=recompute_tps,
+                           h2d_bps=h2d_bps, l3_bps=l3_bps, attn=attn, overhead_s=overhead_s)
+                for r in results)
+    ref = sum(ideal_ttft(tokens=b.tokens, l1_tokens=b.l1_tokens, l2_tokens=0, l3_tokens=0,
+                         page_size=page_size, page_bytes=page_bytes,
+                         recompute_tps=recompute_tps, h2d_bps=None, l3_bps=None, attn=attn,
+                         overhead_s=overhead_s)
+              for b in base)
+    return ref / ideal if ideal > 0 else math.inf
+
+
+def slower_share(results: list[RequestResult], base: list[RequestResult],
+                 margin: float = 0.05, loading_only: bool = False) -> float:
+    """Share of requests more than ``margin`` slower (TTFT) than the same request with L1
+    only (``loading_only``: of the requests that loaded pages from L2/L3)."""
+    pairs = [(r.ttft_s, b.ttft_s) for r, b in zip(results, base) if r.index == b.index
+             and (not loading_only or r.l2_tokens + r.l3_tokens)]
+    return sum(1 for t, tb in pairs if t > (1 + margin) * tb) / len(pairs) if pairs else 0.0
 
 
 # --------------------------------------------------------------------------------------------
@@ -211,6 +350,14 @@ class CheckPolicy:
 
 
 def build_workload(cfg: DemoConfig, vocab_size: int) -> Workload:
+    if cfg.workload == "long":
+        from .workload import long_context
+        gpu = cfg.device.split(":")[0] != "cpu"
+        lo = cfg.long_min_tokens or (8192 if gpu else 1024)
+        hi = cfg.long_max_tokens or max(lo, 32768 if gpu else 4096)
+        return long_context(cfg.clients, cfg.rounds, min_tokens=lo, max_tokens=hi,
+                            question_tokens=cfg.turn_tokens, vocab_size=vocab_size,
+                            seed=cfg.seed)
     if cfg.workload == "trace":
         from .trace import trace_workload
         return trace_workload(cfg.trace, block_tokens=cfg.trace_block_tokens,  # type: ignore
@@ -252,7 +399,10 @@ def cache_config(cfg: DemoConfig, setup: str, model: DemoModel, l2_pages: int,
         "model_id": f"kvtier-demo-llama-{model.size.name}-seed{cfg.seed}",
         "host_allocator": host_allocator(cfg), "transfer_engine": cfg.transfer_engine,
         "prefetch_policy": cfg.prefetch_policy, "write_policy": cfg.write_policy,
+        "cost_aware_fetch": cfg.cost_aware,
     }
+    if cfg.recompute_tokens_per_s is not None:
+        base["recompute_tokens_per_s"] = cfg.recompute_tokens_per_s
     if setup == "L1 only":
         # The same controller as a device-only prefix cache: selective write-through whose
         # threshold no page reaches, a one-page host pool, and an engine that reuses L1 hits
@@ -304,10 +454,19 @@ def _check_failed(name: str, req: Any, res: RequestResult) -> CheckFailedError:
         max_abs_diff=c.logits_max_abs_diff)
 
 
+def _digest_failed(name: str, req: Any, res: RequestResult) -> CheckFailedError:
+    return CheckFailedError(
+        f"{name}: request {req.index} (round {req.round}, {res.tokens} tokens, "
+        f"{res.l2_tokens} from L2, {res.l3_tokens} from L3): {res.restored_bad} restored KV "
+        f"page(s) match no digest recorded when they were committed (bitwise)",
+        request=req.index)
+
+
 def run_setups(names: list[str], model: DemoModel, workload: Workload,
                cache_cfgs: dict[str, dict[str, Any]], l1_pages: int,
                checks: dict[str, CheckPolicy], *, progress: bool = True,
                corrupt_restore: bool = False, metrics_port: int | None = None,
+               prefill_mode: str = "fast",
                metrics_host: str = "127.0.0.1",
                on_metrics: Callable[[str], None] | None = None) -> list[SetupRun]:
     """Serve every request on every setup, interleaved request by request (in a rotating
@@ -323,7 +482,8 @@ def run_setups(names: list[str], model: DemoModel, workload: Workload,
     try:
         for name in names:
             engines[name] = eng = DemoEngine(model, cache_cfgs[name], l1_pages=l1_pages,
-                                             lower_tiers=name != "L1 only")
+                                             lower_tiers=name != "L1 only",
+                                             prefill_mode=prefill_mode)
             eng.corrupt_restore = corrupt_restore
             eng.warm_up(model.vocab_size)
         if metrics_port is not None:
@@ -339,6 +499,8 @@ def run_setups(names: list[str], model: DemoModel, workload: Workload,
             k = i % len(names)
             for name in names[k:] + names[:k]:
                 res = engines[name].serve(req, checks[name])
+                if res.restored_bad:
+                    raise _digest_failed(name, req, res)
                 if res.check is not None:
                     if not res.check.passed:
                         raise _check_failed(name, req, res)
@@ -382,7 +544,7 @@ def run_demo(cfg: DemoConfig, *, corrupt_restore: bool = False,
     if threads is not None:
         torch.set_num_threads(threads)
     model = DemoModel(cfg.model_size, page_size=cfg.page_size, device=cfg.device,
-                      dtype=cfg.dtype, seed=cfg.seed)
+                      dtype=cfg.dtype, seed=cfg.seed, max_forward_tokens=cfg.max_forward_tokens)
     workload = build_workload(cfg, model.vocab_size)
     distinct = distinct_pages(workload, model)
     l1, l2 = tier_sizes(cfg, workload, model, distinct)
@@ -406,6 +568,7 @@ def run_demo(cfg: DemoConfig, *, corrupt_restore: bool = False,
                   for i, n in enumerate(names)}
         runs = run_setups(names, model, workload, cfgs, l1, checks, progress=cfg.progress,
                           corrupt_restore=corrupt_restore, metrics_port=cfg.metrics_port,
+                          prefill_mode="paged" if cfg.check_mode == "bitwise" else "fast",
                           metrics_host=cfg.metrics_host,
                           on_metrics=on_metrics or (lambda url: log(
                               f"kvtier demo: metrics of every setup at {url}")))
@@ -423,27 +586,62 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.1f}"
 
 
-def tables(report: DemoReport) -> str:
-    """The comparison table and the details table (markdown)."""
+def _rate(bps: float | None, per_token: float) -> str:
+    if not bps:
+        return "-"
+    return f"{bps / 1e9:.2f} GB/s ({bps / per_token / 1e3:,.0f}K tok/s)"
+
+
+def physics(report: DemoReport) -> str:
+    """What the run measured: recompute rate, and each setup's load rates per tier/engine."""
     from ..report import table
     rows = report.summaries()
+    per_token = report.model["page_bytes"] / report.model["page_size"]
+    cfg = report.config
+    return table(
+        ["setup", "recompute tok/s", f"L2->L1 ({cfg.transfer_engine})",
+         f"L3 read ({cfg.l3_store})", "restored pages checked (digest)"],
+        [[s["setup"], f"{s['recompute_tokens_per_s']:,.0f}"
+          if s["recompute_tokens_per_s"] else "-",
+          _rate(s["l2_load_bytes_per_s"], per_token) if s["setup"] != "L1 only" else "-",
+          _rate(s["l3_read_bytes_per_s"], per_token) if s["setup"] == "L1+L2+L3" else "-",
+          s["restored_pages_checked"]] for s in rows])
+
+
+def tables(report: DemoReport) -> str:
+    """The comparison table, the physics and the details table (markdown)."""
+    from ..report import table
+    rows = report.summaries()
+    pct = lambda v: "" if v is None else f"{v:.1f}"  # noqa: E731
     main = table(
         ["setup", "hit rate %", "L1 %", "L2 %", "L3 %", "vs L1 only (pts)", "TTFT mean ms",
-         "TTFT p90 ms", "mean speedup", "p90 speedup", "computed tok", "loaded tok"],
+         "TTFT p90 ms", "mean speedup", "p90 speedup", "ideal speedup", "achieved/ideal",
+         ">5% slower than L1 only: all / loading %", "computed tok", "loaded tok",
+         "skipped tok"],
         [[s["setup"], f"{s['hit_rate_pct']:.1f}", f"{s['l1_hit_pct']:.1f}",
           f"{s['l2_hit_pct']:.1f}", f"{s['l3_hit_pct']:.1f}",
           "" if s["hit_gain_pts"] is None else f"{s['hit_gain_pts']:+.1f}",
           f"{s['ttft_mean_ms']:.1f}", f"{s['ttft_p90_ms']:.1f}", _ratio(s["ttft_speedup"]),
-          _ratio(s["p90_speedup"]), s["computed_tokens"], s["loaded_tokens"]] for s in rows])
+          _ratio(s["p90_speedup"]), _ratio(s["ideal_speedup"]),
+          "" if s["achieved_of_ideal"] is None else f"{100 * s['achieved_of_ideal']:.0f}%",
+          f"{pct(s['slower_pct'])} / {pct(s['slower_loading_pct'])}"
+          if s["setup"] != "L1 only" else "",
+          s["computed_tokens"], s["loaded_tokens"], s["skipped_tokens"]] for s in rows])
     details = table(
         ["setup", "L1 pages", "L2 pages", "load ms (mean)", "prefill ms (mean)",
          "L2->L1 MiB", "L1->L2 MiB", "L3 read MiB", "L3 written MiB", "store errors",
-         "checked ok", "busy s"],
+         "skipped pages L2/L3", "checked ok", "busy s"],
         [[s["setup"], s["l1_pages"], s["l2_pages"] or "-", f"{s['load_mean_ms']:.2f}",
           f"{s['prefill_mean_ms']:.1f}", _mib(s["bytes_h2d"]), _mib(s["bytes_d2h"]),
           _mib(s["bytes_l3_read"]), _mib(s["bytes_l3_written"]), s["store_errors"],
+          f"{s['skipped_pages_l2']}/{s['skipped_pages_l3']}",
           s["checks_passed"], f"{s['busy_s']:.1f}"] for s in rows])
-    return main + "\n\n" + details
+    rate, attn, over = getattr(report, "prefill_fit", (math.nan, 0.0, 0.0))
+    fit = "" if not rate > 0 else (
+        f"\n\nPrefill cost fitted to every prefill of the run (for the ideal): "
+        f"{over * 1e3:.1f} ms + tokens / {rate:,.0f} per s + {attn * 1e9:.3g} ns x "
+        f"(n^2 - s^2)/2 for positions s..n.")
+    return main + "\n\n" + physics(report) + fit + "\n\n" + details
 
 
 def write_outputs(report: DemoReport, out_dir: str) -> dict[str, str]:
@@ -459,6 +657,8 @@ def write_outputs(report: DemoReport, out_dir: str) -> dict[str, str]:
         "summary": report.summaries(),
         "per_round": {r.name: r.per_round(report.workload.num_rounds) for r in report.runs},
         "cache_metrics": {r.name: r.metrics for r in report.runs},
+        "requests": {r.name: [{k: v for k, v in asdict(x).items() if k != "check"}
+                              for x in r.results] for r in report.runs},
         "l3_store_stats": {r.name: r.store_stats for r in report.runs if r.store_stats},
     }
     path = os.path.join(out_dir, "results.json")

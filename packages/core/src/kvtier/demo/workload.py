@@ -123,3 +123,39 @@ def multiturn(clients: int, rounds: int, *, first_tokens: int = 1024, turn_token
 def round_of(index: int, count: int, rounds: int) -> int:
     """Round of the ``index``-th of ``count`` requests split into ``rounds`` equal groups."""
     return min(rounds - 1, index * rounds // max(count, 1))
+
+
+def long_context(documents: int, rounds: int, *, min_tokens: int = 8192,
+                 max_tokens: int = 32768, question_tokens: int = 160, jitter: float = 0.25,
+                 vocab_size: int = 4096, seed: int = 0, shuffle: bool = True) -> Workload:
+    """Long-context questions: ``documents`` long documents (lengths uniform in
+    ``[min_tokens, max_tokens]``), each asked ``rounds`` times, once a round, a new question
+    of about ``question_tokens`` after the whole document (what a RAG or code assistant sends).
+    Every ask reuses its document's KV; between two asks of a document the others are asked,
+    so a small L1 has lost it by then."""
+    documents = _positive("documents", documents)
+    rounds = _positive("rounds", rounds)
+    min_tokens = _positive("min_tokens", min_tokens)
+    max_tokens = _positive("max_tokens", max_tokens)
+    question_tokens = _positive("question_tokens", question_tokens)
+    vocab_size = _positive("vocab_size", vocab_size, 2)
+    if max_tokens < min_tokens:
+        raise WorkloadError(f"max_tokens {max_tokens} < min_tokens {min_tokens}",
+                            field="max_tokens")
+    if not isinstance(jitter, (int, float)) or not 0.0 <= jitter < 1.0:
+        raise WorkloadError(f"jitter must be a number in [0, 1), got {jitter!r}", field="jitter")
+    rng = np.random.default_rng([int(seed), 0x6C67])     # "lg": independent of other streams
+    docs = [rng.integers(0, vocab_size, int(rng.integers(min_tokens, max_tokens + 1)),
+                         dtype=np.int64) for _ in range(documents)]
+    requests: list[Request] = []
+    for r in range(rounds):
+        order = rng.permutation(documents) if shuffle else np.arange(documents)
+        for d in order.tolist():
+            q = rng.integers(0, vocab_size, _length(rng, question_tokens, jitter),
+                             dtype=np.int64)
+            prompt = np.concatenate([docs[d], q])
+            prompt.setflags(write=False)
+            requests.append(Request(len(requests), d, r, prompt, 0))
+    desc = (f"long context: {documents} documents of {min_tokens}-{max_tokens} tokens, each "
+            f"asked {rounds} times (a ~{question_tokens}-token question after it)")
+    return Workload("long", tuple(requests), rounds, desc)

@@ -1,0 +1,229 @@
+"""The cost-aware fetch: load only the leading pages whose loading beats recomputing them.
+
+`CostModel` keeps, online, the bandwidth each tier's loads achieve (moving averages of the
+bytes moved and the seconds taken, per tier and engine: the L2 -> L1 loads of the transfer
+engine, the L3 -> L2 reads of the store) and the engine's recompute rate (tokens/s, given
+in the config or reported through ``TieredKVCache.observe_recompute``). For each fetch
+`best_split` picks how many of the match's pages to load: the count ``k`` that minimises the
+modelled time to the first token, with the H2D load overlapped with the prefill layer by
+layer (layer ``i`` of the prefill waits only for layer ``i`` of the prefix) and the L3 read
+of the pages not yet in L2 before it::
+
+    T(k) = l3(k) + max(h2d(k), comp(k)) + min(h2d(k), comp(k)) / layers
+    l3(k)   = pages of the first k not yet in L2 x page_bytes / L3 bandwidth
+    h2d(k)  = k x page_bytes / L2 -> L1 bandwidth
+    comp(k) = (tokens computed anyway + (hit pages - k) x page_size) / recompute rate
+
+Until a rate is known nothing is cut (every hit is loaded, and the load measures it). A store
+call still running counts in the L3 bandwidth as soon as it is slower than the EWMA, so a
+tier that stalls mid-run (a hung disk) is skipped from the next fetch on instead of waited
+for; its background reads go on and measure it again when it recovers.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from typing import Any
+
+from ..errors import ConfigError
+
+__all__ = ["CostModel", "TimedStore", "best_split", "split_time", "check_rate"]
+
+
+def check_rate(name: str, value: Any) -> float:
+    """``value`` as a finite rate > 0, else a ConfigError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{name} must be a number > 0, got {value!r}", key=name, value=value)
+    v = float(value)
+    if not (v > 0) or math.isinf(v):
+        raise ConfigError(f"{name} must be a finite number > 0, got {value!r}", key=name,
+                          value=value)
+    return v
+
+
+def split_time(k: int, *, l2_pages: int, l3_pages: int, l3_ready: int = 0, compute_tokens: int,
+               page_size: int, page_bytes: int, h2d_bps: float, l3_bps: float | None,
+               recompute_tps: float, layers: int = 1) -> float:
+    """Modelled seconds to the first token when the first ``k`` of the ``l2_pages +
+    l3_pages`` hit pages are loaded and the rest recomputed (see the module doc);
+    ``l3_ready`` of the L3 pages are already in L2. ``l3_bps`` None: L3 pages cost no read."""
+    n = l2_pages + l3_pages
+    if not 0 <= k <= n:
+        raise ValueError(f"k={k} outside [0, {n}]")
+    from_l3 = max(0, k - l2_pages - l3_ready)
+    t3 = from_l3 * page_bytes / l3_bps if from_l3 and l3_bps is not None else 0.0
+    h = k * page_bytes / h2d_bps
+    c = (compute_tokens + (n - k) * page_size) / recompute_tps
+    return t3 + max(h, c) + min(h, c) / max(1, layers)
+
+
+def best_split(*, l2_pages: int, l3_pages: int, l3_ready: int = 0, compute_tokens: int,
+               page_size: int, page_bytes: int, h2d_bps: float | None, l3_bps: float | None,
+               recompute_tps: float | None, layers: int = 1) -> int:
+    """How many leading hit pages to load (the fastest split; ties load more). Unknown rates
+    (None) cut nothing -- except a collapsed L3 (``l3_bps`` 0): its pages not in L2 are
+    never waited for."""
+    n = l2_pages + l3_pages
+    if n == 0:
+        return 0
+    ready = l2_pages + min(l3_ready, l3_pages)
+    if l3_bps is not None and l3_bps <= 0:          # stalled: only what is in L2 already
+        n = ready
+        l3_bps = None
+    if recompute_tps is None or h2d_bps is None:
+        return n
+    kw = dict(l2_pages=l2_pages, l3_pages=l3_pages, l3_ready=l3_ready,
+              compute_tokens=compute_tokens, page_size=page_size, page_bytes=page_bytes,
+              h2d_bps=h2d_bps, l3_bps=l3_bps, recompute_tps=recompute_tps, layers=layers)
+    best_k, best_t = n, split_time(n, **kw)
+    for k in range(n - 1, -1, -1):
+        t = split_time(k, **kw)
+        if t < best_t * (1 - 1e-9):
+            best_k, best_t = k, t
+    return best_k
+
+
+class _Rate:
+    """A rate (units per second) as the ratio of moving averages of the amounts moved and
+    the seconds they took, so large transfers weigh more than small ones whose time is
+    mostly fixed cost."""
+
+    def __init__(self, alpha: float):
+        self.alpha = alpha
+        self._amount = 0.0
+        self._seconds = 0.0
+        self.samples = 0
+
+    @property
+    def value(self) -> float | None:
+        if not self.samples:
+            return None
+        return self._amount / max(self._seconds, 1e-12)
+
+    def observe(self, amount: float, seconds: float) -> None:
+        if amount <= 0:
+            return
+        a = 1.0 if not self.samples else self.alpha
+        self._amount = (1 - a) * self._amount + a * amount
+        self._seconds = (1 - a) * self._seconds + a * max(seconds, 1e-9)
+        self.samples += 1
+
+
+class CostModel:
+    """Measured rates and the split decision of one controller (thread-safe)."""
+
+    def __init__(self, *, enabled: bool = True, recompute_tokens_per_s: float | None = None,
+                 alpha: float = 0.3, engine: str = "", store: str = ""):
+        if recompute_tokens_per_s is not None:
+            recompute_tokens_per_s = check_rate("recompute_tokens_per_s",
+                                                recompute_tokens_per_s)
+        if not (0 < alpha <= 1):
+            raise ConfigError(f"cost_ewma_alpha must be in (0, 1], got {alpha!r}",
+                              key="cost_ewma_alpha", value=alpha)
+        self.enabled = enabled
+        self.engine = engine
+        self.store = store
+        self._lock = threading.Lock()
+        self._given_rate = recompute_tokens_per_s
+        self._recompute = _Rate(alpha)
+        self._h2d = _Rate(alpha)
+        self._l3 = _Rate(alpha)
+        self._inflight: dict[int, tuple[float, int]] = {}   # call id -> (t0, bytes)
+        self._next_call = 0
+
+    # ----- observations ---------------------------------------------------------------------
+    def observe_recompute(self, tokens: int, seconds: float) -> None:
+        """The engine computed ``tokens`` prefill tokens in ``seconds``."""
+        if tokens > 0 and seconds >= 0 and math.isfinite(seconds):
+            with self._lock:
+                self._recompute.observe(tokens, seconds)
+
+    def observe_load(self, nbytes: int, seconds: float) -> None:
+        """An L2 -> L1 load of ``nbytes`` took ``seconds`` (start to landed)."""
+        if nbytes > 0 and seconds >= 0 and math.isfinite(seconds):
+            with self._lock:
+                self._h2d.observe(nbytes, seconds)
+
+    def l3_call_started(self, nbytes: int) -> int:
+        with self._lock:
+            self._next_call += 1
+            self._inflight[self._next_call] = (time.perf_counter(), nbytes)
+            return self._next_call
+
+    def l3_call_ended(self, call: int, nbytes_done: int) -> None:
+        with self._lock:
+            t0, _ = self._inflight.pop(call, (None, 0))
+            if t0 is not None:
+                self._l3.observe(nbytes_done, time.perf_counter() - t0)
+
+    # ----- rates ----------------------------------------------------------------------------
+    @property
+    def recompute_tokens_per_s(self) -> float | None:
+        return self._given_rate if self._given_rate is not None else self._recompute.value
+
+    @property
+    def h2d_bytes_per_s(self) -> float | None:
+        return self._h2d.value
+
+    @property
+    def l3_bytes_per_s(self) -> float | None:
+        """EWMA of L3 reads, lowered to what a store call still running implies when that
+        is less (towards 0 while a call makes no progress: a stalled store)."""
+        with self._lock:
+            bw = self._l3.value
+            now = time.perf_counter()
+            for t0, nbytes in self._inflight.values():
+                elapsed = now - t0
+                if bw is not None and elapsed > 0 and nbytes / elapsed < bw:
+                    bw = nbytes / elapsed
+        return bw
+
+    def rates(self) -> dict[str, float | None]:
+        return {"recompute_tokens_per_s": self.recompute_tokens_per_s,
+                "l2_load_bytes_per_s": self.h2d_bytes_per_s,
+                "l3_read_bytes_per_s": self.l3_bytes_per_s}
+
+    def l3_slower_than_recompute(self, page_size: int, page_bytes: int) -> bool:
+        """Would reading a page from L3 take longer than recomputing it (rates known)?"""
+        r, bw = self.recompute_tokens_per_s, self.l3_bytes_per_s
+        return r is not None and bw is not None and page_bytes / max(bw, 1e-30) > page_size / r
+
+    # ----- the decision ---------------------------------------------------------------------
+    def pages_to_load(self, *, l2_pages: int, l3_pages: int, l3_ready: int,
+                      compute_tokens: int, page_size: int, page_bytes: int,
+                      layers: int) -> int:
+        if not self.enabled:
+            return l2_pages + l3_pages
+        return best_split(l2_pages=l2_pages, l3_pages=l3_pages, l3_ready=l3_ready,
+                          compute_tokens=compute_tokens, page_size=page_size,
+                          page_bytes=page_bytes, h2d_bps=self.h2d_bytes_per_s,
+                          l3_bps=self.l3_bytes_per_s if l3_pages > l3_ready else None,
+                          recompute_tps=self.recompute_tokens_per_s, layers=layers)
+
+
+class TimedStore:
+    """An `L3Store` seen through the cost model: every ``batch_get`` is timed (its bytes
+    read per second go into the L3 rate; a call still running counts while it runs). All
+    other attributes are the store's."""
+
+    def __init__(self, store: Any, cost: CostModel, page_bytes: int):
+        self._store = store
+        self._cost = cost
+        self._page_bytes = page_bytes
+
+    def batch_get(self, keys, host_pages, *args: Any, **kwargs: Any):
+        n = len(keys)
+        call = self._cost.l3_call_started(n * self._page_bytes)
+        done = 0
+        try:
+            out = self._store.batch_get(keys, host_pages, *args, **kwargs)
+            if isinstance(out, list):
+                done = sum(1 for v in out if v is True)
+            return out
+        finally:
+            self._cost.l3_call_ended(call, done * self._page_bytes)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)

@@ -1,0 +1,206 @@
+"""The cost-aware fetch: the split math on hand-made numbers, typed errors for bad rates, and
+the controller's decisions with stores that are fast, slow, or stall mid-run."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+import pytest
+
+from kvtier.cache import CacheConfig
+from kvtier.cache.cost import CostModel, best_split, check_rate, split_time
+from kvtier.errors import ConfigError
+
+from test_cache import SPEC, Rig, SlowStore, toks
+
+MIB = 1 << 20
+BASE = dict(page_size=64, page_bytes=MIB, recompute_tps=64_000.0)   # 1 ms per page computed
+
+
+def test_fast_l2_loads_every_page():
+    assert best_split(l2_pages=10, l3_pages=0, compute_tokens=64, h2d_bps=10e9, l3_bps=None,
+                      **BASE) == 10
+
+
+def test_slow_l3_pages_are_recomputed_and_l2_ones_loaded():
+    # L3 at 100 MB/s: 10.5 ms a page against 1 ms to recompute it
+    kw = dict(l2_pages=4, l3_pages=6, compute_tokens=64, h2d_bps=10e9, l3_bps=100e6, **BASE)
+    assert best_split(**kw) == 4
+    # T(4) by hand: no L3 read; max(4 MiB / 10 GB/s, (64 + 6 * 64) / 64k) + the smaller
+    t = split_time(4, **kw)
+    assert t == pytest.approx(448 / 64_000 + 4 * MIB / 10e9)
+    # pages the prefetch already brought into L2 are as good as L2 pages
+    assert best_split(**{**kw, "l3_ready": 3}) == 7
+
+
+def test_a_slow_engine_splits_between_loading_and_recomputing():
+    # 0.5 GB/s: 2.1 ms a page to load, 1 ms to recompute; 32 layers overlap the two.
+    # k=3: max(6.29, 8.0) + 6.29/32 = 8.20 ms; k=4: max(8.39, 7.0) + 7/32 = 8.61 ms;
+    # k=2: max(4.19, 9.0) + 4.19/32 = 9.13 ms; all 10: 20.97 + 1/32 ms
+    kw = dict(l2_pages=10, l3_pages=0, compute_tokens=64, h2d_bps=0.5e9, l3_bps=None,
+              layers=32, **BASE)
+    assert best_split(**kw) == 3
+    assert split_time(3, **kw) == pytest.approx(8e-3 + 3 * MIB / 0.5e9 / 32)
+
+
+def test_unknown_rates_load_everything_and_a_stalled_l3_nothing_beyond_l2():
+    kw = dict(l2_pages=2, l3_pages=5, compute_tokens=1, page_size=64, page_bytes=MIB)
+    assert best_split(h2d_bps=None, l3_bps=1.0, recompute_tps=1e6, **kw) == 7
+    assert best_split(h2d_bps=1e9, l3_bps=1.0, recompute_tps=None, **kw) == 7
+    assert best_split(h2d_bps=None, l3_bps=0.0, recompute_tps=None, l3_ready=1, **kw) == 3
+
+
+@pytest.mark.parametrize("bad", [0, 0.0, -5, math.nan, math.inf, "fast", True])
+def test_bad_rates_are_config_errors(bad):
+    with pytest.raises(ConfigError, match="recompute_tokens_per_s"):
+        CacheConfig(model_id="m", recompute_tokens_per_s=bad)
+    with pytest.raises(ConfigError):
+        check_rate("l3_bandwidth", bad)
+    with pytest.raises(ConfigError):
+        CostModel(recompute_tokens_per_s=bad)
+
+
+@pytest.mark.parametrize("alpha", [0, -0.1, 1.5, math.nan])
+def test_bad_ewma_weight_is_a_config_error(alpha):
+    with pytest.raises(ConfigError, match="cost_ewma_alpha"):
+        CacheConfig(model_id="m", cost_ewma_alpha=alpha)
+
+
+def test_ewma_and_a_call_still_running_lower_the_l3_rate():
+    c = CostModel(alpha=0.5)
+    call = c.l3_call_started(1000)
+    c.l3_call_ended(call, 1000)
+    assert c.l3_bytes_per_s is not None and c.l3_bytes_per_s > 1e4
+    before = c.l3_bytes_per_s
+    c.l3_call_started(1000)            # never returns
+    time.sleep(0.05)
+    assert c.l3_bytes_per_s < min(before, 1000 / 0.05)
+
+
+# --------------------------------------------------------------------------------------------
+# In the controller
+# --------------------------------------------------------------------------------------------
+def _to_l3(r: Rig, t: list[int]) -> None:
+    """Serve ``t`` once, then evict it from L1 and L2: it is in L3 only."""
+    r.request(t)
+    r.l1_only_to_l2()
+    r.cache.evict(10_000, tier="l2")
+    m = r.cache.match(t)
+    assert m.l3_count == len(m.keys) and m.l2_count == 0, m
+    r.cache.release(m)
+
+
+def test_l3_pages_slower_than_recompute_are_computed_and_counted():
+    store = SlowStore(spec=SPEC, delay=0.05)     # ~50 ms a call for a few 768-byte pages
+    r = Rig(store=store, prefetch_policy="wait_complete", recompute_tokens_per_s=1e6)
+    try:
+        a, b = toks(6 * SPEC.page_size, seed=1), toks(6 * SPEC.page_size, seed=2)
+        _to_l3(r, a)
+        _to_l3(r, b)
+        m, h = r.request(a)                      # no L3 rate yet: loads all, measures it
+        assert h.pages_loaded == 6
+        assert r.cache.metrics()["l3_read_bytes_per_s"] > 0
+        t0 = time.perf_counter()
+        m, h = r.request(b)                      # request() checks every page's bytes
+        assert h.pages_loaded == 0 and m.l3_count == 6
+        assert time.perf_counter() - t0 < 0.05   # the slow read was not waited for
+        met = r.cache.metrics()
+        assert met["cost_skipped_pages_l3"] == 6 and met["cost_skipped_pages_l2"] == 0
+        assert met["recompute_tokens_per_s"] == 1e6 and met["l2_load_bytes_per_s"] > 0
+        r.cache.wait_idle()
+        r.cache.check_invariants(idle=True)
+    finally:
+        r.close()
+
+
+def test_policy_off_loads_the_slow_l3_pages():
+    store = SlowStore(spec=SPEC, delay=0.05)
+    r = Rig(store=store, prefetch_policy="wait_complete", recompute_tokens_per_s=1e6,
+            cost_aware_fetch=False)
+    try:
+        a, b = toks(6 * SPEC.page_size, seed=1), toks(6 * SPEC.page_size, seed=2)
+        _to_l3(r, a)
+        _to_l3(r, b)
+        r.request(a)
+        m, h = r.request(b)
+        assert h.pages_loaded == 6
+        assert r.cache.metrics()["cost_skipped_pages_l3"] == 0
+    finally:
+        r.close()
+
+
+def test_fast_l2_is_always_loaded_with_the_policy_on():
+    r = Rig(l3_store="memory", recompute_tokens_per_s=100.0)
+    try:
+        t = toks(5 * SPEC.page_size + 1, seed=3)
+        for _ in range(3):
+            r.request(t)
+            r.l1_only_to_l2()
+            m, h = r.request(t)
+            assert m.l2_count == 5 and h.pages_loaded == 5
+            r.l1_only_to_l2()
+        assert r.cache.metrics()["cost_skipped_pages_l2"] == 0
+    finally:
+        r.close()
+
+
+def test_a_store_that_stalls_mid_run_is_skipped_not_waited_for():
+    store = SlowStore(spec=SPEC)
+    r = Rig(store=store, prefetch_policy="wait_complete", recompute_tokens_per_s=1e3)
+    try:
+        seqs = [toks(5 * SPEC.page_size, seed=10 + i) for i in range(4)]
+        for s in seqs:
+            _to_l3(r, s)
+        m, h = r.request(seqs[0])                # fast store: loaded, and measured
+        assert h.pages_loaded == 5
+        r.request(seqs[1])
+        store.gate = threading.Event()           # the disk hangs from now on
+        c = r.cache
+        m = c.match(seqs[2])
+        c.prefetch(m)                            # queued: the read starts and hangs
+        time.sleep(0.3)
+        t0 = time.perf_counter()
+        h = c.fetch(m, r.take(m.pages_to_load))
+        assert time.perf_counter() - t0 < 0.2 and h.pages_loaded == 0
+        h.wait()
+        new = r.take(len(m.keys))
+        r.prefill(m.keys, new)
+        c.commit(seqs[2], new, match=m)
+        r.alloc.free(c.release(m))
+        m, h = r.request(seqs[3])                # still hung: skipped from then on
+        assert h.pages_loaded == 0
+        assert c.metrics()["cost_skipped_pages_l3"] == 10
+        store.gate.set()
+        c.wait_idle(timeout=10)
+        c.check_invariants(idle=True)
+    finally:
+        if store.gate is not None:
+            store.gate.set()
+        r.close()
+
+
+def test_writes_to_a_slow_l3_go_on_unless_configured_off():
+    for keep in (True, False):
+        store = SlowStore(spec=SPEC, delay=0.05)
+        r = Rig(store=store, prefetch_policy="wait_complete", recompute_tokens_per_s=1e6,
+                l3_write_when_slow=keep)
+        try:
+            a = toks(4 * SPEC.page_size, seed=5)
+            _to_l3(r, a)
+            r.request(a)                         # measures L3: slower than recompute
+            r.cache.wait_idle()
+            written = r.cache.metrics()["l3_written_pages"]
+            r.request(toks(4 * SPEC.page_size, seed=6))
+            r.cache.wait_idle()
+            met = r.cache.metrics()
+            if keep:
+                assert met["l3_written_pages"] == written + 4
+                assert met.get("cost_skipped_l3_writes", 0) == 0
+            else:
+                assert met["l3_written_pages"] == written
+                assert met["cost_skipped_l3_writes"] == 4
+            r.cache.check_invariants(idle=True)
+        finally:
+            r.close()
