@@ -112,3 +112,46 @@ def test_docs_config_md_is_current() -> None:
         pytest.skip("not in a checkout of the repository")
     assert doc.read_text() == reference(), \
         "docs/config.md is stale: python -m kvtier.config > docs/config.md"
+
+
+def test_cache_config_layers_file_then_environment(tmp_path) -> None:
+    from kvtier.cache import CacheConfig
+    p = tmp_path / "kvtier.toml"
+    p.write_text('[cache]\nmodel_id = "file-model"\nhost_pool_pages = 8\n'
+                 '[cache.l3_config]\nroot = "/srv/kv"\n')
+    c = CacheConfig.load({"model_id": "base", "write_policy": "write_back"},
+                         environ={"KVTIER_CONFIG": str(p), "KVTIER_HOST_POOL_PAGES": "16"})
+    assert c.model_id == "file-model" and c.write_policy == "write_back"
+    assert c.host_pool_pages == 16 and c.l3_config == {"root": "/srv/kv"}
+    assert CacheConfig.from_file(str(p)).host_pool_pages == 8
+    assert CacheConfig.load({"model_id": "m"}, environ={}).transfer_engine == "auto"
+    p.write_text('[cache]\nmodel_id = "m"\nhost_pool_pagez = 8\n')
+    with pytest.raises(ConfigError, match="host_pool_pagez"):
+        CacheConfig.load(environ={"KVTIER_CONFIG": str(p)})
+
+
+def test_cli_config_flag_and_verbosity(tmp_path, capsys) -> None:
+    from kvtier.cli import main
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[cache\n")
+    assert main(["--config", str(bad), "backends", "--kind", "l3_store"]) == 2
+    err = capsys.readouterr().err
+    assert "not valid TOML" in err and err.count("\n") == 1
+    assert main(["--config", str(tmp_path / "missing.toml"), "backends"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    import logging
+    good = tmp_path / "good.toml"
+    good.write_text('[cache]\nmodel_id = "m"\n')
+    old = os.environ.get("KVTIER_CONFIG")
+    try:
+        assert main(["-vv", "--config", str(good), "backends", "--kind", "l3_store"]) == 0
+        assert logging.getLogger("kvtier").level == logging.DEBUG
+        assert os.environ["KVTIER_CONFIG"] == str(good)
+        assert main(["-q", "backends", "--kind", "l3_store"]) == 0
+        assert logging.getLogger("kvtier").level == logging.ERROR
+    finally:
+        logging.getLogger("kvtier").setLevel(logging.NOTSET)
+        if old is None:
+            os.environ.pop("KVTIER_CONFIG", None)
+        else:
+            os.environ["KVTIER_CONFIG"] = old

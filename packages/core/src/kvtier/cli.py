@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import copy
 import importlib
+import os
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -134,8 +135,35 @@ def _help(f: _Found | None) -> str:
     return f.command.help
 
 
+#: Root options that take a value (so their value is not taken for a command name).
+_ROOT_VALUED = ("--config",)
+
+
 def _positionals(argv: list[str]) -> list[str]:
-    return [a for a in argv if not a.startswith("-")]
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in _ROOT_VALUED:
+            skip = True
+        elif not a.startswith("-"):
+            out.append(a)
+    return out
+
+
+def setup_logging(verbosity: int) -> None:
+    """kvtier's loggers (``kvtier.*``) to stderr: warnings by default, ``-v`` info, ``-vv``
+    debug, ``-q`` errors only. Leaves other libraries' loggers alone."""
+    import logging
+    level = {-1: logging.ERROR, 0: logging.WARNING, 1: logging.INFO}.get(
+        max(-1, min(verbosity, 2)), logging.DEBUG)
+    log = logging.getLogger("kvtier")
+    if not any(getattr(h, "_kvtier_cli", False) for h in log.handlers):
+        h = logging.StreamHandler(sys.stderr)
+        h.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        h._kvtier_cli = True  # type: ignore[attr-defined]
+        log.addHandler(h)
+    log.setLevel(level)
 
 
 def _attach(p: argparse.ArgumentParser, path: str, f: _Found | None) -> None:
@@ -161,6 +189,13 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     commands = discover_commands()
     parser = _Parser(prog="kvtier", description="Tiered KV-cache offloading.")
     parser.add_argument("--version", action="version", version=f"kvtier {__version__}")
+    parser.add_argument("-v", "--verbose", action="count", default=0,
+                        help="more log output (-v: info, -vv: debug)")
+    parser.add_argument("-q", "--quiet", action="store_true", help="errors only")
+    parser.add_argument("--config", metavar="FILE", default=None, dest="_kvtier_config",
+                        help="a TOML config file whose [cache] table configures every cache "
+                        "the command builds (also $KVTIER_CONFIG); docs/config.md lists the "
+                        "fields")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     tops = sorted({n.split(".")[0] for n in commands})
     for top in tops:
@@ -192,7 +227,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvtier: error: {getattr(args, '_error', name + ': not runnable')}",
               file=sys.stderr)
         return 2
+    setup_logging(-1 if args.quiet else args.verbose)
     try:
+        path = getattr(args, "_kvtier_config", None)
+        if path is not None:
+            from .config import read_config_file
+            read_config_file(path, "cache")            # a bad file: one line, exit 2
+            os.environ["KVTIER_CONFIG"] = path
         return int(run(args) or 0)
     except KVTierError as exc:
         print(f"kvtier {name}: error: {type(exc).__name__}: {exc}", file=sys.stderr)

@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping
 
-from ..config import build_config, config_fields, config_from_env
+from ..config import build_config, config_fields, config_from_env, read_config_file
 from ..errors import ConfigError
 from .cost import check_rate
 
@@ -37,7 +38,9 @@ class CacheConfig:
     host_allocator_config: dict[str, Any] = field(default_factory=dict)
     l3_store: str | None = None
     l3_config: dict[str, Any] = field(default_factory=dict)
-    transfer_engine: str = "torch"
+    #: A transfer engine by name, or "auto": the best available one for the device by declared
+    #: capability (the choice is logged and kept on the engine).
+    transfer_engine: str = "auto"
     transfer_config: dict[str, Any] = field(default_factory=dict)
     write_policy: Literal["write_through", "write_through_selective",
                           "write_back"] = "write_through"
@@ -124,6 +127,27 @@ class CacheConfig:
         """From ``KVTIER_MODEL_ID``, ``KVTIER_HOST_POOL_PAGES``, ... over ``base``; dict
         fields (``KVTIER_L3_CONFIG``) are JSON."""
         return config_from_env(cls, prefix, environ, base)
+
+    @classmethod
+    def from_file(cls, path: str, section: str = "cache",
+                  base: Mapping[str, Any] | None = None) -> "CacheConfig":
+        """From the ``[section]`` table of a TOML file, over ``base``."""
+        return build_config(cls, {**dict(base or {}), **read_config_file(path, section)},
+                            section=section)
+
+    @classmethod
+    def load(cls, base: Mapping[str, Any] | None = None, *, path: str | None = None,
+             environ: Mapping[str, str] | None = None, prefix: str = "KVTIER_"
+             ) -> "CacheConfig":
+        """The layered configuration: ``base`` (the caller's dict), then the config file
+        (``path`` or ``$KVTIER_CONFIG``, table ``[cache]``), then ``KVTIER_<FIELD>``
+        variables; later layers win. Unknown keys and variables are ConfigErrors."""
+        env = os.environ if environ is None else environ
+        data = dict(base or {})
+        path = path or env.get("KVTIER_CONFIG") or None
+        if path:
+            data.update(read_config_file(path, "cache"))
+        return config_from_env(cls, prefix, env, data)
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser, prefix: str = "") -> None:

@@ -546,6 +546,7 @@ class TieredKVCache:
         m.gauge("l3_state", lambda: io.state if io else "none")
         m.gauge("page_bytes", lambda: self.spec.page_bytes)
         m.gauge("page_size", lambda: self.spec.page_size)
+        m.gauge("transfer_engine", lambda: self.engine.name)   # what "auto" chose, say
         cost = self.cost
         m.gauge("cost_aware_fetch", lambda: int(cost.enabled))
         m.gauge("recompute_tokens_per_s", lambda: cost.recompute_tokens_per_s or 0.0)

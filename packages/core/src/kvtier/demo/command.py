@@ -72,7 +72,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "directory unless --l3-config gives a root)")
     g.add_argument("--l3-config", type=_json_object, default={}, metavar="JSON",
                    help="the L3 store's config as a JSON object")
-    g.add_argument("--transfer-engine", default="torch", help="transfer engine by name")
+    g.add_argument("--transfer-engine", default="auto", help="transfer engine by name, or "
+                   "auto: the best available for the device (reported)")
     g.add_argument("--write-policy", default="write_through",
                    choices=["write_through", "write_through_selective", "write_back"])
     g.add_argument("--prefetch-policy", default="wait_complete",

@@ -70,7 +70,7 @@ class DemoConfig:
     host_allocator: str | None = None    # None: mmap on cpu, torch-pinned elsewhere
     l3_store: str = "file"
     l3_config: dict[str, Any] = field(default_factory=dict)
-    transfer_engine: str = "torch"
+    transfer_engine: str = "auto"
     write_policy: str = "write_through"
     prefetch_policy: str = "wait_complete"
     setups: tuple[str, ...] = SETUPS
@@ -403,6 +403,13 @@ def cache_config(cfg: DemoConfig, setup: str, model: DemoModel, l2_pages: int,
     }
     if cfg.recompute_tokens_per_s is not None:
         base["recompute_tokens_per_s"] = cfg.recompute_tokens_per_s
+    # `kvtier --config FILE demo` (or $KVTIER_CONFIG): the file's [cache] table over the
+    # flags; what defines each setup (its tiers and sizes, the model's identity) stays.
+    path = os.environ.get("KVTIER_CONFIG")
+    if path:
+        from ..config import read_config_file
+        base.update(read_config_file(path, "cache"))
+        base["model_id"] = f"kvtier-demo-llama-{model.size.name}-seed{cfg.seed}"
     if setup == "L1 only":
         # The same controller as a device-only prefix cache: selective write-through whose
         # threshold no page reaches, a one-page host pool, and an engine that reuses L1 hits
@@ -598,8 +605,10 @@ def physics(report: DemoReport) -> str:
     rows = report.summaries()
     per_token = report.model["page_bytes"] / report.model["page_size"]
     cfg = report.config
+    used = sorted({str(r.metrics.get("transfer_engine")) for r in report.runs
+                   if r.metrics.get("transfer_engine")}) or [cfg.transfer_engine]
     return table(
-        ["setup", "recompute tok/s", f"L2->L1 ({cfg.transfer_engine})",
+        ["setup", "recompute tok/s", f"L2->L1 ({', '.join(used)})",
          f"L3 read ({cfg.l3_store})", "restored pages checked (digest)"],
         [[s["setup"], f"{s['recompute_tokens_per_s']:,.0f}"
           if s["recompute_tokens_per_s"] else "-",
