@@ -167,8 +167,9 @@ class ExchangePlan:
 
         comps: list[list[ComponentMeta]] = []     # [comp] -> per-layer metadata
         runs = []
+        device_layers = device_pool.require_layers("ascendc")
         for c in range(self.num_components):
-            tensors = device_pool.layers[c]
+            tensors = device_layers[c]
             ptrs = [t.data_ptr() for t in tensors]
             per_layer = []
             for layer, t in enumerate(tensors):

@@ -96,6 +96,7 @@ class TorchTransferEngine(TransferEngine):
 
     def __init__(self, device_pool, host_pool, config: Any = None):
         super().__init__(device_pool, host_pool, config)
+        device_pool.require_layers(self.name)
         if host_pool.raw.device.type != "cpu":
             raise LayoutError(f"host pool must be in host memory, got {host_pool.raw.device}")
         self.device = device_pool.device
