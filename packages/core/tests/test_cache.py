@@ -136,7 +136,7 @@ def test_every_tier_returns_the_committed_bytes(spec, layout, tmp_path):
         r.cache.evict(100, tier="l2")
         m, h = r.request(t)
         assert (m.l1_count, m.l2_count, m.l3_count, h.pages_loaded) == (0, 0, 5, 5)
-        r.cache._check_invariants()
+        r.cache.check_invariants()
         mt = r.cache.metrics()
         assert mt["l1_hit_pages"] == 5 and mt["l2_hit_pages"] == 5 and mt["l3_hit_pages"] == 5
     finally:
@@ -149,12 +149,10 @@ def test_mixed_tiers_in_one_match(rig):
     rig.cache.wait_idle()
     rig.cache.evict(3)                       # the last 3 pages leave L1 (leaves first)
     rig.cache.wait_idle()
-    with rig.cache._lock:                    # drop the last page's L2 copy: L3 only now
-        nd = rig.cache._nodes[rig.cache.keys(t)[-1]]
-    rig.cache.evict(1, tier="l2")
+    rig.cache.evict(1, tier="l2")            # drop the last page's L2 copy: L3 only now
+    assert rig.cache.keys(t)[-1] not in rig.cache.pages()
     m = rig.cache.match(t)
     assert (m.l1_count, m.l2_count, m.l3_count) == (5, 2, 1), m
-    assert nd.host_page is None
     rig.cache.release(m)
     m, h = rig.request(t)
     assert h.pages_loaded == 3
@@ -193,7 +191,7 @@ def test_commit_takes_new_pages_and_leaves_duplicates_to_the_engine(rig):
     assert res.new_pages == 0 and list(res.not_taken) == b
     rig.alloc.free(b)                        # still the engine's
     assert c.commit(t, a).new_pages == 0     # re-committing the cache's own pages: no-op
-    c._check_invariants()
+    c.check_invariants()
 
 
 def test_release_returns_exactly_the_engine_pages(rig):
@@ -251,9 +249,8 @@ def test_commit_rejects_bad_input_before_touching_anything(rig):
         c.commit("not tokens", [])
     with pytest.raises(TokensError):
         c.match([1.5, 2.5])
-    with c._lock:
-        assert len(c._nodes) == 3
-    c._check_invariants()
+    assert len(c.pages()) == 3
+    c.check_invariants()
 
 
 def test_fetch_and_match_misuse_are_typed_errors(rig):
@@ -264,7 +261,7 @@ def test_fetch_and_match_misuse_are_typed_errors(rig):
     m = c.match(t)
     with pytest.raises(InvalidArgumentError):
         c.fetch(m, rig.take(4))              # more pages than it can load
-    l1_page = next(iter(c._l1_by_page), None)
+    l1_page = next((d for d, _ in c.pages().values() if d is not None), None)
     if l1_page is not None:
         with pytest.raises(InvalidArgumentError):
             c.fetch(m, [l1_page])            # a page the cache owns
@@ -313,7 +310,7 @@ def test_pinned_pages_are_never_evicted(rig):
     c.wait_idle()
     assert c.evict(100) == 0                 # every L1 page is in use
     assert c.evict(100, tier="l2") == 6      # their L2 copies are not in use: droppable
-    rig.verify(c.keys(t), [c._nodes[k].device_page for k in c.keys(t)])
+    rig.verify(c.keys(t), [c.pages()[k][0] for k in c.keys(t)])
     rig.alloc.free(c.release(m))
     assert c.evict(100) == 6
 
@@ -330,12 +327,13 @@ def test_eviction_takes_leaves_first_and_keeps_prefixes(rig):
     m = c.match(a)
     c.release(m)
     assert c.evict(2) == 2
-    assert c._nodes[keys_b[-1]].device_page is None and c._nodes[keys_b[-2]].device_page is None
-    assert all(c._nodes[k].device_page is not None for k in keys_a)
+    pages = c.pages()
+    assert pages[keys_b[-1]][0] is None and pages[keys_b[-2]][0] is None
+    assert all(pages[k][0] is not None for k in keys_a)
     for _ in range(20):
         c.evict(1)
-        c._check_invariants()                # L1 stays prefix-closed after every step
-    assert not c._l1_by_page
+        c.check_invariants()                # L1 stays prefix-closed after every step
+    assert all(d is None for d, _ in c.pages().values())
 
 
 def test_l1_leaf_without_l2_copy_drops_its_l2_children_not_orphaning_them():
@@ -352,12 +350,12 @@ def test_l1_leaf_without_l2_copy_drops_its_l2_children_not_orphaning_them():
         k = c.keys(t)
         c.evict(1)                          # the leaf leaves L1 (it has an L2 copy)
         c.evict(1, tier="l2")               # now drop the middle page's L2 copy (L1-resident)
-        c._check_invariants()
+        c.check_invariants()
         c.evict(100)
-        c._check_invariants()
-        for key in k:                        # nothing left that lost its prefix
-            nd = c._nodes.get(key)
-            assert nd is None or nd.parent is None or nd.parent.key in c._nodes
+        c.check_invariants()
+        pages = c.pages()
+        for i, key in enumerate(k):          # nothing left that lost its prefix
+            assert key not in pages or i == 0 or k[i - 1] in pages
     finally:
         r.close()
 
@@ -373,7 +371,7 @@ def test_evicting_a_whole_chain_copies_nothing():
         assert c.evict(4) == 4
         mt = c.metrics()
         assert mt.get("l1_demotions", 0) == 0 and mt.get("bytes_d2h", 0) == 0
-        assert not c._nodes
+        assert not c.pages()
     finally:
         r.close()
 
@@ -403,16 +401,16 @@ def test_evict_waits_for_backups_in_flight_instead_of_coming_up_short():
                 return gate.is_set() and self.h.done()
         c.engine.backup = lambda d, h: Gated(real(d, h))
         r.request(toks(4 * 4, seed=18))
-        assert c._backups_inflight == 4
+        assert c.metrics()["backups_in_flight"] == 4
         threading.Timer(0.2, gate.set).start()
         t0 = time.perf_counter()
         assert c.evict(4) == 4                # waited for the copies, then evicted
         assert time.perf_counter() - t0 >= 0.15
-        assert c._backups_inflight == 0
+        assert c.metrics()["backups_in_flight"] == 0
         m = c.match(toks(4 * 4, seed=18))
         assert m.l2_count == 4                # and the copies are in L2
         c.release(m)
-        c._check_invariants()
+        c.check_invariants()
     finally:
         r.close()
 
@@ -433,13 +431,13 @@ def test_l2_budget_is_honoured_and_full_l2_skips_backups():
         r.request(t)
         c.wait_idle()
         assert c.host_pool.free_count >= 0
-        assert len(c._l2_lru) <= 5
+        assert c.metrics()["l2_pages"] <= 5
         mt = c.metrics()
         assert mt["backup_skipped_pages"] >= 2           # only one free host page
         for m in ms:
-            assert all(c._nodes[k].host_page is not None for k in m.keys)
+            assert all(c.pages()[k][1] is not None for k in m.keys)
             r.alloc.free(c.release(m))
-        c._check_invariants()
+        c.check_invariants()
     finally:
         r.close()
 
@@ -507,11 +505,11 @@ def test_prefetch_cannot_starve_pinned_pages():
 def _tiers(c: TieredKVCache, keys: list[bytes]) -> list[str]:
     out = []
     for k in keys:
-        nd = c._nodes.get(k)
+        dev, host = c.pages().get(k, (None, None))
         s = ""
-        if nd is not None and nd.device_page is not None:
+        if dev is not None:
             s += "1"
-        if nd is not None and nd.host_page is not None:
+        if host is not None:
             s += "2"
         if c.store.batch_exists([k]):
             s += "3"
@@ -601,7 +599,7 @@ def test_close_flush_writes_dirty_pages_and_cancel_drops_queued_writes():
     r.request(t1)
     assert store2.started.wait(10)            # the first write is in flight (acknowledged
     r.request(t2)                             # once it returns); the second one queued
-    r.cache._completer.wait_idle(10)
+    assert r.cache.wait_idle(0.5) is False    # the second write waits behind the first
     closer = threading.Thread(target=r.close)
     closer.start()
     time.sleep(0.1)
@@ -650,7 +648,7 @@ def test_prefetch_policies_bound_the_wait(policy, expect_loaded, max_s):
         r.alloc.free(r.cache.release(m))
         assert r.cache.metrics()["prefetch_cut_pages"] == 3 - expect_loaded
         assert r.cache.wait_idle(10)
-        r.cache._check_invariants()
+        r.cache.check_invariants()
     finally:
         r.close()
         store.close()
@@ -665,7 +663,7 @@ def test_best_effort_takes_what_an_early_prefetch_brought():
         m = r.cache.match(t)
         r.cache.prefetch(m)                   # request queued: start reading now
         deadline = time.time() + 5
-        while not r.cache.prefetch_ready(m) or m._read.n_landed < 3:
+        while not r.cache.prefetch_ready(m) or m.l3_pages_landed < 3:
             assert time.time() < deadline
             time.sleep(0.01)
         h = r.cache.fetch(m, r.take(m.pages_to_load))
@@ -740,11 +738,11 @@ def test_landing_after_the_prefix_is_gone_is_discarded():
         c.evict(100)
         c.evict(100, tier="l2")
         c.wait_idle(0.2)
-        assert c.keys(base)[-1] not in c._nodes
+        assert c.keys(base)[-1] not in c.pages()
         store.gate.set()
         assert c.wait_idle(10)
-        c._check_invariants()
-        assert all(k not in c._nodes for k in c.keys(base + tail))
+        c.check_invariants()
+        assert all(k not in c.pages() for k in c.keys(base + tail))
     finally:
         r.close()
         store.close()
@@ -798,11 +796,11 @@ def test_concurrent_requests_keep_data_and_index_consistent():
     try:
         assert not errors, errors
         assert r.cache.wait_idle(10)
-        r.cache._check_invariants()
-        for nd in list(r.cache._l1_by_page.values()):
-            r.verify([nd.key], [nd.device_page])
-            assert nd.l1_pins == 0
-        assert r.alloc.free_count + len(r.cache._l1_by_page) == 64
+        r.cache.check_invariants()
+        l1 = {k: d for k, (d, _) in r.cache.pages().items() if d is not None}
+        r.verify(list(l1), list(l1.values()))
+        assert r.cache.evict(len(l1)) == len(l1)          # nothing left pinned
+        assert r.alloc.free_count == 64
     finally:
         r.close()
 

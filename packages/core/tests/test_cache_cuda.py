@@ -107,7 +107,7 @@ def test_every_tier_round_trips_on_cuda(spec, policy):
         c.wait_idle()
         m, h = r.request(t, layerwise=True)
         assert (m.l3_count, h.pages_loaded) == (6, 6)
-        c._check_invariants()
+        c.check_invariants()
         assert c.host_pool.buffer.backing.endswith("pinned")
     finally:
         r.cache.close()
@@ -137,8 +137,9 @@ def test_concurrent_requests_on_cuda():
     try:
         assert not errors, errors
         assert r.cache.wait_idle(30)
-        r.cache._check_invariants()
-        for nd in list(r.cache._l1_by_page.values()):
-            assert torch.equal(r.page(nd.device_page).cpu(), r.ref[nd.key])
+        r.cache.check_invariants()
+        for key, (dev, _) in r.cache.pages().items():
+            if dev is not None:
+                assert torch.equal(r.page(dev).cpu(), r.ref[key])
     finally:
         r.cache.close()

@@ -130,7 +130,7 @@ def test_raising_get_is_a_counted_miss_and_never_wrong_data(flaky):
     assert h.pages_loaded == 0
     assert c.metrics()["store_errors"] == 1
     assert sorted(c.release(m)) == sorted(dev)          # nothing taken: the engine's pages
-    c._check_invariants()
+    c.check_invariants()
     assert c.host_pool.free_count == 8                   # the read's host pages came back
 
 
@@ -227,7 +227,7 @@ def test_a_dead_io_thread_is_reported_and_nobody_hangs(caplog):
         assert h.pages_loaded == 0
         s.alloc.free(c.release(m))
         deadline = time.time() + 5
-        while c._workers[0].is_alive():
+        while c._l3.workers[0].is_alive():
             assert time.time() < deadline
             time.sleep(0.01)
         assert "died" in caplog.text
@@ -236,7 +236,7 @@ def test_a_dead_io_thread_is_reported_and_nobody_hangs(caplog):
         assert "kvtier-l3-io-0" in str(ei.value) and "worker killed" in str(ei.value)
         assert c.metrics()["l3_state"].startswith("failed")
         assert c.host_pool.free_count == 8
-        c._check_invariants()
+        c.check_invariants()
         # L3 writes are skipped (counted), not silently queued forever
         s.commit(list(range(500, 509)))
         assert c.wait_idle(5)
@@ -257,9 +257,10 @@ def test_a_thread_found_dead_between_calls_is_reported():
     s = Setup(MemoryStore(spec=SPEC))
     try:
         c = s.cache
-        c._queue.put(_Poison())
-        c._workers[0].join(5)
-        assert not c._workers[0].is_alive()
+        worker = c._l3.workers[0]
+        c._l3.submit(_Poison())
+        worker.join(5)
+        assert not worker.is_alive()
         with pytest.raises(TierFailureError):
             c.match(TOKS)
     finally:
@@ -272,16 +273,18 @@ class _Poison:
     is_read = True
     num_pages = 0
 
-    @property
-    def keys(self):
+    def run(self, io):
         raise Die("poison")
+
+    def abort(self, cancelled):
+        pass
 
 
 def test_completion_thread_death_is_reported(monkeypatch):
     s = Setup(None)
     try:
-        import kvtier.cache as cache_mod
-        real = cache_mod._host_wait
+        import kvtier.cache.transfers as cache_mod
+        real = cache_mod.host_wait
         calls = {"n": 0}
 
         def dying(handle):
@@ -289,7 +292,7 @@ def test_completion_thread_death_is_reported(monkeypatch):
             if calls["n"] == 1:
                 raise Die("completion thread killed")
             return real(handle)
-        monkeypatch.setattr(cache_mod, "_host_wait", dying)
+        monkeypatch.setattr(cache_mod, "host_wait", dying)
         s.commit(TOKS)                                  # the backup's completion kills it
         s.cache._completer.thread.join(5)
         with pytest.raises(TierFailureError) as ei:
@@ -297,7 +300,7 @@ def test_completion_thread_death_is_reported(monkeypatch):
         assert ei.value.tier == "transfer"
         s.commit(list(range(900, 909)))                 # later completions run inline
         assert s.cache.wait_idle(5)
-        s.cache._check_invariants()
+        s.cache.check_invariants()
     finally:
         s.close()
 
@@ -335,7 +338,7 @@ def test_transfer_errors_reach_the_caller_and_register_nothing():
         assert sorted(c.release(m)) == sorted(dev)      # nothing was taken
         s.alloc.free(dev)
         engine.load = real_load
-        c._check_invariants()
+        c.check_invariants()
         m = c.match(TOKS)
         assert m.l2_count == 3 and m.l1_count == 0      # the L2 copies are intact
         h = c.fetch(m, s.alloc.alloc(3))

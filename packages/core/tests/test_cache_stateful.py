@@ -104,9 +104,9 @@ class CacheMachine(RuleBasedStateMachine):
             c.evict(DEVICE_PAGES)
             c.evict(HOST_PAGES, tier="l2")
             self.check_pages(m.keys, m.l1_pages, "pinned L1 hit after eviction")
-            with c._lock:
-                for key, p in zip(m.keys, m.l1_pages):
-                    assert c._nodes[key].device_page == p, "a pinned L1 page was evicted"
+            pages = c.pages()
+            for key, p in zip(m.keys, m.l1_pages):
+                assert pages[key][0] == p, "a pinned L1 page was evicted"
         if lose_l3 is not None and m.l3_count:   # the store loses an object after match
             start = m.l1_count + m.l2_count
             c.store.delete([m.keys[start + lose_l3 % m.l3_count]])
@@ -186,31 +186,30 @@ class CacheMachine(RuleBasedStateMachine):
         """Read every object L3 holds for a known key into a spare host page and compare."""
         c = self.cache
         assert c.wait_idle(10)
-        with c._lock:
-            page = c._alloc_host(1)
-        if not page:
+        if not c.host_pool.free_count:
+            c.evict(1, tier="l2")
+        if not c.host_pool.free_count:
             return
+        page = c.host_pool.alloc(1)
         try:
             for key, want in self.ref.items():
                 if c.store.batch_get([key], page) == [True]:
                     got = raw_bytes(c.host_pool.view[page[0]])
                     assert torch.equal(got, want), "L3 object differs from the commit"
         finally:
-            with c._lock:
-                c.host_pool.free(page)
+            c.host_pool.free(page)
 
     # ----- invariants -------------------------------------------------------------------------
     @invariant()
     def index_is_consistent(self):
-        self.cache._check_invariants()
+        self.cache.check_invariants()
 
     @invariant()
     def cached_pages_are_committed_bytes(self):
         c = self.cache
-        with c._lock:
-            l1 = [(nd.key, nd.device_page) for nd in c._l1_by_page.values()]
-            l2 = [(nd.key, nd.host_page) for nd in c._nodes.values()
-                  if nd.host_page is not None]
+        pages = c.pages()
+        l1 = [(k, d) for k, (d, _) in pages.items() if d is not None]
+        l2 = [(k, h) for k, (_, h) in pages.items() if h is not None]
         for key, p in l1:
             assert torch.equal(device_page_bytes(self.dpool, p), self.ref[key]), \
                 f"L1 page {p} differs from the commit"
@@ -222,14 +221,12 @@ class CacheMachine(RuleBasedStateMachine):
     def device_pages_are_accounted_for(self):
         # Between rules no request is active: every device page is either free on the engine
         # side or held by the cache as an L1 page; none leaked, none double-owned.
-        assert self.alloc.free_count + len(self.cache._l1_by_page) == DEVICE_PAGES
+        assert self.alloc.free_count + self.cache.metrics()["l1_pages"] == DEVICE_PAGES
 
     @invariant()
     def nothing_pinned_between_requests(self):
         assert self.cache.wait_idle(10)
-        with self.cache._lock:
-            for nd in self.cache._nodes.values():
-                assert nd.l1_pins == 0 and nd.l2_pins == 0, nd
+        self.cache.check_invariants(idle=True)
 
     def teardown(self) -> None:
         self.cache.close()

@@ -1,0 +1,26 @@
+"""The tiered KV cache: `TieredKVCache` (one process) and its two halves (two processes).
+
+Modules, one concept each:
+
+* `config`     -- `CacheConfig` and its dict / environment / CLI glue;
+* `index`      -- the prefix tree of page keys with per-tier residency and pins (`PageIndex`),
+                  the host page id list `PageIdPool`, the invariant check;
+* `eviction`   -- two-tier leaf-first LRU eviction over an index;
+* `handles`    -- `Match`, `FetchHandle`, `CommitResult`: what a request holds;
+* `transfers`  -- L1 <-> L2 transfer bookkeeping and the completion thread;
+* `l3io`       -- the L3 worker pool, call deadlines and the L3 health state machine;
+* `controller` -- `TieredKVCache`, composing all of the above in one process;
+* `plans`      -- `Lookup`, `Plan`, `PlanResult`: the plain data the two halves exchange;
+* `planner`    -- `CachePlanner`, the index/policy half (no tensors, no I/O: a scheduler);
+* `executor`   -- `CacheExecutor`, the data-path half (buffers, engine, store: a worker).
+"""
+
+from .config import CacheConfig
+from .controller import CommitResult, FetchHandle, Match, TieredKVCache
+from .executor import CacheExecutor
+from .index import PageIdPool
+from .planner import CachePlanner
+from .plans import Lookup, Plan, PlanResult
+
+__all__ = ["TieredKVCache", "CacheConfig", "Match", "FetchHandle", "CommitResult",
+           "CachePlanner", "CacheExecutor", "Lookup", "Plan", "PlanResult", "PageIdPool"]

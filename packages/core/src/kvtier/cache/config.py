@@ -1,0 +1,139 @@
+"""`CacheConfig`: every setting of the controller, and its dict / environment / CLI glue."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal, Mapping
+
+from ..config import build_config, config_fields, config_from_env
+from ..errors import ConfigError
+
+__all__ = ["CacheConfig"]
+
+_DICT_FIELDS = ("host_allocator_config", "l3_config", "transfer_config")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Everything the controller is built from; unknown keys are a ConfigError naming them.
+
+    The host pool holds ``host_pool_pages`` pages, or as many as fit in ``host_pool_bytes``,
+    or (neither given) ``host_pool_ratio`` times the device pool's pages.
+    """
+
+    model_id: str
+    tp_rank: int = 0
+    tp_size: int = 1
+    salt: str = ""
+    host_pool_pages: int | None = None
+    host_pool_bytes: int | None = None
+    host_pool_ratio: float = 2.0
+    host_layout: Literal["page_first", "layer_first"] = "page_first"
+    host_allocator: str = "torch-pinned"
+    host_allocator_config: dict[str, Any] = field(default_factory=dict)
+    l3_store: str | None = None
+    l3_config: dict[str, Any] = field(default_factory=dict)
+    transfer_engine: str = "torch"
+    transfer_config: dict[str, Any] = field(default_factory=dict)
+    write_policy: Literal["write_through", "write_through_selective",
+                          "write_back"] = "write_through"
+    selective_threshold: int = 2
+    prefetch_policy: Literal["best_effort", "wait_complete", "timeout"] = "best_effort"
+    prefetch_timeout_base_s: float = 0.05
+    prefetch_timeout_per_1k_tokens_s: float = 0.01
+    prefetch_timeout_cap_s: float = 1.0
+    prefetch_min_tokens: int = 0
+    l3_io_threads: int = 2
+    #: Pages per store call.
+    l3_batch_pages: int = 64
+    #: Store calls raising in a row before the store counts as broken.
+    l3_error_limit: int = 8
+    #: Seconds a store call may take before it counts as failed (its worker is replaced).
+    l3_call_timeout_s: float = 30.0
+    #: Pages queued for L3 writes beyond which new writes are dropped (and counted).
+    l3_max_queued_pages: int = 65536
+    #: On close: "flush" finishes every queued write (and, with write_back, writes dirty L2
+    #: pages to L3); "cancel" drops queued writes not yet started.
+    close_policy: Literal["flush", "cancel"] = "flush"
+    close_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        for name in _DICT_FIELDS:
+            v = getattr(self, name)
+            if isinstance(v, str):          # from the environment or a CLI flag: JSON
+                try:
+                    v = json.loads(v) if v.strip() else {}
+                except json.JSONDecodeError as exc:
+                    raise ConfigError(f"{name} must be a JSON object, got {v!r}: {exc}",
+                                      key=name, value=v) from None
+            if not isinstance(v, Mapping):
+                raise ConfigError(f"{name} must be a mapping, got {v!r}", key=name, value=v)
+            object.__setattr__(self, name, dict(v))
+        if self.host_pool_pages is not None and self.host_pool_bytes is not None:
+            raise ConfigError("give host_pool_pages or host_pool_bytes, not both",
+                              key="host_pool_bytes", value=self.host_pool_bytes)
+        for name, lo in (("host_pool_pages", 1), ("host_pool_bytes", 1), ("tp_size", 1),
+                         ("selective_threshold", 1), ("prefetch_min_tokens", 0),
+                         ("l3_io_threads", 1), ("l3_batch_pages", 1), ("l3_error_limit", 1),
+                         ("l3_max_queued_pages", 1), ("tp_rank", 0)):
+            v = getattr(self, name)
+            if v is not None and v < lo:
+                raise ConfigError(f"{name} must be >= {lo}, got {v!r}", key=name, value=v)
+        for name in ("host_pool_ratio", "prefetch_timeout_base_s",
+                     "prefetch_timeout_per_1k_tokens_s", "prefetch_timeout_cap_s",
+                     "close_timeout_s", "l3_call_timeout_s"):
+            v = getattr(self, name)
+            if not (v >= 0) or math.isinf(v):
+                raise ConfigError(f"{name} must be a finite number >= 0, got {v!r}", key=name,
+                                  value=v)
+        if self.l3_store == "":
+            object.__setattr__(self, "l3_store", None)
+
+    # ----- builders ------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | "CacheConfig") -> "CacheConfig":
+        return build_config(cls, data, section="cache")
+
+    @classmethod
+    def from_env(cls, prefix: str = "KVTIER_", environ: Mapping[str, str] | None = None,
+                 base: Mapping[str, Any] | None = None) -> "CacheConfig":
+        """From ``KVTIER_MODEL_ID``, ``KVTIER_HOST_POOL_PAGES``, ... over ``base``; dict
+        fields (``KVTIER_L3_CONFIG``) are JSON."""
+        return config_from_env(cls, prefix, environ, base)
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser, prefix: str = "") -> None:
+        """Add one ``--<prefix><field>`` flag per field (dashes for underscores)."""
+        group = parser.add_argument_group("cache configuration")
+        for f in config_fields(cls):
+            flag = "--" + (prefix + f.name).replace("_", "-")
+            group.add_argument(flag, dest=f"_cache_{f.name}", default=None, metavar="V",
+                               help=f"CacheConfig.{f.name}")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, base: Mapping[str, Any] | None = None
+                  ) -> "CacheConfig":
+        """Build from flags added by `add_arguments` (only flags given), over ``base``."""
+        data: dict[str, Any] = dict(base or {})
+        for f in config_fields(cls):
+            v = getattr(args, f"_cache_{f.name}", None)
+            if v is not None:
+                data[f.name] = v
+        return build_config(cls, data, section="cache", from_text=True)
+
+    def host_pages_for(self, page_bytes: int, device_pages: int) -> int:
+        """How many host pages this config asks for."""
+        if self.host_pool_pages is not None:
+            return self.host_pool_pages
+        if self.host_pool_bytes is not None:
+            n = self.host_pool_bytes // page_bytes
+            if n < 1:
+                raise ConfigError(f"host_pool_bytes={self.host_pool_bytes} holds no page of "
+                                  f"{page_bytes} bytes", key="host_pool_bytes",
+                                  value=self.host_pool_bytes)
+            return n
+        return max(1, int(device_pages * self.host_pool_ratio))
+

@@ -1,0 +1,641 @@
+"""`TieredKVCache`: the controller an engine calls on every request, in one process.
+
+It keeps a `PageIndex` of KV pages by chained page key across L1 (the engine's device pool),
+L2 (a `HostKVPool` it owns) and L3 (any registered `L3Store`), moves pages with any registered
+`TransferEngine` and applies the write, prefetch and eviction policies (`kvtier.policies`,
+`kvtier.cache.eviction`). Engines whose scheduler and workers are separate processes use its
+two halves instead: `CachePlanner` and `CacheExecutor` (`kvtier.cache.planner`/`executor`).
+
+Usage (every name below is public API)::
+
+    cache = TieredKVCache.from_config(
+        {"model_id": "llama-tiny", "host_pool_pages": 512, "l3_store": "file",
+         "l3_config": {"root": "/var/cache/kv"}, "write_policy": "write_through"},
+        device_pool=device_pool,            # kvtier.DeviceKVPool over the engine's L1 tensors
+        allocate_device_pages=alloc,        # (n) -> list[int] | None: the engine's allocator
+        free_device_pages=free)             # (pages) -> None: L1 eviction gives pages back
+    m = cache.match(tokens)         # Match: l1_pages, l2_count/l2_pages, l3_count, keys,
+                                    # num_tokens_hit(tier), total_pages. Pins its hits.
+    cache.prefetch(m)               # optional, when the request is queued: start L3 -> L2
+    cache.prefetch_ready(m)         # would fetch() now return without waiting (policy)?
+    h = cache.fetch(m, dev_pages)   # where the L2+L3 hits go (None: allocate_device_pages);
+                                    # waits for L3 within the prefetch policy, starts the H2D
+                                    # load: FetchHandle wait_layer(i)/wait()/done(),
+                                    # pages_loaded, device_pages, unused_pages (the engine's)
+    r = cache.commit(tokens, pages, match=m)   # ALL full pages of tokens, prefix included;
+                                    # CommitResult: taken, not_taken (duplicates: the engine's)
+    leftover = cache.release(m)     # unpin; the pages passed in that the cache did not take
+    cache.evict(n)                  # free n unpinned L1 pages (tier="l2": host pages)
+    cache.metrics()                 # counters, gauges (l3_state), latency percentiles
+    cache.wait_idle(timeout); cache.restart_l3(); cache.close()   # or `with cache:`
+
+Prefetch policies: ``timeout`` (the default) waits for L3 pages up to a budget that grows with
+the request (``prefetch_timeout_*``); ``wait_complete`` waits for every page (each store call
+still under ``l3_call_timeout_s``); ``best_effort`` never waits: fetch takes only what has
+landed, so call prefetch() early (when the request is queued) or it loads nothing from L3.
+``l3_hit_pages`` counts pages L3 matched, ``l3_loaded_pages`` those read into L2 and
+``fetched_l3_pages`` those loaded into L1.
+
+Ownership: the cache owns every device page it registered (taken by commit or a fetch) and
+gives it back through ``free_device_pages`` when it evicts it; other pages stay the engine's.
+Pages passed to fetch/commit must be the engine's and not in a fetch still loading (else a
+typed error, before anything changes). Hits stay pinned until ``release(match)``.
+
+Invariants: L1 is prefix-closed and so is L1 u L2; eviction takes leaves only, never a pinned
+page or one being copied. Store failures are misses, counted; a call past its deadline is a
+counted failure; ``l3_error_limit`` failures in a row or a dead I/O thread mark L3 failed
+(``metrics()["l3_state"]``, raised once as `TierFailureError`) until ``restart_l3()``.
+``close()`` returns within ``close_timeout_s``; a cache not closed is closed at exit.
+Thread-safe.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import time
+import weakref
+from typing import Any, Callable, Literal, Mapping, Sequence
+
+from ..device_pool import DeviceKVPool
+from ..errors import (ConfigError, InvalidArgumentError, PageIndexError, TierFailureError,
+                      TokensError)
+from ..host_pool import HostKVPool
+from ..interfaces import CompletedHandle, L3Store, TransferEngine, TransferHandle
+from ..keys import PageKeyer
+from ..metrics import Metrics
+from ..policies import PrefetchPolicy, WritePolicy, make_prefetch_policy, make_write_policy
+from . import eviction, l3tasks, transfers
+from .config import CacheConfig
+from .handles import CommitResult, FetchHandle, Match
+from .index import Node, PageIndex
+from .l3io import L3IO
+from .l3tasks import WriteTask
+
+log = logging.getLogger("kvtier.cache")
+
+__all__ = ["CacheConfig", "TieredKVCache", "Match", "FetchHandle", "CommitResult"]
+
+#: At interpreter exit an unclosed cache is closed within this many seconds at most.
+EXIT_CLOSE_TIMEOUT_S = 10.0
+_live: "weakref.WeakSet[TieredKVCache]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    for cache in list(_live):
+        cache._close(min(cache.config.close_timeout_s, EXIT_CLOSE_TIMEOUT_S))
+
+
+def _is_meta(x: Any) -> bool:
+    dev = getattr(x, "device", None)
+    return getattr(dev, "type", None) == "meta"
+
+
+class TieredKVCache:
+    """Index, policies and background I/O of a three-tier KV cache (see the module doc)."""
+
+    def __init__(self, config: CacheConfig | Mapping[str, Any], *, device_pool: DeviceKVPool,
+                 free_device_pages: Callable[[list[int]], None],
+                 allocate_device_pages: Callable[[int], list[int] | None] | None = None,
+                 host_pool: HostKVPool | None = None, store: L3Store | None = None,
+                 engine: TransferEngine | None = None):
+        from ..registry import create_host_allocator, create_l3_store, create_transfer_engine
+        self.config = cfg = CacheConfig.from_dict(config)
+        if not isinstance(device_pool, DeviceKVPool):
+            raise InvalidArgumentError(f"device_pool must be a DeviceKVPool, got "
+                                       f"{type(device_pool).__name__}", argument="device_pool")
+        if not callable(free_device_pages):
+            raise InvalidArgumentError("free_device_pages must be callable",
+                                       argument="free_device_pages")
+        if allocate_device_pages is not None and not callable(allocate_device_pages):
+            raise InvalidArgumentError("allocate_device_pages must be callable or None",
+                                       argument="allocate_device_pages")
+        self.spec = spec = device_pool.spec
+        self.device_pool = device_pool
+        self._free_cb = free_device_pages
+        self._alloc_cb = allocate_device_pages
+        self.keyer = PageKeyer(model_id=cfg.model_id, spec=spec, tp_rank=cfg.tp_rank,
+                               tp_size=cfg.tp_size, salt=cfg.salt)
+        self.write_policy: WritePolicy = make_write_policy(
+            cfg.write_policy, selective_threshold=cfg.selective_threshold)
+        self.prefetch_policy: PrefetchPolicy = make_prefetch_policy(
+            cfg.prefetch_policy, min_tokens=cfg.prefetch_min_tokens,
+            base_s=cfg.prefetch_timeout_base_s,
+            per_1k_tokens_s=cfg.prefetch_timeout_per_1k_tokens_s,
+            cap_s=cfg.prefetch_timeout_cap_s)
+        self.metrics_registry = Metrics()
+        self._owned: list[Any] = []          # what close() closes, in reverse order
+        try:
+            if host_pool is None:
+                n_host = cfg.host_pages_for(spec.page_bytes, device_pool.num_pages)
+                allocator = create_host_allocator(cfg.host_allocator, cfg.host_allocator_config)
+                host_pool = HostKVPool(spec, n_host, layout=cfg.host_layout, allocator=allocator)
+                self._owned.append(host_pool)
+            elif host_pool.spec.fingerprint != spec.fingerprint:
+                raise ConfigError(f"host pool spec {host_pool.spec} differs from the device "
+                                  f"pool's {spec}", key="spec")
+            self.host_pool = host_pool
+            if engine is None:
+                engine = create_transfer_engine(cfg.transfer_engine, device_pool, host_pool,
+                                                cfg.transfer_config)
+                self._owned.append(engine)
+            self.engine = engine
+            if store is None and cfg.l3_store is not None:
+                store = create_l3_store(cfg.l3_store, cfg.l3_config, spec=spec)
+                self._owned.append(store)
+            if store is not None:
+                store.attach(host_pool)
+            self.store = store
+        except BaseException:
+            for obj in reversed(self._owned):
+                obj.close()
+            raise
+        self._lock = threading.RLock()
+        self._index = PageIndex()
+        self._loading: dict[int, FetchHandle] = {}   # device pages of loads in flight
+        self._closed = False
+        self._closing = False
+        self._failure: TierFailureError | None = None
+        self._failure_reported = True
+        self._l3: L3IO | None = None
+        self._completer = transfers.Completer(self._completer_died)
+        if store is not None:
+            self._l3 = L3IO(store, threads=cfg.l3_io_threads, error_limit=cfg.l3_error_limit,
+                            call_timeout_s=cfg.l3_call_timeout_s,
+                            metrics=self.metrics_registry, on_failure=self._l3_failed)
+        self._register_gauges()
+        _live.add(self)
+
+    @classmethod
+    def from_config(cls, config: CacheConfig | Mapping[str, Any], **kwargs: Any
+                    ) -> "TieredKVCache":
+        """Build from a dict (or CacheConfig); keyword arguments as for the constructor."""
+        return cls(CacheConfig.from_dict(config), **kwargs)
+
+    # ----- public API -----------------------------------------------------------------------
+    def keys(self, tokens: Any) -> list[bytes]:
+        """Chained keys of every full page of ``tokens`` in this cache's namespace."""
+        if _is_meta(tokens):
+            raise TokensError("tokens are a meta-device tensor (no data); pass real token ids")
+        return self.keyer.keys(tokens)
+
+    def match(self, tokens: Any) -> Match:
+        """Longest cached prefix of ``tokens`` per tier; pins the L1 and L2 hits."""
+        self._check()
+        t0 = time.perf_counter()
+        keys = self.keys(tokens)
+        n = len(keys)
+        idx = self._index
+        with self._lock:
+            l1 = idx.l1_run(keys)
+            l2 = idx.l2_run(keys, len(l1))
+            for node in l1:
+                node.l1_pins += 1
+            for node in l2:
+                node.l2_pins += 1
+            pol = self.write_policy
+            backups: list[Node] = []
+            for node in l1 + l2:
+                node.hits += 1
+            idx.touch_chain(l1 + l2)
+            for node in l1:
+                if node.host_page is None and not node.backup_pending \
+                        and pol.backup_on_hit(node.hits):
+                    backups.append(node)
+            if backups:
+                transfers.schedule_backup(self, backups)
+        i = len(l1) + len(l2)
+        l3 = 0
+        if n - i and self._l3_usable() and \
+                self.prefetch_policy.consult_l3((n - i) * self.spec.page_size):
+            l3 = self._l3.exists(keys[i:])  # type: ignore[union-attr]
+        m = Match(self, keys, len(tokens), self.spec.page_size, l1, l2, l3)
+        ps = self.spec.page_size
+        miss = n - i - l3
+        self.metrics_registry.add_many({
+            "match_calls": 1, "match_pages": n, "l1_hit_pages": len(l1),
+            "l2_hit_pages": len(l2), "l3_hit_pages": l3, "miss_pages": miss,
+            "match_tokens": len(tokens), "l1_hit_tokens": len(l1) * ps,
+            "l2_hit_tokens": len(l2) * ps, "l3_hit_tokens": l3 * ps,
+            "miss_tokens": len(tokens) - (n - miss) * ps})
+        self.metrics_registry.observe("match", time.perf_counter() - t0)
+        return m
+
+    def prefetch(self, match: Match) -> None:
+        """Start reading the match's L3 run into L2 in the background (idempotent). Call it
+        when the request is queued; `fetch` starts it itself otherwise."""
+        self._check()
+        self._check_match(match)
+        self._start_read(match)
+
+    def prefetch_ready(self, match: Match) -> bool:
+        """Would `fetch` return without waiting on L3 now, under the prefetch policy?"""
+        self._check_match(match)
+        task = match.read
+        if match.l3_count == 0 or not self._l3_usable():
+            return True
+        if task is None:                       # fetch would start the read and wait for it
+            return self.prefetch_policy.wait_budget_s(self.spec.page_size) == 0
+        with task.cv:
+            if task.settled or task.n_landed >= task.num_pages:
+                return True
+        budget = self.prefetch_policy.wait_budget_s(task.num_pages * self.spec.page_size)
+        return time.perf_counter() - task.t0 >= budget
+
+    def fetch(self, match: Match, device_pages: Sequence[int] | Any | None = None
+              ) -> FetchHandle:
+        """Bring the match's L2 hit and L3 hit into ``device_pages`` (L3 -> L2 -> L1).
+
+        ``device_pages`` (length <= ``match.pages_to_load``) must be engine pages the cache
+        does not own and no fetch is loading; None takes them from ``allocate_device_pages``
+        (evicting L1 if needed). Pages from ``pages_loaded`` on stay the engine's.
+        """
+        self._check()
+        self._check_match(match)
+        if match.fetch_handle is not None:
+            raise InvalidArgumentError("this match was already fetched", argument="match")
+        t0 = time.perf_counter()
+        want = match.pages_to_load
+        if device_pages is None:
+            dev = self._allocate_device(want)
+        else:
+            dev = self._check_engine_pages(device_pages, "device_pages")
+            if len(dev) > want:
+                raise InvalidArgumentError(f"fetch got {len(dev)} device pages but the match "
+                                           f"has only {want} pages to load",
+                                           argument="device_pages", value=len(dev))
+        n2 = min(match.l2_count, len(dev))
+        n3_want = min(match.l3_count, len(dev) - n2)
+        if n3_want:
+            self._start_read(match)
+            self._wait_read(match, n3_want)
+        with self._lock:
+            self._check_match(match)
+            self._check_engine_pages(dev, "device_pages")      # again: a fetch may have begun
+            task = match.read
+            landed: list[Node] = []
+            rest: list[Node] = []
+            if task is not None:
+                task.cancelled = True             # later pages land unpinned, for others
+                landed, rest = task.landed[:n3_want], task.landed[n3_want:]
+            nodes = match.hand_over_l2(n2, landed, rest)
+            match.give(dev)
+            load, unused = dev[:len(nodes)], dev[len(nodes):]
+            if nodes:
+                try:
+                    handle: TransferHandle = self.engine.load(
+                        [nd.host_page for nd in nodes], load)
+                except BaseException:
+                    match.take_back_l2(nodes)
+                    raise
+            else:
+                handle = CompletedHandle(self.spec.num_layers)
+            fh = FetchHandle(self._finish_fetch, match, handle, nodes, load, unused,
+                             self.spec.num_layers)
+            match.attach_fetch(fh)
+            for d in load:
+                self._loading[d] = fh
+        self.metrics_registry.add_many({
+            "fetch_calls": 1, "fetched_l2_pages": n2, "fetched_l3_pages": len(landed),
+            "prefetch_cut_pages": n3_want - len(landed) + (match.l3_count - n3_want),
+            "bytes_h2d": len(nodes) * self.spec.page_bytes})
+        self.metrics_registry.observe("fetch", time.perf_counter() - t0)
+        if nodes:
+            self._completer.submit(handle, lambda err: self._finish_fetch(fh, err))
+        else:
+            self._finish_fetch(fh, None)
+        return fh
+
+    def commit(self, tokens: Any, device_pages: Sequence[int] | Any,
+               match: Match | None = None) -> CommitResult:
+        """Register the full pages of ``tokens`` (held in ``device_pages``, one per full page,
+        prefix included) and apply the write policy. With ``match`` the pages taken stay
+        pinned until ``release(match)``."""
+        self._check()
+        t0 = time.perf_counter()
+        keys = self.keys(tokens)
+        dev = self._page_list(device_pages, "device_pages")
+        if len(dev) != len(keys):
+            raise InvalidArgumentError(f"commit needs one device page per full page: "
+                                       f"{len(keys)} full pages, {len(dev)} device pages",
+                                       argument="device_pages", value=len(dev))
+        if len(set(dev)) != len(dev):
+            raise PageIndexError("commit device_pages contain duplicates")
+        if match is not None:
+            self._check_match(match)
+            if match.keys[:len(keys)] != keys[:len(match.keys)]:
+                raise InvalidArgumentError("commit tokens do not extend the match's tokens",
+                                           argument="match")
+            self._settle_fetch(match)
+        taken: list[int] = []
+        not_taken: list[int] = []
+        new = 0
+        idx = self._index
+        with self._lock:
+            for i, d in enumerate(dev):          # validate before touching anything
+                owner = idx.l1_owner(d)
+                if owner is not None and owner.key != keys[i]:
+                    raise InvalidArgumentError(
+                        f"device page {d} belongs to the cache for another page key; commit "
+                        f"must pass the engine's pages for these tokens",
+                        argument="device_pages", value=d)
+                if d in self._loading:
+                    raise InvalidArgumentError(
+                        f"device page {d} is being loaded by a fetch still in flight; wait "
+                        "for it (or release its match) before reusing the page",
+                        argument="device_pages", value=d)
+            if match is not None:
+                match.give(d for d in dev if idx.l1_owner(d) is None)
+            parent: Node | None = None
+            chain: list[Node] = []
+            pol = self.write_policy
+            backups: list[Node] = []
+            for key, d in zip(keys, dev):
+                node = idx.node(key, parent)
+                if node.device_page is None:
+                    idx.l1_add(node, d, touch=False)     # touched below, leaf first
+                    new += 1
+                    taken.append(d)
+                    if match is not None:
+                        match.hold_l1(node, d)
+                        match.take(d)
+                elif node.device_page == d:
+                    if match is not None and not match.holds(d):
+                        match.hold_l1(node, d)
+                        if match.gave(d):
+                            match.take(d)
+                else:
+                    not_taken.append(d)
+                if node.host_page is None and not node.backup_pending \
+                        and pol.backup_on_commit(node.hits):
+                    backups.append(node)
+                chain.append(node)
+                parent = node
+            idx.touch_chain(chain)
+            if backups:
+                transfers.schedule_backup(self, backups)
+        self.metrics_registry.add_many({"commit_calls": 1, "committed_pages": new})
+        self.metrics_registry.observe("commit", time.perf_counter() - t0)
+        return CommitResult(new, tuple(taken), tuple(not_taken))
+
+    def release(self, match: Match) -> list[int]:
+        """The request is done: unpin its pages, stop its prefetch. Returns the device pages
+        it passed in that the cache did not take (the engine's to free). Idempotent."""
+        if not isinstance(match, Match) or not match.belongs_to(self):
+            raise InvalidArgumentError("release needs a Match from this cache",
+                                       argument="match")
+        self._settle_fetch(match)
+        with self._lock:
+            out = match.mark_released()
+            if out is None:
+                return []
+            l1, l2, leftover = out
+            for node in l1:
+                node.l1_pins -= 1
+            for node in l2:
+                node.l2_pins -= 1
+            return leftover
+
+    def evict(self, num_pages: int, tier: Literal["l1", "l2"] = "l1") -> int:
+        """Evict up to ``num_pages`` unpinned leaf pages from L1 (given back through
+        ``free_device_pages``) or L2; returns how many were freed."""
+        self._check()
+        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 0:
+            raise InvalidArgumentError(f"num_pages must be an int >= 0, got {num_pages!r}",
+                                       argument="num_pages", value=num_pages)
+        if tier == "l2":
+            with self._lock:
+                return self._evict_l2(num_pages)
+        if tier != "l1":
+            raise InvalidArgumentError(f"tier must be 'l1' or 'l2', got {tier!r}",
+                                       argument="tier", value=tier)
+        return self._evict_l1(num_pages)
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until no transfer completion or L3 I/O is queued or running (tests,
+        benchmarks, deterministic replays); False on timeout."""
+        deadline = None if timeout is None else time.perf_counter() + timeout
+        left = lambda: None if deadline is None else max(0.0, deadline - time.perf_counter())  # noqa: E731
+        while True:
+            if not self._completer.wait_idle(left()):
+                return False
+            if self._l3 is not None and not self._l3.wait_idle(left()):
+                return False
+            if self._completer.depth() == 0:   # an L3 write may not queue new transfers
+                return True
+
+    def metrics(self) -> dict[str, Any]:
+        """A snapshot of every counter, gauge and latency summary."""
+        return self.metrics_registry.snapshot()
+
+    def pages(self) -> dict[bytes, tuple[int | None, int | None]]:
+        """Key -> (device page or None, host page or None) of every indexed page."""
+        with self._lock:
+            return {k: (nd.device_page, nd.host_page) for k, nd in self._index.nodes.items()}
+
+    def check_invariants(self, *, idle: bool = False) -> None:
+        """Assert the index's structural invariants (tests); with ``idle`` also that no page
+        is pinned or in flight (no request active, after `wait_idle`)."""
+        with self._lock:
+            self._index.check(self.host_pool)
+            assert not (set(self._loading) & set(self._index.l1_by_page)), "loading an L1 page"
+            if idle:
+                assert not self._loading, "a fetch is still loading"
+                for nd in self._index.nodes.values():
+                    assert nd.l1_pins == 0 and nd.l2_pins == 0, f"{nd} is pinned"
+
+    def restart_l3(self) -> None:
+        """Bring L3 back after a reported failure: new I/O threads, error streak reset."""
+        self._check(report=False)
+        if self._l3 is None:
+            raise InvalidArgumentError("this cache has no L3 store", argument="l3_store")
+        with self._lock:
+            if self._failure is not None and self._failure.tier == "l3":
+                self._failure = None
+                self._failure_reported = True
+        self._l3.restart()
+
+    def close(self) -> None:
+        """Finish or cancel queued write-backs (``close_policy``), stop the threads and close
+        what the cache created; returns within ``close_timeout_s``. Idempotent."""
+        self._close(self.config.close_timeout_s)
+
+    def __enter__(self) -> "TieredKVCache":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ----- internals --------------------------------------------------------------------------
+    def _close(self, timeout: float) -> None:
+        with self._lock:
+            if self._closed or self._closing:
+                return
+            self._closing = True
+        _live.discard(self)
+        cfg = self.config
+        deadline = time.perf_counter() + timeout
+        left = lambda: max(0.0, deadline - time.perf_counter())  # noqa: E731
+        self._completer.wait_idle(left())
+        io = self._l3
+        if io is not None:
+            for task in io.queue.drain() if cfg.close_policy == "cancel" else []:
+                task.abort(cancelled=True)
+            if cfg.close_policy == "flush" and self._l3_usable() and \
+                    self.write_policy.l3_on_l2_evict:
+                with self._lock:
+                    dirty = [n for n in self._index.nodes.values() if n.host_page is not None
+                             and not n.in_l3 and not n.wb_pending]
+                    for n in dirty:
+                        n.l2_pins += 1
+                if dirty:
+                    io.submit(WriteTask(self, dirty, evict_after=False))
+            for task in io.queue.drain(reads_only=True):   # they only fill L2, going away
+                task.abort(cancelled=True)
+            if not io.wait_idle(left()):
+                log.error("kvtier cache: close timed out with L3 work in flight")
+            io.stop(left())
+        self._completer.stop(left())
+        with self._lock:
+            self._closed = True
+        stuck = io is not None and io.stuck_calls() > 0
+        for obj in reversed(self._owned):
+            if stuck and obj is self.host_pool:
+                # a store call past its deadline may still write into these pages
+                log.error("kvtier cache: an L3 call is stuck; the host pool is left open")
+                continue
+            closer = threading.Thread(target=self._close_one, args=(obj,), daemon=True,
+                                      name="kvtier-cache-close")
+            closer.start()
+            closer.join(left())
+            if closer.is_alive():
+                log.error("kvtier cache: closing %s did not return within close_timeout_s",
+                          type(obj).__name__)
+
+    @staticmethod
+    def _close_one(obj: Any) -> None:
+        try:
+            obj.close()
+        except Exception as exc:
+            log.warning("kvtier cache: closing %s failed: %s", type(obj).__name__, exc)
+
+    def _check(self, report: bool = True) -> None:
+        if self._closed or self._closing:
+            raise InvalidArgumentError("the cache is closed", argument="cache")
+        if self._l3 is not None:
+            self._l3.check_workers()
+        if report and not self._failure_reported:
+            with self._lock:
+                failure, self._failure_reported = self._failure, True
+            if failure is not None:
+                raise failure
+
+    def _tier_failed(self, tier: str, message: str, cause: BaseException | None) -> None:
+        exc = TierFailureError(f"{tier} tier failed: {message}", tier=tier, cause=cause)
+        exc.__cause__ = cause
+        with self._lock:
+            self._failure = exc
+            self._failure_reported = False
+
+    def _l3_failed(self, message: str, cause: BaseException | None) -> None:
+        self._tier_failed("l3", message, cause)
+
+    def _completer_died(self, exc: BaseException) -> None:
+        message = f"completion thread died: {type(exc).__name__}: {exc}"
+        self.metrics_registry.add("transfer_failures")
+        log.error("kvtier cache: transfer tier failed: %s", message, exc_info=exc)
+        self._tier_failed("transfer", message, exc)
+
+    def _l3_usable(self) -> bool:
+        return self._l3 is not None and self._l3.usable()
+
+    def _finish_fetch(self, fh: FetchHandle, err: BaseException | None) -> None:
+        transfers.finish_fetch(self, fh, err)
+
+    def _settle_fetch(self, match: Match) -> None:
+        """Wait (host side) for the match's fetch still in flight, then book its outcome."""
+        fh = match.fetch_handle
+        if fh is not None and not fh.finished:
+            try:
+                transfers.host_wait(fh.transfer)
+                err = None
+            except Exception as exc:
+                err = exc
+            self._finish_fetch(fh, err)
+
+    def _check_match(self, match: Match) -> None:
+        if not isinstance(match, Match) or not match.belongs_to(self):
+            raise InvalidArgumentError("expected a Match from this cache's match()",
+                                       argument="match")
+        if match.released:
+            raise InvalidArgumentError("this match was released", argument="match")
+
+    def _page_list(self, pages: Any, what: str) -> list[int]:
+        """Device page indices as a list of ints, range-checked (fast path for int lists)."""
+        if isinstance(pages, (list, tuple)) and all(type(p) is int for p in pages):
+            if pages and (min(pages) < 0 or max(pages) >= self.device_pool.num_pages):
+                bad = min(pages) if min(pages) < 0 else max(pages)
+                raise PageIndexError(f"{what}: device page {bad} out of range [0, "
+                                     f"{self.device_pool.num_pages})", index=bad,
+                                     limit=self.device_pool.num_pages)
+            return list(pages)
+        if _is_meta(pages):
+            raise PageIndexError(f"{what} is a meta-device tensor (no data); pass page "
+                                 "indices")
+        return self.device_pool.check_pages(pages, what).tolist()
+
+    def _check_engine_pages(self, pages: Any, what: str) -> list[int]:
+        dev = self._page_list(pages, what)
+        if len(set(dev)) != len(dev):
+            raise PageIndexError(f"{what} contain duplicates")
+        with self._lock:
+            owned = [d for d in dev if self._index.l1_owner(d) is not None]
+            busy = [d for d in dev if d in self._loading]
+        if owned:
+            raise InvalidArgumentError(f"{what}: device page {owned[0]} belongs to the cache "
+                                       "(an L1 page); pass free engine pages",
+                                       argument="device_pages", value=owned[0])
+        if busy:
+            raise InvalidArgumentError(f"{what}: device page {busy[0]} is being loaded by a "
+                                       "fetch still in flight", argument="device_pages",
+                                       value=busy[0])
+        return dev
+
+    def _allocate_device(self, n: int) -> list[int]:
+        return eviction.allocate_device(self, n)
+
+    def _alloc_host(self, n: int) -> list[int]:
+        return eviction.alloc_host(self, n)
+
+    def _evict_l1(self, n: int) -> int:
+        return eviction.evict_l1(self, n)
+
+    def _evict_l2(self, n: int) -> int:
+        return eviction.evict_l2(self, n)
+
+    def _start_read(self, match: Match) -> None:
+        l3tasks.start_read(self, match)
+
+    def _wait_read(self, match: Match, want: int) -> None:
+        l3tasks.wait_read(self, match, want)
+
+    def _enqueue_write(self, nodes: list[Node], *, evict_after: bool,
+                       write: list[bool] | None = None) -> None:
+        l3tasks.enqueue_write(self, nodes, evict_after=evict_after, write=write)
+
+    def _register_gauges(self) -> None:
+        m = self.metrics_registry
+        io = self._l3
+        m.gauge("l1_pages", lambda: self._index.l1_count)
+        m.gauge("l2_pages", lambda: self._index.l2_count)
+        m.gauge("l2_free_pages", lambda: self.host_pool.free_count)
+        m.gauge("l2_capacity_pages", lambda: self.host_pool.num_pages)
+        m.gauge("l3_read_queue_pages", lambda: io.depths()[0] if io else 0)
+        m.gauge("l3_write_queue_pages", lambda: io.depths()[1] if io else 0)
+        m.gauge("transfer_queue", lambda: self._completer.depth())
+        m.gauge("backups_in_flight", lambda: self._index.backups_inflight)
+        m.gauge("l3_state", lambda: io.state if io else "none")
+        m.gauge("page_bytes", lambda: self.spec.page_bytes)
+        m.gauge("page_size", lambda: self.spec.page_size)

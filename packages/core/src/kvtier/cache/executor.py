@@ -1,0 +1,375 @@
+"""`CacheExecutor`: the data-path half of the cache, for the process that owns the KV buffers.
+
+It runs `Plan` s made by a `CachePlanner` (in this process or another): host <-> device copies
+through a `TransferEngine`, L3 reads and writes through an `L3Store` on a worker pool with
+deadlines (`kvtier.cache.l3io`), and hands back a `PlanResult` per plan (one bool per
+operation). It keeps no index and makes no decision: host page ids come from the planner,
+whose `PageIdPool` mirrors this executor's `HostKVPool`.
+
+Usage (vLLM's worker-side connector)::
+
+    ex = CacheExecutor.from_config(config, device_pool=device_pool)   # or the parts
+    ex.submit(plan)                  # starts it; raises a typed error on a malformed plan
+    ex.wait_layer(plan.plan_id, i)   # optional: layer i of the plan's loads is in place
+    for result in ex.poll():         # finished plans since the last poll (plain data)
+        send_to_scheduler(result)
+    ex.close()
+
+Failures are results, not exceptions: a transfer that fails, a store call that raises,
+misses or passes its deadline marks its operations False. Thread-safe.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Mapping
+
+from ..device_pool import DeviceKVPool
+from ..errors import InvalidArgumentError, PageIndexError
+from ..host_pool import HostKVPool
+from ..interfaces import L3Store, TransferEngine, TransferHandle
+from ..metrics import Metrics
+from .config import CacheConfig
+from .l3io import L3IO
+from .plans import Plan, PlanResult
+from .transfers import Completer
+
+log = logging.getLogger("kvtier.cache")
+
+__all__ = ["CacheExecutor"]
+
+
+class _Run:
+    """One plan in flight: results so far and the parts still running."""
+
+    def __init__(self, plan: Plan):
+        self.plan = plan
+        self.reads = [False] * len(plan.l3_reads)
+        self.loads = [False] * len(plan.loads)
+        self.backups = [False] * len(plan.backups)
+        self.writes = [False] * len(plan.l3_writes)
+        self.parts = 0
+        self.handles: list[TransferHandle] = []
+        self.loads_started = threading.Event()
+        read_hp = {hp for _, hp in plan.l3_reads}
+        backup_hp = {hp for _, hp in plan.backups}
+        self.late_loads = [i for i, (hp, _) in enumerate(plan.loads) if hp in read_hp]
+        self.now_loads = [i for i, (hp, _) in enumerate(plan.loads) if hp not in read_hp]
+        self.late_writes = [i for i, (hp, _) in enumerate(plan.l3_writes) if hp in backup_hp]
+        self.now_writes = [i for i, (hp, _) in enumerate(plan.l3_writes)
+                           if hp not in backup_hp]
+
+    def result(self) -> PlanResult:
+        return PlanResult(self.plan.plan_id, tuple(self.reads), tuple(self.loads),
+                          tuple(self.backups), tuple(self.writes))
+
+
+class _StoreTask:
+    """L3 reads or writes of one plan, in batches of ``batch`` pages."""
+
+    def __init__(self, ex: "CacheExecutor", run: _Run, idx: list[int], *, is_read: bool):
+        self.ex = ex
+        self.run_ = run
+        self.idx = idx
+        self.is_read = is_read
+        self.num_pages = len(idx)
+
+    def run(self, io: L3IO) -> None:
+        store = io.store
+        p = self.run_.plan
+        ops = p.l3_reads if self.is_read else p.l3_writes
+        out = self.run_.reads if self.is_read else self.run_.writes
+        b = self.ex.batch_pages
+        try:
+            for s in range(0, len(self.idx), b):
+                idx = self.idx[s:s + b]
+                if not io.usable():
+                    break
+                if self.is_read:
+                    keys = [ops[i][0] for i in idx]
+                    pages = [ops[i][1] for i in idx]
+                    fn, name = store.batch_get, "batch_get"
+                else:
+                    pages = [ops[i][0] for i in idx]
+                    keys = [ops[i][1] for i in idx]
+                    fn, name = store.batch_set, "batch_set"
+                n = len(idx)
+                ok = io.call(name, fn, keys, pages, task=self,
+                             check=lambda r, n=n: isinstance(r, list) and len(r) == n)
+                if ok is None:
+                    continue
+                for i, v in zip(idx, ok):
+                    out[i] = v is True
+        finally:
+            self.ex._part_done(self.run_, "reads" if self.is_read else "writes")
+
+    def abort(self, cancelled: bool) -> None:
+        self.ex._part_done(self.run_, "reads" if self.is_read else "writes")
+
+
+class CacheExecutor:
+    """Runs plans on the host pool, the transfer engine and the L3 store (module doc)."""
+
+    def __init__(self, *, host_pool: HostKVPool, engine: TransferEngine,
+                 store: L3Store | None = None, l3_io_threads: int = 2,
+                 l3_batch_pages: int = 64, l3_error_limit: int = 8,
+                 l3_call_timeout_s: float = 30.0, owned: tuple[Any, ...] = ()):
+        self.host_pool = host_pool
+        self.engine = engine
+        self.store = store
+        self.batch_pages = l3_batch_pages
+        self.metrics_registry = Metrics()
+        self._owned = list(owned)
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
+        self._runs: dict[int, _Run] = {}
+        self._done: dict[int, PlanResult] = {}
+        self._closed = False
+        self._completer = Completer(self._completer_died)
+        self.l3: L3IO | None = None
+        if store is not None:
+            self.l3 = L3IO(store, threads=l3_io_threads, error_limit=l3_error_limit,
+                           call_timeout_s=l3_call_timeout_s, metrics=self.metrics_registry,
+                           name="kvtier-executor-l3")
+        m = self.metrics_registry
+        m.gauge("plans_running", lambda: len(self._runs))
+        m.gauge("l3_state", lambda: self.l3_state)
+
+    @classmethod
+    def from_config(cls, config: CacheConfig | Mapping[str, Any], *,
+                    device_pool: DeviceKVPool, num_host_pages: int | None = None
+                    ) -> "CacheExecutor":
+        """Create the host pool, engine and store ``config`` names (closed with it)."""
+        from ..registry import create_host_allocator, create_l3_store, create_transfer_engine
+        cfg = CacheConfig.from_dict(config)
+        spec = device_pool.spec
+        owned: list[Any] = []
+        try:
+            n = num_host_pages if num_host_pages is not None else \
+                cfg.host_pages_for(spec.page_bytes, device_pool.num_pages)
+            allocator = create_host_allocator(cfg.host_allocator, cfg.host_allocator_config)
+            host_pool = HostKVPool(spec, n, layout=cfg.host_layout, allocator=allocator)
+            owned.append(host_pool)
+            engine = create_transfer_engine(cfg.transfer_engine, device_pool, host_pool,
+                                            cfg.transfer_config)
+            owned.append(engine)
+            store = None
+            if cfg.l3_store is not None:
+                store = create_l3_store(cfg.l3_store, cfg.l3_config, spec=spec)
+                owned.append(store)
+                store.attach(host_pool)
+        except BaseException:
+            for obj in reversed(owned):
+                obj.close()
+            raise
+        return cls(host_pool=host_pool, engine=engine, store=store,
+                   l3_io_threads=cfg.l3_io_threads, l3_batch_pages=cfg.l3_batch_pages,
+                   l3_error_limit=cfg.l3_error_limit,
+                   l3_call_timeout_s=cfg.l3_call_timeout_s, owned=tuple(owned))
+
+    @property
+    def l3_state(self) -> str:
+        return self.l3.state if self.l3 is not None else "none"
+
+    # ----- plans ------------------------------------------------------------------------------
+    def submit(self, plan: Plan) -> None:
+        """Start ``plan``; a malformed plan raises before anything starts."""
+        self._validate(plan)
+        run = _Run(plan)
+        with self._lock:
+            if self._closed:
+                raise InvalidArgumentError("the executor is closed", argument="executor")
+            if plan.plan_id in self._runs or plan.plan_id in self._done:
+                raise InvalidArgumentError(f"plan {plan.plan_id} was already submitted",
+                                           argument="plan", value=plan.plan_id)
+            self._runs[plan.plan_id] = run
+            run.parts = 1                         # this call's own part, ended below
+        try:
+            if plan.backups:
+                self._start_backups(run)
+            if plan.l3_reads:
+                self._start_store(run, list(range(len(plan.l3_reads))), is_read=True)
+            if run.now_loads:
+                self._start_loads(run, run.now_loads)
+            if not run.late_loads:
+                run.loads_started.set()
+            if run.now_writes:
+                self._start_store(run, run.now_writes, is_read=False)
+        finally:
+            self._part_done(run, "submit")
+
+    def poll(self) -> list[PlanResult]:
+        """Results of the plans finished since the last poll, in finishing order."""
+        with self._lock:
+            out = list(self._done.values())
+            self._done.clear()
+        return out
+
+    def wait(self, plan_id: int, timeout: float | None = None) -> bool:
+        """Wait until ``plan_id`` has finished (its result then comes from `poll`)."""
+        with self._cv:
+            return self._cv.wait_for(lambda: plan_id not in self._runs, timeout)
+
+    def wait_layer(self, plan_id: int, layer: int, timeout: float | None = None) -> None:
+        """Block until layer ``layer`` of the plan's loads is in the device pages."""
+        with self._lock:
+            run = self._runs.get(plan_id)
+        if run is None:
+            return
+        run.loads_started.wait(timeout)
+        for h in list(run.handles):
+            h.wait_layer(layer)
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        with self._cv:
+            return self._cv.wait_for(lambda: not self._runs, timeout)
+
+    def metrics(self) -> dict[str, Any]:
+        return self.metrics_registry.snapshot()
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Finish running plans (up to ``timeout``), stop the threads, close what
+        `from_config` created. Plans still running then are reported failed."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        deadline = time.monotonic() + timeout
+        self.wait_idle(timeout)
+        if self.l3 is not None:
+            self.l3.stop(max(0.0, deadline - time.monotonic()))
+        self._completer.stop(max(0.0, deadline - time.monotonic()))
+        with self._cv:                  # stuck past the timeout: reported failed
+            for pid, run in list(self._runs.items()):
+                self._done[pid] = run.plan.failed()
+            self._runs.clear()
+            self._cv.notify_all()
+        for obj in reversed(self._owned):
+            try:
+                obj.close()
+            except Exception as exc:
+                log.warning("kvtier executor: closing %s failed: %s", type(obj).__name__, exc)
+
+    def __enter__(self) -> "CacheExecutor":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ----- parts ------------------------------------------------------------------------------
+    def _start_backups(self, run: _Run) -> None:
+        p = run.plan
+        with self._lock:
+            run.parts += 1
+        try:
+            h = self.engine.backup([d for d, _ in p.backups], [hp for _, hp in p.backups])
+        except Exception as exc:
+            log.warning("kvtier executor: backup failed to start: %s", exc)
+            self._backups_done(run, exc)
+            return
+        self._completer.submit(h, lambda err: self._backups_done(run, err))
+
+    def _backups_done(self, run: _Run, err: BaseException | None) -> None:
+        try:
+            if err is None:
+                run.backups = [True] * len(run.backups)
+                self.metrics_registry.add("backup_pages", len(run.backups))
+            else:
+                self.metrics_registry.add("transfer_errors")
+            if run.late_writes:
+                ok_hp = {hp for (_, hp), ok in zip(run.plan.backups, run.backups) if ok}
+                idx = [i for i in run.late_writes if run.plan.l3_writes[i][0] in ok_hp]
+                if idx:
+                    self._start_store(run, idx, is_read=False)
+        finally:
+            self._part_done(run, "backups")
+
+    def _start_store(self, run: _Run, idx: list[int], *, is_read: bool) -> None:
+        with self._lock:
+            run.parts += 1
+        task = _StoreTask(self, run, idx, is_read=is_read)
+        if self.l3 is None or not self.l3.usable():
+            task.abort(cancelled=False)
+            return
+        self.l3.submit(task)
+
+    def _start_loads(self, run: _Run, idx: list[int]) -> None:
+        p = run.plan
+        with self._lock:
+            run.parts += 1
+        try:
+            h = self.engine.load([p.loads[i][0] for i in idx], [p.loads[i][1] for i in idx])
+        except Exception as exc:
+            log.warning("kvtier executor: load failed to start: %s", exc)
+            self._loads_done(run, idx, exc)
+            return
+        run.handles.append(h)
+        run.loads_started.set()
+        self._completer.submit(h, lambda err: self._loads_done(run, idx, err))
+
+    def _loads_done(self, run: _Run, idx: list[int], err: BaseException | None) -> None:
+        try:
+            if err is None:
+                for i in idx:
+                    run.loads[i] = True
+                self.metrics_registry.add("loaded_pages", len(idx))
+            else:
+                self.metrics_registry.add("transfer_errors")
+        finally:
+            self._part_done(run, "loads")
+
+    def _part_done(self, run: _Run, part: str) -> None:
+        if part == "reads" and run.late_loads:
+            ok_hp = {hp for (_, hp), ok in zip(run.plan.l3_reads, run.reads) if ok}
+            idx = [i for i in run.late_loads if run.plan.loads[i][0] in ok_hp]
+            if idx:
+                self._start_loads(run, idx)
+            run.loads_started.set()
+        with self._cv:
+            run.parts -= 1
+            if run.parts:
+                return
+            del self._runs[run.plan.plan_id]
+            self._done[run.plan.plan_id] = run.result()
+            self._cv.notify_all()
+
+    def _completer_died(self, exc: BaseException) -> None:
+        log.error("kvtier executor: completion thread died: %s: %s", type(exc).__name__, exc)
+
+    def _validate(self, plan: Plan) -> None:
+        if not isinstance(plan, Plan):
+            raise InvalidArgumentError(f"submit needs a Plan, got {type(plan).__name__}",
+                                       argument="plan")
+        nh, nd = self.host_pool.num_pages, self.engine.device_pool.num_pages
+        if (plan.l3_reads or plan.l3_writes) and self.store is None:
+            raise InvalidArgumentError("the plan has L3 operations but this executor has no "
+                                       "L3 store", argument="plan", value=plan.plan_id)
+
+        def pages(vals: list[Any], limit: int, what: str) -> None:
+            for v in vals:
+                if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < limit:
+                    raise PageIndexError(f"plan {plan.plan_id}: {what} {v!r} out of range "
+                                         f"[0, {limit})", index=v, limit=limit)
+            if len(set(vals)) != len(vals):
+                raise PageIndexError(f"plan {plan.plan_id}: {what}s repeat")
+
+        pages([hp for _, hp in plan.l3_reads], nh, "L3 read host page")
+        pages([hp for hp, _ in plan.loads], nh, "load host page")
+        pages([d for _, d in plan.loads], nd, "load device page")
+        pages([d for d, _ in plan.backups], nd, "backup device page")
+        pages([hp for _, hp in plan.backups], nh, "backup host page")
+        pages([hp for hp, _ in plan.l3_writes], nh, "L3 write host page")
+        for k, _ in plan.l3_reads:
+            if not isinstance(k, bytes):
+                raise InvalidArgumentError(f"plan {plan.plan_id}: key {k!r} is not bytes",
+                                           argument="plan")
+        for _, k in plan.l3_writes:
+            if not isinstance(k, bytes):
+                raise InvalidArgumentError(f"plan {plan.plan_id}: key {k!r} is not bytes",
+                                           argument="plan")
+        if set(d for _, d in plan.loads) & set(d for d, _ in plan.backups):
+            raise PageIndexError(f"plan {plan.plan_id}: a device page is both loaded and "
+                                 "backed up")
+

@@ -1,0 +1,403 @@
+"""L3 I/O: the worker pool that runs store calls, and the L3 tier's health state machine.
+
+`L3IO` owns a queue of tasks (reads before writes), ``threads`` daemon workers and the
+tier's health. A task is any object with ``is_read``, ``num_pages``, ``run(io)`` and
+``abort(cancelled)``; inside ``run`` it makes each store call through `L3IO.call`, which
+counts errors and latencies and returns None for a failed call.
+
+Deadlines: a call that has not returned after ``call_timeout_s`` is a counted failure
+(``l3_timeouts``; it adds to the error streak) and its worker is replaced, so a store that
+blocks forever costs misses, never a hang. The stuck thread keeps its task's host pages (a
+late ``batch_get`` may still write into them) until the call returns, and its result is then
+thrown away. ``batch_exists`` runs on a helper thread under the same deadline.
+
+Health (``state``): ``"none"`` (no store), ``"ok"``, ``"degraded: ..."`` (calls stuck past
+their deadline; still used), ``"failed: ..."`` (``error_limit`` failed calls in a row, or a
+dead worker). Failed is reported once through ``on_failure`` and stays until `restart`; every
+queued task is aborted then.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from typing import Any, Callable, Sequence
+
+from ..interfaces import L3Store
+from ..metrics import Metrics
+
+log = logging.getLogger("kvtier.cache")
+
+__all__ = ["L3IO", "TaskQueue"]
+
+
+class TaskQueue:
+    """Reads before writes; counts queued pages; can be drained."""
+
+    def __init__(self) -> None:
+        self.cv = threading.Condition()
+        self.reads: deque = deque()
+        self.writes: deque = deque()
+        self.inflight = 0
+        self.queued_write_pages = 0
+        self.stopping = False
+
+    def put(self, task: Any) -> None:
+        with self.cv:
+            if task.is_read:
+                self.reads.append(task)
+            else:
+                self.writes.append(task)
+                self.queued_write_pages += task.num_pages
+            self.cv.notify()
+
+    def get(self) -> Any:
+        with self.cv:
+            while not self.reads and not self.writes and not self.stopping:
+                self.cv.wait()
+            if self.stopping:
+                return None
+            if self.reads:
+                task = self.reads.popleft()
+            else:
+                task = self.writes.popleft()
+                self.queued_write_pages -= task.num_pages
+            self.inflight += 1
+            return task
+
+    def task_done(self) -> None:
+        with self.cv:
+            self.inflight -= 1
+            self.cv.notify_all()
+
+    def drain(self, reads_only: bool = False) -> list[Any]:
+        with self.cv:
+            tasks = list(self.reads)
+            self.reads.clear()
+            if not reads_only:
+                tasks += list(self.writes)
+                self.writes.clear()
+                self.queued_write_pages = 0
+            self.cv.notify_all()
+            return tasks
+
+    def wait_idle(self, timeout: float | None, *, writes_only: bool = False) -> bool:
+        def idle() -> bool:
+            return not self.writes and self.inflight == 0 and (writes_only or not self.reads)
+        with self.cv:
+            return self.cv.wait_for(idle, timeout)
+
+    def stop(self) -> None:
+        with self.cv:
+            self.stopping = True
+            self.cv.notify_all()
+
+    def depths(self) -> tuple[int, int]:
+        with self.cv:
+            return (sum(t.num_pages for t in self.reads), self.queued_write_pages)
+
+
+class _ExistsJob:
+    __slots__ = ("keys", "result", "done")
+
+    def __init__(self, keys: list[bytes]):
+        self.keys = keys
+        self.result: int | None = None
+        self.done = threading.Event()
+
+
+class _Call:
+    __slots__ = ("op", "deadline", "task", "timed_out", "thread")
+
+    def __init__(self, op: str, deadline: float, task: Any, thread: threading.Thread):
+        self.op = op
+        self.deadline = deadline
+        self.task = task
+        self.timed_out = False
+        self.thread = thread
+
+
+class L3IO:
+    """Worker pool and health of one L3 store (see the module doc)."""
+
+    def __init__(self, store: L3Store, *, threads: int, error_limit: int,
+                 call_timeout_s: float, metrics: Metrics,
+                 on_failure: Callable[[str, BaseException | None], None] | None = None,
+                 name: str = "kvtier-l3-io"):
+        self.store = store
+        self.threads = threads
+        self.error_limit = error_limit
+        self.call_timeout_s = call_timeout_s
+        self.metrics = metrics
+        self._on_failure = on_failure
+        self._name = name
+        self.queue = TaskQueue()
+        self._lock = threading.Lock()
+        self._workers: list[threading.Thread] = []
+        self._replaced: set[threading.Thread] = set()   # stuck past a deadline
+        self._calls: dict[int, _Call] = {}              # thread ident -> call in progress
+        self._watch_cv = threading.Condition(self._lock)
+        self._watchdog: threading.Thread | None = None
+        self._streak = 0
+        self._failed: str | None = None
+        self._stopped = False
+        self._exists_thread: threading.Thread | None = None
+        self._exists_q: queue.SimpleQueue = queue.SimpleQueue()
+        self._serial = 0
+        self._exists_serial = 0
+        self.start_workers()
+
+    # ----- health -----------------------------------------------------------------------------
+    @property
+    def state(self) -> str:
+        with self._lock:
+            if self._failed is not None:
+                return f"failed: {self._failed}"
+            stuck = sum(1 for c in self._calls.values() if c.timed_out)
+        if stuck:
+            return (f"degraded: {stuck} store call(s) stuck past the "
+                    f"{self.call_timeout_s:g}s deadline")
+        return "ok"
+
+    def usable(self) -> bool:
+        return self._failed is None and not self._stopped
+
+    def check_workers(self) -> None:
+        """Mark the tier failed if a worker died (not one replaced after a deadline)."""
+        if self._failed is not None or self._stopped:
+            return
+        for t in list(self._workers):
+            if not t.is_alive() and t not in self._replaced:
+                self.fail(f"L3 I/O thread {t.name} is dead", None)
+                return
+
+    def fail(self, message: str, cause: BaseException | None) -> None:
+        with self._lock:
+            if self._failed is not None:
+                return
+            self._failed = message
+        self.metrics.add("l3_failures")
+        log.error("kvtier cache: l3 tier failed: %s", message, exc_info=cause)
+        if self._on_failure is not None:
+            self._on_failure(message, cause)
+        for task in self.queue.drain():
+            task.abort(cancelled=False)
+
+    def error(self, op: str, exc: BaseException) -> None:
+        self.metrics.add("store_errors")
+        log.warning("kvtier cache: L3 store %r %s failed: %s: %s", self.store.name, op,
+                    type(exc).__name__, exc)
+        with self._lock:
+            self._streak += 1
+            broken = self._streak >= self.error_limit
+        if broken:
+            self.fail(f"store {self.store.name!r} failed {self.error_limit} calls in a row; "
+                      f"last: {op}: {type(exc).__name__}: {exc}", exc)
+
+    def ok(self) -> None:
+        if self._streak:
+            with self._lock:
+                self._streak = 0
+
+    def restart(self) -> None:
+        """After a failure: reset the error streak and the state, start missing workers."""
+        with self._lock:
+            self._streak = 0
+            self._failed = None
+        self.start_workers()
+
+    # ----- workers ----------------------------------------------------------------------------
+    def start_workers(self) -> None:
+        with self._lock:
+            self._workers = [t for t in self._workers
+                             if t.is_alive() and t not in self._replaced]
+            while len(self._workers) < self.threads:
+                t = threading.Thread(target=self._work, daemon=True,
+                                     name=f"{self._name}-{self._serial}")
+                self._serial += 1
+                self._workers.append(t)
+                t.start()
+
+    @property
+    def workers(self) -> list[threading.Thread]:
+        """The worker threads (not those replaced after a deadline)."""
+        with self._lock:
+            return list(self._workers)
+
+    def submit(self, task: Any) -> None:
+        self.queue.put(task)
+
+    def _work(self) -> None:
+        me = threading.current_thread()
+        try:
+            while me not in self._replaced:
+                task = self.queue.get()
+                if task is None:
+                    return
+                try:
+                    task.run(self)
+                finally:
+                    self.queue.task_done()
+        except BaseException as exc:
+            self.fail(f"L3 I/O thread {me.name} died: {type(exc).__name__}: {exc}", exc)
+        finally:
+            with self._lock:
+                if me in self._replaced:        # its stuck call came back: leave quietly
+                    self._replaced.discard(me)
+                    if me in self._workers:
+                        self._workers.remove(me)
+
+    # ----- calls ------------------------------------------------------------------------------
+    def call(self, op: str, fn: Callable[..., Any], *args: Any,
+             check: Callable[[Any], bool] = lambda r: True, task: Any = None) -> Any:
+        """One store call under the deadline: its result, or None if it raised, returned
+        something ``check`` refuses, or came back after its deadline (all counted)."""
+        me = threading.current_thread()
+        c = _Call(op, time.monotonic() + self.call_timeout_s, task, me)
+        with self._lock:
+            self._calls[me.ident or 0] = c
+            self._ensure_watchdog()
+            self._watch_cv.notify()
+        t0 = time.perf_counter()
+        try:
+            result = fn(*args)
+            err: BaseException | None = None
+        except Exception as exc:
+            result, err = None, exc
+        finally:
+            with self._lock:
+                self._calls.pop(me.ident or 0, None)
+        if c.timed_out:
+            self.metrics.add("l3_late_returns")
+            return None
+        if err is not None:
+            self.error(op, err)
+            return None
+        if not check(result):
+            self.error(op, ValueError(f"returned {result!r}"))
+            return None
+        self.ok()
+        self.metrics.observe(f"l3_{op.removeprefix('batch_')}", time.perf_counter() - t0)
+        return result
+
+    def exists(self, keys: Sequence[bytes]) -> int:
+        """``batch_exists`` under the deadline, on a helper thread; 0 on any failure."""
+        job = _ExistsJob(list(keys))
+        with self._lock:
+            t = self._exists_thread
+            if t is None or not t.is_alive() or t in self._replaced:
+                self._exists_q = queue.SimpleQueue()
+                self._exists_serial += 1
+                t = threading.Thread(target=self._exists_loop, args=(self._exists_q,),
+                                     daemon=True,
+                                     name=f"{self._name}-exists-{self._exists_serial}")
+                self._exists_thread = t
+                t.start()
+            q = self._exists_q
+        q.put(job)
+        # The call's own deadline fires first; the margin covers the watchdog's wake-up.
+        job.done.wait(self.call_timeout_s + 1.0)
+        return job.result if job.result is not None else 0
+
+    def _exists_loop(self, q: "queue.SimpleQueue[_ExistsJob | None]") -> None:
+        me = threading.current_thread()
+        try:
+            while me not in self._replaced:
+                job = q.get()
+                if job is None:
+                    return
+                n = len(job.keys)
+                job.result = self.call(
+                    "batch_exists", self.store.batch_exists, job.keys,
+                    check=lambda r, n=n: not isinstance(r, bool) and isinstance(r, int)
+                    and 0 <= r <= n)
+                job.done.set()
+        finally:
+            with self._lock:
+                self._replaced.discard(me)
+
+    def _ensure_watchdog(self) -> None:
+        if self._watchdog is None or not self._watchdog.is_alive():
+            self._watchdog = threading.Thread(target=self._watch, daemon=True,
+                                              name=f"{self._name}-watchdog")
+            self._watchdog.start()
+
+    def _watch(self) -> None:
+        with self._lock:
+            while not self._stopped:
+                now = time.monotonic()
+                late = [c for c in self._calls.values() if not c.timed_out and c.deadline <= now]
+                for c in late:
+                    c.timed_out = True
+                    self._replaced.add(c.thread)
+                pending = [c.deadline for c in self._calls.values() if not c.timed_out]
+                if late:
+                    self._lock.release()
+                    try:
+                        self._timed_out(late)
+                    finally:
+                        self._lock.acquire()
+                    continue
+                self._watch_cv.wait(None if not pending else max(0.0, min(pending) - now))
+
+    def _timed_out(self, calls: list[_Call]) -> None:
+        for c in calls:
+            self.metrics.add("l3_timeouts")
+            log.error("kvtier cache: L3 store %r %s did not return within %gs; counted as "
+                      "failed, its worker replaced", self.store.name, c.op, self.call_timeout_s)
+            if c.task is not None and hasattr(c.task, "deadline_passed"):
+                c.task.deadline_passed()
+            self.error(c.op, TimeoutError(f"no return within {self.call_timeout_s:g}s"))
+        if not self._stopped and self._failed is None:
+            self.start_workers()
+
+    # ----- draining ---------------------------------------------------------------------------
+    def wait_idle(self, timeout: float | None, *, writes_only: bool = False) -> bool:
+        """Wait until no task is queued or running (a stuck call counts as done)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        q = self.queue
+
+        def idle() -> bool:
+            busy = q.inflight - self.stuck_calls()
+            return not q.writes and busy <= 0 and (writes_only or not q.reads)
+        with q.cv:
+            while not idle():
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                # a deadline passing does not notify the queue: re-check now and then
+                q.cv.wait(0.05 if left is None else min(left, 0.05))
+        return True
+
+    def depths(self) -> tuple[int, int]:
+        return self.queue.depths()
+
+    def writes_pending(self) -> bool:
+        """A write is queued or a task is running (not counting calls stuck past their
+        deadline)."""
+        q = self.queue
+        with q.cv:
+            return bool(q.writes) or q.inflight > self.stuck_calls()
+
+    def stuck_calls(self) -> int:
+        """Store calls past their deadline that have not returned yet."""
+        with self._lock:
+            return sum(1 for t in self._replaced if t.is_alive())
+
+    def stop(self, timeout: float) -> None:
+        """Stop the workers (queued tasks should be drained first); waits up to ``timeout``
+        for those not stuck in a store call."""
+        deadline = time.monotonic() + timeout
+        self.queue.stop()
+        with self._lock:
+            self._stopped = True
+            self._watch_cv.notify_all()
+            workers = [t for t in self._workers if t not in self._replaced]
+        self._exists_q.put(None)
+        for t in workers:
+            t.join(max(0.0, deadline - time.monotonic()))
+        for task in self.queue.drain():
+            task.abort(cancelled=True)

@@ -1,0 +1,260 @@
+"""The controller's L3 work, run by `L3IO` and booked into its index.
+
+`ReadTask` reads a match's L3 run into freshly allocated host pages and registers each page
+in L2 as it lands (pinned for the match while the match still wants it); a fetch waits on it
+within the prefetch policy's budget. `WriteTask` writes pinned L2 pages to L3 (write-through
+backups, write-backs before eviction, the flush at close) and unpins them, freeing evicted
+ones children first.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from . import eviction
+from .eviction import after_l3_write
+from .index import Node
+
+if TYPE_CHECKING:
+    from .controller import TieredKVCache
+    from .handles import Match
+    from .l3io import L3IO
+
+__all__ = ["ReadTask", "WriteTask", "start_read", "wait_read", "enqueue_write"]
+
+
+class ReadTask:
+    """L3 -> L2 read of a match's L3 run into freshly allocated host pages."""
+
+    is_read = True
+
+    def __init__(self, cache: "TieredKVCache", match: "Match", keys: list[bytes],
+                 host_pages: list[int], parent_key: bytes | None):
+        self.cache = cache
+        self.match = match
+        self.keys = keys
+        self.host_pages = host_pages
+        self.parent_key = parent_key
+        self.landed: list[Node] = []     # nodes registered in L2 and pinned for the match
+        self.used = 0                    # host pages consumed (registered or freed)
+        self.cancelled = False           # the match no longer wants more pages
+        self.finished = False
+        self.gave_up = False             # a store call passed its deadline: stop waiting
+        self.cv = threading.Condition()
+        self.n_landed = 0
+        self.t0 = time.perf_counter()
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.keys)
+
+    @property
+    def settled(self) -> bool:
+        """Nothing more will land that a waiter should wait for."""
+        return self.finished or self.gave_up
+
+    def run(self, io: "L3IO") -> None:
+        store = io.store
+        b = self.cache.config.l3_batch_pages
+        i, n = 0, self.num_pages
+        try:
+            while i < n and not self.cancelled and io.usable():
+                kb, pb = self.keys[i:i + b], self.host_pages[i:i + b]
+                nb = len(kb)
+                ok = io.call("batch_get", store.batch_get, kb, pb, task=self,
+                             check=lambda r, nb=nb: isinstance(r, list) and len(r) == nb)
+                if ok is None:
+                    break
+                lead = 0
+                while lead < nb and ok[lead] is True:
+                    lead += 1
+                self._land(i, lead)
+                i += lead
+                if lead < nb:
+                    self.cache.metrics_registry.add("l3_read_miss_pages", n - i)
+                    break
+        finally:
+            self._end()
+
+    def deadline_passed(self) -> None:
+        with self.cv:
+            self.gave_up = True
+            self.cv.notify_all()
+
+    def abort(self, cancelled: bool) -> None:
+        self._end()
+
+    def _land(self, start: int, count: int) -> None:
+        """Register pages read from L3 in L2 (pinned for the match while it wants them)."""
+        if count <= 0:
+            return
+        c = self.cache
+        idx = c._index
+        dup: list[int] = []
+        with c._lock:
+            pkey = self.parent_key if start == 0 else self.keys[start - 1]
+            parent = idx.get(pkey) if pkey is not None else None
+            ok = pkey is None or parent is not None
+            pin = not self.cancelled and not self.match.released
+            landed = 0
+            for j in range(start, start + count):
+                hp = self.host_pages[j]
+                self.used = j + 1
+                if not ok:
+                    dup.append(hp)                # prefix gone: the page would be orphaned
+                    continue
+                node = idx.node(self.keys[j], parent)
+                if node.host_page is None:
+                    idx.l2_add(node, hp)
+                else:
+                    dup.append(hp)
+                node.in_l3 = True
+                if pin:
+                    self.match.hold_l2(node)
+                    self.landed.append(node)
+                    landed += 1
+                parent = node
+            if ok:
+                idx.touch_l2_up(self.landed[-landed:] if landed else [])
+            if dup:
+                c.host_pool.free(dup)
+        c.metrics_registry.add_many({"l3_loaded_pages": count,
+                                     "bytes_l3_read": count * c.spec.page_bytes})
+        with self.cv:
+            self.n_landed += landed
+            self.cv.notify_all()
+
+    def _end(self) -> None:
+        c = self.cache
+        with c._lock:
+            rest = self.host_pages[self.used:]
+            self.used = len(self.host_pages)
+            if rest:
+                c.host_pool.free(rest)
+        with self.cv:
+            self.finished = True
+            self.cv.notify_all()
+
+
+class WriteTask:
+    """L2 -> L3 write of registered L2 pages (pinned while queued). With ``evict_after`` the
+    pages are freed afterwards, children before parents; ``write[i]`` False marks a clean
+    page that only waits for its children's write-back before it is freed."""
+
+    is_read = False
+
+    def __init__(self, cache: "TieredKVCache", nodes: list[Node], evict_after: bool,
+                 write: list[bool] | None = None):
+        self.cache = cache
+        self.nodes = nodes
+        self.host_pages = [n.host_page for n in nodes]
+        self.evict_after = evict_after
+        self.write = write if write is not None else [True] * len(nodes)
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.nodes)
+
+    def run(self, io: "L3IO") -> None:
+        store = io.store
+        b = self.cache.config.l3_batch_pages
+        todo = [i for i, w in enumerate(self.write) if w]
+        results: list[bool | None] = [None] * self.num_pages
+        try:
+            for s in range(0, len(todo), b):
+                idx = todo[s:s + b]
+                kb = [self.nodes[i].key for i in idx]
+                pb = [self.host_pages[i] for i in idx]
+                ok = None
+                if io.usable():
+                    nb = len(kb)
+                    ok = io.call("batch_set", store.batch_set, kb, pb, task=self,
+                                 check=lambda r, nb=nb: isinstance(r, list) and len(r) == nb)
+                for j, i in enumerate(idx):
+                    results[i] = ok is not None and ok[j] is True
+        finally:
+            for i in todo:
+                if results[i] is None:
+                    results[i] = False
+            self.done(results)
+
+    def abort(self, cancelled: bool) -> None:
+        if cancelled:
+            self.cache.metrics_registry.add("l3_writes_cancelled", sum(self.write))
+        self.done([None] * self.num_pages)
+
+    def done(self, ok: list[bool | None]) -> None:
+        """Unpin the pages; free evicted ones. ``ok[i]`` None: not written."""
+        c = self.cache
+        written = sum(1 for v in ok if v)
+        failed = sum(1 for v in ok if v is False)
+        with c._lock:
+            freed = after_l3_write(c._index, self.nodes, ok, evict_after=self.evict_after)
+            if freed:
+                c.host_pool.free(freed)
+        c.metrics_registry.add_many({
+            "l3_written_pages": written, "l3_write_failed_pages": failed,
+            "bytes_l3_written": written * c.spec.page_bytes,
+            "l2_evictions": len(freed), "l2_writebacks": written if self.evict_after else 0})
+
+
+def start_read(c: "TieredKVCache", match: "Match") -> None:
+    """Start reading the match's L3 run into new host pages (idempotent). Room that L2 is
+    writing back to L3 (write_back) is waited for, not skipped."""
+    with c._lock:
+        if match.read is not None or match.l3_count == 0 or not c._l3_usable():
+            return
+        want = match.l3_count
+        pages = eviction.alloc_host(c, want)
+        wait = len(pages) < want and eviction.writebacks_pending(c)
+    if wait:
+        eviction.wait_writebacks(c)
+    with c._lock:
+        if wait:
+            pages += eviction.alloc_host(c, want - len(pages))
+        if match.read is not None or match.released:      # raced with another prefetch
+            c.host_pool.free(pages)
+            return
+        if len(pages) < want:
+            c.metrics_registry.add("prefetch_no_space_pages", want - len(pages))
+        start = match.l1_count + match.l2_count
+        task = ReadTask(c, match, match.keys[start:start + len(pages)], pages,
+                        match.keys[start - 1] if start else None)
+        match.attach_read(task)
+        if not pages:
+            task.finished = True
+            return
+    c._l3.submit(task)  # type: ignore[union-attr]
+
+
+def wait_read(c: "TieredKVCache", match: "Match", want: int) -> None:
+    """Wait for ``want`` pages of the match's read, within the prefetch policy's budget
+    (counted from the read's start); a store call past its deadline ends the wait."""
+    task = match.read
+    if task is None:
+        return
+    want = min(want, task.num_pages)
+    budget = c.prefetch_policy.wait_budget_s(want * c.spec.page_size)
+    remaining = budget - (time.perf_counter() - task.t0)
+    pred = lambda: task.settled or task.n_landed >= want  # noqa: E731
+    with task.cv:
+        if pred() or remaining <= 0:
+            return
+        task.cv.wait_for(pred, None if math.isinf(remaining) else remaining)
+
+
+def enqueue_write(c: "TieredKVCache", nodes: list[Node], *, evict_after: bool,
+                  write: list[bool] | None = None) -> None:
+    """Queue an L3 write of pinned L2 pages (lock held); dropped (and counted) when L3 is off
+    or the queue is full."""
+    task = WriteTask(c, nodes, evict_after, write)
+    io = c._l3
+    if io is None or not io.usable() or \
+            io.queue.queued_write_pages + len(nodes) > c.config.l3_max_queued_pages:
+        c.metrics_registry.add("l3_writes_dropped", sum(task.write))
+        task.done([None] * len(nodes))
+        return
+    io.submit(task)

@@ -1,0 +1,397 @@
+"""`CachePlanner`: the index/policy half of the cache, for a process that holds no KV data.
+
+It answers "how many leading pages of these keys can you load, from L2 or L3?", keeps the L2
+index (host page ids only, LRU eviction leaf first), and turns a request's loads and saves
+into plain-data `Plan` s for a `CacheExecutor` elsewhere; the executor's `PlanResult` s come
+back through `complete`. It holds no tensors and does no engine or store I/O: L3 presence
+comes from a callable (``l3_exists(keys) -> leading count``, e.g. an `L3Store`'s
+``batch_exists``). L1 is the engine's own (vLLM's block pool): the planner manages L2 and L3
+residency only, and a run may be indexed from any page on (its prefix in the engine's L1).
+
+Life of a request (vLLM's scheduler-side connector)::
+
+    planner = CachePlanner(config, spec=spec, l3_exists=store.batch_exists)
+    keys = planner.keys(token_ids)
+    hit = planner.lookup(keys, start=num_computed_pages)   # Lookup(l2_pages, l3_pages)
+    plan = planner.plan_load(keys, device_pages, start=num_computed_pages)
+    ... later, after prefill ...
+    plan = planner.plan_save(keys, device_pages)            # backups (+ L3 writes)
+    ... ship plans to the worker; for each PlanResult that comes back:
+    planner.complete(result)
+
+Pages being read, backed up or written stay out of eviction until their plan completes; a
+plan that will never run is failed with `fail` (pins and host pages come back). Policies: as
+`CacheConfig` (``write_through`` backs every saved page up and writes it to L3;
+``write_through_selective`` backs a page up at its ``selective_threshold``-th save;
+``write_back`` backs every saved page up -- the engine's L1 evicts without telling -- and
+writes it to L3 only when L2 evicts it). Thread-safe.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+from ..errors import InvalidArgumentError, PageIndexError
+from ..keys import PageKeyer
+from ..metrics import Metrics
+from ..policies import make_prefetch_policy, make_write_policy
+from ..spec import KVSpec
+from .config import CacheConfig
+from .eviction import after_l3_write, select_l2
+from .index import Node, PageIdPool, PageIndex
+from .plans import Lookup, Plan, PlanResult
+
+log = logging.getLogger("kvtier.cache")
+
+__all__ = ["CachePlanner"]
+
+
+@dataclass
+class _Pending:
+    plan: Plan
+    pinned: list[Node] = field(default_factory=list)           # L2 pages the loads read
+    read_parents: list[bytes | None] = field(default_factory=list)
+    backup_keys: list[bytes] = field(default_factory=list)
+    backup_parents: list[bytes | None] = field(default_factory=list)
+    wt_writes: int = 0                  # first l3_writes: write-through of the backups
+    wb_nodes: list[Node] = field(default_factory=list)         # write-backs, then evict
+    wb_write: list[bool] = field(default_factory=list)
+    keys: list[bytes] = field(default_factory=list)            # pending keys it holds
+
+
+class CachePlanner:
+    """Index and policies of L2/L3 without data (see the module doc)."""
+
+    def __init__(self, config: CacheConfig | Mapping[str, Any], *, spec: KVSpec,
+                 num_host_pages: int | None = None, num_device_pages: int = 0,
+                 l3_exists: Callable[[Sequence[bytes]], int] | None = None):
+        self.config = cfg = CacheConfig.from_dict(config)
+        if not isinstance(spec, KVSpec):
+            raise InvalidArgumentError(f"spec must be a KVSpec, got {type(spec).__name__}",
+                                       argument="spec")
+        if l3_exists is not None and not callable(l3_exists):
+            raise InvalidArgumentError("l3_exists must be callable or None",
+                                       argument="l3_exists")
+        self.spec = spec
+        self.keyer = PageKeyer(model_id=cfg.model_id, spec=spec, tp_rank=cfg.tp_rank,
+                               tp_size=cfg.tp_size, salt=cfg.salt)
+        self.write_policy = make_write_policy(cfg.write_policy,
+                                              selective_threshold=cfg.selective_threshold)
+        self.prefetch_policy = make_prefetch_policy(
+            cfg.prefetch_policy, min_tokens=cfg.prefetch_min_tokens,
+            base_s=cfg.prefetch_timeout_base_s,
+            per_1k_tokens_s=cfg.prefetch_timeout_per_1k_tokens_s,
+            cap_s=cfg.prefetch_timeout_cap_s)
+        n = num_host_pages if num_host_pages is not None else \
+            cfg.host_pages_for(spec.page_bytes, max(1, num_device_pages))
+        self.host = PageIdPool(n)
+        self.index = PageIndex()
+        self._l3_exists = l3_exists
+        self._lock = threading.RLock()
+        self._plans: dict[int, _Pending] = {}
+        self._pending: dict[bytes, int] = {}      # key -> plan reading / backing it up
+        self._saves: OrderedDict[bytes, int] = OrderedDict()   # selective: saves per key
+        self._next_id = 0
+        self.metrics_registry = Metrics()
+        m = self.metrics_registry
+        m.gauge("l2_pages", lambda: self.index.l2_count)
+        m.gauge("l2_free_pages", lambda: self.host.free_count)
+        m.gauge("l2_capacity_pages", lambda: self.host.num_pages)
+        m.gauge("plans_pending", lambda: len(self._plans))
+
+    # ----- queries ----------------------------------------------------------------------------
+    @property
+    def num_host_pages(self) -> int:
+        return self.host.num_pages
+
+    @property
+    def has_l3(self) -> bool:
+        return self._l3_exists is not None
+
+    def keys(self, tokens: Any) -> list[bytes]:
+        """Chained keys of every full page of ``tokens`` (same namespace as the cache's)."""
+        return self.keyer.keys(tokens)
+
+    def lookup(self, keys: Sequence[bytes], start: int = 0) -> Lookup:
+        """Leading pages of ``keys[start:]`` in L2, then in L3 after them. Pins nothing."""
+        self._check_start(keys, start)
+        with self._lock:
+            n2 = len(self.index.l2_run(keys, start))
+        rest = len(keys) - start - n2
+        n3 = 0
+        if rest and self._l3_exists is not None and \
+                self.prefetch_policy.consult_l3(rest * self.spec.page_size):
+            n3 = self._exists(list(keys[start + n2:]))
+        self.metrics_registry.add_many({"lookup_calls": 1, "lookup_pages": len(keys) - start,
+                                        "l2_hit_pages": n2, "l3_hit_pages": n3})
+        return Lookup(start, n2, n3)
+
+    def pending_plans(self) -> list[int]:
+        with self._lock:
+            return sorted(self._plans)
+
+    def l2_pages(self) -> dict[bytes, int]:
+        """Key -> host page of every page in L2 (tests, debugging)."""
+        with self._lock:
+            return self.index.l2_pages()
+
+    def metrics(self) -> dict[str, Any]:
+        return self.metrics_registry.snapshot()
+
+    def check(self) -> None:
+        """Assert the index's invariants (tests)."""
+        with self._lock:
+            self.index.check(self.host)
+            for nd in self.index.nodes.values():
+                assert nd.device_page is None, nd
+
+    # ----- plans ------------------------------------------------------------------------------
+    def plan_load(self, keys: Sequence[bytes], device_pages: Sequence[int], start: int = 0
+                  ) -> Plan:
+        """Load ``keys[start:start + len(device_pages)]`` into ``device_pages``: the leading
+        L2 run directly, the rest through L3 reads into newly allocated host pages. The plan
+        may cover fewer pages (``len(plan.loads)``) when L2 changed or has no room; a page L3
+        no longer holds fails in the result (use `PlanResult.loaded_prefix`)."""
+        self._check_start(keys, start)
+        dev = self._pages(device_pages)
+        if start + len(dev) > len(keys):
+            raise InvalidArgumentError(f"plan_load got {len(dev)} device pages for "
+                                       f"{len(keys) - start} keys from page {start}",
+                                       argument="device_pages", value=len(dev))
+        with self._lock:
+            st = _Pending(Plan(self._new_id()))
+            l2 = self.index.l2_run(keys, start)[:len(dev)]
+            for nd in l2:
+                nd.l2_pins += 1
+                nd.hits += 1
+            st.pinned = l2
+            self.index.touch_l2_up(l2)
+            reads: list[tuple[bytes, int]] = []
+            rest = len(dev) - len(l2)
+            if rest and self._l3_exists is not None:
+                pages = self._alloc(rest, st)
+                first = start + len(l2)
+                reads = list(zip(keys[first:first + len(pages)], pages))
+                st.read_parents = [keys[first + j - 1] if first + j > 0 else None
+                                   for j in range(len(pages))]
+            loads = [(nd.host_page, d) for nd, d in zip(l2, dev)]
+            loads += [(h, d) for (_, h), d in zip(reads, dev[len(l2):])]
+            plan = Plan(st.plan.plan_id, l3_reads=tuple(reads), loads=tuple(loads),  # type: ignore[arg-type]
+                        l3_writes=self._wb_ops(st))
+            st.plan = plan
+            self._plans[plan.plan_id] = st
+        self.metrics_registry.add_many({"planned_l2_load_pages": len(l2),
+                                        "planned_l3_load_pages": len(reads)})
+        return plan
+
+    def plan_save(self, keys: Sequence[bytes], device_pages: Sequence[int], start: int = 0
+                  ) -> Plan:
+        """Back up ``keys[start + i]`` held in ``device_pages[i]`` to L2 (and L3) under the
+        write policy; pages already in L2 or in flight are skipped."""
+        self._check_start(keys, start)
+        dev = self._pages(device_pages)
+        if start + len(dev) > len(keys):
+            raise InvalidArgumentError(f"plan_save got {len(dev)} device pages for "
+                                       f"{len(keys) - start} keys from page {start}",
+                                       argument="device_pages", value=len(dev))
+        pol = self.write_policy
+        with self._lock:
+            st = _Pending(Plan(self._new_id()))
+            cand: list[tuple[int, int]] = []           # (key index, device page)
+            seen: list[Node] = []
+            for i, d in enumerate(dev):
+                k = keys[start + i]
+                nd = self.index.get(k)
+                if nd is not None and nd.host_page is not None:
+                    seen.append(nd)
+                    continue
+                if k in self._pending or not self._wants_backup(k):
+                    continue
+                cand.append((start + i, d))
+            self.index.touch_l2_up(seen)
+            pages = self._alloc(len(cand), st)
+            if len(pages) < len(cand):
+                self.metrics_registry.add("backup_skipped_pages", len(cand) - len(pages))
+                cand = cand[:len(pages)]
+            backups = tuple((d, h) for (_, d), h in zip(cand, pages))
+            st.backup_keys = [keys[i] for i, _ in cand]
+            st.backup_parents = [keys[i - 1] if i > 0 else None for i, _ in cand]
+            writes: tuple[tuple[int, bytes], ...] = ()
+            if pol.l3_on_backup and self._l3_exists is not None:
+                writes = tuple((h, k) for h, k in zip(pages, st.backup_keys))
+                st.wt_writes = len(writes)
+            for k in st.backup_keys:
+                self._pending[k] = st.plan.plan_id
+                st.keys.append(k)
+            plan = Plan(st.plan.plan_id, backups=backups, l3_writes=writes + self._wb_ops(st))
+            st.plan = plan
+            self._plans[plan.plan_id] = st
+        self.metrics_registry.add("planned_backup_pages", len(backups))
+        return plan
+
+    def plan_evict(self, num_pages: int) -> Plan:
+        """Free up to ``num_pages`` host pages now (clean leaves); with ``write_back`` dirty
+        ones come back as this plan's L3 writes and are freed when it completes."""
+        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 0:
+            raise InvalidArgumentError(f"num_pages must be an int >= 0, got {num_pages!r}",
+                                       argument="num_pages", value=num_pages)
+        with self._lock:
+            st = _Pending(Plan(self._new_id()))
+            self._evict(num_pages, st)
+            plan = Plan(st.plan.plan_id, l3_writes=self._wb_ops(st))
+            st.plan = plan
+            self._plans[plan.plan_id] = st
+        return plan
+
+    def complete(self, result: PlanResult) -> None:
+        """Book what the data path did with a plan (once per plan)."""
+        if not isinstance(result, PlanResult):
+            raise InvalidArgumentError(f"complete needs a PlanResult, got "
+                                       f"{type(result).__name__}", argument="result")
+        with self._lock:
+            st = self._plans.get(result.plan_id)
+            if st is None:
+                raise InvalidArgumentError(f"plan {result.plan_id} is not pending",
+                                           argument="result", value=result.plan_id)
+            p = st.plan
+            if (len(result.l3_reads), len(result.loads), len(result.backups),
+                    len(result.l3_writes)) != (len(p.l3_reads), len(p.loads), len(p.backups),
+                                               len(p.l3_writes)):
+                raise InvalidArgumentError(f"result of plan {p.plan_id} does not match its "
+                                           "operations", argument="result")
+            del self._plans[p.plan_id]
+            free: list[int] = []
+            for nd in st.pinned:
+                nd.l2_pins -= 1
+            landed: list[Node] = []
+            for (key, hp), parent, ok in zip(p.l3_reads, st.read_parents, result.l3_reads):
+                nd = self._register(key, hp, parent) if ok else None
+                if nd is None:
+                    free.append(hp)
+                else:
+                    nd.in_l3 = True
+                    landed.append(nd)
+            wt_ok = result.l3_writes[:st.wt_writes]
+            for i, ((_, hp), key, parent, ok) in enumerate(zip(
+                    p.backups, st.backup_keys, st.backup_parents, result.backups)):
+                nd = self._register(key, hp, parent) if ok else None
+                if nd is None:
+                    free.append(hp)
+                else:
+                    landed.append(nd)
+                    if i < len(wt_ok) and wt_ok[i]:
+                        nd.in_l3 = True
+            self.index.touch_l2_up(landed)
+            wb_res = list(result.l3_writes[st.wt_writes:])
+            ok_wb: list[bool | None] = []
+            it = iter(wb_res)
+            for w in st.wb_write:
+                ok_wb.append(next(it) if w else None)
+            evicted = after_l3_write(self.index, st.wb_nodes, ok_wb, evict_after=True)
+            free += evicted
+            for k in st.keys:
+                if self._pending.get(k) == p.plan_id:
+                    del self._pending[k]
+            if free:
+                self.host.free(free)
+        wrote = sum(result.l3_writes)
+        self.metrics_registry.add_many({
+            "l3_loaded_pages": sum(result.l3_reads),
+            "l3_read_failed_pages": len(result.l3_reads) - sum(result.l3_reads),
+            "loaded_pages": sum(result.loads),
+            "load_failed_pages": len(result.loads) - sum(result.loads),
+            "backup_pages": sum(result.backups),
+            "backup_failed_pages": len(result.backups) - sum(result.backups),
+            "l3_written_pages": wrote,
+            "l3_write_failed_pages": len(result.l3_writes) - wrote,
+            "l2_evictions": len(evicted)})
+
+    def fail(self, plan_id: int) -> None:
+        """A plan that will never run (its worker is gone): book it as failed."""
+        with self._lock:
+            st = self._plans.get(plan_id)
+            if st is None:
+                raise InvalidArgumentError(f"plan {plan_id} is not pending",
+                                           argument="plan_id", value=plan_id)
+        self.complete(st.plan.failed())
+
+    # ----- helpers (lock held) ----------------------------------------------------------------
+    def _new_id(self) -> int:
+        self._next_id += 1
+        return self._next_id
+
+    def _register(self, key: bytes, hp: int, parent_key: bytes | None) -> Node | None:
+        """Put a landed page in L2 under its parent (a root if the parent is not in L2);
+        None if the key already has a host page (the caller frees ``hp``)."""
+        parent = self.index.get(parent_key) if parent_key is not None else None
+        nd = self.index.node(key, parent)
+        if nd.host_page is not None:
+            return None
+        self.index.l2_add(nd, hp)
+        return nd
+
+    def _wants_backup(self, key: bytes) -> bool:
+        pol = self.write_policy
+        if pol.name != "write_through_selective":
+            return True
+        n = self._saves.pop(key, 0) + 1
+        self._saves[key] = n
+        while len(self._saves) > 4 * self.host.num_pages:
+            self._saves.popitem(last=False)
+        return pol.backup_on_commit(n)
+
+    def _alloc(self, n: int, st: _Pending) -> list[int]:
+        if n <= 0:
+            return []
+        free = self.host.free_count
+        if free < n:
+            self._evict(n - free, st)
+            free = self.host.free_count
+        return self.host.alloc(min(n, free))
+
+    def _evict(self, n: int, st: _Pending) -> None:
+        ev = select_l2(self.index, n, l3_writeback=self.write_policy.l3_on_l2_evict
+                       and self._l3_exists is not None, l3_broken=False)
+        if ev.freed:
+            self.host.free(ev.freed)
+            self.metrics_registry.add("l2_evictions", len(ev.freed))
+        st.wb_nodes += ev.later
+        st.wb_write += ev.write
+
+    def _wb_ops(self, st: _Pending) -> tuple[tuple[int, bytes], ...]:
+        return tuple((nd.host_page, nd.key) for nd, w in zip(st.wb_nodes, st.wb_write)  # type: ignore[misc]
+                     if w)
+
+    def _exists(self, keys: list[bytes]) -> int:
+        try:
+            n = self._l3_exists(keys)  # type: ignore[misc]
+        except Exception as exc:
+            self.metrics_registry.add("store_errors")
+            log.warning("kvtier planner: l3_exists failed: %s: %s", type(exc).__name__, exc)
+            return 0
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= len(keys):
+            self.metrics_registry.add("store_errors")
+            log.warning("kvtier planner: l3_exists returned %r", n)
+            return 0
+        return n
+
+    @staticmethod
+    def _check_start(keys: Sequence[bytes], start: int) -> None:
+        if isinstance(start, bool) or not isinstance(start, int) or \
+                not 0 <= start <= len(keys):
+            raise InvalidArgumentError(f"start must be an int in [0, {len(keys)}], got "
+                                       f"{start!r}", argument="start", value=start)
+
+    @staticmethod
+    def _pages(pages: Sequence[int]) -> list[int]:
+        out = list(pages)
+        for p in out:
+            if isinstance(p, bool) or not isinstance(p, int) or p < 0:
+                raise PageIndexError(f"device pages must be ints >= 0, got {p!r}", index=p)
+        if len(set(out)) != len(out):
+            raise PageIndexError("device pages contain duplicates")
+        return out

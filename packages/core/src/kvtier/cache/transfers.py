@@ -1,0 +1,233 @@
+"""L1 <-> L2 transfer bookkeeping: waiting for copies on the host, the completion thread,
+and how the controller books its backups (L1 -> L2) and fetches (L2 -> L1).
+
+`host_wait` blocks until a `TransferHandle`'s copies have really landed (``synchronize()`` when
+the handle has it, else ``wait()`` then polling ``done()``). `Completer` is one daemon thread
+that waits for submitted handles in order and then runs their callbacks; the controller books
+a finished backup or fetch there (`finish_backup`, `finish_fetch`), and `CacheExecutor`
+finishes plans there. A page being copied is pinned (``backup_pending`` / the fetch's pins)
+until its copy is booked.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Callable
+
+from ..interfaces import TransferHandle
+from .index import Node
+
+if TYPE_CHECKING:
+    from .controller import TieredKVCache
+    from .handles import FetchHandle
+
+log = logging.getLogger("kvtier.cache")
+
+__all__ = ["host_wait", "Completer", "schedule_backup", "undo_backup", "finish_backup",
+           "finish_fetch"]
+
+
+def host_wait(handle: TransferHandle) -> None:
+    """Block the calling thread until ``handle``'s copies have really landed."""
+    sync = getattr(handle, "synchronize", None)
+    if sync is not None:
+        sync()
+        return
+    handle.wait()
+    delay = 20e-6
+    while not handle.done():
+        time.sleep(delay)
+        delay = min(delay * 2, 1e-3)
+
+
+class Completer:
+    """One thread that waits for transfers to land and then runs their callbacks, in order."""
+
+    def __init__(self, on_death: Callable[[BaseException], None]):
+        self._q: deque = deque()
+        self._cv = threading.Condition()
+        self._stop = False
+        self._busy = 0
+        self._on_death = on_death
+        self.thread = threading.Thread(target=self._run, name="kvtier-cache-completer",
+                                       daemon=True)
+        self.thread.start()
+
+    def submit(self, handle: TransferHandle, callback: Callable[[BaseException | None], None]
+               ) -> None:
+        if not self.thread.is_alive():        # dead (and reported): finish inline
+            self._finish(handle, callback)
+            return
+        with self._cv:
+            self._q.append((handle, callback))
+            self._cv.notify()
+
+    @staticmethod
+    def _finish(handle: TransferHandle, callback: Callable) -> None:
+        err: BaseException | None = None
+        try:
+            host_wait(handle)
+        except Exception as exc:
+            err = exc
+        callback(err)
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cv:
+                    while not self._q and not self._stop:
+                        self._cv.wait()
+                    if not self._q:
+                        return
+                    item = self._q.popleft()
+                    self._busy += 1
+                try:
+                    self._finish(*item)
+                finally:
+                    with self._cv:
+                        self._busy -= 1
+                        self._cv.notify_all()
+        except BaseException as exc:
+            self._on_death(exc)
+            with self._cv:                     # finish what is queued, then exit
+                items = list(self._q)
+                self._q.clear()
+            for item in items:
+                try:
+                    self._finish(*item)
+                except BaseException:  # pragma: no cover - already reported as dead
+                    pass
+
+    def wait_idle(self, timeout: float | None) -> bool:
+        with self._cv:
+            return self._cv.wait_for(lambda: (not self._q and not self._busy)
+                                     or not self.thread.is_alive(), timeout)
+
+    def depth(self) -> int:
+        with self._cv:
+            return len(self._q) + self._busy
+
+    def stop(self, timeout: float) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        self.thread.join(timeout)
+
+
+# --------------------------------------------------------------------------------------------
+# The controller's bookkeeping (lock held where said)
+# --------------------------------------------------------------------------------------------
+def schedule_backup(c: "TieredKVCache", nodes: list[Node]) -> None:
+    """Copy L1 pages to new host pages in the background (lock held)."""
+    cand = [nd for nd in nodes if nd.device_page is not None and nd.host_page is None
+            and not nd.backup_pending]
+    if not cand:
+        return
+    pages = c._alloc_host(len(cand))
+    if len(pages) < len(cand):
+        c.metrics_registry.add("backup_skipped_pages", len(cand) - len(pages))
+        cand = cand[:len(pages)]
+        if not cand:
+            return
+    pin_backup(c, cand)
+    try:
+        handle = c.engine.backup([nd.device_page for nd in cand], pages)
+    except BaseException:
+        undo_backup(c, cand, pages)
+        raise
+    t0 = time.perf_counter()
+    l3 = c.write_policy.l3_on_backup
+    c._completer.submit(handle, lambda err: finish_backup(c, cand, pages, err, t0, l3=l3))
+
+
+def pin_backup(c: "TieredKVCache", nodes: list[Node]) -> None:
+    for nd in nodes:
+        nd.backup_pending = True
+        c._index.backups_inflight += 1
+        nd.l1_pins += 1
+
+
+def undo_backup(c: "TieredKVCache", nodes: list[Node], pages: list[int]) -> None:
+    for nd in nodes:
+        nd.backup_pending = False
+        c._index.backups_inflight -= 1
+        nd.l1_pins -= 1
+    c.host_pool.free(pages)
+
+
+def finish_backup(c: "TieredKVCache", nodes: list[Node], pages: list[int],
+                  err: BaseException | None, t0: float, *, l3: bool) -> None:
+    """Book an L1 -> L2 copy: register the host pages (or free them if it failed) and, with
+    ``l3``, queue their L3 write."""
+    if err is not None:
+        c.metrics_registry.add("transfer_errors")
+        log.warning("kvtier cache: L1 -> L2 backup failed: %s", err)
+    writes: list[Node] = []
+    unused: list[int] = []
+    idx = c._index
+    with c._lock:
+        for nd, p in zip(nodes, pages):
+            nd.backup_pending = False
+            idx.backups_inflight -= 1
+            nd.l1_pins -= 1
+            if err is not None or nd.host_page is not None:
+                unused.append(p)
+                continue
+            idx.l2_add(nd, p)
+            if l3 and not nd.in_l3:
+                writes.append(nd)
+        if unused:
+            c.host_pool.free(unused)
+        done = len(nodes) - len(unused)
+        if done:
+            idx.touch_l2_up(nodes)
+        if writes and c.store is not None:    # counted as dropped while L3 is off
+            for nd in writes:
+                nd.l2_pins += 1
+            c._enqueue_write(writes, evict_after=False)
+    if err is None:
+        c.metrics_registry.add_many({"backup_pages": done,
+                                     "bytes_d2h": len(nodes) * c.spec.page_bytes})
+        c.metrics_registry.observe("backup_l2", time.perf_counter() - t0)
+
+
+def finish_fetch(c: "TieredKVCache", fh: "FetchHandle", err: BaseException | None) -> None:
+    """Book an L2 -> L1 load: register the loaded device pages in L1, pinned for the match."""
+    idx = c._index
+    with c._lock:
+        if not fh.mark_finished(err):
+            return
+        m = fh.match
+        for d in fh.device_pages:
+            c._loading.pop(d, None)
+        for nd in fh.nodes:            # the load no longer reads the host pages
+            nd.l2_pins -= 1
+        if err is not None:
+            c.metrics_registry.add("transfer_errors")
+            log.warning("kvtier cache: L2 -> L1 load failed: %s", err)
+            return
+        fresh: list[Node] = []
+        for nd, d in zip(fh.nodes, fh.device_pages):
+            if nd.device_page is None:
+                parent = nd.parent
+                if parent is not None and parent.device_page is None:
+                    fh.reject(d)           # cannot happen while the prefix is pinned
+                    continue
+                idx.l1_add(nd, d)
+                fresh.append(nd)
+            elif nd.device_page != d:
+                fh.reject(d)               # someone else loaded it meanwhile
+                continue
+            if not m.released and not m.holds(d):
+                m.hold_l1(nd, d)
+            m.take(d)
+        touch = idx.l1_lru.touch
+        for nd in reversed(fresh):
+            touch(nd.key, nd)
+        for nd in reversed(m.l1_nodes):
+            if nd.device_page is not None:
+                touch(nd.key, nd)
+    c.metrics_registry.observe("load_l1", time.perf_counter() - fh.started_at)

@@ -1,0 +1,217 @@
+"""The cache's two halves apart: `CachePlanner` (index and policies, plain data only) and
+`CacheExecutor` (host pool, engine, store), talking only through pickled plans and results,
+with L2 and L3, as a scheduler process and a worker process would."""
+
+from __future__ import annotations
+
+import pickle
+import random
+import threading
+
+import pytest
+import torch
+
+from kvtier import KVSpec
+from kvtier.cache import CacheExecutor, CachePlanner, Lookup, Plan, PlanResult
+from kvtier.device_pool import DeviceKVPool
+from kvtier.errors import InvalidArgumentError, PageIndexError
+from kvtier.testing import fill_random
+from kvtier.testing.contracts import raw_bytes
+
+SPEC = KVSpec.mha(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, dtype="float16")
+
+
+def wire(obj):
+    """Cross a process boundary the way engine metadata does."""
+    return pickle.loads(pickle.dumps(obj))
+
+
+class Split:
+    def __init__(self, *, l3: bool = True, host_pages: int = 8, device_pages: int = 32,
+                 **config):
+        self.dpool = DeviceKVPool.empty(SPEC, device_pages)
+        self.gen = torch.Generator().manual_seed(3)
+        for comp in self.dpool.layers:
+            for t in comp:
+                fill_random(t, self.gen)
+        cfg = {"model_id": "split", "host_pool_pages": host_pages, "l3_io_threads": 1,
+               **config}
+        if l3:
+            cfg["l3_store"] = "memory"
+        self.ex = CacheExecutor.from_config(cfg, device_pool=self.dpool)
+        exists = self.ex.store.batch_exists if l3 else None   # in vLLM: the store's own client
+        self.pl = CachePlanner(cfg, spec=SPEC, num_host_pages=host_pages, l3_exists=exists)
+
+    def run(self, plan: Plan) -> PlanResult:
+        self.ex.submit(wire(plan))
+        assert self.ex.wait(plan.plan_id, 10)
+        (res,) = self.ex.poll()
+        res = wire(res)
+        self.pl.complete(res)
+        self.pl.check()
+        return res
+
+    def page(self, p: int) -> torch.Tensor:
+        return torch.cat([raw_bytes(self.dpool.page(c, layer, p))
+                          for layer in range(SPEC.num_layers)
+                          for c in range(SPEC.num_components)])
+
+    def close(self):
+        self.ex.close()
+
+
+@pytest.fixture
+def split():
+    s = Split()
+    yield s
+    s.close()
+
+
+def toks(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 1000, (n,), generator=g).tolist()
+
+
+def test_save_then_load_from_l2_is_bitwise(split):
+    keys = split.pl.keys(toks(4 * 5))
+    src = random.Random(1).sample(range(16), 5)
+    want = [split.page(p).clone() for p in src]
+    res = split.run(split.pl.plan_save(keys, src))
+    assert res.ok and len(res.backups) == 5 and len(res.l3_writes) == 5   # write-through
+    assert split.pl.lookup(keys) == Lookup(0, 5, 0)
+    dst = random.Random(2).sample(range(16, 32), 3)
+    plan = split.pl.plan_load(keys, dst, start=2)
+    assert not plan.l3_reads and len(plan.loads) == 3
+    res = split.run(plan)
+    assert res.loaded_prefix == 3
+    for i, d in enumerate(dst):
+        assert torch.equal(split.page(d), want[2 + i])
+
+
+def test_load_through_l3_after_l2_eviction(split):
+    a, b = split.pl.keys(toks(4 * 6, 1)), split.pl.keys(toks(4 * 6, 2))
+    pa = list(range(0, 6))
+    want = [split.page(p).clone() for p in pa]
+    assert split.run(split.pl.plan_save(a, pa)).ok
+    assert split.run(split.pl.plan_save(b, list(range(6, 12)))).ok   # evicts most of a
+    hit = split.pl.lookup(a)
+    assert hit.l2_pages < 6 and hit.pages == 6                  # the rest is in L3
+    dst = list(range(20, 26))
+    plan = split.pl.plan_load(a, dst)
+    assert len(plan.l3_reads) == 6 - hit.l2_pages
+    res = split.run(plan)
+    assert res.ok and res.loaded_prefix == len(plan.loads)
+    for i, d in enumerate(dst[:len(plan.loads)]):
+        assert torch.equal(split.page(d), want[i])
+    m = split.pl.metrics()
+    assert m["l3_loaded_pages"] == len(plan.l3_reads) and m["load_failed_pages"] == 0
+
+
+def test_l3_miss_fails_only_those_loads(split):
+    keys = split.pl.keys(toks(4 * 3, 5))
+    assert split.run(split.pl.plan_save(keys, [0, 1, 2])).ok
+    split.run(split.pl.plan_evict(8))
+    split.ex.store.delete([keys[1]])
+    res = split.run(split.pl.plan_load(keys, [10, 11, 12]))
+    assert res.l3_reads == (True, False, True) and res.loaded_prefix == 1
+    assert keys[1] not in split.pl.l2_pages()
+
+
+def test_write_back_writes_to_l3_on_l2_eviction():
+    s = Split(write_policy="write_back", host_pages=4)
+    try:
+        keys = s.pl.keys(toks(4 * 4, 7))
+        res = s.run(s.pl.plan_save(keys, [0, 1, 2, 3]))
+        assert res.ok and not res.l3_writes                    # no write until eviction
+        plan = s.pl.plan_evict(4)
+        assert sorted(k for _, k in plan.l3_writes) == sorted(keys)
+        assert s.run(plan).ok
+        assert not s.pl.l2_pages() and s.pl.lookup(keys) == Lookup(0, 0, 4)
+    finally:
+        s.close()
+
+
+def test_l2_only_planner_without_l3():
+    s = Split(l3=False, host_pages=3)
+    try:
+        keys = s.pl.keys(toks(4 * 4, 9))
+        res = s.run(s.pl.plan_save(keys, [0, 1, 2, 3]))
+        assert len(res.backups) == 3 and not res.l3_writes     # full: one skipped
+        assert s.pl.lookup(keys) == Lookup(0, 3, 0)
+        assert s.pl.metrics()["backup_skipped_pages"] == 1
+    finally:
+        s.close()
+
+
+def test_pending_pages_are_neither_hits_nor_evicted(split):
+    keys = split.pl.keys(toks(4 * 2, 11))
+    plan = split.pl.plan_save(keys, [0, 1])
+    assert split.pl.lookup(keys).l2_pages == 0                  # in flight: not a hit yet
+    assert split.pl.plan_save(keys, [2, 3]).backups == ()       # nor backed up twice
+    load = split.pl.plan_load(split.pl.keys(toks(4 * 2, 11)), [4])
+    assert not load.loads or load.l3_reads                      # nothing from L2 yet
+    split.run(plan)
+    split.pl.fail(load.plan_id)
+    for pid in split.pl.pending_plans():
+        split.pl.fail(pid)
+    assert split.pl.lookup(keys).l2_pages == 2
+
+
+def test_failed_plan_returns_its_pages(split):
+    keys = split.pl.keys(toks(4 * 8, 13))
+    plan = split.pl.plan_save(keys, list(range(8)))
+    assert split.pl.host.free_count == 0
+    split.pl.fail(plan.plan_id)
+    assert split.pl.host.free_count == 8 and not split.pl.l2_pages()
+    with pytest.raises(InvalidArgumentError):
+        split.pl.fail(plan.plan_id)
+
+
+def test_malformed_plans_are_refused_before_anything_runs(split):
+    bad = [Plan(101, loads=((99, 0),)), Plan(102, backups=((0, 1), (1, 1))),
+           Plan(103, loads=((0, 40),)), Plan(104, loads=((0, 3),), backups=((3, 1),)),
+           Plan(105, l3_reads=(("k", 0),))]
+    for plan in bad:
+        with pytest.raises((PageIndexError, InvalidArgumentError)):
+            split.ex.submit(plan)
+    assert split.ex.poll() == []
+    with pytest.raises(PageIndexError):
+        split.pl.plan_load(split.pl.keys(toks(8)), [1, 1])
+    with pytest.raises(InvalidArgumentError):
+        split.pl.plan_save(split.pl.keys(toks(8)), [1, 2, 3])
+
+
+def test_concurrent_requests_keep_invariants(split):
+    rng = random.Random(4)
+    prompts = [split.pl.keys(toks(4 * rng.randint(1, 6), rng.randint(0, 5))) for _ in range(40)]
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def worker(seed):
+        r = random.Random(seed)
+        try:
+            for keys in r.sample(prompts, 10):
+                dev = r.sample(range(32), len(keys))
+                with lock:
+                    hit = split.pl.lookup(keys)
+                    load = split.pl.plan_load(keys, dev[:hit.pages])
+                    save = split.pl.plan_save(keys, dev)
+                for p in (load, save):
+                    split.ex.submit(wire(p))
+                    split.ex.wait(p.plan_id, 10)
+                for res in split.ex.poll():
+                    split.pl.complete(wire(res))
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    ts = [threading.Thread(target=worker, args=(i,)) for i in range(3)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    assert not errors
+    assert split.ex.wait_idle(10)
+    for res in split.ex.poll():
+        split.pl.complete(res)
+    assert split.pl.pending_plans() == []
+    split.pl.check()
