@@ -15,13 +15,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from ... import registry
-from ...cache import CacheConfig
+from ...cache import CacheConfig, CacheExecutor, CachePlanner, Plan, PlanResult
+from ...device_pool import DeviceKVPool
 from ...errors import ConfigError, LayoutError
 from ...host_pool import HostKVPool
 from ...spec import KVSpec, dtype_name
-from .datapath import PAGE_ORDER, DataPath
-from .identity import engine_identity, make_keyer, rank_key, request_root
-from .index import HostPageIndex
+from .datapath import ChunkCopyEngine, RankKeyStore, rank_key
+from .identity import engine_identity, make_keyer, request_root
 
 try:      # vLLM >= 0.31 names the tier an external hit came from
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -41,7 +41,11 @@ log = logging.getLogger("kvtier.vllm")
 
 #: CacheConfig fields the connector does not take from the user (vLLM decides them).
 _FROM_VLLM = ("tp_rank", "tp_size")
-_WRITE_POLICIES = ("write_through",)
+#: Write policies whose L3 writes follow backups only (no write-backs inside load plans).
+_WRITE_POLICIES = ("write_through", "write_through_selective")
+#: vLLM's block layout per platform, as `DeviceKVPool.from_blocks` names it, and its byte order.
+_LAYOUTS = {"cpu": ("vllm_cpu", "hkv")}
+_DEFAULT_LAYOUT = ("vllm_flash", "nhd")
 
 
 # --------------------------------------------------------------------------------------------
@@ -49,30 +53,19 @@ _WRITE_POLICIES = ("write_through",)
 # --------------------------------------------------------------------------------------------
 @dataclass
 class LoadOrder:
-    """Copy these host pages into these vLLM blocks (L3 pages are read from the store first)."""
+    """A planner `Plan` of one request's loads; ``failed_blocks`` are blocks vLLM counts as
+    loaded that the plan could not cover (they are reported as load errors)."""
 
     req_id: str
-    block_ids: list[int]
-    host_pages: list[int]
-    keys: list[bytes]
-    from_l3: list[bool]
+    plan: Plan
+    failed_blocks: list[int]
     is_async: bool
-
-
-@dataclass
-class SaveOrder:
-    """Back these vLLM blocks up into these host pages after the forward pass wrote them."""
-
-    block_ids: list[int] = field(default_factory=list)
-    host_pages: list[int] = field(default_factory=list)
-    keys: list[bytes] = field(default_factory=list)
 
 
 @dataclass
 class KVTierMetadata(KVConnectorMetadata):
     loads: list[LoadOrder] = field(default_factory=list)
-    saves: SaveOrder = field(default_factory=SaveOrder)
-    write_l3: bool = True
+    saves: list[Plan] = field(default_factory=list)
     #: Requests that finished while their asynchronous load ran: report them as sent once the
     #: load is done, so vLLM frees their blocks only then.
     finished_while_loading: list[str] = field(default_factory=list)
@@ -80,25 +73,26 @@ class KVTierMetadata(KVConnectorMetadata):
 
 @dataclass
 class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
-    """What the worker learnt this step: L3 pages that landed (or not) in host pages, keys a
-    host page turned out not to hold, saves that were skipped."""
+    """Results of finished plans, for the planner (one per plan; ANDed across ranks)."""
 
-    l3_landed: list[tuple[bytes, int]] = field(default_factory=list)
-    l3_failed_pages: list[int] = field(default_factory=list)
-    bad_keys: list[bytes] = field(default_factory=list)
-    save_skipped: list[bytes] = field(default_factory=list)
+    results: list[PlanResult] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> "KVTierWorkerMetadata":
         assert isinstance(other, KVTierWorkerMetadata)
-        # A page counts as landed only where every rank's shard landed.
-        theirs = set(other.l3_landed)
-        landed = [x for x in self.l3_landed if x in theirs]
-        failed = set(self.l3_failed_pages) | set(other.l3_failed_pages)
-        failed |= {p for _, p in set(self.l3_landed) ^ theirs}
-        return KVTierWorkerMetadata(l3_landed=landed, l3_failed_pages=sorted(failed),
-                                    bad_keys=sorted(set(self.bad_keys) | set(other.bad_keys)),
-                                    save_skipped=sorted(set(self.save_skipped)
-                                                        | set(other.save_skipped)))
+        mine = {r.plan_id: r for r in self.results}
+        out = []
+        for r in other.results:
+            m = mine.pop(r.plan_id, None)
+            if m is None:
+                out.append(r)
+                continue
+            out.append(PlanResult(r.plan_id, *(tuple(a and b for a, b in zip(x, y))
+                                               for x, y in ((m.l3_reads, r.l3_reads),
+                                                            (m.loads, r.loads),
+                                                            (m.backups, r.backups),
+                                                            (m.l3_writes, r.l3_writes)))))
+        out.extend(mine.values())
+        return KVTierWorkerMetadata(results=out)
 
 
 class KVTierConnectorStats(KVConnectorStats):
@@ -163,18 +157,18 @@ def spec_from_kv_cache_config(kv_cache_config: "KVCacheConfig") -> tuple[KVSpec,
     return spec, list(g.layer_names)
 
 
-def expected_page_order(vllm_config: "VllmConfig") -> str:
-    """The byte order of a block the platform's attention backend uses."""
+def block_layout(vllm_config: "VllmConfig") -> tuple[str, str]:
+    """(`DeviceKVPool` layout, page byte order) of the platform's attention backend: vllm-cpu's
+    CPU backend, else FlashAttention's ``[2, blocks, block_size, heads, head_size]``."""
     device = str(getattr(vllm_config.device_config, "device_type", "") or "")
-    return PAGE_ORDER["vllm_cpu"] if device == "cpu" else PAGE_ORDER["vllm_flash"]
+    return _LAYOUTS.get(device, _DEFAULT_LAYOUT)
 
 
 # --------------------------------------------------------------------------------------------
 # Scheduler-side per-request state
 # --------------------------------------------------------------------------------------------
 class _Req:
-    __slots__ = ("request", "keys", "root", "block_ids", "cacheable", "async_pins",
-                 "l3_reserved", "loading", "saved")
+    __slots__ = ("request", "keys", "root", "block_ids", "cacheable", "saved", "load_plan")
 
     def __init__(self, request: "Request", cacheable: bool, root: bytes | None):
         self.request = request
@@ -182,10 +176,8 @@ class _Req:
         self.root = root
         self.block_ids: list[int] = []
         self.cacheable = cacheable
-        self.async_pins: list[int] = []
-        self.l3_reserved: dict[int, bytes] = {}
-        self.loading = False
-        self.saved = 0            # blocks before this one were offered to the host pool
+        self.saved = 0                  # blocks before this one were offered for backup
+        self.load_plan: int | None = None       # asynchronous load in flight
 
 
 class KVTierConnector(KVConnectorBase_V1):
@@ -204,21 +196,20 @@ class KVTierConnector(KVConnectorBase_V1):
             raise LayoutError(f"KV group block size {self.spec.page_size} differs from the "
                               f"cache block size {vllm_config.cache_config.block_size}")
         self.block_size = self.spec.page_size
-        self.page_order = expected_page_order(vllm_config)
+        self.layout, self.page_order = block_layout(vllm_config)
         self.identity = engine_identity(vllm_config, self.page_order)
         self.keyer = make_keyer(self.cfg.model_id, self.spec, self.identity, self.cfg.salt)
         self.num_device_blocks = int(kv_cache_config.num_blocks)
         self.num_host_pages = self.cfg.host_pages_for(self.spec.page_bytes,
                                                       self.num_device_blocks)
-        self.tp_size = vllm_config.parallel_config.tensor_parallel_size
-        if getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute") != \
-                "recompute":
-            log.warning("kvtier: kv_load_failure_policy is %r: a failed load (corrupted or "
-                        "missing L3 object) fails its request instead of recomputing; set "
-                        "kv_load_failure_policy='recompute'",
-                        self._kv_transfer_config.kv_load_failure_policy)
-        self._lock = threading.Lock()
+        self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
+        policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
+        if policy != "recompute":
+            log.warning("kvtier: kv_load_failure_policy is %r: a failed load (a corrupted or "
+                        "missing L3 object) fails its request instead of being recomputed; "
+                        "set kv_load_failure_policy='recompute'", policy)
         self.totals: Counter[str] = Counter()
+        self._lock = threading.Lock()
         if role == KVConnectorRole.SCHEDULER:
             self._init_scheduler()
         else:
@@ -229,19 +220,23 @@ class KVTierConnector(KVConnectorBase_V1):
 
     # ===================================== scheduler side ====================================
     def _init_scheduler(self) -> None:
-        self.index = HostPageIndex(self.num_host_pages)
-        self.reqs: dict[str, _Req] = {}
-        self._plans: dict[str, tuple[int, int, int]] = {}      # req -> (start, l2, l3)
-        self._loads: list[LoadOrder] = []
-        self._sync_pins: list[int] = []
-        self._finished_loading: list[str] = []
-        self._hit_sources: dict[str, tuple[int, int]] = {}
         self.store = None
-        if self.cfg.l3_store:      # for existence checks only; the worker reads and writes
+        if self.cfg.l3_store:      # existence checks only; the workers read and write
             self.store = registry.create_l3_store(self.cfg.l3_store, self.cfg.l3_config,
                                                   spec=self.spec)
-        self._l3_errors_in_row = 0
+        exists = None
+        if self.store is not None:
+            store, tp = self.store, self.tp_size
+            exists = lambda keys: store.batch_exists([rank_key(k, 0, tp) for k in keys])  # noqa: E731
+        self.planner = CachePlanner(self.cfg, spec=self.spec, num_host_pages=self.num_host_pages,
+                                    l3_exists=exists)
+        self.reqs: dict[str, _Req] = {}
+        self._lookups: dict[str, tuple[int, int, int]] = {}     # req -> (start, l2, l3)
+        self._loads: list[LoadOrder] = []
+        self._finished_loading: list[str] = []
+        self._hit_sources: dict[str, tuple[int, int]] = {}
         self._interval: Counter[str] = Counter()
+        self._async_reqs: dict[int, str] = {}                    # plan id -> request
 
     def _req(self, request: "Request") -> _Req:
         r = self.reqs.get(request.request_id)
@@ -260,21 +255,6 @@ class KVTierConnector(KVConnectorBase_V1):
             r.keys.extend(self.keyer.keys(list(toks), prev=prev))
         return r.keys[:num_blocks]
 
-    def _l3_exists(self, keys: list[bytes]) -> int:
-        if self.store is None or not keys:
-            return 0
-        try:
-            n = int(self.store.batch_exists([rank_key(k, 0, self.tp_size) for k in keys]))
-            self._l3_errors_in_row = 0
-            return max(0, min(n, len(keys)))
-        except Exception as exc:   # a dead store is a miss, counted and logged
-            self._l3_errors_in_row += 1
-            self.totals["l3_lookup_errors"] += 1
-            if self._l3_errors_in_row in (1, self.cfg.l3_error_limit):
-                log.warning("kvtier: L3 lookup failed (%d in a row): %s",
-                            self._l3_errors_in_row, exc)
-            return 0
-
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
         r = self._req(request)
@@ -284,11 +264,9 @@ class KVTierConnector(KVConnectorBase_V1):
         start = num_computed_tokens // self.block_size
         if start >= limit:
             return 0, False
-        keys = self._keys_upto(r, limit)
-        l2 = self.index.leading_hits(keys[start:])
-        l3 = self._l3_exists(keys[start + l2:limit])
-        self._plans[request.request_id] = (start, l2, l3)
-        return (l2 + l3) * self.block_size, l3 > 0
+        hit = self.planner.lookup(self._keys_upto(r, limit), start)
+        self._lookups[request.request_id] = (start, hit.l2_pages, hit.l3_pages)
+        return hit.pages * self.block_size, hit.l3_pages > 0
 
     def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int
                                        ) -> dict[Any, int]:
@@ -296,54 +274,36 @@ class KVTierConnector(KVConnectorBase_V1):
         if CacheHitSource is None or num_external_tokens == 0 or \
                 (l2 + l3) * self.block_size != num_external_tokens:
             return super().get_external_cache_hit_sources(request, num_external_tokens)
-        out = {CacheHitSource.HOST: l2 * self.block_size, CacheHitSource.DISK: l3 * self.block_size}
+        out = {CacheHitSource.HOST: l2 * self.block_size,
+               CacheHitSource.DISK: l3 * self.block_size}
         return {k: v for k, v in out.items() if v}
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:
         r = self._req(request)
-        plan = self._plans.pop(request.request_id, None)
-        if num_external_tokens == 0 or plan is None:
+        looked = self._lookups.pop(request.request_id, None)
+        if num_external_tokens == 0 or looked is None:
             return
-        start, l2, l3 = plan
+        start, l2, l3 = looked
         n = num_external_tokens // self.block_size
-        if n != l2 + l3:        # vLLM took fewer tokens than offered: load those only
-            l2, l3 = min(l2, n), max(0, n - l2)
         block_ids = list(blocks.get_block_ids()[0][start:start + n])
-        keys = r.keys[start:start + n]
-        pages: list[int] = []
-        from_l3: list[bool] = []
-        for k in keys[:l2]:
-            p = self.index.page_of(k)
-            pages.append(-1 if p is None else p)     # evicted meanwhile: fails, recomputed
-            from_l3.append(False)
-        l2_pages = [p for p in pages if p >= 0]
-        self.index.touch(keys[:l2])
-        self.index.pin(l2_pages)
-        new = self.index.allocate(l3)
-        for i, k in enumerate(keys[l2:]):
-            if i < len(new):
-                pages.append(new[i])
-                r.l3_reserved[new[i]] = k
-            else:
-                pages.append(-1)                     # no host page free: fails, recomputed
-            from_l3.append(True)
-        is_async = l3 > 0
+        plan = self.planner.plan_load(r.keys, block_ids, start)
+        covered = {d for _, d in plan.loads}
+        failed = [b for b in block_ids if b not in covered]     # recomputed by vLLM
+        is_async = l3 > 0               # what vLLM was told: it waits for finished_recving
         if is_async:
-            r.async_pins = l2_pages
-            r.loading = True
-        else:
-            self._sync_pins.extend(l2_pages)
-        self._hit_sources[request.request_id] = (l2, l3)
+            r.load_plan = plan.plan_id
+            self._async_reqs[plan.plan_id] = request.request_id
+        n3 = len(plan.l3_reads)
+        n2 = len(plan.loads) - n3
+        self._hit_sources[request.request_id] = (n2, n - n2)
         for c in (self.totals, self._interval):
-            c.update(hit_tokens_l2=l2 * self.block_size, hit_tokens_l3=l3 * self.block_size,
-                     load_requests=1)
-        self._loads.append(LoadOrder(request.request_id, block_ids, pages, keys, from_l3,
-                                     is_async))
+            c.update(hit_tokens_l2=n2 * self.block_size, hit_tokens_l3=n3 * self.block_size,
+                     load_requests=1, planned_but_uncovered_blocks=len(failed))
+        self._loads.append(LoadOrder(request.request_id, plan, failed, is_async))
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        meta = KVTierMetadata(loads=self._loads, write_l3=self.store is not None,
-                              finished_while_loading=self._finished_loading)
+        meta = KVTierMetadata(loads=self._loads, finished_while_loading=self._finished_loading)
         self._loads, self._finished_loading = [], []
         for new in scheduler_output.scheduled_new_reqs:
             r = self.reqs.get(new.req_id)
@@ -364,93 +324,60 @@ class KVTierConnector(KVConnectorBase_V1):
                 r.block_ids.extend(nb[0])
             self._plan_saves(r, cached.num_computed_tokens[i]
                              + scheduler_output.num_scheduled_tokens.get(req_id, 0), meta.saves)
-        # Loads of this step run before its saves on the worker: their pages are safe now.
-        self.index.unpin(self._sync_pins)
-        self._sync_pins = []
         return meta
 
-    def _plan_saves(self, r: _Req, computed_tokens: int, saves: SaveOrder) -> None:
+    def _plan_saves(self, r: _Req, computed_tokens: int, saves: list[Plan]) -> None:
         if not r.cacheable:
             return
         full = min(computed_tokens, r.request.num_tokens, len(r.block_ids) * self.block_size)
         full //= self.block_size
+        if full <= r.saved:
+            return
         keys = self._keys_upto(r, full)
-        for i in range(r.saved, full):
-            k = keys[i]
-            r.saved = i + 1
-            if k in self.index:
-                self.index.touch([k])
-                continue
-            if k in saves.keys:
-                continue
-            page = self.index.allocate(1)
-            if not page:
-                self.totals["saves_skipped_l2_full"] += full - i
-                r.saved = full
-                return
-            self.index.insert(k, page[0])
-            saves.block_ids.append(r.block_ids[i])
-            saves.host_pages.append(page[0])
-            saves.keys.append(k)
+        plan = self.planner.plan_save(keys, r.block_ids[r.saved:full], r.saved)
+        r.saved = full
+        if plan.empty:
+            self.planner.complete(plan.failed())       # nothing to run: book it now
+        else:
+            saves.append(plan)
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
         wm = connector_output.kv_connector_worker_meta
         if isinstance(wm, KVTierWorkerMetadata):
-            reserved = {p: (rid, k) for rid, r in self.reqs.items()
-                        for p, k in r.l3_reserved.items()}
-            for key, page in wm.l3_landed:
-                owner = reserved.get(page)
-                if owner is None or owner[1] != key:
-                    continue
-                self.reqs[owner[0]].l3_reserved.pop(page)
-                if key in self.index:
-                    self.index.free([page])
-                else:
-                    self.index.insert(key, page)
-            for page in wm.l3_failed_pages:
-                owner = reserved.get(page)
-                if owner is not None and page in self.reqs[owner[0]].l3_reserved:
-                    self.reqs[owner[0]].l3_reserved.pop(page)
-                    self.index.free([page])
-            for key in list(wm.bad_keys) + list(wm.save_skipped):
-                self.index.drop(key)
-        for req_id in connector_output.finished_recving or ():
-            r = self.reqs.get(req_id)
-            if r is None:
-                continue
-            self._end_load(r)
+            for res in wm.results:
+                try:
+                    self.planner.complete(res)
+                except Exception as exc:   # a result the planner does not know: log only
+                    log.warning("kvtier: result of plan %s not booked: %s", res.plan_id, exc)
+                req_id = self._async_reqs.pop(res.plan_id, None)
+                r = self.reqs.get(req_id) if req_id is not None else None
+                if r is not None:
+                    r.load_plan = None
         stats = connector_output.kv_connector_stats
         if stats is not None and stats.data:
-            self.totals.update(stats.data)
+            self.totals.update({k: v for k, v in stats.data.items()
+                                if isinstance(v, (int, float))})
         if connector_output.invalid_block_ids:
             self.totals["invalid_blocks_reported"] += len(connector_output.invalid_block_ids)
 
-    def _end_load(self, r: _Req) -> None:
-        self.index.unpin(r.async_pins)
-        r.async_pins = []
-        if r.l3_reserved:                   # never reported: give the pages back
-            self.index.free(list(r.l3_reserved))
-            r.l3_reserved = {}
-        r.loading = False
-
     def request_finished(self, request: "Request", block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
-        r = self.reqs.get(request.request_id)
-        self._plans.pop(request.request_id, None)
+        self._lookups.pop(request.request_id, None)
         self._hit_sources.pop(request.request_id, None)
-        if r is not None and r.loading:
+        r = self.reqs.get(request.request_id)
+        if r is not None and r.load_plan is not None:
             self._finished_loading.append(request.request_id)
             return True, None
         self.reqs.pop(request.request_id, None)
         return False, None
 
     def metrics(self) -> dict[str, Any]:
-        """Cumulative counters: hits per tier (tokens), and the workers' pages, bytes and
-        failures as reported through vLLM's connector stats."""
-        out = dict(self.totals)
+        """Cumulative counters: hits per tier (tokens) and the planner's page counts, plus the
+        workers' pages, bytes and failures as reported through vLLM's connector stats."""
+        out: dict[str, Any] = dict(self.totals)
         if self._role == KVConnectorRole.SCHEDULER:
-            out["l2_pages_indexed"] = len(self.index)
-            out["l2_evictions"] = self.index.evictions
+            out["planner"] = {k: v for k, v in self.planner.metrics().items()
+                              if k != "latency"}
         return out
 
     @classmethod
@@ -460,154 +387,199 @@ class KVTierConnector(KVConnectorBase_V1):
 
     # ====================================== worker side ======================================
     def _init_worker(self) -> None:
-        self.data: DataPath | None = None
+        self.executor: CacheExecutor | None = None
         self._layer_idx = {name: i for i, name in enumerate(self.layer_names)}
-        self._sync_handles: list[Any] = []
+        self._sync: list[tuple[LoadOrder, int]] = []     # (order, plan id) this step
         self._waited: set[int] = set()
         self._load_errors: set[int] = set()
-        self._save_plan: tuple[list[int], list[int], list[bytes]] | None = None
-        self._worker_meta = KVTierWorkerMetadata()
-        self._pending_async: set[str] = set()
+        self._results: dict[int, PlanResult] = {}        # finished, not yet handled
+        self._async: dict[int, LoadOrder] = {}
+        self._writes: dict[int, tuple[Plan, PlanResult]] = {}   # write sub-plan -> save
+        self._to_scheduler: list[PlanResult] = []
         self._finish_after_load: set[str] = set()
-        self._done_sending: set[str] = set()
+        self._last_counts: dict[str, int] = {}
         try:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
             self.tp_rank = int(get_tensor_model_parallel_rank())
-        except Exception:   # no parallel state (single process)
+        except Exception:   # no parallel state (a bare worker)
             self.tp_rank = 0
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         missing = [n for n in self.layer_names if n not in kv_caches]
         if missing:
             raise LayoutError(f"vLLM registered no KV tensor for layers {missing}")
-        layers = [kv_caches[n] for n in self.layer_names]
-        host_pool = HostKVPool(self.spec, self.num_host_pages,
-                               allocator=registry.create_host_allocator(
-                                   self.cfg.host_allocator, self.cfg.host_allocator_config))
-        store = None
+        pool = DeviceKVPool.from_blocks(self.spec, [kv_caches[n] for n in self.layer_names],
+                                        self.layout)
+        if pool.page_order != self.page_order:
+            raise LayoutError(f"vLLM's KV blocks are {pool.layout} (page order "
+                              f"{pool.page_order}); the key namespace says {self.page_order}")
+        cfg = self.cfg
+        owned: list[Any] = []
         try:
-            if self.cfg.l3_store:
-                store = registry.create_l3_store(self.cfg.l3_store, self.cfg.l3_config,
-                                                 spec=self.spec)
+            host_pool = HostKVPool(self.spec, self.num_host_pages, layout=cfg.host_layout,
+                                   allocator=registry.create_host_allocator(
+                                       cfg.host_allocator, cfg.host_allocator_config))
+            owned.append(host_pool)
+            try:
+                engine = registry.create_transfer_engine(cfg.transfer_engine, pool, host_pool,
+                                                         cfg.transfer_config)
+            except LayoutError as exc:
+                if cfg.transfer_engine != "torch" or pool.device.type != "cpu":
+                    raise
+                log.info("kvtier: the torch engine refuses vLLM's %s blocks (%s); copying them "
+                         "as byte chunks (%s)", pool.layout, exc, ChunkCopyEngine.name)
+                engine = ChunkCopyEngine(pool, host_pool)
+            owned.append(engine)
+            store = None
+            if cfg.l3_store:
+                store = registry.create_l3_store(cfg.l3_store, cfg.l3_config, spec=self.spec)
+                owned.append(store)
+                if self.tp_size > 1:
+                    store = RankKeyStore(store, self.tp_rank, self.tp_size)
                 store.attach(host_pool)
-            tp_rank, tp_size = self.tp_rank, self.tp_size
-            self.data = DataPath(self.spec, layers, host_pool, store,
-                                 store_key=lambda k: rank_key(k, tp_rank, tp_size),
-                                 l3_batch_pages=self.cfg.l3_batch_pages)
+            self.executor = CacheExecutor(
+                host_pool=host_pool, engine=engine, store=store,
+                l3_io_threads=cfg.l3_io_threads, l3_batch_pages=cfg.l3_batch_pages,
+                l3_error_limit=cfg.l3_error_limit, l3_call_timeout_s=cfg.l3_call_timeout_s,
+                owned=tuple(owned))
         except BaseException:
-            if store is not None:
-                store.close()
-            host_pool.close()
+            for obj in reversed(owned):
+                obj.close()
             raise
-        if self.data.page_order != self.page_order:
-            raise LayoutError(f"vLLM's KV blocks are laid out {self.data.layout} "
-                              f"(page order {self.data.page_order}), but the key namespace was "
-                              f"made for page order {self.page_order}")
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._connector_metadata
-        if not isinstance(meta, KVTierMetadata) or self.data is None:
+        ex = self.executor
+        if not isinstance(meta, KVTierMetadata) or ex is None:
             return
         self._finish_after_load |= set(meta.finished_while_loading)
         for order in meta.loads:
-            if order.is_async:
-                self._pending_async.add(order.req_id)
-                self.data.start_async_load(order.req_id, order.block_ids, order.host_pages,
-                                           order.keys, order.from_l3)
-                continue
-            valid = [p >= 0 for p in order.host_pages]
-            held = self.data.check_pages(order.keys, [max(p, 0) for p in order.host_pages])
-            blocks, pages = [], []
-            for b, p, k, v, h in zip(order.block_ids, order.host_pages, order.keys, valid,
-                                     held):
-                if v and h:
-                    blocks.append(b)
-                    pages.append(p)
+            self._load_errors.update(order.failed_blocks)
+            if order.plan.empty:
+                if order.is_async:        # still reported as received (nothing loaded)
+                    self._async[order.plan.plan_id] = order
+                    self._results[order.plan.plan_id] = order.plan.failed()
                 else:
-                    self._load_errors.add(b)
-                    if v:
-                        self._worker_meta.bad_keys.append(k)
-            if len(blocks) != len(order.block_ids):
-                self.data.count(load_failures=len(order.block_ids) - len(blocks))
-            if blocks:
-                self._sync_handles.append((self.data.start_load(blocks, pages), blocks))
+                    self._to_scheduler.append(order.plan.failed())
+                continue
+            try:
+                ex.submit(order.plan)
+            except Exception as exc:       # malformed plan: its blocks are recomputed
+                log.warning("kvtier: load plan %d refused: %s", order.plan.plan_id, exc)
+                self._load_errors.update(d for _, d in order.plan.loads)
+                self._to_scheduler.append(order.plan.failed())
+                self._async.pop(order.plan.plan_id, None)
+                continue
+            if order.is_async:
+                self._async[order.plan.plan_id] = order
+            else:
+                self._sync.append((order, order.plan.plan_id))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         i = self._layer_idx.get(layer_name)
-        if i is None or not self._sync_handles:
-            return
-        self._wait_layer(i)
+        if i is not None and self._sync:
+            self._wait_layer(i)
 
     def _wait_layer(self, i: int) -> None:
-        if i in self._waited:
+        if i in self._waited or self.executor is None:
             return
         self._waited.add(i)
-        for handle, blocks in self._sync_handles:
+        for _, pid in self._sync:
             try:
-                handle.wait_layer(i)
-            except Exception as exc:        # those blocks are recomputed
-                log.warning("kvtier: load into layer %d failed: %s", i, exc)
-                self._load_errors.update(blocks)
+                self.executor.wait_layer(pid, i)
+            except Exception as exc:      # the plan's result says which loads failed
+                log.warning("kvtier: load of layer %d failed: %s", i, exc)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
-        meta = self._connector_metadata
-        if not isinstance(meta, KVTierMetadata) or self.data is None or not meta.saves.keys:
-            return
-        i = self._layer_idx.get(layer_name)
-        if i is None:
-            return
-        if self._save_plan is None:
-            s = meta.saves
-            ok = self.data.claim_for_save(s.host_pages)
-            self._save_plan = ([b for b, o in zip(s.block_ids, ok) if o],
-                               [p for p, o in zip(s.host_pages, ok) if o],
-                               [k for k, o in zip(s.keys, ok) if o])
-            self._worker_meta.save_skipped.extend(k for k, o in zip(s.keys, ok) if not o)
-            self._save_layers: set[int] = set()
-        blocks, pages, _ = self._save_plan
-        if blocks:
-            self.data.save_layer(i, blocks, pages)
-        self._save_layers.add(i)
+        # Backups run in wait_for_save, when every layer of this step's blocks is written:
+        # the CPU backend has no copy engine to overlap them with the next layers.
+        return
 
     def wait_for_save(self) -> None:
-        if self.data is None:
+        ex = self.executor
+        if ex is None:
             return
-        for i in range(self.spec.num_layers):       # every load has landed by now
-            if self._sync_handles and i not in self._waited:
-                log.warning("kvtier: layer %d was not waited for before its forward; its "
-                            "loaded blocks are recomputed", i)
-                self._wait_layer(i)
-                for _, blocks in self._sync_handles:
-                    self._load_errors.update(blocks)
-        self._sync_handles = []
-        self._waited = set()
-        plan, self._save_plan = self._save_plan, None
-        if plan is None:
-            return
-        blocks, pages, keys = plan
+        if self._sync:
+            for i in range(self.spec.num_layers):
+                if i not in self._waited:    # a layer the forward never waited for
+                    log.warning("kvtier: layer %d's load was not awaited before its forward; "
+                                "its blocks are recomputed", i)
+                    for order, _ in self._sync:
+                        self._load_errors.update(d for _, d in order.plan.loads)
+                    self._wait_layer(i)
+            for _, pid in self._sync:
+                ex.wait(pid)
+        self._collect()
+        for order, pid in self._sync:
+            res = self._results.pop(pid, None) or order.plan.failed()
+            self._load_errors.update(d for (_, d), ok in zip(order.plan.loads, res.loads)
+                                     if not ok)
+            self._to_scheduler.append(res)
+        self._sync, self._waited = [], set()
         meta = self._connector_metadata
-        missing = [i for i in range(self.spec.num_layers) if i not in self._save_layers]
-        if missing and blocks:
-            for i in missing:     # a layer vLLM did not hand to save_kv_layer
-                self.data.save_layer(i, blocks, pages)
-        self.data.commit_saves(keys, pages, isinstance(meta, KVTierMetadata) and meta.write_l3)
+        if not isinstance(meta, KVTierMetadata):
+            return
+        for plan in meta.saves:
+            self._save(plan)
+
+    def _save(self, plan: Plan) -> None:
+        """Backups now (vLLM may reuse the blocks once this returns); the L3 writes of the
+        backed-up pages after, off the forward path, as a second plan of the executor."""
+        ex = self.executor
+        assert ex is not None
+        backups = Plan(plan.plan_id, backups=plan.backups)
+        try:
+            ex.submit(backups)
+            ex.wait(plan.plan_id)
+        except Exception as exc:
+            log.warning("kvtier: backup plan %d failed: %s", plan.plan_id, exc)
+        self._collect()
+        res = self._results.pop(plan.plan_id, None) or backups.failed()
+        ok_hp = {hp for (_, hp), ok in zip(plan.backups, res.backups) if ok}
+        writes = tuple(w for w in plan.l3_writes if w[0] in ok_hp)
+        if not writes:
+            self._to_scheduler.append(PlanResult(plan.plan_id, backups=res.backups,
+                                                 l3_writes=(False,) * len(plan.l3_writes)))
+            return
+        wid = -plan.plan_id
+        try:
+            ex.submit(Plan(wid, l3_writes=writes))
+        except Exception as exc:
+            log.warning("kvtier: L3 write plan %d refused: %s", plan.plan_id, exc)
+            self._to_scheduler.append(PlanResult(plan.plan_id, backups=res.backups,
+                                                 l3_writes=(False,) * len(plan.l3_writes)))
+            return
+        self._writes[wid] = (plan, res)
+
+    def _collect(self) -> None:
+        if self.executor is None:
+            return
+        for res in self.executor.poll():
+            if res.plan_id in self._writes:          # L3 writes of a save: its result now
+                plan, bres = self._writes.pop(res.plan_id)
+                done = dict(zip([w for w in plan.l3_writes if w[0] in
+                                 {hp for (_, hp), ok in zip(plan.backups, bres.backups) if ok}],
+                                res.l3_writes))
+                self._to_scheduler.append(PlanResult(
+                    plan.plan_id, backups=bres.backups,
+                    l3_writes=tuple(done.get(w, False) for w in plan.l3_writes)))
+            else:
+                self._results[res.plan_id] = res
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         out = KVConnectorTransferResults()
-        if self.data is None:
-            return out
-        for res in self.data.poll_results():
-            self._pending_async.discard(res.req_id)
-            self._load_errors.update(res.failed_blocks)
-            wm = self._worker_meta
-            wm.l3_landed.extend(res.l3_landed)
-            wm.l3_failed_pages.extend(res.l3_failed_pages)
-            wm.bad_keys.extend(res.bad_keys)
-            out.finished_recving.add(res.req_id)
-            if res.req_id in self._finish_after_load:
-                self._finish_after_load.discard(res.req_id)
-                out.finished_sending.add(res.req_id)
+        self._collect()
+        for pid in [p for p in self._async if p in self._results]:
+            order = self._async.pop(pid)
+            res = self._results.pop(pid)
+            self._load_errors.update(d for (_, d), ok in zip(order.plan.loads, res.loads)
+                                     if not ok)
+            self._to_scheduler.append(res)
+            out.finished_recving.add(order.req_id)
+            if order.req_id in self._finish_after_load:
+                self._finish_after_load.discard(order.req_id)
+                out.finished_sending.add(order.req_id)
         return out
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -615,30 +587,40 @@ class KVTierConnector(KVConnectorBase_V1):
         return errs
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        wm = self._worker_meta
-        if not (wm.l3_landed or wm.l3_failed_pages or wm.bad_keys or wm.save_skipped):
+        if not self._to_scheduler:
             return None
-        self._worker_meta = KVTierWorkerMetadata()
-        return wm
+        out, self._to_scheduler = self._to_scheduler, []
+        return KVTierWorkerMetadata(results=out)
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self._role == KVConnectorRole.SCHEDULER:     # this interval's hits per tier
             data, self._interval = dict(self._interval), Counter()
             return KVTierConnectorStats(data=data) if any(data.values()) else None
-        if self.data is None:
+        if self.executor is None:
             return None
-        data = self.data.take_counters()
-        if not any(data.values()):
+        now = {k: v for k, v in self.executor.metrics().items()
+               if isinstance(v, int) and not isinstance(v, bool) and k != "plans_running"}
+        store = self.executor.store
+        if store is not None:
+            try:
+                now.update({f"l3_{k}": v for k, v in store.stats().items()
+                            if isinstance(v, int) and not isinstance(v, bool)})
+            except Exception:  # stats must never break a step
+                pass
+        delta = {k: v - self._last_counts.get(k, 0) for k, v in now.items()}
+        self._last_counts = now
+        delta = {k: v for k, v in delta.items() if v}
+        if not delta:
             return None
         with self._lock:
-            self.totals.update(data)
-        return KVTierConnectorStats(data=data)
+            self.totals.update(delta)
+        return KVTierConnectorStats(data=delta)
 
     def shutdown(self) -> None:
         if self._role == KVConnectorRole.WORKER:
-            if self.data is not None:
-                self.data.close(self.cfg.close_timeout_s)
-                self.data = None
+            if self.executor is not None:
+                self.executor.close(self.cfg.close_timeout_s)
+                self.executor = None
         elif self.store is not None:
             self.store.close()
             self.store = None

@@ -4,7 +4,8 @@ Fields `kvtier.keys.PageKeyer` takes as keywords are passed as such; the rest go
 JSON, into its ``salt``, so two engines that could produce different bytes for the same tokens
 never share a key: model and revision, dtype and KV-cache dtype, quantization, block size
 (= page size), tensor/pipeline-parallel size (the rank is folded into each stored key by
-`rank_key`), RoPE and its scaling, the block layout's byte order and kvtier's object format.
+`datapath.rank_key`), RoPE and its scaling, the block layout's byte order and kvtier's object
+format.
 """
 
 from __future__ import annotations
@@ -67,15 +68,6 @@ def make_keyer(model_id: str, spec: KVSpec, identity: dict[str, Any], salt: str)
     kwargs["salt"] = json.dumps({"salt": salt, "vllm": rest}, sort_keys=True,
                                 separators=(",", ":"))
     return PageKeyer(**kwargs)
-
-
-def rank_key(key: bytes, tp_rank: int, tp_size: int, pp_rank: int = 0, pp_size: int = 1
-             ) -> bytes:
-    """The stored key of one rank's shard of a page (the key itself on a single rank)."""
-    if tp_size == 1 and pp_size == 1:
-        return key
-    tag = f"kvtier.rank:{tp_rank}/{tp_size}:{pp_rank}/{pp_size}".encode()
-    return hashlib.sha256(tag + key).digest()
 
 
 def request_root(keyer: PageKeyer, salt: str | None) -> bytes | None:
