@@ -87,6 +87,7 @@ def test_second_request_prefix_comes_from_kvtier(reference, first):
     k = first["kvtier"]
     assert k["hit_tokens_l2"] >= 4 * BLOCK
     assert k["planner"]["loaded_pages"] >= 4 and k["planner"]["load_failed_pages"] == 0
+    assert "invalid_blocks_reported" not in k        # every layer waited for its load
     assert _outputs(first, 0) == _outputs(reference, 0)
     assert _outputs(first, 1) == _outputs(reference, 1)
 

@@ -217,31 +217,35 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     convs = multiturn(args.conversations, args.turns, system_tokens=args.system_tokens,
                       user_tokens=args.user_tokens, seed=args.seed)
     engine = {"enable_prefix_caching": True, "num_gpu_blocks_override": args.device_blocks,
-              "max_model_len": 4096}
+              "max_model_len": args.max_model_len}
     phase = [{"conversations": convs}]
-    l3 = os.path.join(work, "l3")
-    runs: list[tuple[str, dict[str, Any] | None, dict[str, Any]]] = [
-        ("vllm", None, {}),
-        ("vllm+kvtier-l2", _kvtier_config({"host_pool_pages": args.host_pages}), {}),
-        ("vllm+kvtier-l3", _kvtier_config({"host_pool_pages": args.host_pages,
-                                           "l3_store": "file", "l3_config": {"root": l3}}), {}),
-        ("vllm+kvtier-l3-warm", _kvtier_config({"host_pool_pages": args.host_pages,
-                                                "l3_store": "file",
-                                                "l3_config": {"root": l3}}), {}),
-    ]
-    if not args.no_offload:
-        runs.append(("vllm+offload", None,
-                     {"kv_offloading_size": args.offload_gib,
-                      "kv_offloading_backend": "native"}))
-    results: dict[str, Any] = {}
-    for name, ktc, extra_engine in runs:
-        job = {"model": model, "engine": {**engine, **extra_engine}, "kv_transfer_config": ktc,
-               "phases": phase, "max_tokens": args.max_tokens}
-        try:
-            results[name] = run_in_subprocess(job)
-        except Exception as exc:
-            results[name] = {"error": str(exc)[-2000:]}
-        print(f"{name}: done", file=sys.stderr, flush=True)
+
+    def runs_of(l3: str) -> list[tuple[str, dict[str, Any] | None, dict[str, Any]]]:
+        kt = {"host_pool_pages": args.host_pages}
+        l3c = {**kt, "l3_store": "file", "l3_config": {"root": l3}}
+        out = [("vllm", None, {}),
+               ("vllm+kvtier-l2", _kvtier_config(kt), {}),
+               ("vllm+kvtier-l3", _kvtier_config(l3c), {}),
+               ("vllm+kvtier-l3-warm", _kvtier_config(l3c), {})]
+        if not args.no_offload:
+            out.append(("vllm+offload", None, {"kv_offloading_size": args.offload_gib,
+                                               "kv_offloading_backend": "native"}))
+        return out
+
+    rounds: dict[str, list[dict[str, Any]]] = {}
+    for rnd in range(args.repeat):      # interleaved: machine load hits every run alike
+        for name, ktc, extra_engine in runs_of(os.path.join(work, f"l3-{rnd}")):
+            if name == "vllm+offload" and rnd and "start_error" in rounds[name][0]:
+                continue
+            job = {"model": model, "engine": {**engine, **extra_engine},
+                   "kv_transfer_config": ktc, "phases": phase, "max_tokens": args.max_tokens}
+            try:
+                res = run_in_subprocess(job)
+            except Exception as exc:
+                res = {"error": str(exc)[-2000:]}
+            rounds.setdefault(name, []).append(res)
+            print(f"round {rnd}: {name} done", file=sys.stderr, flush=True)
+    results = {name: rs[0] for name, rs in rounds.items()}
     base = results["vllm"]
     base_reqs = base["phases"][0]["requests"]
     rows = []
@@ -251,11 +255,12 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                          .strip().splitlines()[-1][:300]})
             continue
         reqs = res["phases"][0]["requests"]
-        # the first turn of every conversation is cold in every run but the warm one
-        ttft = [r["ttft_s"] for r in reqs]
-        later = [r["ttft_s"] for r in reqs if r["turn"] > 0]
-        same = all(a["output"] == b["output"] for a, b in zip(reqs, base_reqs)) and \
-            len(reqs) == len(base_reqs)
+        good = [x for x in rounds[name] if "phases" in x]
+        per_round = [[r["ttft_s"] for r in x["phases"][0]["requests"]] for x in good]
+        later = [r["ttft_s"] for x in good for r in x["phases"][0]["requests"] if r["turn"] > 0]
+        same = all(len(x["phases"][0]["requests"]) == len(base_reqs) and
+                   all(a["output"] == b["output"]
+                       for a, b in zip(x["phases"][0]["requests"], base_reqs)) for x in good)
         k = res.get("kvtier", {})
         rows.append({
             "run": name, "requests": len(reqs),
@@ -263,8 +268,9 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             "cached_tokens": sum(r["cached"] for r in reqs),
             "kvtier_l2_tokens": k.get("hit_tokens_l2", 0),
             "kvtier_l3_tokens": k.get("hit_tokens_l3", 0),
-            "ttft_mean_ms": 1e3 * statistics.mean(ttft),
-            "ttft_p90_ms": 1e3 * _pct(ttft, 0.9),
+            "ttft_mean_ms": 1e3 * statistics.median(statistics.mean(t) for t in per_round),
+            "ttft_p90_ms": 1e3 * statistics.median(_pct(t, 0.9) for t in per_round),
+            "rounds": len(good),
             "ttft_later_turns_mean_ms": 1e3 * statistics.mean(later) if later else 0.0,
             "outputs_identical": same, "engine_start_s": res["start_s"]})
     b = next(r for r in rows if r["run"] == "vllm")
@@ -273,8 +279,15 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             continue
         r["ttft_mean_ratio"] = r["ttft_mean_ms"] / b["ttft_mean_ms"]
         r["ttft_p90_ratio"] = r["ttft_p90_ms"] / b["ttft_p90_ms"]
-    out = {"config": vars(args), "rows": rows}
-    return out
+    try:
+        load = os.getloadavg()
+    except OSError:
+        load = None
+    return {"config": vars(args), "rows": rows, "loadavg_after": load,
+            "requests": {name: [[{k: r[k] for k in ("conv", "turn", "prompt_len", "cached",
+                                                    "ttft_s")}
+                                 for r in x["phases"][0]["requests"]]
+                                for x in rs if "phases" in x] for name, rs in rounds.items()}}
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
@@ -302,15 +315,19 @@ def _main(argv: list[str] | None = None) -> int:
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--system-tokens", type=int, default=512)
     p.add_argument("--user-tokens", type=int, default=200)
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--device-blocks", type=int, default=24,
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--device-blocks", type=int, default=20,
                    help="vLLM's device KV pool in blocks (small: its prefix cache evicts)")
-    p.add_argument("--host-pages", type=int, default=64, help="kvtier's host pool in pages")
+    p.add_argument("--host-pages", type=int, default=24,
+                   help="kvtier's host pool in pages (smaller than the workload: L2 evicts)")
+    p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--offload-gib", type=float, default=1.0,
                    help="vLLM's own kv_offloading_size (GiB) for the offload run")
     p.add_argument("--no-offload", action="store_true", help="skip vLLM's own offloading")
+    p.add_argument("--repeat", type=int, default=3,
+                   help="rounds of every run, interleaved; TTFT figures are their medians")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="work directory (model, L3); default: a temporary one")
     p.add_argument("--json", help="write the results here")
