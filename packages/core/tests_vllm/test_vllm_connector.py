@@ -199,3 +199,17 @@ def test_general_plugin_registers_the_connector_name():
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     cls = KVConnectorFactory.get_connector_class_by_name("KVTierConnector")
     assert cls.__name__ == "KVTierConnector" and cls.__module__.startswith("kvtier.")
+
+
+# ----- plain data between the halves ---------------------------------------------------------
+def test_worker_results_of_ranks_are_anded_and_stats_summed():
+    from kvtier.cache import PlanResult
+    from kvtier.integrations.vllm import KVTierConnectorStats, KVTierWorkerMetadata
+    a = KVTierWorkerMetadata([PlanResult(1, (True, True), (True, True)), PlanResult(2)])
+    b = KVTierWorkerMetadata([PlanResult(1, (True, False), (True, False)),
+                              PlanResult(3, backups=(True,))])
+    got = {r.plan_id: r for r in a.aggregate(b).results}
+    assert got[1] == PlanResult(1, (True, False), (True, False))
+    assert set(got) == {1, 2, 3}
+    s = KVTierConnectorStats(data={"x": 1}).aggregate(KVTierConnectorStats(data={"x": 2, "y": 1}))
+    assert s.reduce() == {"x": 3, "y": 1} and not s.is_empty()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -357,6 +357,8 @@ class KVTierConnector(KVConnectorBase_V1):
         if stats is not None and stats.data:
             self.totals.update({k: v for k, v in stats.data.items()
                                 if isinstance(v, (int, float))})
+        for req_id in connector_output.finished_sending or ():   # finished while loading
+            self.reqs.pop(req_id, None)
         if connector_output.invalid_block_ids:
             self.totals["invalid_blocks_reported"] += len(connector_output.invalid_block_ids)
 
@@ -397,6 +399,8 @@ class KVTierConnector(KVConnectorBase_V1):
         self._writes: dict[int, tuple[Plan, PlanResult]] = {}   # write sub-plan -> save
         self._to_scheduler: list[PlanResult] = []
         self._finish_after_load: set[str] = set()
+        self._send_now: set[str] = set()
+        self._recv_done: OrderedDict[str, None] = OrderedDict()   # recent finished loads
         self._last_counts: dict[str, int] = {}
         try:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -452,7 +456,8 @@ class KVTierConnector(KVConnectorBase_V1):
         ex = self.executor
         if not isinstance(meta, KVTierMetadata) or ex is None:
             return
-        self._finish_after_load |= set(meta.finished_while_loading)
+        for rid in meta.finished_while_loading:   # free its blocks once its load is done
+            (self._send_now if rid in self._recv_done else self._finish_after_load).add(rid)
         for order in meta.loads:
             self._load_errors.update(order.failed_blocks)
             if order.plan.empty:
@@ -569,6 +574,8 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         out = KVConnectorTransferResults()
+        out.finished_sending |= self._send_now
+        self._send_now = set()
         self._collect()
         for pid in [p for p in self._async if p in self._results]:
             order = self._async.pop(pid)
@@ -577,6 +584,9 @@ class KVTierConnector(KVConnectorBase_V1):
                                      if not ok)
             self._to_scheduler.append(res)
             out.finished_recving.add(order.req_id)
+            self._recv_done[order.req_id] = None
+            while len(self._recv_done) > 4096:
+                self._recv_done.popitem(last=False)
             if order.req_id in self._finish_after_load:
                 self._finish_after_load.discard(order.req_id)
                 out.finished_sending.add(order.req_id)

@@ -54,13 +54,16 @@ def engine_identity(vllm_config: Any, page_order: str) -> dict[str, Any]:
 
 
 def make_keyer(model_id: str, spec: KVSpec, identity: dict[str, Any], salt: str) -> PageKeyer:
-    """A PageKeyer over ``identity``: its keyword fields directly, the rest in the salt."""
-    accepted = set(inspect.signature(PageKeyer).parameters)
+    """A PageKeyer over ``identity``: the namespace fields kvtier's keys know by name are
+    passed by name, the rest go, as canonical JSON, into the salt."""
+    from ... import keys as _keys
+    target = getattr(_keys, "make_namespace", None) or PageKeyer
+    accepted = set(inspect.signature(target).parameters)
     kwargs: dict[str, Any] = {"model_id": model_id, "spec": spec}
     rest = dict(identity)
-    direct = {"model_revision": "revision", "rope": "rope", "layout": "page_order",
-              "pp_size": "pp_size", "format_version": "format"}
-    for kw, name in direct.items():
+    by_name = {"model_revision": "revision", "rope": "rope", "device_layout": "page_order",
+               "pp_size": "pp_size"}
+    for kw, name in by_name.items():
         if kw in accepted and name in rest:
             kwargs[kw] = rest.pop(name)
     if "tp_size" in accepted:      # the scheduler's chain is rank-free: rank_key() adds it
