@@ -17,7 +17,7 @@ TORCH = os.environ.get("KVTIER_TORCH", "torch==2.13.0")
 PYTHON = os.environ.get("KVTIER_NOX_PYTHON", "3.11")
 
 nox.options.sessions = [f"tests-{p}" for p in PACKAGES] + ["tests-sglang", "tests-vllm", "lint",
-                                                           "demo"]
+                                                           "demo", "build"]
 #: Extras of kvtier-core a package's tests need (core: the Mooncake client, so the `mooncake`
 #: L3 store runs against a real master -- .ci/run installs its system libraries -- and the
 #: demo's transformers model, so the demo's tests run instead of skipping).
@@ -96,3 +96,43 @@ def lint(session: nox.Session) -> None:
     """ruff over every package."""
     session.install("ruff>=0.6")
     session.run("ruff", "check", "packages", "noxfile.py")
+
+
+#: Checks every built distribution: no file:// references; our own packages required with
+#: version ranges; hatch_build.RELEASED up to date with the packages' versions.
+_CHECK_DIST = r"""
+import sys, zipfile, pathlib, re
+sys.path.insert(0, ".")
+import hatch_build
+out = pathlib.Path(sys.argv[1])
+wheels = sorted(out.glob("*.whl"))
+assert len(wheels) == len(hatch_build.DISTS) + 1, [w.name for w in wheels]
+for w in wheels:
+    with zipfile.ZipFile(w) as z:
+        meta = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+    for line in meta.splitlines():
+        if line.startswith("Requires-Dist:"):
+            assert "file:" not in line and " @ " not in line, (w.name, line)
+            if re.match(r"Requires-Dist: kvtier", line):
+                assert re.search(r"<\d", line) and re.search(r">=\d", line), (w.name, line)
+    print("ok", w.name)
+for folder, (dist, rel) in hatch_build.DISTS.items():
+    assert hatch_build.RELEASED[dist] == hatch_build._version(pathlib.Path("."), folder), dist
+assert len(sorted(out.glob("*.tar.gz"))) == len(wheels)
+"""
+
+
+@nox.session(python=PYTHON)
+def build(session: nox.Session) -> None:
+    """Release builds: a wheel and an sdist of every distribution into ``dist/`` with version
+    ranges between our packages (``KVTIER_RELEASE=1``), checked for build-machine paths, then
+    resolved the way a user's pip would (our files plus the index) for ``kvtier[all]``."""
+    session.install(TORCH)                      # resolving torch then downloads nothing
+    session.install("build>=1.2", "hatchling>=1.21")
+    out = str(ROOT / "dist")
+    for path in [f"packages/{p}" for p in PACKAGES] + ["."]:
+        session.run("python", "-m", "build", "--no-isolation", "--outdir", out, path,
+                    env={"KVTIER_RELEASE": "1"}, silent=True)
+    session.run("python", "-c", _CHECK_DIST, out)
+    session.run("python", "-m", "pip", "install", "--dry-run", "--quiet", "--find-links", out,
+                "kvtier[all]==0.1.0")

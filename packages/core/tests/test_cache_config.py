@@ -58,7 +58,7 @@ def test_from_env():
     env = {"KVTIER_MODEL_ID": "llama", "KVTIER_HOST_POOL_PAGES": "64",
            "KVTIER_L3_STORE": "memory", "KVTIER_L3_CONFIG": '{"capacity_bytes": 4096}',
            "KVTIER_WRITE_POLICY": "write_back", "KVTIER_PREFETCH_TIMEOUT_CAP_S": "0.5",
-           "KVTIER_UNRELATED": "ignored", "OTHER_MODEL_ID": "x"}
+           "KVTIER_CONFIG": "/etc/kvtier.toml", "OTHER_MODEL_ID": "x"}
     c = CacheConfig.from_env(environ=env)
     assert c.model_id == "llama" and c.host_pool_pages == 64 and c.l3_store == "memory"
     assert c.l3_config == {"capacity_bytes": 4096} and c.write_policy == "write_back"
@@ -66,6 +66,9 @@ def test_from_env():
     with pytest.raises(ConfigError) as ei:
         CacheConfig.from_env(environ={"KVTIER_MODEL_ID": "m", "KVTIER_L3_IO_THREADS": "two"})
     assert "l3_io_threads" in str(ei.value)
+    with pytest.raises(ConfigError, match="KVTIER_WRITE_POLICYY .*did you mean "
+                                          "KVTIER_WRITE_POLICY"):
+        CacheConfig.from_env(environ={**env, "KVTIER_WRITE_POLICYY": "write_back"})
     c = CacheConfig.from_env("APP_", environ={"APP_L3_STORE": ""}, base={"model_id": "b"})
     assert c.l3_store is None and c.model_id == "b"
 

@@ -6,6 +6,7 @@ Unknown keys and values of the wrong type are a `ConfigError` naming the key.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import types
 import typing
@@ -38,7 +39,8 @@ def _coerce(section: str, key: str, tp: Any, value: Any, *, from_text: bool) -> 
                 return _coerce(section, key, arg, value, from_text=from_text)
             except ConfigError as exc:
                 errors.append(str(exc))
-        raise ConfigError(f"{where}: {value!r} matches none of {tp}", key=where, value=value)
+        raise ConfigError(f"{where} must be {_describe(tp)}, got {_show(value)}", key=where,
+                          value=value)
     if origin is Literal:
         choices = typing.get_args(tp)
         if value in choices:
@@ -126,24 +128,191 @@ def build_config(cls: type[T], data: Mapping[str, Any] | T | None = None, *, sec
                           f"known keys: {sorted(fields)}", key=f"{where}{unknown[0]}",
                           value=data[unknown[0]])
     kwargs = {k: _coerce(section, k, hints[k], v, from_text=from_text) for k, v in data.items()}
-    try:
-        return cls(**kwargs)
-    except TypeError as exc:  # a required field missing
-        raise ConfigError(f"{section or cls.__name__}: {exc}", key=section or None) from None
+    missing = [f.name for f in fields.values() if f.name not in kwargs
+               and f.default is dataclasses.MISSING
+               and f.default_factory is dataclasses.MISSING]  # type: ignore[misc]
+    if missing:
+        where = f"{section}." if section else ""
+        raise ConfigError(f"{where}{missing[0]} is required (no default); give it in the config "
+                          f"dict, the config file or the environment", key=f"{where}{missing[0]}")
+    return cls(**kwargs)
+
+
+#: Variables under the ``KVTIER_`` prefix that are not `CacheConfig` fields: the config file's
+#: path, tools' own settings, and the prefixes backends read their own configs from.
+ENV_RESERVED = frozenset({"KVTIER_CONFIG", "KVTIER_CACHE_DIR", "KVTIER_TORCH", "KVTIER_TRACE",
+                          "KVTIER_LOG_LEVEL", "KVTIER_MOONCAKE_NETNS"})
+ENV_RESERVED_PREFIXES = ("KVTIER_MOONCAKE_", "KVTIER_TEST_", "KVTIER_NOX_", "KVTIER_UMBP_",
+                         "KVTIER_MEMFABRIC_", "KVTIER_NVIDIA_", "KVTIER_BENCH_")
 
 
 def config_from_env(cls: type[T], prefix: str, environ: Mapping[str, str] | None = None,
-                    base: Mapping[str, Any] | None = None) -> T:
-    """Build ``cls`` from ``PREFIX_FIELD`` environment variables layered over ``base``."""
+                    base: Mapping[str, Any] | None = None, *, strict: bool = True) -> T:
+    """Build ``cls`` from ``PREFIX_FIELD`` environment variables layered over ``base``.
+
+    With ``strict`` a variable under ``prefix`` that names no field (and is not reserved,
+    `ENV_RESERVED`) is a ConfigError with a did-you-mean: a typo never goes unnoticed.
+    """
     env = os.environ if environ is None else environ
     data: dict[str, Any] = dict(base or {})
-    for f in config_fields(cls):
-        name = f"{prefix}{f.name}".upper()
-        if name in env:
-            data[f.name] = env[name]
+    names = {f"{prefix}{f.name}".upper(): f.name for f in config_fields(cls)}
+    up = prefix.upper()
+    for var in sorted(env):
+        if not var.startswith(up):
+            continue
+        if var in names:
+            data[names[var]] = env[var]
+        elif strict and var not in ENV_RESERVED and not any(
+                p != up and p.startswith(up) and var.startswith(p)
+                for p in ENV_RESERVED_PREFIXES):
+            near = difflib.get_close_matches(var, list(names), n=1, cutoff=0.6)
+            hint = f"; did you mean {near[0]}?" if near else f"; known: {sorted(names)}"
+            raise ConfigError(f"environment variable {var} is not a {cls.__name__} setting"
+                              f"{hint}", key=var, value=env[var])
     return build_config(cls, data, section=prefix.rstrip("_").lower(), from_text=True)
+
+
+def read_config_file(path: str | os.PathLike[str], section: str | None = None
+                     ) -> dict[str, Any]:
+    """The table ``section`` (or the whole document) of a TOML config file, as a dict.
+
+    A missing, unreadable or malformed file is a ConfigError naming the file (and the line,
+    for TOML syntax errors); so is a missing section.
+    """
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib  # type: ignore[no-redef]
+    p = os.fspath(path)
+    try:
+        with open(p, "rb") as fh:
+            data = tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {p} does not exist", key="config", value=p) from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {p} is a directory", key="config", value=p) from None
+    except OSError as exc:
+        raise ConfigError(f"config file {p} cannot be read: {exc.strerror or exc}",
+                          key="config", value=p) from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {p} is not valid TOML: {exc}", key="config",
+                          value=p) from None
+    if section is not None:
+        if section not in data:
+            raise ConfigError(f"config file {p} has no [{section}] table", key=section,
+                              value=p)
+        data = data[section]
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {p}: {section} must be a table", key=section,
+                              value=p)
+    return data
+
+
+def _describe(tp: Any) -> str:
+    """An annotated type in words: ``int | None`` -> ``an int or None``."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(tp))
+    if origin is Literal:
+        return "one of " + ", ".join(repr(c) for c in typing.get_args(tp))
+    if tp is type(None):
+        return "None"
+    if origin in (list, tuple):
+        return "a list"
+    words = {int: "an int", float: "a number", str: "a string", bool: "a bool (true/false)"}
+    if tp in words:
+        return words[tp]
+    if origin in (dict, Mapping) or tp in (dict, Mapping):
+        return "a mapping"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, str):
+        return f"the string {value!r}"
+    return f"{value!r} ({type(value).__name__})"
 
 
 def config_to_dict(config: Any) -> dict[str, Any]:
     """A plain dict of a config dataclass (nested configs become dicts)."""
     return dataclasses.asdict(config)
+
+
+# --------------------------------------------------------------------------------------------
+# The field reference (docs/config.md is generated from this and checked in CI)
+# --------------------------------------------------------------------------------------------
+def field_docs(cls: type) -> dict[str, str]:
+    """``#:`` comments written above each field in the class body, by field name."""
+    import ast
+    import inspect
+    import textwrap
+    try:
+        src = textwrap.dedent(inspect.getsource(cls))
+    except (OSError, TypeError):
+        return {}
+    lines = src.splitlines()
+    out: dict[str, str] = {}
+    tree = ast.parse(src)
+    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+    for node in body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            doc: list[str] = []
+            i = node.lineno - 2
+            while i >= 0 and lines[i].strip().startswith("#:"):
+                doc.insert(0, lines[i].strip()[2:].strip())
+                i -= 1
+            if doc:
+                out[node.target.id] = " ".join(doc)
+    return out
+
+
+def reference_markdown(sections: list[tuple[str, type, str]]) -> str:
+    """A Markdown table per config dataclass: ``(title, cls, intro)`` each."""
+    out = []
+    for title, cls, intro in sections:
+        hints = _hints(cls)
+        docs = field_docs(cls)
+        out += [f"## {title}", "", intro, "", "| field | type | default | meaning |",
+                "| --- | --- | --- | --- |"]
+        for f in config_fields(cls):
+            if f.default is not dataclasses.MISSING:
+                default = f"`{f.default!r}`"
+            elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+                default = f"`{f.default_factory()!r}`"  # type: ignore[misc]
+            else:
+                default = "required"
+            kind = _describe(hints[f.name]).replace("|", "\\|")
+            out.append(f"| `{f.name}` | {kind} | {default} | "
+                       f"{docs.get(f.name, '').replace('|', '/')} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def reference() -> str:
+    """docs/config.md: every field of the controller's config and of core's own backends'
+    configs (``python -m kvtier.config > docs/config.md``; CI checks it is current)."""
+    from .cache import CacheConfig
+    from .host_allocators.mmap import MmapAllocator
+    from .host_allocators.torch_pinned import TorchPinnedAllocator
+    from .l3_stores.file import FileStore
+    from .l3_stores.memory import MemoryStore
+    from .l3_stores.mooncake import MooncakeStore
+    from .transfer_engines.torch_engine import TorchTransferEngine
+    head = ("# kvtier configuration reference\n\nGenerated from the config dataclasses by "
+            "`python -m kvtier.config > docs/config.md`; the tests check that it is current.\n"
+            "\nThe controller's config comes from a dict, a `CacheConfig`, a TOML file "
+            "(`--config FILE` or `KVTIER_CONFIG`, table `[cache]`) or `KVTIER_<FIELD>` "
+            "environment variables (dict fields as JSON); unknown keys and unknown `KVTIER_*` "
+            "variables are errors that name them. Backend configs go in `host_allocator_config`"
+            ", `l3_config` and `transfer_config`.\n")
+    sections = [("CacheConfig (the controller)", CacheConfig,
+                 "`kvtier.cache.CacheConfig`; environment: `KVTIER_<FIELD>`.")]
+    for cls in (TorchPinnedAllocator, MmapAllocator, MemoryStore, FileStore, MooncakeStore,
+                TorchTransferEngine):
+        sections.append((f"`{cls.name}` ({cls.__name__}.Config)", cls.Config,
+                         ((cls.__doc__ or "").strip().splitlines() or [""])[0]))
+    return head + "\n" + reference_markdown(sections)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    print(reference(), end="")

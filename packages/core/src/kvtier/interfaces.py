@@ -215,9 +215,12 @@ class L3Store(Backend):
     def clear(self) -> None:
         """Delete everything this store holds (for its namespace)."""
 
-    def _check_batch(self, keys: Sequence[bytes], host_pages: Sequence[int] | None = None
-                     ) -> list[int]:
-        """Validate a batch before anything is touched; returns the pages as ints."""
+    def _check_batch(self, keys: Sequence[bytes], host_pages: Sequence[int] | None = None,
+                     *, distinct_pages: bool = False) -> list[int]:
+        """Validate a batch before anything is touched; returns the pages as ints.
+
+        ``distinct_pages`` (every ``batch_get``): a host page named twice would end up
+        holding only one of its keys while both report a hit, so it is refused."""
         from .errors import InvalidArgumentError
         check_keys(keys, self.name)
         if host_pages is None:
@@ -229,6 +232,9 @@ class L3Store(Backend):
         if len(pages) != len(keys):
             raise InvalidArgumentError(f"{self.name}: {len(keys)} keys but {len(pages)} host "
                                        "pages", argument="host_pages", value=len(pages))
+        if distinct_pages and len(set(pages)) != len(pages):
+            raise InvalidArgumentError(f"{self.name}: batch_get got a host page twice",
+                                       argument="host_pages")
         return pages
 
     def stats(self) -> dict[str, Any]:

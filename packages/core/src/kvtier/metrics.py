@@ -120,6 +120,23 @@ class Metrics:
             h = self._hists.get(name)
             return h.summary() if h is not None else LatencyHistogram().summary()
 
+    def export(self) -> tuple[dict[str, int], dict[str, Any], dict[str, tuple]]:
+        """(counters, gauge values read now, histograms as ``name -> (bounds, counts, total,
+        count)``) with ``counts[0]`` below ``bounds[0]`` and ``counts[i]`` in
+        ``[bounds[i-1], bounds[i])``: what exporters need (`kvtier.prometheus`)."""
+        with self._lock:
+            counters = dict(self._counters)
+            hists = {name: (h.bounds, list(h.counts), h.total, h.count)
+                     for name, h in self._hists.items()}
+            gauges = dict(self._gauges)
+        values: dict[str, Any] = {}
+        for name, read in gauges.items():
+            try:
+                values[name] = read()
+            except Exception as exc:  # a gauge must never break a metrics read
+                values[name] = f"error: {type(exc).__name__}"
+        return counters, values, hists
+
     def snapshot(self) -> dict[str, Any]:
         """``{counter: n, ..., gauge: value, ..., "latency": {name: summary}}``."""
         with self._lock:

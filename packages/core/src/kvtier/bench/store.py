@@ -15,12 +15,17 @@ By default both sides use ``O_DIRECT`` (no page cache at all; the store's own de
 the filesystem allows); ``--cache fadvise`` measures the page-cache path instead. Every
 page read back is compared bitwise with what was written (not timed). The single-thread cost
 of the payload checksum is measured in the same run, since the store computes it on both paths.
+``--json`` keeps every figure (and the machine it ran on), ``--plot`` draws store and raw GB/s
+against page size (``--replot`` redraws from a JSON file).
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import datetime
+import json
+import platform
 import ctypes.util
 import mmap
 import os
@@ -29,6 +34,7 @@ import statistics
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import torch
 
@@ -60,6 +66,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "store's default where it can), or use it and drop it with fadvise")
     p.add_argument("--checksum", choices=["crc32", "adler32"], default="crc32")
     p.add_argument("--repeat", type=int, default=3, help="alternating repetitions (median)")
+    p.add_argument("--json", help="write every result here")
+    p.add_argument("--plot", help="save a PNG of GB/s vs page size here")
+    p.add_argument("--replot", help="read results from this JSON instead of running")
 
 
 # --------------------------------------------------------------------------------------------
@@ -198,7 +207,101 @@ def checksum_gbps(kind: str) -> tuple[float, str]:
     return 8 * len(data) / (time.perf_counter() - t0) / 1e9, provider
 
 
+def _env(base: str) -> dict[str, Any]:
+    """Where the run happened: CPU, kernel, filesystem and device of the directory."""
+    env: dict[str, Any] = {"date": datetime.datetime.now(datetime.timezone.utc)
+                           .strftime("%Y-%m-%d %H:%M UTC"), "kernel": platform.release(),
+                           "python": platform.python_version(), "cpus": os.cpu_count()}
+    try:
+        with open("/proc/cpuinfo") as f:
+            env["cpu"] = next((ln.split(":", 1)[1].strip() for ln in f
+                               if ln.startswith("model name")), "")
+    except OSError:
+        pass
+    try:
+        best = ("", "", "")
+        real = os.path.realpath(base)
+        with open("/proc/self/mounts") as f:
+            for ln in f:
+                dev, mnt, fstype = ln.split()[:3]
+                if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and \
+                        len(mnt) >= len(best[1]):
+                    best = (dev, mnt, fstype)
+        env["device"], env["mount"], env["fs"] = best
+    except OSError:
+        pass
+    return env
+
+
+def _label(ps: int) -> str:
+    return f"{ps / (1 << 20):g} MiB" if ps >= 1 << 20 else f"{ps >> 10} KiB"
+
+
+def report(data: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for r in data["results"]:
+        rows.append([_label(r["page_bytes"]),
+                     " / ".join(f"{v:.3f}" for v in r["raw_write"].values()),
+                     f"{r['set']:.3f}", f"{r['set_ratio']:.0%}",
+                     " / ".join(f"{v:.3f}" for v in r["raw_read"].values()),
+                     f"{r['get']:.3f}", f"{r['get_ratio']:.0%}"])
+    return rows
+
+
+def plot(data: dict[str, Any], path: str) -> None:
+    """Store and raw-ceiling GB/s vs page size, writes and reads side by side."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    res = sorted(data["results"], key=lambda r: r["page_bytes"])
+    xs = [r["page_bytes"] for r in res]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    for ax, (op, raw, title) in zip(axes, (("set", "raw_write", "batch_set vs raw write"),
+                                           ("get", "raw_read", "batch_get vs raw read"))):
+        ceil = [max(r[raw].values()) for r in res]
+        ax.plot(xs, ceil, "k--", marker="s", ms=4, lw=1, label="raw ceiling (best of "
+                + " / ".join(res[0][raw]) + ")")
+        ax.plot(xs, [0.9 * c for c in ceil], color="gray", ls=":", lw=1, label="90% of raw")
+        ax.plot(xs, [r[op] for r in res], marker="o", ms=5, lw=1.5, label=f"file {op}")
+        for x, r in zip(xs, res):
+            ax.annotate(f"{r[op + '_ratio']:.0%}", (x, r[op]), textcoords="offset points",
+                        xytext=(0, 6), ha="center", fontsize=7)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(xs, [_label(x) for x in xs])
+        ax.set_xlabel("page bytes")
+        ax.set_ylabel("GB/s (1e9 bytes/s)")
+        ax.set_ylim(0, max(max(ceil), max(r[op] for r in res)) * 1.15)
+        ax.set_title(title)
+        ax.legend(fontsize=7, loc="lower right")
+    env = data.get("env", {})
+    fig.suptitle(f"kvtier file store vs the same disk ({data.get('cache', '')}), "
+                 f"{env.get('device', '')} {env.get('fs', '')}, {env.get('cpu', '')}, "
+                 f"{env.get('date', '')}", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+def _print(data: dict[str, Any], failures: int) -> None:
+    how = " / ".join(data["raw_modes"])
+    print(f"file store vs raw sequential I/O in {data['dir']} ({data['cache']}; "
+          f"{data['total'] / 2**30:g} GiB per measurement, median of {data['repeat']}; "
+          f"io_threads={data['threads']}, batch={data['batch']}; GB/s = 1e9 bytes/s)")
+    print(table(["page", f"raw write ({how})", "batch_set", "set/raw", f"raw read ({how})",
+                 "batch_get", "get/raw"], report(data)))
+    ck = data["checksum"]
+    print("ratios are against the better raw figure; "
+          f"checksum {ck['kind']} via {ck['provider']}: {ck['gbps']:.2f} GB/s on one thread")
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.replot:
+        with open(args.replot) as f:
+            data = json.load(f)
+        _print(data, 0)
+        if args.plot:
+            plot(data, args.plot)
+        return 0
     sizes = [_size(s) for s in args.page_sizes.split(",") if s.strip()]
     total = _size(args.total)
     direct = args.cache == "direct"
@@ -216,7 +319,6 @@ def run(args: argparse.Namespace) -> int:
         b = mmap.mmap(-1, CHUNK)                 # page-aligned: fit for O_DIRECT
         b.write(os.urandom(CHUNK))
         bufs.append(b)
-    rows = []
     failures = 0
     steps = [(ps, r) for ps in sizes for r in range(args.repeat)]
     results: dict[int, dict[str, list[float]]] = {ps: {} for ps in sizes}
@@ -281,25 +383,30 @@ def run(args: argparse.Namespace) -> int:
         for _, pool, _ in pools.values():
             pool.close()
         shutil.rmtree(work if not own_dir else base, ignore_errors=True)
+    labels = [m[0] for m in modes]
+    speed, provider = checksum_gbps(args.checksum)
+    data: dict[str, Any] = {
+        "dir": base, "cache": args.cache, "total": total, "repeat": args.repeat,
+        "threads": args.threads, "batch": args.batch, "raw_modes": labels,
+        "checksum": {"kind": args.checksum, "provider": provider, "gbps": speed},
+        "env": _env(base), "failures": failures, "results": []}
     for ps in sizes:
         med = {k: statistics.median(v) for k, v in results[ps].items()}
-        labels = [m[0] for m in modes]
         raw_w = max(med[f"raw_w{k}"] for k in labels)       # the ceiling: best raw figure
         raw_r = max(med[f"raw_r{k}"] for k in labels)
-        rows.append([f"{ps / (1 << 20):g} MiB" if ps >= 1 << 20 else f"{ps >> 10} KiB",
-                     " / ".join(f"{med[f'raw_w{k}']:.3f}" for k in labels),
-                     f"{med['set']:.3f}", f"{med['set'] / raw_w:.0%}",
-                     " / ".join(f"{med[f'raw_r{k}']:.3f}" for k in labels),
-                     f"{med['get']:.3f}", f"{med['get'] / raw_r:.0%}"])
-    speed, provider = checksum_gbps(args.checksum)
-    print(f"file store vs raw sequential I/O in {base} ({args.cache}; "
-          f"{total / 2**30:g} GiB per measurement, median of {args.repeat}; "
-          f"io_threads={args.threads}, batch={args.batch}; GB/s = 1e9 bytes/s)")
-    how = " / ".join(m[0] for m in modes)
-    print(table(["page", f"raw write ({how})", "batch_set", "set/raw", f"raw read ({how})",
-                 "batch_get", "get/raw"], rows))
-    print("ratios are against the better raw figure; "
-          f"checksum {args.checksum} via {provider}: {speed:.2f} GB/s on one thread")
+        data["results"].append({
+            "page_bytes": ps, "set": med["set"], "get": med["get"],
+            "raw_write": {k: med[f"raw_w{k}"] for k in labels},
+            "raw_read": {k: med[f"raw_r{k}"] for k in labels},
+            "set_ratio": med["set"] / raw_w, "get_ratio": med["get"] / raw_r,
+            "o_direct": bool(med.get("o_direct", 0)),
+            "samples": {k: v for k, v in results[ps].items() if k != "o_direct"}})
+    _print(data, failures)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(data, f, indent=1)
+    if args.plot:
+        plot(data, args.plot)
     if failures:
         print(f"ERROR: {failures} runs read back wrong or incomplete data")
         return 1

@@ -97,6 +97,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="directory for results.json, tables.md and demo.png")
     g.add_argument("--no-plot", action="store_true", help="skip the PNG")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help="serve every setup's kvtier metrics (Prometheus text format) at "
+                   "http://127.0.0.1:PORT/metrics while the demo runs; 0 picks a free port")
+    g.add_argument("--metrics-host", default="127.0.0.1",
+                   help="address the metrics exporter binds to (default: loopback only)")
     g.add_argument("--corrupt-restore", action="store_true",
                    help="testing: flip one bit of the first page each request restores "
                    "from L2/L3, to show that the check fails")
@@ -119,6 +124,7 @@ def config_from_args(args: argparse.Namespace):
         "setups": tuple(s.strip() for s in args.setups.split(",") if s.strip()),
         "seed": args.seed, "check": args.check, "check_rate": args.check_rate,
         "out": args.out, "plot": not args.no_plot, "progress": not args.no_progress,
+        "metrics_port": args.metrics_port, "metrics_host": args.metrics_host,
     }
     return DemoConfig.from_dict(data)
 

@@ -13,12 +13,21 @@ _STYLE = {"L1 only": ("tab:red", "o"), "L1+L2": ("tab:orange", "s"),
 
 def plot_rounds(report: "DemoReport", path: str) -> str:
     """Write a two-panel figure (hit rate %, mean TTFT ms; x = round) to ``path``."""
+    import matplotlib.pyplot as plt
+    fig = figure(report)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def figure(report: "DemoReport"):
+    """The demo's matplotlib figure (Agg backend)."""
     import matplotlib
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 
     rounds = list(range(report.workload.num_rounds))
-    fig, (ax_hit, ax_ttft) = plt.subplots(1, 2, figsize=(9, 3.4), dpi=100)
+    fig, (ax_hit, ax_ttft) = plt.subplots(1, 2, figsize=(9, 3.8), dpi=100)
     for run in report.runs:
         color, marker = _STYLE.get(run.name, (None, "x"))
         pr = run.per_round(len(rounds))
@@ -31,11 +40,12 @@ def plot_rounds(report: "DemoReport", path: str) -> str:
     for ax in (ax_hit, ax_ttft):
         ax.grid(alpha=0.3)
         ax.xaxis.get_major_locator().set_params(integer=True)
-    ax_hit.legend(loc="lower right", fontsize=8)
     m = report.model
-    fig.suptitle(f"kvtier demo: {report.workload.name}, Llama-{m['size']} on {m['device']} "
-                 f"{m['dtype']}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    fig.suptitle(f"kvtier demo: {report.workload.name}; Llama-{m['size']}, {m['dtype']}, "
+                 f"on {m['device']}", fontsize=10)
+    # one legend for both panels, below them: it never hides a data point
+    handles, labels = ax_hit.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=max(1, len(labels)), fontsize=8,
+               frameon=False)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    return fig

@@ -17,7 +17,7 @@ import random
 import sys
 import tempfile
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import numpy as np
 
@@ -68,6 +68,10 @@ class DemoConfig:
     out: str = "kvtier-demo-out"
     plot: bool = True
     progress: bool = True
+    #: Serve every setup's kvtier metrics at http://metrics_host:PORT/metrics while the demo
+    #: runs (0: any free port; None: off).
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         if self.model_size not in MODEL_SIZES:
@@ -303,7 +307,9 @@ def _check_failed(name: str, req: Any, res: RequestResult) -> CheckFailedError:
 def run_setups(names: list[str], model: DemoModel, workload: Workload,
                cache_cfgs: dict[str, dict[str, Any]], l1_pages: int,
                checks: dict[str, CheckPolicy], *, progress: bool = True,
-               corrupt_restore: bool = False) -> list[SetupRun]:
+               corrupt_restore: bool = False, metrics_port: int | None = None,
+               metrics_host: str = "127.0.0.1",
+               on_metrics: Callable[[str], None] | None = None) -> list[SetupRun]:
     """Serve every request on every setup, interleaved request by request (in a rotating
     order), so that all setups see the same machine load; after each request the setup's
     background work (backups, L3 writes) is drained, untimed, so that it never runs during
@@ -313,12 +319,19 @@ def run_setups(names: list[str], model: DemoModel, workload: Workload,
     results: dict[str, list[RequestResult]] = {n: [] for n in names}
     passed = dict.fromkeys(names, 0)
     busy = dict.fromkeys(names, 0.0)
+    exporter = None
     try:
         for name in names:
             engines[name] = eng = DemoEngine(model, cache_cfgs[name], l1_pages=l1_pages,
                                              lower_tiers=name != "L1 only")
             eng.corrupt_restore = corrupt_restore
             eng.warm_up(model.vocab_size)
+        if metrics_port is not None:
+            from ..prometheus import Source, serve
+            exporter = serve([Source(engines[n].cache.metrics_registry, {"setup": n})
+                              for n in names], port=metrics_port, host=metrics_host)
+            if on_metrics is not None:
+                on_metrics(exporter.url)
         steps = bar(range(len(workload) * len(names)), total=len(workload) * len(names),
                     desc="requests x setups", disable=not progress)
         it = iter(steps)
@@ -348,12 +361,15 @@ def run_setups(names: list[str], model: DemoModel, workload: Workload,
             close()
         return runs
     finally:
+        if exporter is not None:
+            exporter.close()
         for eng in engines.values():
             eng.close()
 
 
 def run_demo(cfg: DemoConfig, *, corrupt_restore: bool = False,
-             log=lambda *a: print(*a, file=sys.stderr)) -> DemoReport:
+             log=lambda *a: print(*a, file=sys.stderr),
+             on_metrics: Callable[[str], None] | None = None) -> DemoReport:
     """Replay the workload through every setup and return the report (files not written)."""
     import torch
     threads = cfg.threads
@@ -389,7 +405,10 @@ def run_demo(cfg: DemoConfig, *, corrupt_restore: bool = False,
         checks = {n: CheckPolicy(cfg.check, cfg.check_rate, cfg.seed * 1000 + i)
                   for i, n in enumerate(names)}
         runs = run_setups(names, model, workload, cfgs, l1, checks, progress=cfg.progress,
-                          corrupt_restore=corrupt_restore)
+                          corrupt_restore=corrupt_restore, metrics_port=cfg.metrics_port,
+                          metrics_host=cfg.metrics_host,
+                          on_metrics=on_metrics or (lambda url: log(
+                              f"kvtier demo: metrics of every setup at {url}")))
     return DemoReport(cfg, workload, minfo, runs, distinct)
 
 

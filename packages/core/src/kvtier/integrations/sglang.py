@@ -59,6 +59,7 @@ from ..errors import ConfigError, InvalidArgumentError, LayoutError, StoreError
 from ..host_pool import HostKVPool
 from ..interfaces import L3_STORES, HostBuffer, L3Store
 from ..layout import LAYER_FIRST, PAGE_FIRST
+from ..metrics import Metrics
 from ..spec import DTYPES, KVSpec
 from . import SGLANG_CLASS, SGLANG_MODULE
 
@@ -252,12 +253,17 @@ class KVTierHiCacheStorage(HiCacheStorage):
         self._prefix = ""
         self._closed = False
         self._lock = threading.Lock()
-        self._counts: Counter[str] = Counter()
+        #: The adapter's counters (pages, hits, errors by call): ``stats()`` reads them and,
+        #: with SGLang's storage metrics on, they reach SGLang's /metrics as ``kvtier_*``.
+        self.metrics = Metrics()
         self._errors: Counter[str] = Counter()
         self._last_error = ""
         self._logged: dict[tuple[str, str], float] = {}
         self._metrics: dict[str, list[float]] = {k: [] for k in (
             "prefetch_pgs", "backup_pgs", "prefetch_bandwidth", "backup_bandwidth")}
+        self._mirror: Any = None
+        if self.metrics_enabled:
+            self._mirror = self._make_mirror(storage_config)
         try:
             version = importlib.metadata.version("sglang")
         except importlib.metadata.PackageNotFoundError:
@@ -455,7 +461,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
     def stats(self) -> dict[str, Any]:
         """Adapter counters (pages, hits, errors by call) and the store's own stats."""
         with self._lock:
-            d: dict[str, Any] = dict(self._counts)
+            d: dict[str, Any] = dict(self.metrics.export()[0])
             d["errors"] = sum(self._errors.values())
             d["errors_by_call"] = dict(self._errors)
             d["last_error"] = self._last_error
@@ -590,8 +596,32 @@ class KVTierHiCacheStorage(HiCacheStorage):
             off += seg.numel()
 
     def _count(self, **deltas: int) -> None:
-        with self._lock:
-            self._counts.update(deltas)
+        self.metrics.add_many(deltas)
+        self._sync_mirror()
+
+    def _make_mirror(self, storage_config: Any) -> Any:
+        """kvtier's counters as prometheus_client objects in this (scheduler) process; SGLang
+        serves /metrics in prometheus_client's multiprocess mode, which gathers them."""
+        try:
+            from ..prometheus import PrometheusMirror, Source
+            labels = {"store": self.config.store,
+                      "tp_rank": str(getattr(storage_config, "tp_rank", 0)),
+                      "model_name": str(getattr(storage_config, "model_name", "") or "")}
+            return PrometheusMirror(Source(self.metrics, labels))
+        except Exception as exc:   # metrics must never fail the backend: say so, go on
+            log.warning("kvtier HiCache storage: kvtier metrics not exported to SGLang's "
+                        "/metrics: %s: %s", type(exc).__name__, exc)
+            return None
+
+    def _sync_mirror(self) -> None:
+        if self._mirror is None:
+            return
+        try:
+            self._mirror.sync()
+        except Exception as exc:
+            self._mirror = None
+            log.warning("kvtier HiCache storage: kvtier metrics export stopped: %s: %s",
+                        type(exc).__name__, exc)
 
     def _metric(self, what: str, pages: int, elapsed: float) -> None:
         if not self.metrics_enabled or self.bridge is None:
@@ -606,6 +636,8 @@ class KVTierHiCacheStorage(HiCacheStorage):
         minute per kind); the caller returns a miss."""
         kind = type(exc).__name__
         now = time.monotonic()
+        self.metrics.add(f"{op}_errors")
+        self._sync_mirror()
         with self._lock:
             self._errors[op] += 1
             self._last_error = f"{op}: {kind}: {exc}"

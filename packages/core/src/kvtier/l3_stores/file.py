@@ -1,12 +1,26 @@
 """`file`: one file per KV page in a directory on local disk, read straight into host pages.
 
-Layout: ``<root>/<KVSpec fingerprint>/<xx>/<hex of key>.kvp`` (``xx`` = 256-way fan-out from a
-CRC of the key; keys longer than 96 bytes are named by their SHA-256 instead). File names are
-hex digits only, so no key can name a path outside the directory.
+Layout: ``<root>/<KVSpec fingerprint>[.ns-<namespace>]/<xx>/<hex of key>.kvp`` (``xx`` =
+256-way fan-out from a CRC of the key; keys longer than 96 bytes are named by their SHA-256
+instead). File names are hex digits only, so no key can name a path outside the directory.
+``manifest.json`` in the store directory records its identity (object format version, KVSpec
+fingerprint and geometry, key namespace).
+
+Nothing outside the root is ever read, written or deleted: below the root every entry is
+opened relative to a directory descriptor with ``O_NOFOLLOW`` (directories also
+``O_DIRECTORY``), so a symlinked store directory is refused (``StoreError.reason``) and a
+symlinked fan-out directory is a foreign entry whose keys miss. Opens never wait
+(``O_NONBLOCK``): a FIFO, socket, device or directory at an object's path is a counted
+corruption and a miss. ``clear()``, eviction and ``delete()`` unlink only regular files named
+like the store's objects or temporary files, and count what else they find. Directories are
+created 0700 and objects 0600 (``file_mode``) whatever the umask; a root or store directory
+other users can write to (group/world-writable without the sticky bit), or a store directory
+of another user, is refused unless ``allow_shared_root`` is set.
 
 Each object is the page's bytes followed by a 128-byte trailer: magic, format version, the
 KVSpec fingerprint, the SHA-256 of the key, the payload length, a checksum of the payload
-(CRC-32 or Adler-32 as zlib defines them; the trailer says which) and a CRC-32 of the
+(CRC-32 or Adler-32 as zlib defines them; the trailer says which), the store's identity digest
+(objects of another format version or namespace are misses) and a CRC-32 of the
 trailer itself. The payload comes first so that it starts at offset 0 (aligned for
 ``O_DIRECT``) and one ``preadv`` lands it in the host page without a copy; objects written
 with ``O_DIRECT`` carry zeros after the trailer up to the next 4 KiB. A file that is
@@ -31,12 +45,16 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import functools
 import hashlib
 import importlib
+import json
 import logging
 import mmap
 import os
+import re
 import socket
+import stat
 import struct
 import threading
 import time
@@ -55,7 +73,9 @@ from ..layout import PAGE_FIRST, page_ranges
 log = logging.getLogger(__name__)
 
 MAGIC = b"KVTIERPG"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2         # 2: the trailer carries the store's identity digest
+MANIFEST = "manifest.json"
+_MANIFEST_MAX = 1 << 16
 SUFFIX = ".kvp"
 TMP_SUFFIX = ".tmp"
 DIRECT_ALIGN = 4096
@@ -63,8 +83,8 @@ MAX_HEX_KEY = 96           # longer keys are named by their SHA-256 (file names 
 _IOV_MAX = 1024
 
 # magic, version, trailer length, checksum kind, spec fingerprint, sha256(key), payload length,
-# payload checksum -- then reserved zeros and a CRC-32 of everything before it.
-_FIELDS = struct.Struct("<8sHHI16s32sQI")
+# payload checksum, identity digest -- then reserved zeros and a CRC-32 of everything before it.
+_FIELDS = struct.Struct("<8sHHI16s32sQI16s")
 TRAILER_BYTES = 128
 _PAD_ZEROS = bytes(DIRECT_ALIGN - TRAILER_BYTES)
 _TOUCH_NS = 1_000_000_000
@@ -78,6 +98,16 @@ _CHECKSUM_START = {kid: start for kid, start in _CHECKSUMS.values()}
 #: 'kvtier-core[fast-checksum]'``), so objects stay readable by every installation.
 _PROVIDERS = (("isal", "isal.isal_zlib"), ("zlib-ng", "zlib_ng.zlib_ng"), ("zlib", "zlib"))
 _impl_cache: dict[int, tuple[Callable[..., int], str]] = {}
+#: Names the store creates in a fan-out directory: objects (hex of the key, or "h" + its
+#: SHA-256) and temporary files (a leading dot). Anything else is a foreign entry, left alone.
+_OBJECT_RE = re.compile(r"(?:[0-9a-f]{2,%d}|h[0-9a-f]{64})\.kvp\Z" % (2 * MAX_HEX_KEY))
+_TMP_RE = re.compile(r"\.[0-9a-z.]+-[0-9]+\.[0-9a-z]+\.tmp\Z")
+_FANOUT_RE = re.compile(r"[0-9a-f]{2}\Z")
+_NAMESPACE_RE = re.compile(r"[A-Za-z0-9_-]{1,64}\Z")
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+#: Opening any entry: never follow a link, never wait (a FIFO opens at once, fstat tells).
+_OPEN_FLAGS = os.O_CLOEXEC | _NOFOLLOW | os.O_NONBLOCK
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | _OPEN_FLAGS
 
 
 
@@ -120,11 +150,23 @@ def _checksum(kind_id: int, bufs: Sequence[memoryview]) -> int:
     return value & 0xFFFFFFFF
 
 
+def identity_record(fingerprint: str, namespace: str = "") -> dict[str, Any]:
+    """What a store directory's objects depend on and the store can know: the object format,
+    the KVSpec (geometry, dtype, page size) and the key namespace it was given, if any."""
+    return {"format": FORMAT_VERSION, "spec": fingerprint, "namespace": namespace}
+
+
+def identity_digest(record: dict[str, Any]) -> bytes:
+    blob = json.dumps(record, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(b"kvtier.file.identity" + blob).digest()[:16]
+
+
 def pack_trailer(fingerprint: str, key: bytes, payload_len: int, kind_id: int,
-                 payload_sum: int) -> bytes:
+                 payload_sum: int, identity: bytes = b"") -> bytes:
     head = _FIELDS.pack(MAGIC, FORMAT_VERSION, TRAILER_BYTES, kind_id,
                         fingerprint.encode("ascii")[:16].ljust(16, b"\0"),
-                        hashlib.sha256(key).digest(), payload_len, payload_sum)
+                        hashlib.sha256(key).digest(), payload_len, payload_sum,
+                        identity[:16].ljust(16, b"\0"))
     head += bytes(_RESERVED)
     return head + struct.pack("<I", zlib.crc32(head) & 0xFFFFFFFF)
 
@@ -137,11 +179,13 @@ class _Bad(Exception):
         self.kind = kind
 
 
-def check_trailer(raw: bytes, fingerprint: str, key: bytes, payload_len: int) -> tuple[int, int]:
+def check_trailer(raw: bytes, fingerprint: str, key: bytes, payload_len: int,
+                  identity: bytes = b"") -> tuple[int, int]:
     """Validate a trailer; returns (checksum kind, payload checksum) or raises _Bad."""
     if len(raw) != TRAILER_BYTES:
         raise _Bad("truncated", f"trailer of {len(raw)} bytes")
-    (magic, version, tlen, kind_id, fp, key_digest, plen, psum) = _FIELDS.unpack_from(raw)
+    (magic, version, tlen, kind_id, fp, key_digest, plen, psum, ident) = \
+        _FIELDS.unpack_from(raw)
     if magic != MAGIC:
         raise _Bad("corrupted", "bad magic")
     if struct.unpack_from("<I", raw, TRAILER_BYTES - 4)[0] != \
@@ -155,6 +199,8 @@ def check_trailer(raw: bytes, fingerprint: str, key: bytes, payload_len: int) ->
         raise _Bad("foreign", "object belongs to another key")
     if plen != payload_len:
         raise _Bad("foreign", f"payload of {plen} bytes, pages have {payload_len}")
+    if ident != identity[:16].ljust(16, b"\0"):
+        raise _Bad("foreign", "object of another store identity (namespace or format)")
     return kind_id, psum
 
 
@@ -197,6 +243,19 @@ def _pread_all(fd: int, bufs: list[memoryview], offset: int = 0) -> int:
     return total
 
 
+def _current_umask() -> int:
+    """This process's umask, read without changing it (os.umask would race other threads);
+    where it cannot be read, assume the strictest so modes are always set explicitly."""
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o777
+
+
 def _host_id() -> str:
     return hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
 
@@ -209,6 +268,20 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _in_use(fn):
+    """A public call holds the store open: ``close()`` during it defers closing the store
+    directory's descriptor to the last call leaving, so no call ever works relative to a
+    closed (or reused) descriptor number."""
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kwargs):
+        self._enter()
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            self._leave()
+    return wrapper
 
 
 class FileStore(L3Store):
@@ -245,8 +318,18 @@ class FileStore(L3Store):
         stale_tmp_s: float = 600.0
         #: Remove an object found corrupted (it would miss again on every read).
         remove_corrupted: bool = True
-        #: Mode of object files (directories get the matching x bits); subject to the umask.
+        #: Mode of object files (directories get the matching x bits, and the owner's rwx),
+        #: set explicitly whatever the umask. Group modes (0o640; 0o660 with
+        #: ``allow_shared_root``) share a store within a group.
         file_mode: int = 0o600
+        #: Accept a root, store directory or file mode that other users can write to (group-
+        #: or world-writable without the sticky bit), and store directories owned by another
+        #: user: only for a directory deliberately shared with people trusted with the KV.
+        allow_shared_root: bool = False
+        #: Identity of the key namespace (e.g. ``PageKeyer.namespace_id``); stores of
+        #: different namespaces live in separate directories and never read each other's
+        #: objects. Letters, digits, ``_`` and ``-``.
+        namespace: str = ""
 
     def __init__(self, config: Any = None, *, spec):
         super().__init__(config, spec=spec)
@@ -263,14 +346,29 @@ class FileStore(L3Store):
         if not 0 <= c.file_mode <= 0o777:
             raise ConfigError(f"file.file_mode must be a permission mode, got {c.file_mode:o}",
                               key="file.file_mode", value=c.file_mode)
+        if c.namespace and not _NAMESPACE_RE.match(c.namespace):
+            raise ConfigError(f"file.namespace must be 1-64 letters, digits, '_' or '-', got "
+                              f"{c.namespace!r}", key="file.namespace", value=c.namespace)
         self.root = os.path.abspath(c.root)
-        self.dir = os.path.join(self.root, spec.fingerprint)
+        dirname = spec.fingerprint + (f".ns-{c.namespace}" if c.namespace else "")
+        self.dir = os.path.join(self.root, dirname)
         self._dir_mode = c.file_mode | ((c.file_mode & 0o444) >> 2) | 0o700
-        try:
-            os.makedirs(self.dir, mode=self._dir_mode, exist_ok=True)
-        except OSError as exc:
-            raise StoreError(f"file: cannot create store directory {self.dir}: {exc}",
-                             backend=self.name) from exc
+        if self._dir_mode & 0o022 and not c.allow_shared_root:
+            raise ConfigError(f"file.file_mode={c.file_mode:o} makes directories other users "
+                              "can write to; set file.allow_shared_root=True to share the "
+                              "store that way", key="file.allow_shared_root",
+                              value=c.file_mode)
+        #: The umask would strip bits of file_mode: set modes explicitly after each create.
+        self._fix_mode = bool(c.file_mode & _current_umask())
+        self._host = _host_id()
+        self._users = 0
+        self._closed = False
+        self._lock = threading.Lock()          # index and counters below
+        self._dfd = -1
+        self._dfd = self._open_store_dir(dirname)
+        self.identity = identity_record(spec.fingerprint, c.namespace)
+        self._identity = identity_digest(self.identity)
+        self._manifest_state = self._check_manifest()
         self.object_bytes = spec.page_bytes + TRAILER_BYTES
         #: Size of an object written with O_DIRECT: the trailer's block is written whole
         #: (zero padded), which saves a truncate per object; readers accept both sizes.
@@ -279,13 +377,11 @@ class FileStore(L3Store):
         self._kind_id = _CHECKSUMS[c.checksum][0]
         self.checksum_provider = checksum_impl(self._kind_id)[1]
         self._host = _host_id()
-        self._lock = threading.Lock()          # index and counters below
         # relpath -> (mtime_ns, size on disk), least recently used first; _bytes = sum of sizes
         self._index: OrderedDict[str, tuple[int, int]] = OrderedDict()
         self._bytes = 0
         self._last_scan = 0.0
         self._scanning = False
-        self._closed = False
         self._pool: ThreadPoolExecutor | None = None
         self._local = threading.local()
         self._direct, self._direct_reason = False, "off"
@@ -336,18 +432,179 @@ class FileStore(L3Store):
         return {"root": os.path.join(workdir, "kvtier-file-store"), "io_threads": 2,
                 "capacity_bytes": 256 << 20}
 
+    # ----- the root, the store directory, the manifest --------------------------------------
+    def _refuse(self, message: str, reason: str) -> StoreError:
+        err = StoreError(f"file: {message}", backend=self.name)
+        err.reason = reason          # type: ignore[attr-defined]
+        return err
+
+    def _check_dir(self, fd: int, path: str, created: bool, what: str) -> None:
+        """A directory of the store must be ours and writable by no one else (unless the user
+        opted in); one this store created gets its modes set explicitly."""
+        st = os.fstat(fd)
+        if not stat.S_ISDIR(st.st_mode):                      # pragma: no cover (O_DIRECTORY)
+            raise self._refuse(f"{path} is not a directory", "not_a_directory")
+        if created:
+            os.fchmod(fd, self._dir_mode)
+            return
+        if self.config.allow_shared_root:
+            return
+        sticky = bool(st.st_mode & stat.S_ISVTX)
+        if st.st_mode & 0o022 and not (what == "root" and sticky):
+            who = "everyone" if st.st_mode & 0o002 else "its group"
+            raise ConfigError(f"file: {what} {path} is writable by {who} (mode "
+                              f"{stat.S_IMODE(st.st_mode):o}): another user could plant or "
+                              "swap objects; use a private directory, or set "
+                              "file.allow_shared_root=True to share it deliberately",
+                              key="file.allow_shared_root", value=path)
+        if what != "root" and st.st_uid != os.geteuid():
+            raise ConfigError(f"file: {what} {path} belongs to uid {st.st_uid}, not to this "
+                              "process; set file.allow_shared_root=True to share it",
+                              key="file.allow_shared_root", value=path)
+
+    def _open_root(self) -> int:
+        """Open (creating with explicit modes) the root; the user named it, so links on the
+        way to it are followed -- nothing below it ever is."""
+        missing = []
+        path = self.root
+        while not os.path.isdir(path):
+            if os.path.lexists(path) and not os.path.islink(path):
+                raise StoreError(f"file: cannot create store root {self.root}: {path} is not "
+                                 "a directory", backend=self.name)
+            missing.append(path)
+            parent = os.path.dirname(path)
+            if parent == path:
+                break
+            path = parent
+        for path in reversed(missing):
+            try:
+                os.mkdir(path, self._dir_mode)
+            except FileExistsError:
+                continue
+            except OSError as exc:
+                raise StoreError(f"file: cannot create store root {self.root}: {exc}",
+                                 backend=self.name) from exc
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | _NOFOLLOW)
+            try:
+                os.fchmod(fd, self._dir_mode)
+            finally:
+                os.close(fd)
+        try:
+            fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise StoreError(f"file: cannot open store root {self.root}: {exc}",
+                             backend=self.name) from exc
+        try:
+            self._check_dir(fd, self.root, self.root in missing, "root")
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _open_store_dir(self, name: str) -> int:
+        rfd = self._open_root()
+        try:
+            created = False
+            try:
+                os.mkdir(name, self._dir_mode, dir_fd=rfd)
+                created = True
+            except FileExistsError:
+                pass
+            except OSError as exc:
+                raise StoreError(f"file: cannot create store directory {self.dir}: {exc}",
+                                 backend=self.name) from exc
+            try:
+                fd = os.open(name, _DIR_FLAGS, dir_fd=rfd)
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                    kind = "a symlink" if os.path.islink(self.dir) else "not a directory"
+                    raise self._refuse(
+                        f"store directory {self.dir} is {kind}; refusing to follow it (a "
+                        "store never reads, writes or deletes outside its root)",
+                        "symlinked_directory" if kind == "a symlink" else "not_a_directory"
+                    ) from exc
+                raise StoreError(f"file: cannot open store directory {self.dir}: {exc}",
+                                 backend=self.name) from exc
+            try:
+                self._check_dir(fd, self.dir, created, "store directory")
+            except BaseException:
+                os.close(fd)
+                raise
+            return fd
+        finally:
+            os.close(rfd)
+
+    def _read_manifest(self) -> dict | None:
+        try:
+            fd = os.open(MANIFEST, os.O_RDONLY | _OPEN_FLAGS, dir_fd=self._dfd)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            return {"unreadable": str(exc)}
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size > _MANIFEST_MAX:
+                return {"unreadable": "not a small regular file"}
+            raw = os.pread(fd, _MANIFEST_MAX, 0)
+        finally:
+            os.close(fd)
+        try:
+            rec = json.loads(raw)
+            return rec if isinstance(rec, dict) else {"unreadable": "not a JSON object"}
+        except ValueError:
+            return {"unreadable": "not JSON"}
+
+    def _write_manifest(self) -> None:
+        rec = {"kvtier_file_store": True, "identity": self.identity,
+               "identity_digest": self._identity.hex(), "spec": self.spec.to_dict(),
+               "object": {"payload_bytes": self.spec.page_bytes,
+                          "trailer_bytes": TRAILER_BYTES, "suffix": SUFFIX}}
+        blob = (json.dumps(rec, indent=1, sort_keys=True) + "\n").encode()
+        tmp = f".{MANIFEST}.{self._host}-{os.getpid()}.{os.urandom(4).hex()}{TMP_SUFFIX}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS,
+                     self.config.file_mode, dir_fd=self._dfd)
+        try:
+            if self._fix_mode:
+                os.fchmod(fd, self.config.file_mode)
+            os.write(fd, blob)
+            if self.config.fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            os.rename(tmp, MANIFEST, src_dir_fd=self._dfd, dst_dir_fd=self._dfd)
+        except OSError:
+            os.unlink(tmp, dir_fd=self._dfd)
+            raise
+
+    def _check_manifest(self) -> str:
+        """The directory's manifest names the identity of its objects; write ours if there is
+        none (or it is unreadable). Another identity's manifest is kept and reported: its
+        objects (and any of ours of another identity) are misses through their trailers."""
+        rec = self._read_manifest()
+        if rec is not None and "unreadable" not in rec:
+            if rec.get("identity") == self.identity:
+                return "ok"
+            _warn_once("manifest", f"file: {self.dir} holds objects of another identity "
+                       f"({rec.get('identity')!r}, this store is {self.identity!r}); they "
+                       "are misses")
+            return "other identity"
+        try:
+            self._write_manifest()
+        except OSError as exc:
+            log.warning("file: cannot write the manifest of %s: %s", self.dir, exc)
+            return f"not written: {exc.strerror}"
+        return "ok" if rec is None else "rewritten"
+
     def _probe_direct(self) -> tuple[bool, str]:
         """Can this directory's filesystem do O_DIRECT I/O? (ok, reason)."""
         if not hasattr(os, "O_DIRECT"):
             return False, "this platform has no O_DIRECT"
-        sub = os.path.join(self.dir, "00")
-        os.makedirs(sub, mode=self._dir_mode, exist_ok=True)
-        path = os.path.join(sub, f".odirect-probe.{self._host}-{os.getpid()}.{os.urandom(4).hex()}"
-                                 f"{TMP_SUFFIX}")
+        path = f".odirect-probe.{self._host}-{os.getpid()}.{os.urandom(4).hex()}{TMP_SUFFIX}"
         blk = mmap.mmap(-1, DIRECT_ALIGN)
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_DIRECT,
-                         0o600)
+                         0o600, dir_fd=self._dfd)
         except OSError as exc:
             return False, f"open with O_DIRECT refused: {exc.strerror}"
         try:
@@ -363,7 +620,7 @@ class FileStore(L3Store):
         finally:
             os.close(fd)
             try:
-                os.unlink(path)
+                os.unlink(path, dir_fd=self._dfd)
             except OSError:
                 pass
             blk.close()
@@ -402,33 +659,46 @@ class FileStore(L3Store):
                 log.info("file: O_DIRECT not used: %s; using the page cache", why)
 
     # ----- public API -----------------------------------------------------------------------
+    @_in_use
     def batch_exists(self, keys: Sequence[bytes]) -> int:
         self._check_open()
         self._check_batch(keys)
         n = 0
         for key in keys:
-            path = self._path(key)
+            sub, name = key_filename(key)
+            sfd = self._sub_fd(sub)
+            if sfd < 0:
+                break
             try:
-                st = os.lstat(path)          # a planted symlink is no object
-            except OSError:
-                break
-            if st.st_size not in self._sizes:
-                self._count(errors=1, corrupted=1)
-                self._bump("truncated" if st.st_size < self.object_bytes else "corrupted")
-                self._remove_bad(path, st)
-                break
+                try:
+                    st = os.stat(name, dir_fd=sfd, follow_symlinks=False)  # a link is no object
+                except OSError:
+                    break
+                if not stat.S_ISREG(st.st_mode):
+                    self._count(errors=1, corrupted=1)
+                    self._bump("not_regular")
+                    break
+                if st.st_size not in self._sizes:
+                    self._count(errors=1, corrupted=1)
+                    self._bump("truncated" if st.st_size < self.object_bytes else "corrupted")
+                    self._remove_bad(sfd, name, st)
+                    break
+            finally:
+                os.close(sfd)
             n += 1
         return n
 
+    @_in_use
     def batch_get(self, keys: Sequence[bytes], host_pages: Sequence[int]) -> list[bool]:
         self._check_open()
-        pages = self._check_batch(keys, host_pages)
+        pages = self._check_batch(keys, host_pages, distinct_pages=True)
         out = self._map(self._get_one, list(zip(keys, pages)))
         self._order(keys, out)
         hits = sum(out)
         self._count(gets=len(keys), get_hits=hits, bytes_read=hits * self.spec.page_bytes)
         return out
 
+    @_in_use
     def batch_set(self, keys: Sequence[bytes], host_pages: Sequence[int]) -> list[bool]:
         self._check_open()
         pages = self._check_batch(keys, host_pages)
@@ -449,32 +719,49 @@ class FileStore(L3Store):
             self._bump("over_capacity", n - fits)
         return out
 
+    @_in_use
     def delete(self, keys: Sequence[bytes]) -> int:
         self._check_open()
         self._check_batch(keys)
         n = 0
         for key in keys:
-            rel = self._rel(key)
+            sub, name = key_filename(key)
+            self._forget(f"{sub}/{name}")
+            sfd = self._sub_fd(sub)
+            if sfd < 0:
+                continue
             try:
-                os.unlink(os.path.join(self.dir, rel))
-                n += 1
-            except FileNotFoundError:
-                pass
-            self._forget(rel)
+                if self._unlink_own(sfd, name, missing_ok=False):
+                    n += 1
+            finally:
+                os.close(sfd)
         return n
 
+    @_in_use
     def clear(self) -> None:
-        """Remove every object (and temporary file) of this spec under the root."""
+        """Remove every object (and temporary file) of this store's directory. Entries the
+        store did not make (other names, directories, links, FIFOs) are left and counted."""
         self._check_open()
-        for sub in self._subdirs():
-            for entry in self._entries(sub):
-                try:
-                    os.unlink(entry.path)
-                except FileNotFoundError:
-                    pass
+        foreign = 0
+        for sub, ok in self._subdirs(all_entries=True):
+            if not ok:
+                foreign += 1
+                continue
+            sfd = self._sub_fd(sub)
+            if sfd < 0:
+                continue
+            try:
+                for entry in self._entries(sfd):
+                    if not (_OBJECT_RE.match(entry.name) or _TMP_RE.match(entry.name)) \
+                            or not self._unlink_own(sfd, entry.name, missing_ok=True):
+                        foreign += 1
+            finally:
+                os.close(sfd)
         with self._lock:
             self._index.clear()
             self._bytes = 0
+        if foreign:
+            self._bump("foreign_entries", foreign)
 
     def stats(self) -> dict[str, Any]:
         d = super().stats()
@@ -482,16 +769,47 @@ class FileStore(L3Store):
             d.update(objects=len(self._index), bytes_stored=self._bytes,
                      o_direct=self._direct and self._direct_pool,
                      o_direct_reason=self._direct_reason, root=self.dir,
-                     checksum=f"{self.config.checksum} ({self.checksum_provider})")
+                     checksum=f"{self.config.checksum} ({self.checksum_provider})",
+                     manifest=self._manifest_state, identity=self._identity.hex())
         return d
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        self._release_dir()
+
+    def _enter(self) -> None:
+        with self._lock:
+            if self._closed:
+                raise StoreError("file: store is closed", backend=self.name)
+            self._users += 1
+
+    def _leave(self) -> None:
+        with self._lock:
+            self._users -= 1
+        self._release_dir()
+
+    def _release_dir(self) -> None:
+        """Close the store directory's descriptor once closed and no call is using it."""
+        with self._lock:
+            fd = self._dfd if self._closed and self._users == 0 else -1
+            if fd >= 0:
+                self._dfd = -1
+        if fd >= 0:
+            os.close(fd)
+
+    def __del__(self) -> None:
+        fd = getattr(self, "_dfd", -1)
+        if fd >= 0:            # unreachable now: no thread can be using the descriptor
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
     # ----- paths and the index ---------------------------------------------------------------
     def _rel(self, key: bytes) -> str:
@@ -501,17 +819,73 @@ class FileStore(L3Store):
     def _path(self, key: bytes) -> str:
         return os.path.join(self.dir, self._rel(key))
 
-    def _subdirs(self) -> list[str]:
+    def _sub_fd(self, sub: str, create: bool = False) -> int:
+        """A descriptor of fan-out directory ``sub`` (opened below the store directory's
+        descriptor, never through a link), or -1: missing, or a foreign entry (counted)."""
         try:
-            return [e.path for e in os.scandir(self.dir) if e.is_dir(follow_symlinks=False)
-                    and len(e.name) == 2]
+            return os.open(sub, _DIR_FLAGS, dir_fd=self._dfd)
+        except FileNotFoundError:
+            if not create:
+                return -1
+        except OSError as exc:
+            self._foreign_dir(sub, exc)
+            return -1
+        try:
+            os.mkdir(sub, self._dir_mode, dir_fd=self._dfd)
+            made = True
+        except FileExistsError:
+            made = False
+        try:
+            fd = os.open(sub, _DIR_FLAGS, dir_fd=self._dfd)
+        except OSError as exc:
+            self._foreign_dir(sub, exc)
+            return -1
+        if made:
+            os.fchmod(fd, self._dir_mode)
+        return fd
+
+    def _foreign_dir(self, sub: str, exc: OSError) -> None:
+        self._count(errors=1)
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            self._bump("foreign_entries")
+            _warn_once(f"foreign-dir:{sub}", f"file: {os.path.join(self.dir, sub)} is not a "
+                       "directory of this store (a link or another file); never followed, its "
+                       "keys are misses")
+        else:
+            self._bump("io_errors")
+            _warn_once(f"dir:{exc.errno}", f"file: opening {os.path.join(self.dir, sub)} "
+                       f"failed: {exc}")
+
+    def _unlink_own(self, sfd: int, name: str, missing_ok: bool = True) -> bool:
+        """Unlink ``name`` in a fan-out directory only if it is a regular file (objects and
+        temporary files are; a link, FIFO or directory of the same name is left alone)."""
+        try:
+            st = os.stat(name, dir_fd=sfd, follow_symlinks=False)
+            if not stat.S_ISREG(st.st_mode):
+                return False
+            os.unlink(name, dir_fd=sfd)
+            return True
+        except FileNotFoundError:
+            return missing_ok
+        except OSError:
+            return False
+
+    def _subdirs(self, all_entries: bool = False) -> list:
+        """Fan-out directory names (with ``all_entries``: (name, is a real directory) of every
+        two-hex-digit entry, so foreign ones can be counted)."""
+        try:
+            with os.scandir(self._dfd) as it:
+                found = [(e.name, e.is_dir(follow_symlinks=False)) for e in it
+                         if _FANOUT_RE.match(e.name)]
         except OSError:
             return []
+        return found if all_entries else [name for name, ok in found if ok]
 
     @staticmethod
-    def _entries(sub: str) -> list[os.DirEntry]:
+    def _entries(sfd: int) -> list[os.DirEntry]:
         try:
-            return list(os.scandir(sub))
+            with os.scandir(sfd) as it:
+                return list(it)
         except OSError:
             return []
 
@@ -522,22 +896,26 @@ class FileStore(L3Store):
         started = time.time_ns()
         found: dict[str, tuple[int, int]] = {}
         now = time.time()
-        for sub in self._subdirs():
-            base = os.path.basename(sub)
-            for e in self._entries(sub):
-                try:
-                    st = e.stat(follow_symlinks=False)
-                except OSError:
-                    continue
-                if e.name.endswith(SUFFIX) and not e.name.startswith("."):
-                    if st.st_size in self._sizes:
-                        found[f"{base}/{e.name}"] = (st.st_mtime_ns, st.st_size)
-                elif e.name.endswith(TMP_SUFFIX) and self._tmp_is_stale(e.name, st, now):
+        for base in self._subdirs():
+            sfd = self._sub_fd(base)
+            if sfd < 0:
+                continue
+            try:
+                for e in self._entries(sfd):
                     try:
-                        os.unlink(e.path)
-                        self._bump("tmp_cleaned")
+                        st = os.stat(e.name, dir_fd=sfd, follow_symlinks=False)
                     except OSError:
-                        pass
+                        continue
+                    if not stat.S_ISREG(st.st_mode):
+                        continue
+                    if _OBJECT_RE.match(e.name):
+                        if st.st_size in self._sizes:
+                            found[f"{base}/{e.name}"] = (st.st_mtime_ns, st.st_size)
+                    elif _TMP_RE.match(e.name) and self._tmp_is_stale(e.name, st, now):
+                        if self._unlink_own(sfd, e.name, missing_ok=False):
+                            self._bump("tmp_cleaned")
+            finally:
+                os.close(sfd)
         with self._lock:
             for rel, (mt, size) in self._index.items():
                 if mt >= started and mt > found.get(rel, (-1, 0))[0]:
@@ -546,6 +924,7 @@ class FileStore(L3Store):
             self._bytes = sum(size for _, size in self._index.values())
             self._last_scan = time.monotonic()
 
+    @_in_use
     def rescan(self) -> None:
         """Re-read the directory now (objects of other processes) and enforce capacity."""
         self._check_open()
@@ -562,6 +941,7 @@ class FileStore(L3Store):
                     time.monotonic() - self._last_scan < self.config.rescan_interval_s:
                 return
             self._scanning = True
+            self._users += 1                  # released by the scan thread
         threading.Thread(target=self._background_scan, name="kvtier-file-scan",
                          daemon=True).start()
 
@@ -577,6 +957,7 @@ class FileStore(L3Store):
         finally:
             with self._lock:
                 self._scanning = False
+            self._leave()
 
     def _tmp_is_stale(self, name: str, st: os.stat_result, now: float) -> bool:
         if now - st.st_mtime > self.config.stale_tmp_s:
@@ -606,22 +987,30 @@ class FileStore(L3Store):
                     break
                 recorded, vsize = self._index.pop(victim)
                 self._bytes -= vsize
-            path = os.path.join(self.dir, victim)
-            try:
-                st = os.stat(path)
-            except OSError:
-                continue                              # another process removed it
-            if st.st_mtime_ns > recorded:             # read by another process since: keep it
-                self._note(victim, st.st_mtime_ns, st.st_size)
+            sub, name = victim.split("/")
+            sfd = self._sub_fd(sub)
+            if sfd < 0:
                 continue
             try:
-                os.unlink(path)
-                evicted += 1
-            except FileNotFoundError:
-                pass
-            except OSError as exc:
-                self._count(errors=1)
-                log.debug("file: evicting %s failed: %s", path, exc)
+                try:
+                    st = os.stat(name, dir_fd=sfd, follow_symlinks=False)
+                except OSError:
+                    continue                          # another process removed it
+                if not stat.S_ISREG(st.st_mode):
+                    continue                          # replaced by a foreign entry: not ours
+                if st.st_mtime_ns > recorded:         # read by another process since: keep it
+                    self._note(victim, st.st_mtime_ns, st.st_size)
+                    continue
+                try:
+                    os.unlink(name, dir_fd=sfd)
+                    evicted += 1
+                except FileNotFoundError:
+                    pass
+                except OSError as exc:
+                    self._count(errors=1)
+                    log.debug("file: evicting %s failed: %s", victim, exc)
+            finally:
+                os.close(sfd)
         if evicted:
             self._count(evictions=evicted)
 
@@ -668,20 +1057,46 @@ class FileStore(L3Store):
 
     def _get_one(self, item: tuple[bytes, int]) -> bool:
         key, page = item
-        rel = self._rel(key)
+        sub, name = key_filename(key)
+        rel = f"{sub}/{name}"
+        sfd = self._sub_fd(sub)
+        if sfd < 0:
+            self._forget(rel)
+            return False
+        try:
+            return self._read_object(sfd, name, rel, key, page)
+        finally:
+            os.close(sfd)
+
+    def _read_object(self, sfd: int, name: str, rel: str, key: bytes, page: int) -> bool:
         path = os.path.join(self.dir, rel)
         direct = self._direct and self._direct_pool
-        flags = os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
+        flags = os.O_RDONLY | _OPEN_FLAGS
+        st = None
         try:
-            fd = os.open(path, flags | (os.O_DIRECT if direct else 0))
+            fd = os.open(name, flags | (os.O_DIRECT if direct else 0), dir_fd=sfd)
         except FileNotFoundError:
             self._forget(rel)
             return False
         except OSError as exc:
-            self._io_error("read", path, exc)
+            try:
+                lst = os.stat(name, dir_fd=sfd, follow_symlinks=False)
+            except OSError:
+                lst = None
+            if exc.errno == errno.ELOOP or (lst is not None and not stat.S_ISREG(lst.st_mode)):
+                # a link, socket or device planted at the object's path: never followed
+                self._count(errors=1, corrupted=1)
+                self._bump("not_regular")
+                _warn_once("bad:not_regular", f"file: {path} is not a regular file; never "
+                           "followed, a miss (further ones are only counted in stats)")
+            else:
+                self._io_error("read", path, exc)
+            self._forget(rel)
             return False
         try:
             st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise _Bad("not_regular", f"not a regular file (mode {st.st_mode:o})")
             if st.st_size not in self._sizes:
                 raise _Bad("truncated" if st.st_size < self.object_bytes else "corrupted",
                            f"{st.st_size} bytes, objects have {self.object_bytes}")
@@ -697,7 +1112,7 @@ class FileStore(L3Store):
             if n != (min(st.st_size, plen + DIRECT_ALIGN) if direct else self.object_bytes):
                 raise _Bad("truncated", f"read {n} of {st.st_size} bytes")
             kind_id, want = check_trailer(bytes(blk[:TRAILER_BYTES]), self.spec.fingerprint,
-                                          key, plen)
+                                          key, plen, self._identity)
             if _checksum(kind_id, views) != want:
                 raise _Bad("corrupted", "payload checksum mismatch")
             if self.config.touch_on_read and time.time_ns() - st.st_mtime_ns > _TOUCH_NS:
@@ -712,7 +1127,8 @@ class FileStore(L3Store):
             self._bump(bad.kind)
             _warn_once(f"bad:{bad.kind}", f"file: untrusted object {path} ({bad}); treated as "
                        "a miss (further ones are only counted in stats)")
-            self._remove_bad(path, st)
+            if bad.kind != "not_regular":
+                self._remove_bad(sfd, name, st)
             self._forget(rel)
             return False
         except OSError as exc:
@@ -723,28 +1139,37 @@ class FileStore(L3Store):
 
     def _set_one(self, item: tuple[bytes, int]) -> bool:
         key, page = item
-        rel = self._rel(key)
-        sub, name = rel.split("/")
+        sub, name = key_filename(key)
+        sfd = self._sub_fd(sub, create=True)
+        if sfd < 0:
+            return False
+        try:
+            return self._write_object(sfd, sub, name, key, page)
+        finally:
+            os.close(sfd)
+
+    def _write_object(self, sfd: int, sub: str, name: str, key: bytes, page: int) -> bool:
+        rel = f"{sub}/{name}"
         final = os.path.join(self.dir, rel)
-        tmp = os.path.join(self.dir, sub, f".{name}.{self._host}-{os.getpid()}."
-                           f"{threading.get_ident():x}{TMP_SUFFIX}")   # unique per writer
+        tmp = f".{name}.{self._host}-{os.getpid()}.{threading.get_ident():x}{TMP_SUFFIX}"
         direct = self._direct and self._direct_pool
         views = self._views(page)
         plen = self.spec.page_bytes
         trailer = pack_trailer(self.spec.fingerprint, key, plen, self._kind_id,
-                               _checksum(self._kind_id, views))
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+                               _checksum(self._kind_id, views), self._identity)
+        # a new name (O_EXCL) cannot be a FIFO or a link: no O_NONBLOCK needed
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | _NOFOLLOW
         fd = -1
+        mode = self.config.file_mode
         try:
             oflags = flags | (os.O_DIRECT if direct else 0)
             try:
-                fd = os.open(tmp, oflags, self.config.file_mode)
-            except FileNotFoundError:
-                os.makedirs(os.path.join(self.dir, sub), mode=self._dir_mode, exist_ok=True)
-                fd = os.open(tmp, oflags, self.config.file_mode)
+                fd = os.open(tmp, oflags, mode, dir_fd=sfd)
             except FileExistsError:       # left by an earlier thread of this process's id
-                os.unlink(tmp)
-                fd = os.open(tmp, oflags, self.config.file_mode)
+                os.unlink(tmp, dir_fd=sfd)
+                fd = os.open(tmp, oflags, mode, dir_fd=sfd)
+            if self._fix_mode:
+                os.fchmod(fd, mode)
             size = self.object_bytes
             if direct:
                 blk = self._trailer_block()
@@ -769,28 +1194,20 @@ class FileStore(L3Store):
                 os.fsync(fd)
             os.close(fd)
             fd = -1
-            os.rename(tmp, final)
+            os.rename(tmp, name, src_dir_fd=sfd, dst_dir_fd=sfd)
             if self.config.fsync:
-                self._fsync_dir(os.path.join(self.dir, sub))
+                os.fsync(sfd)
         except OSError as exc:
             if fd >= 0:
                 os.close(fd)
             try:
-                os.unlink(tmp)
+                os.unlink(tmp, dir_fd=sfd)
             except OSError:
                 pass
             self._io_error("write", final, exc)
             return False
         self._note(rel, time.time_ns(), size)
         return True
-
-    @staticmethod
-    def _fsync_dir(path: str) -> None:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
     # ----- helpers ---------------------------------------------------------------------------
     def _map(self, fn: Callable[[tuple[bytes, int]], bool], items: list) -> list[bool]:
@@ -826,14 +1243,16 @@ class FileStore(L3Store):
         _warn_once(f"io:{op}:{exc.errno}", f"file: {op} of {path} failed: {exc}; counted as a "
                    "miss (further ones are only counted in stats)")
 
-    def _remove_bad(self, path: str, st: os.stat_result | None) -> None:
-        """Remove an untrusted object unless another process replaced it meanwhile."""
+    def _remove_bad(self, sfd: int, name: str, st: os.stat_result | None) -> None:
+        """Remove an untrusted object unless another process replaced it meanwhile (or it is
+        not a regular file: not the store's to delete)."""
         if not self.config.remove_corrupted:
             return
         try:
-            now = os.lstat(path)
-            if st is None or (now.st_ino, now.st_dev) == (st.st_ino, st.st_dev):
-                os.unlink(path)
+            now = os.stat(name, dir_fd=sfd, follow_symlinks=False)
+            if stat.S_ISREG(now.st_mode) and \
+                    (st is None or (now.st_ino, now.st_dev) == (st.st_ino, st.st_dev)):
+                os.unlink(name, dir_fd=sfd)
         except OSError:
             pass
 

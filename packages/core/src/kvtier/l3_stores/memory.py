@@ -50,7 +50,7 @@ class MemoryStore(L3Store):
         return n
 
     def batch_get(self, keys: Sequence[bytes], host_pages: Sequence[int]) -> list[bool]:
-        pages = self._check_batch(keys, host_pages)
+        pages = self._check_batch(keys, host_pages, distinct_pages=True)
         out = []
         for k, p in zip(keys, pages):
             with self._lock:

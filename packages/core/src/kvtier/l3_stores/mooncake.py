@@ -60,7 +60,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Sequence
 
-from ..errors import BackendUnavailableError, ConfigError, InvalidArgumentError, StoreError
+from ..errors import BackendUnavailableError, ConfigError, StoreError
 from ..interfaces import INTERFACE_VERSION, Availability, Capabilities, L3Store
 from ..layout import PAGE_FIRST, page_ranges
 
@@ -390,10 +390,7 @@ class MooncakeStore(L3Store):
         return n
 
     def batch_get(self, keys: Sequence[bytes], host_pages: Sequence[int]) -> list[bool]:
-        pages = self._check_batch(keys, host_pages)
-        if len(set(pages)) != len(pages):
-            raise InvalidArgumentError("mooncake: batch_get got a host page twice",
-                                       argument="host_pages")
+        pages = self._check_batch(keys, host_pages, distinct_pages=True)
         if not keys:
             return []
         mkeys = [self.object_key(k) for k in keys]

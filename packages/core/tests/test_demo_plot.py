@@ -1,0 +1,55 @@
+"""The demo's plot: the legend sits outside both panels (it never hides a point), the title
+names model, dtype and device apart."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("matplotlib")
+
+from kvtier.demo.plot import figure  # noqa: E402
+
+
+class _Run:
+    def __init__(self, name: str, base: float):
+        self.name = name
+        self.base = base
+
+    def per_round(self, n: int) -> dict:
+        return {"hit_rate_pct": [min(100.0, self.base * i) for i in range(n)],
+                "ttft_mean_ms": [100.0 - self.base * i for i in range(n)]}
+
+
+def test_legend_outside_the_data_and_a_readable_title() -> None:
+    import matplotlib.pyplot as plt
+    report = SimpleNamespace(
+        workload=SimpleNamespace(num_rounds=6, name="multi-turn"),
+        runs=[_Run("L1 only", 1), _Run("L1+L2", 10), _Run("L1+L2+L3", 19)],
+        model={"size": "small", "device": "cuda", "dtype": "float32"})
+    fig = figure(report)
+    try:
+        fig.canvas.draw()
+        r = fig.canvas.get_renderer()
+        legends = fig.legends
+        assert len(legends) == 1 and not any(ax.get_legend() for ax in fig.axes)
+        box = legends[0].get_window_extent(r)
+        for ax in fig.axes:
+            assert not box.overlaps(ax.get_window_extent(r))
+        assert [t.get_text() for t in legends[0].get_texts()] == ["L1 only", "L1+L2",
+                                                                  "L1+L2+L3"]
+        title = fig._suptitle.get_text()
+        assert "float32, on cuda" in title and "cudafloat32" not in title
+    finally:
+        plt.close(fig)
+
+
+def test_transformers_outside_the_tested_range_is_refused_up_front() -> None:
+    from kvtier.demo.model import check_transformers
+    from kvtier.errors import ConfigError
+    check_transformers("5.24.0")
+    check_transformers("5.24.3.dev0")
+    for bad in ("5.17.0", "5.23.9", "5.25.0", "6.0.0", "4.57.1", "garbage"):
+        with pytest.raises(ConfigError, match="tested with transformers >=5.24,<5.25"):
+            check_transformers(bad)
