@@ -23,6 +23,36 @@ from kvtier.testing.data import spec_id
 SPEC = KVSpec.mha(num_layers=3, num_kv_heads=2, head_dim=8, page_size=4, dtype="bfloat16")
 
 
+class GatedHandle:
+    """A transfer handle that lands only once ``gate`` is set."""
+
+    def __init__(self, h, gate: threading.Event):
+        self.h = h
+        self.gate = gate
+
+    def synchronize(self):
+        self.gate.wait(10)
+        self.h.synchronize()
+
+    def wait(self):
+        self.synchronize()
+
+    def wait_layer(self, i):
+        self.synchronize()
+
+    def done(self):
+        return self.gate.is_set() and self.h.done()
+
+
+def gate_transfers(cache: TieredKVCache, direction: str) -> threading.Event:
+    """Make the cache engine's ``direction`` ("load" or "backup") copies wait for the event
+    returned."""
+    gate = threading.Event()
+    real = getattr(cache.engine, direction)
+    setattr(cache.engine, direction, lambda a, b: GatedHandle(real(a, b), gate))
+    return gate
+
+
 class Rig:
     """A cache plus the engine side: a device pool, a page allocator, and 'prefill' that
     writes random bytes into pages and remembers them per page key."""
@@ -380,26 +410,7 @@ def test_evict_waits_for_backups_in_flight_instead_of_coming_up_short():
     r = Rig(write_policy="write_through")
     try:
         c = r.cache
-        gate = threading.Event()
-        real = c.engine.backup
-
-        class Gated:                          # a backup that lands when the gate opens
-            def __init__(self, h):
-                self.h = h
-
-            def synchronize(self):
-                gate.wait(10)
-                self.h.synchronize()
-
-            def wait(self):
-                self.synchronize()
-
-            def wait_layer(self, i):
-                self.synchronize()
-
-            def done(self):
-                return gate.is_set() and self.h.done()
-        c.engine.backup = lambda d, h: Gated(real(d, h))
+        gate = gate_transfers(c, "backup")    # backups land when the gate opens
         r.request(toks(4 * 4, seed=18))
         assert c.metrics()["backups_in_flight"] == 4
         threading.Timer(0.2, gate.set).start()

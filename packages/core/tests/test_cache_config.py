@@ -22,7 +22,7 @@ def build(cfg):
 
 def test_defaults_and_typed_fields():
     c = CacheConfig.from_dict({"model_id": "m"})
-    assert c.write_policy == "write_through" and c.prefetch_policy == "best_effort"
+    assert c.write_policy == "write_through" and c.prefetch_policy == "wait_complete"
     assert c.l3_store is None and c.transfer_engine == "torch"
     assert c.host_pages_for(SPEC.page_bytes, 10) == 20          # ratio 2 of L1
     c = CacheConfig.from_dict({"model_id": "m", "host_pool_bytes": 10 * SPEC.page_bytes + 5})

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pickle
 import random
 import threading
+import time
 
 import pytest
 import torch
@@ -105,6 +106,8 @@ def test_load_through_l3_after_l2_eviction(split):
         assert torch.equal(split.page(d), want[i])
     m = split.pl.metrics()
     assert m["l3_loaded_pages"] == len(plan.l3_reads) and m["load_failed_pages"] == 0
+    assert m["l3_hit_pages"] == len(plan.l3_reads) and m["l2_hit_pages"] == hit.l2_pages
+    assert m["l3_matched_pages"] == 6 - hit.l2_pages
 
 
 def test_l3_miss_fails_only_those_loads(split):
@@ -215,3 +218,140 @@ def test_concurrent_requests_keep_invariants(split):
         split.pl.complete(res)
     assert split.pl.pending_plans() == []
     split.pl.check()
+
+
+# ---------------------------------------------------------------------------------------------
+# Two real processes: the planner here, the executor in a child, a shared file L3
+# ---------------------------------------------------------------------------------------------
+def _worker_process(conn, root: str) -> None:
+    """The worker side: owns the KV buffers, runs plans, answers with plain data."""
+    dpool = DeviceKVPool.empty(SPEC, 32)
+    gen = torch.Generator().manual_seed(11)
+    for comp in dpool.layers:
+        for t in comp:
+            fill_random(t, gen)
+    cfg = {"model_id": "split", "host_pool_pages": 4, "l3_io_threads": 1,
+           "l3_store": "file", "l3_config": {"root": root}}
+    with CacheExecutor.from_config(cfg, device_pool=dpool) as ex:
+        while True:
+            msg = conn.recv()
+            if msg[0] == "plan":
+                ex.submit(msg[1])
+                ex.wait(msg[1].plan_id, 30)
+                conn.send(ex.poll())
+            elif msg[0] == "same":
+                a, b = msg[1], msg[2]
+                conn.send(all(torch.equal(raw_bytes(dpool.page(c, layer, x)),
+                                          raw_bytes(dpool.page(c, layer, y)))
+                              for x, y in zip(a, b) for layer in range(SPEC.num_layers)
+                              for c in range(SPEC.num_components)))
+            else:
+                conn.send(None)
+                return
+
+
+def test_planner_and_executor_in_two_processes(tmp_path):
+    import multiprocessing as mp
+
+    from kvtier.l3_stores.file import FileStore
+    root = str(tmp_path / "l3")
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    child = ctx.Process(target=_worker_process, args=(there, root), daemon=True)
+    child.start()
+    probe = FileStore({"root": root}, spec=SPEC)   # the scheduler's view of L3: presence only
+    try:
+        pl = CachePlanner({"model_id": "split", "host_pool_pages": 4}, spec=SPEC,
+                          num_host_pages=4, l3_exists=probe.batch_exists)
+
+        def run(plan):
+            here.send(("plan", plan))
+            (res,) = here.recv()
+            pl.complete(res)
+            return res
+
+        keys = pl.keys(toks(4 * 6, 21))
+        assert run(pl.plan_save(keys, [0, 1, 2, 3, 4, 5])).ok   # 4 fit in L2, written to L3
+        hit = pl.lookup(keys)
+        assert hit.pages == 4 and hit.l3_pages == 0                # L2 held 4, L3 has them
+        run(pl.plan_evict(4))
+        assert pl.lookup(keys) == Lookup(0, 0, 4)                  # now only in L3
+        plan = pl.plan_load(keys[:4], [20, 21, 22, 23])
+        assert len(plan.l3_reads) == 4
+        assert run(plan).loaded_prefix == 4
+        here.send(("same", [0, 1, 2, 3], [20, 21, 22, 23]))
+        assert here.recv() is True                                 # bitwise, across processes
+        pl.check()
+    finally:
+        here.send(("stop",))
+        here.recv()
+        child.join(30)
+        probe.close()
+    assert child.exitcode == 0
+
+
+def test_executor_store_call_past_its_deadline_fails_the_ops_not_the_caller():
+    from kvtier.host_pool import HostKVPool
+    from kvtier.l3_stores.memory import MemoryStore
+    from kvtier.registry import create_transfer_engine
+
+    class Stuck(MemoryStore):
+        release = threading.Event()
+
+        def batch_get(self, keys, host_pages):
+            self.release.wait()
+            return super().batch_get(keys, host_pages)
+
+    dpool = DeviceKVPool.empty(SPEC, 8)
+    host = HostKVPool(SPEC, 4, allocator="torch-pinned")
+    store = Stuck(spec=SPEC)
+    store.attach(host)
+    engine = create_transfer_engine("torch", dpool, host)
+    ex = CacheExecutor(host_pool=host, engine=engine, store=store, l3_call_timeout_s=0.3,
+                       owned=(engine, store, host))
+    try:
+        keys = [bytes([i]) * 32 for i in range(2)]
+        ex.submit(Plan(1, backups=((0, 0), (1, 1)), l3_writes=((0, keys[0]), (1, keys[1]))))
+        assert ex.wait(1, 10)
+        assert ex.poll()[0].ok
+        ex.submit(Plan(2, l3_reads=((keys[0], 2), (keys[1], 3)), loads=((2, 4), (3, 5))))
+        t0 = time.monotonic()
+        assert ex.wait(2, 5)
+        assert time.monotonic() - t0 < 3
+        (res,) = ex.poll()
+        assert res.l3_reads == (False, False) and res.loads == (False, False)
+        assert sorted(res.held_host_pages) == [2, 3]      # the late call may still write
+        assert ex.l3_state.startswith("degraded")
+        assert ex.metrics()["l3_timeouts"] == 1
+        Stuck.release.set()
+        deadline = time.monotonic() + 5
+        got: list = []
+        while not got:
+            assert time.monotonic() < deadline
+            got = ex.poll()
+            time.sleep(0.01)
+        assert got[0].plan_id == 2 and sorted(got[0].released_host_pages) == [2, 3]
+        t0 = time.monotonic()
+        ex.close(timeout=1.0)
+        assert time.monotonic() - t0 < 2
+    finally:
+        Stuck.release.set()
+
+
+def test_planner_keeps_held_host_pages_out_of_use_until_released():
+    pl = CachePlanner({"model_id": "split"}, spec=SPEC, num_host_pages=4,
+                      l3_exists=lambda keys: len(keys))
+    keys = pl.keys(toks(4 * 3, 31))
+    plan = pl.plan_load(keys, [0, 1, 2])
+    assert len(plan.l3_reads) == 3 and pl.host.free_count == 1
+    stuck = plan.l3_reads[1][1]
+    res = PlanResult(plan.plan_id, (True, False, False), (True, False, False),
+                     held_host_pages=(stuck,))
+    pl.complete(res)
+    assert pl.host.free_count == 2 and len(pl.l2_pages()) == 1     # one landed, one held
+    assert stuck not in pl.host.alloc(2)                           # never handed out
+    pl.check()
+    pl.complete(PlanResult(plan.plan_id, released_host_pages=(stuck,)))
+    assert pl.host.free_count == 1
+    with pytest.raises(InvalidArgumentError):
+        pl.complete(PlanResult(plan.plan_id, released_host_pages=(stuck,)))

@@ -5,9 +5,13 @@ and which pages to evict.
   to L3; ``write_through_selective`` does the same once a page has been hit
   ``selective_threshold`` times; ``write_back`` writes a page to L2 only when it is evicted
   from L1, and to L3 only when it is evicted from L2.
-* Prefetch from L3: ``best_effort`` takes what has landed when the request runs, never
-  waiting; ``wait_complete`` waits for every page; ``timeout`` waits up to
-  ``base + per_1k * tokens / 1024`` seconds, capped. Below ``min_tokens`` L3 is not consulted.
+* Prefetch from L3: ``wait_complete`` (the default) waits for every page; the wait is
+  bounded because each store call is (a call past ``l3_call_timeout_s`` is a counted failure
+  that ends it). ``timeout`` waits up to ``base + per_1k * tokens / 1024`` seconds, capped.
+  ``best_effort`` never waits: a fetch takes only the pages that have landed in L2 by then,
+  which is nothing unless ``prefetch()`` was called well before (when the request was
+  queued); the pages matched but not loaded count as ``prefetch_cut_pages``, not as hits.
+  Below ``min_tokens`` L3 is not consulted.
 * Eviction: LRU per tier, leaves first (see `LRUOrder`).
 """
 

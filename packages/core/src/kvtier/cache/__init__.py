@@ -9,6 +9,8 @@ Modules, one concept each:
 * `handles`    -- `Match`, `FetchHandle`, `CommitResult`: what a request holds;
 * `transfers`  -- L1 <-> L2 transfer bookkeeping and the completion thread;
 * `l3io`       -- the L3 worker pool, call deadlines and the L3 health state machine;
+* `l3tasks`    -- the controller's L3 reads (prefetch into L2) and writes, booked in its index;
+* `lifecycle`  -- the controller's tier-failure reporting and shutdown (close, close at exit);
 * `controller` -- `TieredKVCache`, composing all of the above in one process;
 * `plans`      -- `Lookup`, `Plan`, `PlanResult`: the plain data the two halves exchange;
 * `planner`    -- `CachePlanner`, the index/policy half (no tensors, no I/O: a scheduler);

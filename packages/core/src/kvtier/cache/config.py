@@ -41,7 +41,11 @@ class CacheConfig:
     write_policy: Literal["write_through", "write_through_selective",
                           "write_back"] = "write_through"
     selective_threshold: int = 2
-    prefetch_policy: Literal["best_effort", "wait_complete", "timeout"] = "best_effort"
+    #: How long a fetch waits for L3 pages (see `kvtier.policies`): ``wait_complete`` (all
+    #: of them; each store call within ``l3_call_timeout_s``), ``timeout`` (a budget that
+    #: grows with the request) or ``best_effort`` (never waits: loads only what a prefetch()
+    #: called earlier has landed).
+    prefetch_policy: Literal["best_effort", "wait_complete", "timeout"] = "wait_complete"
     prefetch_timeout_base_s: float = 0.05
     prefetch_timeout_per_1k_tokens_s: float = 0.01
     prefetch_timeout_cap_s: float = 1.0

@@ -29,12 +29,11 @@ Usage (every name below is public API)::
     cache.metrics()                 # counters, gauges (l3_state), latency percentiles
     cache.wait_idle(timeout); cache.restart_l3(); cache.close()   # or `with cache:`
 
-Prefetch policies: ``timeout`` (the default) waits for L3 pages up to a budget that grows with
-the request (``prefetch_timeout_*``); ``wait_complete`` waits for every page (each store call
-still under ``l3_call_timeout_s``); ``best_effort`` never waits: fetch takes only what has
-landed, so call prefetch() early (when the request is queued) or it loads nothing from L3.
-``l3_hit_pages`` counts pages L3 matched, ``l3_loaded_pages`` those read into L2 and
-``fetched_l3_pages`` those loaded into L1.
+Prefetch policies (`kvtier.policies`): ``wait_complete`` (the default) waits for every L3
+page, each store call within ``l3_call_timeout_s``; ``timeout`` waits up to a budget growing
+with the request; ``best_effort`` never waits, so without an early prefetch() it loads nothing
+from L3. Metrics: ``l2/l3_matched_pages`` what match() found, ``l2/l3_hit_pages`` what was
+loaded into L1, ``prefetch_cut_pages`` matched but not loaded.
 
 Ownership: the cache owns every device page it registered (taken by commit or a fetch) and
 gives it back through ``free_device_pages`` when it evicts it; other pages stay the engine's.
@@ -51,11 +50,9 @@ Thread-safe.
 
 from __future__ import annotations
 
-import atexit
 import logging
 import threading
 import time
-import weakref
 from typing import Any, Callable, Literal, Mapping, Sequence
 
 from ..device_pool import DeviceKVPool
@@ -66,31 +63,15 @@ from ..interfaces import CompletedHandle, L3Store, TransferEngine, TransferHandl
 from ..keys import PageKeyer
 from ..metrics import Metrics
 from ..policies import PrefetchPolicy, WritePolicy, make_prefetch_policy, make_write_policy
-from . import eviction, l3tasks, transfers
+from . import eviction, handles, l3tasks, lifecycle, transfers
 from .config import CacheConfig
 from .handles import CommitResult, FetchHandle, Match
 from .index import Node, PageIndex
 from .l3io import L3IO
-from .l3tasks import WriteTask
 
 log = logging.getLogger("kvtier.cache")
 
 __all__ = ["CacheConfig", "TieredKVCache", "Match", "FetchHandle", "CommitResult"]
-
-#: At interpreter exit an unclosed cache is closed within this many seconds at most.
-EXIT_CLOSE_TIMEOUT_S = 10.0
-_live: "weakref.WeakSet[TieredKVCache]" = weakref.WeakSet()
-
-
-@atexit.register
-def _close_at_exit() -> None:
-    for cache in list(_live):
-        cache._close(min(cache.config.close_timeout_s, EXIT_CLOSE_TIMEOUT_S))
-
-
-def _is_meta(x: Any) -> bool:
-    dev = getattr(x, "device", None)
-    return getattr(dev, "type", None) == "meta"
 
 
 class TieredKVCache:
@@ -166,7 +147,7 @@ class TieredKVCache:
                             call_timeout_s=cfg.l3_call_timeout_s,
                             metrics=self.metrics_registry, on_failure=self._l3_failed)
         self._register_gauges()
-        _live.add(self)
+        lifecycle.close_on_exit(self)
 
     @classmethod
     def from_config(cls, config: CacheConfig | Mapping[str, Any], **kwargs: Any
@@ -177,7 +158,7 @@ class TieredKVCache:
     # ----- public API -----------------------------------------------------------------------
     def keys(self, tokens: Any) -> list[bytes]:
         """Chained keys of every full page of ``tokens`` in this cache's namespace."""
-        if _is_meta(tokens):
+        if handles.is_meta(tokens):
             raise TokensError("tokens are a meta-device tensor (no data); pass real token ids")
         return self.keyer.keys(tokens)
 
@@ -214,11 +195,11 @@ class TieredKVCache:
         m = Match(self, keys, len(tokens), self.spec.page_size, l1, l2, l3)
         ps = self.spec.page_size
         miss = n - i - l3
-        self.metrics_registry.add_many({
+        self.metrics_registry.add_many({    # l2/l3 *hit* pages: counted once loaded
             "match_calls": 1, "match_pages": n, "l1_hit_pages": len(l1),
-            "l2_hit_pages": len(l2), "l3_hit_pages": l3, "miss_pages": miss,
+            "l2_matched_pages": len(l2), "l3_matched_pages": l3, "miss_pages": miss,
             "match_tokens": len(tokens), "l1_hit_tokens": len(l1) * ps,
-            "l2_hit_tokens": len(l2) * ps, "l3_hit_tokens": l3 * ps,
+            "l2_matched_tokens": len(l2) * ps, "l3_matched_tokens": l3 * ps,
             "miss_tokens": len(tokens) - (n - miss) * ps})
         self.metrics_registry.observe("match", time.perf_counter() - t0)
         return m
@@ -228,7 +209,7 @@ class TieredKVCache:
         when the request is queued; `fetch` starts it itself otherwise."""
         self._check()
         self._check_match(match)
-        self._start_read(match)
+        l3tasks.start_read(self, match)
 
     def prefetch_ready(self, match: Match) -> bool:
         """Would `fetch` return without waiting on L3 now, under the prefetch policy?"""
@@ -259,7 +240,7 @@ class TieredKVCache:
         t0 = time.perf_counter()
         want = match.pages_to_load
         if device_pages is None:
-            dev = self._allocate_device(want)
+            dev = eviction.allocate_device(self, want)
         else:
             dev = self._check_engine_pages(device_pages, "device_pages")
             if len(dev) > want:
@@ -269,8 +250,8 @@ class TieredKVCache:
         n2 = min(match.l2_count, len(dev))
         n3_want = min(match.l3_count, len(dev) - n2)
         if n3_want:
-            self._start_read(match)
-            self._wait_read(match, n3_want)
+            l3tasks.start_read(self, match)
+            l3tasks.wait_read(self, match, n3_want)
         with self._lock:
             self._check_match(match)
             self._check_engine_pages(dev, "device_pages")      # again: a fetch may have begun
@@ -293,7 +274,7 @@ class TieredKVCache:
             else:
                 handle = CompletedHandle(self.spec.num_layers)
             fh = FetchHandle(self._finish_fetch, match, handle, nodes, load, unused,
-                             self.spec.num_layers)
+                             self.spec.num_layers, from_l2=n2)
             match.attach_fetch(fh)
             for d in load:
                 self._loading[d] = fh
@@ -407,11 +388,11 @@ class TieredKVCache:
                                        argument="num_pages", value=num_pages)
         if tier == "l2":
             with self._lock:
-                return self._evict_l2(num_pages)
+                return eviction.evict_l2(self, num_pages)
         if tier != "l1":
             raise InvalidArgumentError(f"tier must be 'l1' or 'l2', got {tier!r}",
                                        argument="tier", value=tier)
-        return self._evict_l1(num_pages)
+        return eviction.evict_l1(self, num_pages)
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Block until no transfer completion or L3 I/O is queued or running (tests,
@@ -460,7 +441,7 @@ class TieredKVCache:
     def close(self) -> None:
         """Finish or cancel queued write-backs (``close_policy``), stop the threads and close
         what the cache created; returns within ``close_timeout_s``. Idempotent."""
-        self._close(self.config.close_timeout_s)
+        lifecycle.close(self, self.config.close_timeout_s)
 
     def __enter__(self) -> "TieredKVCache":
         return self
@@ -469,84 +450,14 @@ class TieredKVCache:
         self.close()
 
     # ----- internals --------------------------------------------------------------------------
-    def _close(self, timeout: float) -> None:
-        with self._lock:
-            if self._closed or self._closing:
-                return
-            self._closing = True
-        _live.discard(self)
-        cfg = self.config
-        deadline = time.perf_counter() + timeout
-        left = lambda: max(0.0, deadline - time.perf_counter())  # noqa: E731
-        self._completer.wait_idle(left())
-        io = self._l3
-        if io is not None:
-            for task in io.queue.drain() if cfg.close_policy == "cancel" else []:
-                task.abort(cancelled=True)
-            if cfg.close_policy == "flush" and self._l3_usable() and \
-                    self.write_policy.l3_on_l2_evict:
-                with self._lock:
-                    dirty = [n for n in self._index.nodes.values() if n.host_page is not None
-                             and not n.in_l3 and not n.wb_pending]
-                    for n in dirty:
-                        n.l2_pins += 1
-                if dirty:
-                    io.submit(WriteTask(self, dirty, evict_after=False))
-            for task in io.queue.drain(reads_only=True):   # they only fill L2, going away
-                task.abort(cancelled=True)
-            if not io.wait_idle(left()):
-                log.error("kvtier cache: close timed out with L3 work in flight")
-            io.stop(left())
-        self._completer.stop(left())
-        with self._lock:
-            self._closed = True
-        stuck = io is not None and io.stuck_calls() > 0
-        for obj in reversed(self._owned):
-            if stuck and obj is self.host_pool:
-                # a store call past its deadline may still write into these pages
-                log.error("kvtier cache: an L3 call is stuck; the host pool is left open")
-                continue
-            closer = threading.Thread(target=self._close_one, args=(obj,), daemon=True,
-                                      name="kvtier-cache-close")
-            closer.start()
-            closer.join(left())
-            if closer.is_alive():
-                log.error("kvtier cache: closing %s did not return within close_timeout_s",
-                          type(obj).__name__)
-
-    @staticmethod
-    def _close_one(obj: Any) -> None:
-        try:
-            obj.close()
-        except Exception as exc:
-            log.warning("kvtier cache: closing %s failed: %s", type(obj).__name__, exc)
-
     def _check(self, report: bool = True) -> None:
-        if self._closed or self._closing:
-            raise InvalidArgumentError("the cache is closed", argument="cache")
-        if self._l3 is not None:
-            self._l3.check_workers()
-        if report and not self._failure_reported:
-            with self._lock:
-                failure, self._failure_reported = self._failure, True
-            if failure is not None:
-                raise failure
-
-    def _tier_failed(self, tier: str, message: str, cause: BaseException | None) -> None:
-        exc = TierFailureError(f"{tier} tier failed: {message}", tier=tier, cause=cause)
-        exc.__cause__ = cause
-        with self._lock:
-            self._failure = exc
-            self._failure_reported = False
+        lifecycle.check(self, report)
 
     def _l3_failed(self, message: str, cause: BaseException | None) -> None:
-        self._tier_failed("l3", message, cause)
+        lifecycle.tier_failed(self, "l3", message, cause)
 
     def _completer_died(self, exc: BaseException) -> None:
-        message = f"completion thread died: {type(exc).__name__}: {exc}"
-        self.metrics_registry.add("transfer_failures")
-        log.error("kvtier cache: transfer tier failed: %s", message, exc_info=exc)
-        self._tier_failed("transfer", message, exc)
+        lifecycle.completer_died(self, exc)
 
     def _l3_usable(self) -> bool:
         return self._l3 is not None and self._l3.usable()
@@ -566,60 +477,16 @@ class TieredKVCache:
             self._finish_fetch(fh, err)
 
     def _check_match(self, match: Match) -> None:
-        if not isinstance(match, Match) or not match.belongs_to(self):
-            raise InvalidArgumentError("expected a Match from this cache's match()",
-                                       argument="match")
-        if match.released:
-            raise InvalidArgumentError("this match was released", argument="match")
+        handles.check_match(self, match)
 
     def _page_list(self, pages: Any, what: str) -> list[int]:
-        """Device page indices as a list of ints, range-checked (fast path for int lists)."""
-        if isinstance(pages, (list, tuple)) and all(type(p) is int for p in pages):
-            if pages and (min(pages) < 0 or max(pages) >= self.device_pool.num_pages):
-                bad = min(pages) if min(pages) < 0 else max(pages)
-                raise PageIndexError(f"{what}: device page {bad} out of range [0, "
-                                     f"{self.device_pool.num_pages})", index=bad,
-                                     limit=self.device_pool.num_pages)
-            return list(pages)
-        if _is_meta(pages):
-            raise PageIndexError(f"{what} is a meta-device tensor (no data); pass page "
-                                 "indices")
-        return self.device_pool.check_pages(pages, what).tolist()
+        return handles.device_page_list(self.device_pool, pages, what)
 
     def _check_engine_pages(self, pages: Any, what: str) -> list[int]:
-        dev = self._page_list(pages, what)
-        if len(set(dev)) != len(dev):
-            raise PageIndexError(f"{what} contain duplicates")
-        with self._lock:
-            owned = [d for d in dev if self._index.l1_owner(d) is not None]
-            busy = [d for d in dev if d in self._loading]
-        if owned:
-            raise InvalidArgumentError(f"{what}: device page {owned[0]} belongs to the cache "
-                                       "(an L1 page); pass free engine pages",
-                                       argument="device_pages", value=owned[0])
-        if busy:
-            raise InvalidArgumentError(f"{what}: device page {busy[0]} is being loaded by a "
-                                       "fetch still in flight", argument="device_pages",
-                                       value=busy[0])
-        return dev
-
-    def _allocate_device(self, n: int) -> list[int]:
-        return eviction.allocate_device(self, n)
+        return handles.check_engine_pages(self, pages, what)
 
     def _alloc_host(self, n: int) -> list[int]:
         return eviction.alloc_host(self, n)
-
-    def _evict_l1(self, n: int) -> int:
-        return eviction.evict_l1(self, n)
-
-    def _evict_l2(self, n: int) -> int:
-        return eviction.evict_l2(self, n)
-
-    def _start_read(self, match: Match) -> None:
-        l3tasks.start_read(self, match)
-
-    def _wait_read(self, match: Match, want: int) -> None:
-        l3tasks.wait_read(self, match, want)
 
     def _enqueue_write(self, nodes: list[Node], *, evict_after: bool,
                        write: list[bool] | None = None) -> None:

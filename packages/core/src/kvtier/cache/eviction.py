@@ -165,9 +165,10 @@ def alloc_host(c: "TieredKVCache", n: int) -> list[int]:
     return c.host_pool.alloc(min(n, free))
 
 
-def writebacks_pending(c: "TieredKVCache") -> bool:
-    """Are L2 pages being written to L3 before they are freed (room on its way)?"""
-    return c._l3 is not None and c.write_policy.l3_on_l2_evict and c._l3.writes_pending()
+def writes_back(c: "TieredKVCache") -> bool:
+    """Does L2 eviction write dirty pages to L3 first (room then comes once they are
+    written)? Decided by policy and health only, never by timing, so replays repeat."""
+    return c.write_policy.l3_on_l2_evict and c._l3_usable()
 
 
 def wait_writebacks(c: "TieredKVCache") -> None:
@@ -196,30 +197,47 @@ def evict_l1(c: "TieredKVCache", n: int) -> int:
     """Free up to ``n`` L1 pages (lock not held). Pages being copied to L2 are pinned until
     the copy lands, and a demotion whose L2 room is still being written to L3 waits for it
     (write_back): it never drops a page that a wait would have kept."""
-    freed, short = evict_l1_once(c, n)
-    for _ in range(4):
+    freed, short = evict_l1_once(c, n, keep_short=writes_back(c))
+    for _ in range(64):                  # each pass frees pages or keeps fewer back
         if freed >= n:
             break
         if c._index.backups_inflight:
             c._completer.wait_idle(None)
-        elif short and writebacks_pending(c):
+            more, short = evict_l1_once(c, n - freed, keep_short=writes_back(c))
+        elif short:
             wait_writebacks(c)
+            more, again = evict_l1_once(c, n - freed, keep_short=writes_back(c))
+            if not more and again >= short:
+                # no room came back: L2 is full of pages in use; drop what finds none
+                more, again = evict_l1_once(c, n - freed)
+            short = again
         else:
             break
-        more, short = evict_l1_once(c, n - freed)
         freed += more
+        if not more and not short:
+            break
     return freed
 
 
-def evict_l1_once(c: "TieredKVCache", n: int) -> tuple[int, int]:
-    """One eviction pass: (pages freed, victims kept because their L2 room is on its way)."""
+def evict_l1_once(c: "TieredKVCache", n: int, *, keep_short: bool = False
+                  ) -> tuple[int, int]:
+    """One eviction pass: (pages freed, victims kept in L1 because they found no L2 room
+    and ``keep_short``: room being written back to L3 comes later)."""
     pol = c.write_policy
     idx = c._index
     kept: set[bytes] = set()
     with c._lock:
         victims, demote = select_l1(idx, n, demote_on_evict=pol.demote_on_l1_evict)
-        pages = alloc_host(c, len(demote)) if demote else []
-        if len(pages) < len(demote) and writebacks_pending(c):
+        # the victims' own L2 copies must not make the room for the others' demotions
+        copies = [nd for nd in victims if nd.host_page is not None]
+        for nd in copies:
+            nd.l2_pins += 1
+        try:
+            pages = alloc_host(c, len(demote)) if demote else []
+        finally:
+            for nd in copies:
+                nd.l2_pins -= 1
+        if len(pages) < len(demote) and keep_short:
             kept = {nd.key for nd in demote[len(pages):]}
         demote = demote[:len(pages)]
         transfers.pin_backup(c, demote)

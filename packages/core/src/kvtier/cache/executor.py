@@ -16,7 +16,10 @@ Usage (vLLM's worker-side connector)::
     ex.close()
 
 Failures are results, not exceptions: a transfer that fails, a store call that raises,
-misses or passes its deadline marks its operations False. Thread-safe.
+misses or passes its deadline marks its operations False. A call past its deadline may still
+touch its host pages when it finally returns: the result lists them in ``held_host_pages``
+(the planner keeps them out of use) and a second result for the same plan, with only
+``released_host_pages``, comes from `poll` once the call has returned. Thread-safe.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ class _Run:
         self.backups = [False] * len(plan.backups)
         self.writes = [False] * len(plan.l3_writes)
         self.parts = 0
+        self.held: list[int] = []           # host pages a call past its deadline may touch
         self.handles: list[TransferHandle] = []
         self.loads_started = threading.Event()
         read_hp = {hp for _, hp in plan.l3_reads}
@@ -63,11 +67,14 @@ class _Run:
 
     def result(self) -> PlanResult:
         return PlanResult(self.plan.plan_id, tuple(self.reads), tuple(self.loads),
-                          tuple(self.backups), tuple(self.writes))
+                          tuple(self.backups), tuple(self.writes),
+                          held_host_pages=tuple(self.held))
 
 
 class _StoreTask:
-    """L3 reads or writes of one plan, in batches of ``batch`` pages."""
+    """L3 reads or writes of one plan, in batches of ``batch`` pages. A call past its
+    deadline ends the task's part of the plan at once, with the host pages that call may
+    still touch reported as held; they are released (a second result) when it returns."""
 
     def __init__(self, ex: "CacheExecutor", run: _Run, idx: list[int], *, is_read: bool):
         self.ex = ex
@@ -75,6 +82,11 @@ class _StoreTask:
         self.idx = idx
         self.is_read = is_read
         self.num_pages = len(idx)
+        self._lock = threading.Lock()
+        self._current: list[int] = []     # host pages of the call in progress
+        self._gave_up = False
+        self._held: list[int] = []
+        self._part = "reads" if is_read else "writes"
 
     def run(self, io: L3IO) -> None:
         store = io.store
@@ -85,7 +97,7 @@ class _StoreTask:
         try:
             for s in range(0, len(self.idx), b):
                 idx = self.idx[s:s + b]
-                if not io.usable():
+                if not io.usable() or self._gave_up:
                     break
                 if self.is_read:
                     keys = [ops[i][0] for i in idx]
@@ -96,17 +108,36 @@ class _StoreTask:
                     keys = [ops[i][1] for i in idx]
                     fn, name = store.batch_set, "batch_set"
                 n = len(idx)
+                with self._lock:
+                    self._current = pages
                 ok = io.call(name, fn, keys, pages, task=self,
                              check=lambda r, n=n: isinstance(r, list) and len(r) == n)
+                with self._lock:
+                    self._current = []
+                    if self._gave_up:
+                        break
                 if ok is None:
                     continue
                 for i, v in zip(idx, ok):
                     out[i] = v is True
         finally:
-            self.ex._part_done(self.run_, "reads" if self.is_read else "writes")
+            if self._gave_up:
+                self.ex._release_held(self.run_, self._held)
+            else:
+                self.ex._part_done(self.run_, self._part)
+
+    def deadline_passed(self) -> None:
+        with self._lock:
+            if self._gave_up:
+                return
+            self._gave_up = True
+            self._held = list(self._current)
+        with self.ex._cv:
+            self.run_.held.extend(self._held)
+        self.ex._part_done(self.run_, self._part)
 
     def abort(self, cancelled: bool) -> None:
-        self.ex._part_done(self.run_, "reads" if self.is_read else "writes")
+        self.ex._part_done(self.run_, self._part)
 
 
 class CacheExecutor:
@@ -125,7 +156,9 @@ class CacheExecutor:
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
         self._runs: dict[int, _Run] = {}
-        self._done: dict[int, PlanResult] = {}
+        self._done: dict[Any, PlanResult] = {}
+        self._held: dict[int, list[int]] = {}     # plan id -> host pages still held
+        self._serial = 0
         self._closed = False
         self._completer = Completer(self._completer_died)
         self.l3: L3IO | None = None
@@ -181,7 +214,8 @@ class CacheExecutor:
         with self._lock:
             if self._closed:
                 raise InvalidArgumentError("the executor is closed", argument="executor")
-            if plan.plan_id in self._runs or plan.plan_id in self._done:
+            if plan.plan_id in self._runs or plan.plan_id in self._done \
+                    or plan.plan_id in self._held:
                 raise InvalidArgumentError(f"plan {plan.plan_id} was already submitted",
                                            argument="plan", value=plan.plan_id)
             self._runs[plan.plan_id] = run
@@ -201,7 +235,8 @@ class CacheExecutor:
             self._part_done(run, "submit")
 
     def poll(self) -> list[PlanResult]:
-        """Results of the plans finished since the last poll, in finishing order."""
+        """Results of the plans finished since the last poll, in finishing order (and the
+        release of held host pages, see the module doc)."""
         with self._lock:
             out = list(self._done.values())
             self._done.clear()
@@ -220,7 +255,10 @@ class CacheExecutor:
             return
         run.loads_started.wait(timeout)
         for h in list(run.handles):
-            h.wait_layer(layer)
+            try:
+                h.wait_layer(layer)
+            except Exception:           # reported in the plan's result
+                pass
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         with self._cv:
@@ -246,7 +284,11 @@ class CacheExecutor:
                 self._done[pid] = run.plan.failed()
             self._runs.clear()
             self._cv.notify_all()
+        stuck = self.l3 is not None and self.l3.stuck_calls() > 0
         for obj in reversed(self._owned):
+            if stuck and obj is self.host_pool:
+                log.error("kvtier executor: an L3 call is stuck; the host pool is left open")
+                continue
             try:
                 obj.close()
             except Exception as exc:
@@ -333,6 +375,26 @@ class CacheExecutor:
                 return
             del self._runs[run.plan.plan_id]
             self._done[run.plan.plan_id] = run.result()
+            if run.held:
+                self._held[run.plan.plan_id] = list(run.held)
+            self._cv.notify_all()
+
+    def _release_held(self, run: _Run, pages: list[int]) -> None:
+        """A call past its deadline came back: the host pages it held are free again."""
+        pid = run.plan.plan_id
+        with self._cv:
+            for p in pages:
+                run.held.remove(p)
+            if pid in self._runs:       # not reported yet: the result will not hold them
+                return
+            held = self._held.get(pid, [])
+            for p in pages:
+                held.remove(p)
+            if not held:
+                self._held.pop(pid, None)
+            self._serial += 1
+            self._done[(pid, "released", self._serial)] = PlanResult(
+                pid, released_host_pages=tuple(pages))
             self._cv.notify_all()
 
     def _completer_died(self, exc: BaseException) -> None:

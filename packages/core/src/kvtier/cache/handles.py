@@ -1,6 +1,7 @@
 """What a request holds: `Match` (its hits, pinned until release), `FetchHandle` (a load in
 flight) and `CommitResult`. The controller changes them only through their methods, under its
-lock; engines read their public attributes and call ``wait``/``wait_layer``/``done``."""
+lock; engines read their public attributes and call ``wait``/``wait_layer``/``done``. Also the
+checks of what an engine passes in (matches, device pages) before anything changes."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..errors import InvalidArgumentError, TransferError
+from ..errors import InvalidArgumentError, PageIndexError, TransferError
 from ..interfaces import TransferHandle
 from .index import Node
 
 if TYPE_CHECKING:
+    from ..device_pool import DeviceKVPool
+    from .controller import TieredKVCache
     from .l3tasks import ReadTask
 
 __all__ = ["CommitResult", "Match", "FetchHandle"]
@@ -172,7 +175,8 @@ class FetchHandle:
 
     def __init__(self, on_finish: Callable[["FetchHandle", BaseException | None], None],
                  match: Match, handle: TransferHandle, nodes: list[Node],
-                 device_pages: list[int], unused: list[int], num_layers: int):
+                 device_pages: list[int], unused: list[int], num_layers: int, *,
+                 from_l2: int = 0):
         self._on_finish = on_finish
         self.match = match
         self._handle = handle
@@ -181,6 +185,7 @@ class FetchHandle:
         self.unused_pages = unused              # pages given but not loaded (the engine's)
         self.pages_loaded = len(device_pages)
         self.num_layers = num_layers
+        self.from_l2 = min(from_l2, len(device_pages))   # leading pages loaded from L2
         self._finished = False
         self._error: BaseException | None = None
         self._t0 = time.perf_counter()
@@ -242,3 +247,53 @@ class FetchHandle:
     def reject(self, page: int) -> None:
         """A loaded page the cache did not take (a duplicate): the engine's again."""
         self.not_taken.append(page)
+
+
+# --------------------------------------------------------------------------------------------
+# What the engine passes in (checked before anything changes)
+# --------------------------------------------------------------------------------------------
+def is_meta(x: Any) -> bool:
+    """A meta-device tensor: a shape without data."""
+    dev = getattr(x, "device", None)
+    return getattr(dev, "type", None) == "meta"
+
+
+def check_match(cache: "TieredKVCache", match: Match) -> None:
+    if not isinstance(match, Match) or not match.belongs_to(cache):
+        raise InvalidArgumentError("expected a Match from this cache's match()",
+                                   argument="match")
+    if match.released:
+        raise InvalidArgumentError("this match was released", argument="match")
+
+
+def device_page_list(pool: "DeviceKVPool", pages: Any, what: str) -> list[int]:
+    """Device page indices as a list of ints, range-checked (fast path for int lists)."""
+    if isinstance(pages, (list, tuple)) and all(type(p) is int for p in pages):
+        if pages and (min(pages) < 0 or max(pages) >= pool.num_pages):
+            bad = min(pages) if min(pages) < 0 else max(pages)
+            raise PageIndexError(f"{what}: device page {bad} out of range [0, "
+                                 f"{pool.num_pages})", index=bad, limit=pool.num_pages)
+        return list(pages)
+    if is_meta(pages):
+        raise PageIndexError(f"{what} is a meta-device tensor (no data); pass page indices")
+    return pool.check_pages(pages, what).tolist()
+
+
+def check_engine_pages(cache: "TieredKVCache", pages: Any, what: str) -> list[int]:
+    """Engine pages for a fetch: in range, distinct, not the cache's (L1) and not being
+    loaded by a fetch still in flight."""
+    dev = device_page_list(cache.device_pool, pages, what)
+    if len(set(dev)) != len(dev):
+        raise PageIndexError(f"{what} contain duplicates")
+    with cache._lock:
+        owned = [d for d in dev if cache._index.l1_owner(d) is not None]
+        busy = [d for d in dev if d in cache._loading]
+    if owned:
+        raise InvalidArgumentError(f"{what}: device page {owned[0]} belongs to the cache "
+                                   "(an L1 page); pass free engine pages",
+                                   argument="device_pages", value=owned[0])
+    if busy:
+        raise InvalidArgumentError(f"{what}: device page {busy[0]} is being loaded by a "
+                                   "fetch still in flight", argument="device_pages",
+                                   value=busy[0])
+    return dev

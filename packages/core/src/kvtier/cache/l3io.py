@@ -9,12 +9,13 @@ Deadlines: a call that has not returned after ``call_timeout_s`` is a counted fa
 (``l3_timeouts``; it adds to the error streak) and its worker is replaced, so a store that
 blocks forever costs misses, never a hang. The stuck thread keeps its task's host pages (a
 late ``batch_get`` may still write into them) until the call returns, and its result is then
-thrown away. ``batch_exists`` runs on a helper thread under the same deadline.
+thrown away. ``batch_exists`` runs on a thread of its own under the same deadline.
 
 Health (``state``): ``"none"`` (no store), ``"ok"``, ``"degraded: ..."`` (calls stuck past
-their deadline; still used), ``"failed: ..."`` (``error_limit`` failed calls in a row, or a
-dead worker). Failed is reported once through ``on_failure`` and stays until `restart`; every
-queued task is aborted then.
+their deadline; still used), ``"failed: ..."`` (``error_limit`` failed calls in a row,
+``error_limit`` calls stuck at once -- each holds a thread -- or a dead worker). Failed is
+reported once through ``on_failure`` and stays until `restart`; every queued task is aborted
+then.
 """
 
 from __future__ import annotations
@@ -106,7 +107,8 @@ class _ExistsJob:
     def __init__(self, keys: list[bytes]):
         self.keys = keys
         self.result: int | None = None
-        self.done = threading.Event()
+        self.done = threading.Lock()      # held until the exists thread has the result
+        self.done.acquire()
 
 
 class _Call:
@@ -169,10 +171,10 @@ class L3IO:
         """Mark the tier failed if a worker died (not one replaced after a deadline)."""
         if self._failed is not None or self._stopped:
             return
-        for t in list(self._workers):
-            if not t.is_alive() and t not in self._replaced:
-                self.fail(f"L3 I/O thread {t.name} is dead", None)
-                return
+        with self._lock:               # start_workers lists a thread before starting it
+            dead = [t for t in self._workers if not t.is_alive() and t not in self._replaced]
+        if dead:
+            self.fail(f"L3 I/O thread {dead[0].name} is dead", None)
 
     def fail(self, message: str, cause: BaseException | None) -> None:
         with self._lock:
@@ -284,7 +286,7 @@ class L3IO:
         return result
 
     def exists(self, keys: Sequence[bytes]) -> int:
-        """``batch_exists`` under the deadline, on a helper thread; 0 on any failure."""
+        """``batch_exists`` under the deadline, on its own thread; 0 on any failure."""
         job = _ExistsJob(list(keys))
         with self._lock:
             t = self._exists_thread
@@ -299,7 +301,7 @@ class L3IO:
             q = self._exists_q
         q.put(job)
         # The call's own deadline fires first; the margin covers the watchdog's wake-up.
-        job.done.wait(self.call_timeout_s + 1.0)
+        job.done.acquire(timeout=self.call_timeout_s + 1.0)
         return job.result if job.result is not None else 0
 
     def _exists_loop(self, q: "queue.SimpleQueue[_ExistsJob | None]") -> None:
@@ -314,7 +316,7 @@ class L3IO:
                     "batch_exists", self.store.batch_exists, job.keys,
                     check=lambda r, n=n: not isinstance(r, bool) and isinstance(r, int)
                     and 0 <= r <= n)
-                job.done.set()
+                job.done.release()
         finally:
             with self._lock:
                 self._replaced.discard(me)
@@ -351,6 +353,10 @@ class L3IO:
             if c.task is not None and hasattr(c.task, "deadline_passed"):
                 c.task.deadline_passed()
             self.error(c.op, TimeoutError(f"no return within {self.call_timeout_s:g}s"))
+        stuck = self.stuck_calls()
+        if stuck >= self.error_limit:          # each one holds a thread: bound them
+            self.fail(f"{stuck} store calls stuck past the {self.call_timeout_s:g}s deadline",
+                      None)
         if not self._stopped and self._failed is None:
             self.start_workers()
 
@@ -374,13 +380,6 @@ class L3IO:
 
     def depths(self) -> tuple[int, int]:
         return self.queue.depths()
-
-    def writes_pending(self) -> bool:
-        """A write is queued or a task is running (not counting calls stuck past their
-        deadline)."""
-        q = self.queue
-        with q.cv:
-            return bool(q.writes) or q.inflight > self.stuck_calls()
 
     def stuck_calls(self) -> int:
         """Store calls past their deadline that have not returned yet."""

@@ -209,7 +209,7 @@ def start_read(c: "TieredKVCache", match: "Match") -> None:
             return
         want = match.l3_count
         pages = eviction.alloc_host(c, want)
-        wait = len(pages) < want and eviction.writebacks_pending(c)
+        wait = len(pages) < want and eviction.writes_back(c)
     if wait:
         eviction.wait_writebacks(c)
     with c._lock:

@@ -94,6 +94,7 @@ class CachePlanner:
         self._lock = threading.RLock()
         self._plans: dict[int, _Pending] = {}
         self._pending: dict[bytes, int] = {}      # key -> plan reading / backing it up
+        self._held: dict[int, tuple[set[int], list[Node]]] = {}   # late store calls
         self._saves: OrderedDict[bytes, int] = OrderedDict()   # selective: saves per key
         self._next_id = 0
         self.metrics_registry = Metrics()
@@ -127,7 +128,7 @@ class CachePlanner:
                 self.prefetch_policy.consult_l3(rest * self.spec.page_size):
             n3 = self._exists(list(keys[start + n2:]))
         self.metrics_registry.add_many({"lookup_calls": 1, "lookup_pages": len(keys) - start,
-                                        "l2_hit_pages": n2, "l3_hit_pages": n3})
+                                        "l2_matched_pages": n2, "l3_matched_pages": n3})
         return Lookup(start, n2, n3)
 
     def pending_plans(self) -> list[int]:
@@ -156,12 +157,7 @@ class CachePlanner:
         L2 run directly, the rest through L3 reads into newly allocated host pages. The plan
         may cover fewer pages (``len(plan.loads)``) when L2 changed or has no room; a page L3
         no longer holds fails in the result (use `PlanResult.loaded_prefix`)."""
-        self._check_start(keys, start)
-        dev = self._pages(device_pages)
-        if start + len(dev) > len(keys):
-            raise InvalidArgumentError(f"plan_load got {len(dev)} device pages for "
-                                       f"{len(keys) - start} keys from page {start}",
-                                       argument="device_pages", value=len(dev))
+        dev = self._span(keys, device_pages, start, "plan_load")
         with self._lock:
             st = _Pending(Plan(self._new_id()))
             l2 = self.index.l2_run(keys, start)[:len(dev)]
@@ -192,12 +188,7 @@ class CachePlanner:
                   ) -> Plan:
         """Back up ``keys[start + i]`` held in ``device_pages[i]`` to L2 (and L3) under the
         write policy; pages already in L2 or in flight are skipped."""
-        self._check_start(keys, start)
-        dev = self._pages(device_pages)
-        if start + len(dev) > len(keys):
-            raise InvalidArgumentError(f"plan_save got {len(dev)} device pages for "
-                                       f"{len(keys) - start} keys from page {start}",
-                                       argument="device_pages", value=len(dev))
+        dev = self._span(keys, device_pages, start, "plan_save")
         pol = self.write_policy
         with self._lock:
             st = _Pending(Plan(self._new_id()))
@@ -254,6 +245,9 @@ class CachePlanner:
                                        f"{type(result).__name__}", argument="result")
         with self._lock:
             st = self._plans.get(result.plan_id)
+            if st is None and result.released_host_pages:
+                self._release(result)
+                return
             if st is None:
                 raise InvalidArgumentError(f"plan {result.plan_id} is not pending",
                                            argument="result", value=result.plan_id)
@@ -296,10 +290,15 @@ class CachePlanner:
             for k in st.keys:
                 if self._pending.get(k) == p.plan_id:
                     del self._pending[k]
+            if result.held_host_pages:
+                free = self._hold(p.plan_id, result.held_host_pages, free)
             if free:
                 self.host.free(free)
         wrote = sum(result.l3_writes)
+        read_hp = {hp for _, hp in p.l3_reads}
+        l3_hits = sum(1 for (hp, _), ok in zip(p.loads, result.loads) if ok and hp in read_hp)
         self.metrics_registry.add_many({
+            "l2_hit_pages": sum(result.loads) - l3_hits, "l3_hit_pages": l3_hits,
             "l3_loaded_pages": sum(result.l3_reads),
             "l3_read_failed_pages": len(result.l3_reads) - sum(result.l3_reads),
             "loaded_pages": sum(result.loads),
@@ -320,6 +319,39 @@ class CachePlanner:
         self.complete(st.plan.failed())
 
     # ----- helpers (lock held) ----------------------------------------------------------------
+    def _hold(self, plan_id: int, held: Sequence[int], free: list[int]) -> list[int]:
+        """Keep host pages a late store call may touch out of use: not freed, and pinned
+        where they hold an L2 page. Returns the pages free now."""
+        hs = set(held)
+        nodes = {nd.host_page: nd for _, nd in self.index.l2_lru.items() if nd.host_page in hs}
+        pinned: list[Node] = []
+        for hp in hs:
+            nd = nodes.get(hp)
+            if nd is not None:
+                nd.l2_pins += 1
+                pinned.append(nd)
+        self._held[plan_id] = (set(hs), pinned)
+        self.metrics_registry.add("held_host_pages", len(hs))
+        return [hp for hp in free if hp not in hs]
+
+    def _release(self, result: PlanResult) -> None:
+        entry = self._held.get(result.plan_id)
+        if entry is None:
+            raise InvalidArgumentError(f"plan {result.plan_id} holds no host pages",
+                                       argument="result", value=result.plan_id)
+        pages, pinned = entry
+        rel = set(result.released_host_pages) & pages
+        for nd in [nd for nd in pinned if nd.host_page in rel]:
+            nd.l2_pins -= 1
+            pinned.remove(nd)
+        owned = {nd.host_page for _, nd in self.index.l2_lru.items()}
+        free = [hp for hp in rel if hp not in owned]
+        pages -= rel
+        if not pages:
+            del self._held[result.plan_id]
+        if free:
+            self.host.free(free)
+
     def _new_id(self) -> int:
         self._next_id += 1
         return self._next_id
@@ -378,6 +410,18 @@ class CachePlanner:
             log.warning("kvtier planner: l3_exists returned %r", n)
             return 0
         return n
+
+    @classmethod
+    def _span(cls, keys: Sequence[bytes], device_pages: Sequence[int], start: int,
+              what: str) -> list[int]:
+        """Checked device pages for ``keys[start:start + len(device_pages)]``."""
+        cls._check_start(keys, start)
+        dev = cls._pages(device_pages)
+        if start + len(dev) > len(keys):
+            raise InvalidArgumentError(f"{what} got {len(dev)} device pages for "
+                                       f"{len(keys) - start} keys from page {start}",
+                                       argument="device_pages", value=len(dev))
+        return dev
 
     @staticmethod
     def _check_start(keys: Sequence[bytes], start: int) -> None:

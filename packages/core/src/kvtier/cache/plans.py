@@ -68,13 +68,20 @@ class Plan:
 
 @dataclass(frozen=True)
 class PlanResult:
-    """What the data path did with a plan: one bool per operation, in plan order."""
+    """What the data path did with a plan: one bool per operation, in plan order.
+
+    ``held_host_pages``: host pages a store call past its deadline may still read or write;
+    they must stay out of use until a later result for the same plan lists them in
+    ``released_host_pages`` (that result has no operations).
+    """
 
     plan_id: int
     l3_reads: tuple[bool, ...] = ()
     loads: tuple[bool, ...] = ()
     backups: tuple[bool, ...] = ()
     l3_writes: tuple[bool, ...] = ()
+    held_host_pages: tuple[int, ...] = ()
+    released_host_pages: tuple[int, ...] = ()
 
     @property
     def ok(self) -> bool:

@@ -230,4 +230,8 @@ def finish_fetch(c: "TieredKVCache", fh: "FetchHandle", err: BaseException | Non
         for nd in reversed(m.l1_nodes):
             if nd.device_page is not None:
                 touch(nd.key, nd)
+    n2, n3 = fh.from_l2, len(fh.device_pages) - fh.from_l2
+    ps = c.spec.page_size
+    c.metrics_registry.add_many({"l2_hit_pages": n2, "l3_hit_pages": n3,
+                                 "l2_hit_tokens": n2 * ps, "l3_hit_tokens": n3 * ps})
     c.metrics_registry.observe("load_l1", time.perf_counter() - fh.started_at)
