@@ -305,7 +305,7 @@ def reference() -> str:
             "environment variables (dict fields as JSON); unknown keys and unknown `KVTIER_*` "
             "variables are errors that name them. Backend configs go in `host_allocator_config`"
             ", `l3_config` and `transfer_config`.\n")
-    sections = [("CacheConfig (the controller)", CacheConfig,
+    sections: list[tuple[str, type, str]] = [("CacheConfig (the controller)", CacheConfig,
                  "`kvtier.cache.CacheConfig`; environment: `KVTIER_<FIELD>`.")]
     for cls in (TorchPinnedAllocator, MmapAllocator, MemoryStore, FileStore, MooncakeStore,
                 TorchTransferEngine):

@@ -243,7 +243,8 @@ class MetricsServer:
 
         self._httpd = ThreadingHTTPServer((host, port), Handler)
         self._httpd.daemon_threads = True
-        self.host, self.port = self._httpd.server_address[:2]
+        addr = self._httpd.server_address
+        self.host, self.port = str(addr[0]), int(addr[1])
         self._thread = threading.Thread(target=self._httpd.serve_forever,
                                         name="kvtier-metrics", daemon=True)
         self._thread.start()

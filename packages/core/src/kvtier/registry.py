@@ -37,7 +37,7 @@ class BackendRecord:
     distribution: str
     version: str
     target: str                                  # the entry point's value
-    cls: type | None = None
+    cls: type[Any] | None = None
     error: Exception | None = None               # load / version / conflict problem
     availability: Availability | None = None     # cached probe() result
     conflicts_with: list[str] = field(default_factory=list)

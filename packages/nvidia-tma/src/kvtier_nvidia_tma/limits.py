@@ -402,8 +402,8 @@ def probe_latency(args) -> dict[str, Any]:
         make_pools(torch, pools, args.cases.split(",")[0], nbytes, host_buf, "random")
         spec = CASES[pools["case"]]
         eng = _engine("nvidia-tma", pools)
-        hl, dl = indices(pools, "nvidia-tma", "load")
-        hb, db = indices(pools, "nvidia-tma", "backup")
+        hl, dl = indices(pools, type(eng), "load")
+        hb, db = indices(pools, type(eng), "backup")
         moved = pools["n"] * spec.page_bytes
         c = eng.config
         in_flight = c.ctas * c.warps * (c.stages - 1 - c.stores_in_flight) * c.stage_bytes

@@ -753,7 +753,7 @@ def calibrate(ordinal: int, sm_cls: type, config: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for d, table in tables.items():
         out[d] = {"table": {str(k): v for k, v in table.items()},
-                  "crossover": choose_crossover({k: tuple(v) for k, v in table.items()},
+                  "crossover": choose_crossover({k: (v[0], v[1]) for k, v in table.items()},
                                                 config.prefer_copy_within)}
     return out
 

@@ -378,7 +378,7 @@ def run(args: argparse.Namespace) -> int:
         shutil.rmtree(work if not own_dir else base, ignore_errors=True)
     labels = [m[0] for m in modes]
     speed, provider = checksum_gbps(args.checksum)
-    data: dict[str, Any] = {
+    data = {
         "dir": base, "cache": args.cache, "total": total, "repeat": args.repeat,
         "threads": args.threads, "batch": args.batch, "raw_modes": labels,
         "checksum": {"kind": args.checksum, "provider": provider, "gbps": speed},

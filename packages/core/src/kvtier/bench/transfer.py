@@ -184,7 +184,7 @@ def make_pools(torch, pools: dict[str, Any], case: str, nbytes: int, host_buf,
     hp = min(4 * nbytes // spec.page_bytes, 2 * n + n // 2)
     dp = 2 * n + 1 if order == "sequential" else n + n // 4 + 1
     dpool = DeviceKVPool.empty(spec, dp, "cuda")
-    for comp in dpool.layers:
+    for comp in dpool.require_layers("bench transfer"):
         for t in comp:
             fill_random(t)
     hpool = HostKVPool(spec, hp, buffer=host_buf)
@@ -318,7 +318,7 @@ def _run(args: argparse.Namespace, torch) -> int:
     return 0
 
 
-def indices(pools: dict[str, Any], cls: type, op: str) -> tuple[Any, Any]:
+def indices(pools: dict[str, Any], cls: type[Any], op: str) -> tuple[Any, Any]:
     """(host, device) indices for a load or a backup, where the engine wants them (on the host
     for engines that declare ``host_indices``, else on the device)."""
     h, d = (pools["host"], pools["dev"]) if op == "load" else (pools["host2"], pools["dev2"])
@@ -327,7 +327,7 @@ def indices(pools: dict[str, Any], cls: type, op: str) -> tuple[Any, Any]:
     return h, d
 
 
-def _layer_keys(cls: type) -> bool:
+def _layer_keys(cls: type[Any]) -> bool:
     keys = getattr(cls.Config, "__dataclass_fields__", {})
     return "layerwise_load" in keys and "layerwise_backup" in keys
 

@@ -286,12 +286,12 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             "outputs_identical": same_as(base_reqs),
             "outputs_identical_all_cached": same_as(ideal_reqs),
             "engine_start_s": res["start_s"]})
-    b = next(r for r in rows if r["run"] == "vllm")
+    b: dict[str, Any] = next(r for r in rows if r["run"] == "vllm")
     for r in rows:
         if "error" in r:
             continue
-        r["ttft_mean_ratio"] = r["ttft_mean_ms"] / b["ttft_mean_ms"]
-        r["ttft_p90_ratio"] = r["ttft_p90_ms"] / b["ttft_p90_ms"]
+        r["ttft_mean_ratio"] = float(r["ttft_mean_ms"]) / float(b["ttft_mean_ms"])
+        r["ttft_p90_ratio"] = float(r["ttft_p90_ms"]) / float(b["ttft_p90_ms"])
     try:
         load = os.getloadavg()
     except OSError:

@@ -99,6 +99,8 @@ class _StoreTask:
                 idx = self.idx[s:s + b]
                 if not io.usable() or self._gave_up:
                     break
+                keys: list[Any]
+                pages: list[Any]
                 if self.is_read:
                     keys = [ops[i][0] for i in idx]
                     pages = [ops[i][1] for i in idx]

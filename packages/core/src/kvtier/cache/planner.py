@@ -263,22 +263,22 @@ class CachePlanner:
                 nd.l2_pins -= 1
             landed: list[Node] = []
             for (key, hp), parent, ok in zip(p.l3_reads, st.read_parents, result.l3_reads):
-                nd = self._register(key, hp, parent) if ok else None
-                if nd is None:
+                got = self._register(key, hp, parent) if ok else None
+                if got is None:
                     free.append(hp)
                 else:
-                    nd.in_l3 = True
-                    landed.append(nd)
+                    got.in_l3 = True
+                    landed.append(got)
             wt_ok = result.l3_writes[:st.wt_writes]
             for i, ((_, hp), key, parent, ok) in enumerate(zip(
                     p.backups, st.backup_keys, st.backup_parents, result.backups)):
-                nd = self._register(key, hp, parent) if ok else None
-                if nd is None:
+                got = self._register(key, hp, parent) if ok else None
+                if got is None:
                     free.append(hp)
                 else:
-                    landed.append(nd)
+                    landed.append(got)
                     if i < len(wt_ok) and wt_ok[i]:
-                        nd.in_l3 = True
+                        got.in_l3 = True
             self.index.touch_l2_up(landed)
             wb_res = list(result.l3_writes[st.wt_writes:])
             ok_wb: list[bool | None] = []

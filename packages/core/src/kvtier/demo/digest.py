@@ -31,7 +31,7 @@ class PageDigests:
         self.pool = pool
         spec = pool.spec
         ps = spec.page_size
-        row = pool.layers[0][0][0]
+        row = pool.require_layers("demo digests")[0][0][0]
         words = ps * row.numel() * row.element_size() // 2
         g = torch.Generator().manual_seed(seed)
         self._w = torch.randint(1, 1 << 16, (words,), generator=g,
@@ -52,7 +52,8 @@ class PageDigests:
         acc = torch.zeros(len(pages), dtype=torch.int64, device=self.pool.device)
         for i in range(self.pool.spec.num_layers):
             for c in range(2):
-                x = self.pool.layers[c][i].index_select(0, slots).contiguous()
+                x = self.pool.require_layers("demo digests")[c][i].index_select(
+                    0, slots).contiguous()
                 words = x.view(torch.int16).view(len(pages), -1).to(torch.int64)
                 acc += (words * self._w).sum(dim=1) * self._salt[i][c]
         return acc.tolist()

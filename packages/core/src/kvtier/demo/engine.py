@@ -213,7 +213,7 @@ class DemoEngine:
 
     def _corrupt(self, page: int) -> None:
         ps = self.model.spec.page_size
-        row = self.pool.layers[0][0][page * ps]
+        row = self.pool.require_layers("demo")[0][0][page * ps]
         row.view(torch.uint8).view(-1)[0] ^= 0x01     # one flipped bit of one K value
         self.corrupted += 1
 

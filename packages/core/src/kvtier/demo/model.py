@@ -390,7 +390,7 @@ class DemoModel:
         l_diff = _max_abs_diff(logits, ref_logits)
         ps = self.page_size
         slots = _slots(pages, ps, pool.device)
-        kv_diff, bad_pages = 0.0, set()
+        kv_diff, bad_pages = 0.0, set[int]()
         for i, (rk, rv) in enumerate(ref_kv):
             for comp, ref in ((0, rk), (1, rv)):
                 got = pool.layers[comp][i].index_select(0, slots)

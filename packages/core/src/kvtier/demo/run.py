@@ -213,7 +213,7 @@ class DemoReport:
         for s, run in zip(rows, self.runs):
             s["ideal_speedup"] = s["achieved_of_ideal"] = s["slower_pct"] = None
             s["slower_loading_pct"] = None
-            if base_run is None:
+            if base_run is None or base is None:
                 s["hit_gain_pts"] = s["ttft_speedup"] = s["p90_speedup"] = None
                 continue
             if rate > 0:

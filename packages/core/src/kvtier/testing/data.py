@@ -54,7 +54,7 @@ def make_host_pool(spec: KVSpec, num_pages: int, layout: str = "page_first",
 
 def make_device_pool(spec: KVSpec, num_pages: int, device: str = "cpu") -> DeviceKVPool:
     pool = DeviceKVPool.empty(spec, num_pages, device)
-    for comp in pool.layers:
+    for comp in pool.require_layers("make_device_pool"):
         for t in comp:
             fill_random(t)
     return pool

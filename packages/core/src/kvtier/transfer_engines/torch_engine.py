@@ -386,7 +386,7 @@ class TorchTransferEngine(TransferEngine):
             if self.zero_copy:               # the device reads the host rows itself
                 rows = _staged(slot.dev, nb, lb, w, self._pieces[layer][0].dev.dtype)
                 for r in self._runs[layer]:
-                    torch.index_select(r.alias, 0, h_idx[s:e],
+                    torch.index_select(r.alias, 0, h_idx[s:e],  # type: ignore[arg-type]
                                        out=rows[:, r.col // w:(r.col + r.nbytes) // w])
             else:
                 self._host_rows(layer, slot.host, h_idx[s:e], gather=True)
@@ -415,7 +415,7 @@ class TorchTransferEngine(TransferEngine):
                 torch.index_select(p.dev, 0, d_idx[s:e], out=rows[:, p.col0:p.col0 + p.cols])
             if self.zero_copy:               # the device writes the host rows itself
                 for r in self._runs[layer]:
-                    r.alias.index_copy_(0, h_idx[s:e],
+                    r.alias.index_copy_(0, h_idx[s:e],  # type: ignore[union-attr,arg-type]
                                         rows[:, r.col // w:(r.col + r.nbytes) // w])
                 if e == len(h_idx):
                     handle._signal(layer, self._record())
@@ -453,9 +453,9 @@ class TorchTransferEngine(TransferEngine):
         hi, di = torch.from_numpy(h), torch.from_numpy(d)
         for r in self._runs[layer]:
             if to_device:
-                r.dev_view.index_copy_(0, di, r.host_view.index_select(0, hi))
+                r.dev_view.index_copy_(0, di, r.host_view.index_select(0, hi))  # type: ignore[union-attr]
             else:
-                r.host_view.index_copy_(0, hi, r.dev_view.index_select(0, di))
+                r.host_view.index_copy_(0, hi, r.dev_view.index_select(0, di))  # type: ignore[union-attr]
 
 
 def _staged(flat: torch.Tensor, nb: int, lb: int, w: int, dtype: torch.dtype) -> torch.Tensor:

@@ -99,7 +99,7 @@ class KVTierConnectorStats(KVConnectorStats):
     """kvtier's counters for one interval (pages, bytes, failures per tier); sums."""
 
     def reset(self) -> None:
-        self.data = {}
+        self.data: dict[str, Any] = {}
 
     def aggregate(self, other: KVConnectorStats) -> "KVTierConnectorStats":
         merged = Counter(self.data)

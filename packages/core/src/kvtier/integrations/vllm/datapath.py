@@ -42,8 +42,7 @@ class ChunkCopyEngine(TransferEngine):
 
     @classmethod
     def capabilities(cls) -> Capabilities:
-        return Capabilities(directions=("h2d", "d2h"), layerwise=True, device_types=("cpu",),
-                            host_layouts=("page_first",))
+        return Capabilities(device_types=("cpu",), host_layouts=("page_first",))
 
     def __init__(self, device_pool, host_pool, config: Any = None):
         super().__init__(device_pool, host_pool, config)
