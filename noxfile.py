@@ -20,8 +20,9 @@ nox.options.sessions = [f"tests-{p}" for p in PACKAGES] + ["tests-sglang", "test
                                                             "typecheck", "demo", "build"]
 #: Extras of kvtier-core a package's tests need (core: the Mooncake client, so the `mooncake`
 #: L3 store runs against a real master -- .ci/run installs its system libraries -- and the
-#: demo's transformers model, so the demo's tests run instead of skipping).
-CORE_EXTRAS = {"core": ("mooncake", "demo")}
+#: demo's transformers model, so the demo's tests run instead of skipping; prometheus_client and
+#: blake3, so the exporter's and the BLAKE3 key tests run too).
+CORE_EXTRAS = {"core": ("mooncake", "demo", "prometheus", "blake3")}
 nox.options.reuse_existing_virtualenvs = True
 
 
