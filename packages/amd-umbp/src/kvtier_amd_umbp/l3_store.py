@@ -361,7 +361,7 @@ class UmbpStore(L3Store):
         return max(0, min(int(got), len(keys)))
 
     def batch_get(self, keys: Sequence[bytes], host_pages: Sequence[int]) -> list[bool]:
-        pages = self._check_batch(keys, host_pages)
+        pages = self._check_batch(keys, host_pages, distinct_pages=True)
         self._live()
         if not keys:
             return []

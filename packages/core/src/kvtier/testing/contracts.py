@@ -208,6 +208,20 @@ class L3StoreContract(_Suite):
         for i, p in enumerate(dst):
             assert_bitwise_equal(pool.view[p], want[i], f"page {i} read into host page {p}")
 
+    def test_get_into_the_same_host_page_twice_is_refused(self, store, pool):
+        """Two keys read into one host page would leave it holding one of them while both
+        report a hit: a typed error before anything is touched."""
+        from ..errors import InvalidArgumentError
+        keys = self.keys(3)
+        assert store.batch_set(keys, [0, 1, 2]) == [True] * 3
+        before = self.snapshot(pool, [4, 5])
+        with pytest.raises(InvalidArgumentError):
+            store.batch_get(keys[:2], [4, 4])
+        with pytest.raises(InvalidArgumentError):
+            store.batch_get(keys, [5, 4, 5])
+        for p, want in zip((4, 5), before):
+            assert_bitwise_equal(pool.view[p], want, f"host page {p} was touched")
+
     def test_exists_counts_leading_hits(self, store, pool):
         keys = self.keys(6)
         assert store.batch_exists(keys) == 0
