@@ -181,3 +181,41 @@ def test_manifest_records_the_identity(tmp_path, pool):
     s2.close()
     with pytest.raises(ConfigError):
         FileStore({"root": str(tmp_path), "namespace": "../x"}, spec=SPEC)
+
+
+def test_controller_folds_the_identity_into_keys_and_the_file_store(tmp_path) -> None:
+    """Through the controller: a second cache over the same file L3 hits with the same
+    identity and gets 0 hits with another revision, RoPE, PP rank or hash."""
+    import torch
+
+    from kvtier.cache import TieredKVCache
+    from kvtier.device_pool import DeviceKVPool
+    from kvtier.page_allocator import PageAllocator
+    spec = KVSpec.mha(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, dtype="float32")
+    tokens = list(range(33))
+    base = {"model_id": "m", "host_pool_pages": 16, "l3_store": "file",
+            "l3_config": {"root": str(tmp_path)}, "model_revision": "r1"}
+
+    def cache(**over):
+        pool = DeviceKVPool.empty(spec, 16)
+        for comp in pool.require_layers("test"):
+            for t in comp:
+                t.copy_(torch.randn(t.shape))
+        alloc = PageAllocator(16)
+        return TieredKVCache.from_config({**base, **over}, device_pool=pool,
+                                         allocate_device_pages=alloc.alloc,
+                                         free_device_pages=alloc.free), alloc
+
+    c, alloc = cache()
+    with c:
+        m = c.match(tokens)
+        c.commit(tokens, alloc.alloc(8), match=m)
+        c.release(m)
+        assert c.wait_idle(30)
+    for over, hits in (({}, 8), ({"model_revision": "r2"}, 0), ({"rope": '{"factor":2}'}, 0),
+                       ({"pp_rank": 1, "pp_size": 2}, 0), ({"key_hash": "blake2b"}, 0)):
+        c, _ = cache(**over)
+        with c:
+            m = c.match(tokens)
+            assert m.l3_count == hits, over
+            c.release(m)

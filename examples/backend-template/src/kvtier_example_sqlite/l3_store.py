@@ -74,7 +74,9 @@ class SqliteStore(L3Store):
         return n
 
     def batch_get(self, keys: Sequence[bytes], host_pages: Sequence[int]) -> list[bool]:
-        pages = self._check_batch(keys, host_pages)   # refuses an unattached store, bad input
+        # refuses an unattached store and bad input; distinct_pages: a host page named twice
+        # would hold one key while both report a hit
+        pages = self._check_batch(keys, host_pages, distinct_pages=True)
         import torch
         out = []
         for k, p in zip(keys, pages):

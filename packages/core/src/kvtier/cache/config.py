@@ -29,7 +29,19 @@ class CacheConfig:
     model_id: str
     tp_rank: int = 0
     tp_size: int = 1
+    #: Folded into every page key with model_id and the KV geometry (kvtier.keys.KeyNamespace):
+    #: a LoRA adapter, a tenant, anything else that changes a page's bytes.
     salt: str = ""
+    #: The model's revision (commit or tag): part of every page key.
+    model_revision: str = ""
+    #: RoPE and its scaling as the engine runs it (a canonical string, e.g. the JSON of the
+    #: model's rope_scaling): part of every page key.
+    rope: str = ""
+    #: Pipeline-parallel rank and size: part of every page key.
+    pp_rank: int = 0
+    pp_size: int = 1
+    #: Page-key hash: "sha256" (the default), "blake2b" or "blake3" (kvtier-core[blake3]).
+    key_hash: Literal["sha256", "blake2b", "blake3"] = "sha256"
     host_pool_pages: int | None = None
     host_pool_bytes: int | None = None
     host_pool_ratio: float = 2.0
@@ -168,6 +180,13 @@ class CacheConfig:
             if v is not None:
                 data[f.name] = v
         return build_config(cls, data, section="cache", from_text=True)
+
+    def key_identity(self) -> dict[str, Any]:
+        """The identity fields of `kvtier.keys.PageKeyer` this config sets (besides model_id,
+        TP rank/size and salt; the layouts come from the pools)."""
+        return {"model_revision": self.model_revision, "rope": self.rope,
+                "pp_rank": self.pp_rank, "pp_size": self.pp_size, "hash": self.key_hash,
+                "host_layout": self.host_layout}
 
     def host_pages_for(self, page_bytes: int, device_pages: int) -> int:
         """How many host pages this config asks for."""

@@ -104,7 +104,8 @@ class TieredKVCache:
         self._free_cb = free_device_pages
         self._alloc_cb = allocate_device_pages
         self.keyer = PageKeyer(model_id=cfg.model_id, spec=spec, tp_rank=cfg.tp_rank,
-                               tp_size=cfg.tp_size, salt=cfg.salt)
+                               tp_size=cfg.tp_size, salt=cfg.salt,
+                               device_layout=device_pool.page_order, **cfg.key_identity())
         self.write_policy: WritePolicy = make_write_policy(
             cfg.write_policy, selective_threshold=cfg.selective_threshold)
         self.prefetch_policy: PrefetchPolicy = make_prefetch_policy(
@@ -130,7 +131,8 @@ class TieredKVCache:
                 self._owned.append(engine)
             self.engine = engine
             if store is None and cfg.l3_store is not None:
-                store = create_l3_store(cfg.l3_store, cfg.l3_config, spec=spec)
+                store = create_l3_store(cfg.l3_store, _with_namespace(
+                    cfg.l3_store, cfg.l3_config, self.keyer.namespace_id), spec=spec)
                 self._owned.append(store)
             if store is not None:
                 store.attach(host_pool)
@@ -552,3 +554,18 @@ class TieredKVCache:
         m.gauge("recompute_tokens_per_s", lambda: cost.recompute_tokens_per_s or 0.0)
         m.gauge("l2_load_bytes_per_s", lambda: cost.h2d_bytes_per_s or 0.0)
         m.gauge("l3_read_bytes_per_s", lambda: cost.l3_bytes_per_s or 0.0)
+
+
+def _with_namespace(store: str, config: dict[str, Any], namespace_id: str) -> dict[str, Any]:
+    """A store whose Config has a ``namespace`` field (it keeps each key namespace apart and
+    records it, e.g. the file store's manifest) gets this cache's, unless one is given."""
+    import dataclasses
+
+    from ..interfaces import L3_STORES
+    from ..registry import get_backend_class
+    cls = get_backend_class(L3_STORES, store)
+    names = {f.name for f in dataclasses.fields(cls.Config)} \
+        if dataclasses.is_dataclass(cls.Config) else set()
+    if "namespace" in names and "namespace" not in config:
+        return {**config, "namespace": namespace_id}
+    return config

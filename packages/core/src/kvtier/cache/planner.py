@@ -78,7 +78,7 @@ class CachePlanner:
                                        argument="l3_exists")
         self.spec = spec
         self.keyer = PageKeyer(model_id=cfg.model_id, spec=spec, tp_rank=cfg.tp_rank,
-                               tp_size=cfg.tp_size, salt=cfg.salt)
+                               tp_size=cfg.tp_size, salt=cfg.salt, **cfg.key_identity())
         self.write_policy = make_write_policy(cfg.write_policy,
                                               selective_threshold=cfg.selective_threshold)
         self.prefetch_policy = make_prefetch_policy(
