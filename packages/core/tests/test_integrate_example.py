@@ -23,3 +23,11 @@ def test_integration_example_runs() -> None:
     assert "ok: every restored page equals its recompute" in out.stdout
     assert "after restart (from L3): {'l1': 0, 'loaded': 5" in out.stdout
     assert 'kvtier_hit_pages_total{engine="toy",tier="l2"} 5' in out.stdout
+
+
+def test_kvtier_exports_the_controller() -> None:
+    import kvtier
+    from kvtier.cache import CacheConfig, CacheExecutor, CachePlanner, TieredKVCache
+    assert kvtier.TieredKVCache is TieredKVCache and kvtier.CacheConfig is CacheConfig
+    assert kvtier.CachePlanner is CachePlanner and kvtier.CacheExecutor is CacheExecutor
+    assert {"TieredKVCache", "CacheConfig"} <= set(kvtier.__all__)

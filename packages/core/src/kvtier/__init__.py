@@ -20,6 +20,8 @@ _EXPORTS = {
     "check_keys": "interfaces", "check_nbytes": "interfaces",
     "KVSpec": "spec", "PageKeyer": "keys", "DeviceKVPool": "device_pool",
     "HostKVPool": "host_pool",
+    "TieredKVCache": "cache", "CacheConfig": "cache", "CachePlanner": "cache",
+    "CacheExecutor": "cache",
     "discover": "registry", "create_host_allocator": "registry", "create_l3_store": "registry",
     "create_transfer_engine": "registry",
     **{name: "errors" for name in (
@@ -38,6 +40,7 @@ __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 if TYPE_CHECKING:  # pragma: no cover  -- what type checkers and IDEs see (ruff: the names are
     # exported through __all__)
+    from .cache import CacheConfig, CacheExecutor, CachePlanner, TieredKVCache
     from .device_pool import DeviceKVPool
     from .errors import (AllocationError, BackendConflictError, BackendError,
                          BackendNotFoundError, BackendUnavailableError, ConfigError,
