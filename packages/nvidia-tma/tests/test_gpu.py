@@ -369,7 +369,7 @@ def test_kernel_engines_refuse_untyped_layouts_copy_engine_takes_them(layout):
     _available("nvidia-routed")
     spec = layout_specs(layout)[0]
     dpool = make_layout_pool(spec, layout, 5, "cuda")
-    hpool = HostKVPool(spec, 5, allocator="torch-pinned")
+    hpool = HostKVPool(spec, 5)
     try:
         for name in ("nvidia-tma", "nvidia-register", "nvidia-routed"):
             with pytest.raises(LayoutError, match="device layout"):
@@ -388,7 +388,7 @@ def test_routed_paths_bitwise_and_counted(spec, crossover, path):
     _available("nvidia-routed")
     rng = random.Random(crossover % 97 + spec.num_layers)
     dpool = DeviceKVPool.empty(spec, 41, "cuda")
-    hpool = HostKVPool(spec, 37, allocator="torch-pinned")
+    hpool = HostKVPool(spec, 37)
     eng = _engine("nvidia-routed", dpool, hpool, crossover_bytes=crossover)
     try:
         assert eng.route == {"h2d": path, "d2h": path}
@@ -425,7 +425,7 @@ def test_routed_calibration_is_measured_then_cached(tmp_path):
     _available("nvidia-routed")
     spec = KVSpec.mha(num_layers=2, num_kv_heads=8, head_dim=128, page_size=64)   # 128 KiB
     dpool = DeviceKVPool.empty(spec, 9, "cuda")
-    hpool = HostKVPool(spec, 9, allocator="torch-pinned")
+    hpool = HostKVPool(spec, 9)
     cache = str(tmp_path / "routes.json")
     try:
         first = _engine("nvidia-routed", dpool, hpool, cache_file=cache, calibrate_mib=8)
@@ -450,7 +450,7 @@ def test_auto_picks_the_router_on_cuda_and_reports_it(caplog):
     _available("nvidia-routed")
     spec = SPECS[3]
     dpool = DeviceKVPool.empty(spec, 5, "cuda")
-    hpool = HostKVPool(spec, 5, allocator="torch-pinned")
+    hpool = HostKVPool(spec, 5)
     try:
         with caplog.at_level(logging.INFO, logger="kvtier.registry"):
             eng = registry.create_transfer_engine(
