@@ -20,7 +20,7 @@ from ...device_pool import DeviceKVPool
 from ...errors import ConfigError, LayoutError
 from ...host_pool import HostKVPool
 from ...spec import KVSpec, dtype_name
-from .datapath import ChunkCopyEngine, RankKeyStore, rank_key
+from .datapath import RankKeyStore, rank_key
 from .identity import engine_identity, make_keyer, request_root
 
 try:      # vLLM >= 0.31 names the tier an external hit came from
@@ -424,15 +424,9 @@ class KVTierConnector(KVConnectorBase_V1):
                                    allocator=registry.create_host_allocator(
                                        cfg.host_allocator, cfg.host_allocator_config))
             owned.append(host_pool)
-            try:
-                engine = registry.create_transfer_engine(cfg.transfer_engine, pool, host_pool,
-                                                         cfg.transfer_config)
-            except LayoutError as exc:
-                if cfg.transfer_engine != "torch" or pool.device.type != "cpu":
-                    raise
-                log.info("kvtier: the torch engine refuses vLLM's %s blocks (%s); copying them "
-                         "as byte chunks (%s)", pool.layout, exc, ChunkCopyEngine.name)
-                engine = ChunkCopyEngine(pool, host_pool)
+            # every engine moves vLLM's blocks or refuses them with a LayoutError here
+            engine = registry.create_transfer_engine(cfg.transfer_engine, pool, host_pool,
+                                                     cfg.transfer_config)
             owned.append(engine)
             store = None
             if cfg.l3_store:
