@@ -189,3 +189,23 @@ def test_page_allocator_lives_in_its_own_module():
     import kvtier.page_allocator
     import kvtier.simulate
     assert kvtier.simulate.PageAllocator is kvtier.page_allocator.PageAllocator
+
+
+def test_runs_without_a_trace_on_a_generated_workload_with_json_and_png(tmp_path, capsys):
+    import json as _json
+
+    from kvtier.simulate import sample_trace
+    a, b = sample_trace(200, seed=3), sample_trace(200, seed=3)
+    assert a == b and len(a) == 200 and sample_trace(200, seed=4) != a
+    assert any(set(x.hash_ids) & set(y.hash_ids) for x, y in zip(a, a[1:]))   # shared prefixes
+    png = tmp_path / "sim.png"
+    assert main(["simulate", "--l1-pages", "64", "--l2-pages", "256", "--l3", "memory",
+                 "--sample-requests", "150", "--baseline", "--json", "--plot",
+                 str(png)]) == 0
+    out = _json.loads(capsys.readouterr().out)
+    assert out["tiers"]["requests"] == 150
+    assert out["tiers"]["l2_hit_tokens"] + out["tiers"]["l3_hit_tokens"] > 0
+    assert out["L1 only"]["l2_hit_tokens"] == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["simulate", "--l1-pages", "64", "--l2-pages", "8",
+                 "--sample-requests", "0"]) == 2

@@ -32,6 +32,7 @@ from .page_allocator import PageAllocator
 BLOCK_TOKENS = 512
 
 __all__ = ["BLOCK_TOKENS", "PageAllocator", "SimResult", "TraceRequest", "block_tokens",
+           "sample_trace",
            "l3_config_for", "load_trace", "simulate", "add_arguments", "run"]
 
 
@@ -61,6 +62,41 @@ def block_tokens(hash_ids: Sequence[int], input_length: int) -> np.ndarray:
                                    value=input_length)
     toks = (ids[:, None] * BLOCK_TOKENS + np.arange(BLOCK_TOKENS, dtype=np.int64)).ravel()
     return toks[:input_length].astype(np.uint32)
+
+
+def sample_trace(num_requests: int = 600, *, seed: int = 0) -> list[TraceRequest]:
+    """A generated Mooncake-format workload, so `kvtier simulate` runs without a trace file:
+    conversations behind a few shared system prompts, each turn resending the history plus a
+    new user message (1-3 blocks), interleaved at random; deterministic for a seed."""
+    if isinstance(num_requests, bool) or not isinstance(num_requests, int) or num_requests < 1:
+        raise ConfigError(f"sample requests must be an int >= 1, got {num_requests!r}",
+                          key="sample_requests", value=num_requests)
+    rng = np.random.default_rng(seed)
+    next_id = 0
+
+    def blocks(n: int) -> list[int]:
+        nonlocal next_id
+        out = list(range(next_id, next_id + n))
+        next_id += n
+        return out
+
+    systems = [blocks(int(rng.integers(2, 6))) for _ in range(4)]
+    live: list[list[int]] = []
+    out: list[TraceRequest] = []
+    t = 0.0
+    while len(out) < num_requests:
+        if not live or (len(live) < 24 and rng.random() < 0.3):
+            live.append(list(systems[int(rng.integers(len(systems)))]))
+        k = int(rng.integers(len(live)))
+        conv = live[k]
+        conv += blocks(int(rng.integers(1, 4)))
+        n_tok = len(conv) * BLOCK_TOKENS - int(rng.integers(0, BLOCK_TOKENS))
+        t += float(rng.exponential(200.0))
+        out.append(TraceRequest(round(t, 3), n_tok, int(rng.integers(16, 512)), tuple(conv)))
+        conv += blocks(1)                                   # the answer joins the history
+        if len(conv) > 24 or rng.random() < 0.08:           # the conversation ends
+            live.pop(k)
+    return out
 
 
 def load_trace(path: str | Path, limit: int | None = None) -> list[TraceRequest]:
@@ -297,7 +333,10 @@ def _replay(reqs: Sequence[TraceRequest], cfg: dict[str, Any], res: SimResult,
 # CLI
 # --------------------------------------------------------------------------------------------
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--trace", required=True, help="JSON-lines trace (Mooncake format)")
+    p.add_argument("--trace", default=None, help="JSON-lines trace (Mooncake format); "
+                   "default: a generated sample workload (--sample-requests)")
+    p.add_argument("--sample-requests", type=int, default=600,
+                   help="requests of the generated workload when no --trace is given")
     p.add_argument("--l1-pages", type=int, required=True, help="device (L1) pages")
     p.add_argument("--l2-pages", type=int, required=True, help="host (L2) pages")
     p.add_argument("--l3", default=None,
@@ -314,6 +353,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--baseline", action="store_true",
                    help="also replay L1 only (one-page L2, no L3, only L1 hits count)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--plot", metavar="PNG", default=None,
+                   help="also write a PNG of the hit rate per tier of every run")
+
+
+def plot(results: list[tuple[str, "SimResult"]], path: str, title: str) -> str:
+    """Stacked L1/L2/L3 hit rate per run, with the unbounded cache's rate marked."""
+    import matplotlib
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7.6, 3.8), dpi=100)
+    names = [n for n, _ in results]
+    bottom = [0.0] * len(results)
+    for tier, color in (("l1", "tab:red"), ("l2", "tab:orange"), ("l3", "tab:green")):
+        vals = [100 * r.rate(getattr(r, f"{tier}_hit_tokens")) for _, r in results]
+        ax.bar(names, vals, bottom=bottom, color=color, label=f"{tier.upper()} hits")
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ideal = [100 * r.ideal_hit_rate for _, r in results]
+    ax.scatter(names, ideal, marker="_", s=900, color="black", label="unbounded cache",
+               zorder=3)
+    ax.set(ylabel="token hit rate (%)", ylim=(0, 105))
+    ax.set_title(title, fontsize=9)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
 
 
 def run(args: argparse.Namespace) -> int:
@@ -329,7 +395,13 @@ def run(args: argparse.Namespace) -> int:
         l3_config = None
     if args.l3 is None and (args.l3_pages is not None or l3_config):
         raise ConfigError("--l3-pages/--l3-config need --l3 NAME", key="l3")
-    reqs = load_trace(args.trace, args.limit)
+    if args.trace is None:
+        reqs = sample_trace(args.sample_requests)[:args.limit]
+        if not args.json:
+            print(f"no --trace: a generated sample workload of {len(reqs)} requests "
+                  f"(conversations behind shared system prompts)")
+    else:
+        reqs = load_trace(args.trace, args.limit)
     common = dict(page_size=args.page_size, write_policy=args.write_policy,
                   prefetch_policy=args.prefetch_policy)
     results = [("tiers", simulate(reqs, l1_pages=args.l1_pages, l2_pages=args.l2_pages,
@@ -339,6 +411,9 @@ def run(args: argparse.Namespace) -> int:
         results.append(("L1 only", simulate(reqs, l1_pages=args.l1_pages, l2_pages=1,
                                             count_only_l1=True, desc="replay (L1 only)",
                                             **common)))
+    if args.plot:
+        plot(results, args.plot, f"kvtier simulate: L1 {args.l1_pages}, L2 {args.l2_pages}, "
+             f"L3 {args.l3 or 'none'} (pages of {args.page_size} tokens)")
     if args.json:
         print(json.dumps({name: r.as_dict() for name, r in results}, indent=2))
         return 0
