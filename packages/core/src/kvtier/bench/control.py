@@ -11,6 +11,7 @@ work a page's control overhead is weighed against.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from typing import Any, Callable
@@ -35,6 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ref-layers", type=int, default=32, help="reference model: layers")
     p.add_argument("--ref-kv-heads", type=int, default=8, help="reference model: KV heads")
     p.add_argument("--ref-head-dim", type=int, default=128, help="reference model: head dim")
+    p.add_argument("--json", metavar="PATH", default=None,
+                   help="also write the table (and the reference page copy) as JSON")
 
 
 def _median(fn: Callable[[], Any], repeat: int, setup: Callable[[], Any] | None = None
@@ -280,6 +283,12 @@ def run(args: argparse.Namespace) -> int:
           f"reference: one {ref.page_bytes / 2**20:.1f} MiB page ({args.ref_layers} layers x "
           f"{args.ref_kv_heads} KV heads x {args.ref_head_dim} bf16) {what} in "
           f"{page_copy_s * 1e6:.0f} us ({ref.page_bytes / page_copy_s / 1e9:.1f} GB/s)")
-    print(table(["scenario", "pages", "ms", "us/page", "x hashing",
-                 "% of moving a page"], rows))
+    header = ["scenario", "pages", "ms", "us/page", "x hashing", "% of moving a page"]
+    print(table(header, rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": args.device, "page_size": ps, "repeat": args.repeat,
+                       "page_copy_s": page_copy_s, "page_copy": what,
+                       "page_bytes": ref.page_bytes,
+                       "rows": [dict(zip(header, r)) for r in rows]}, f, indent=2)
     return 0

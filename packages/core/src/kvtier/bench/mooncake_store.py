@@ -19,6 +19,7 @@ Every page read back is compared bitwise with what was written (not timed).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import socket
@@ -40,6 +41,8 @@ CHUNK = 8 << 20
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-sizes", default="256K,1M,4M,8M", help="comma-separated page sizes")
+    p.add_argument("--json", metavar="PATH", default=None,
+                   help="also write every figure (medians per page size and op) as JSON")
     p.add_argument("--total", default="512M", help="bytes moved per measurement")
     p.add_argument("--batch", type=int, default=32, help="pages per batch_set/batch_get call")
     p.add_argument("--repeat", type=int, default=3, help="alternating repetitions (median)")
@@ -303,6 +306,13 @@ def run(args: argparse.Namespace) -> int:
           f"store in {tempfile.gettempdir()} (set includes sync, get after dropping the page "
           "cache)")
     print(table(header, rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"segment": args.segment, "reference": ref, "batch": args.batch,
+                       "total_bytes": total, "repeat": args.repeat, "failures": failures,
+                       "gbps": {str(ps): {k: statistics.median(v)
+                                          for k, v in results[ps].items()} for ps in sizes}},
+                      f, indent=2)
     if failures:
         print(f"ERROR: {failures} runs read back wrong or incomplete data")
         return 1
