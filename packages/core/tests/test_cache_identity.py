@@ -13,13 +13,12 @@ import shutil
 import pytest
 
 from kvtier.errors import ConfigError
-from kvtier.host_pool import HostKVPool
 from kvtier.keys import HASHES, KeyNamespace, PageKeyer, reference_keys
 from kvtier.l3_stores import file as file_mod
 from kvtier.l3_stores.file import FileStore, key_filename
 from kvtier.l3_stores.memory import MemoryStore
 from kvtier.spec import KVSpec
-from kvtier.testing import fill_random
+from kvtier.testing.data import make_host_pool
 
 SPEC = KVSpec.mha(num_layers=2, num_kv_heads=2, head_dim=16, page_size=4, dtype="bfloat16")
 OTHER_SPEC = KVSpec.mha(num_layers=2, num_kv_heads=2, head_dim=16, page_size=4,
@@ -50,10 +49,8 @@ def _available(name: str) -> bool:
 
 @pytest.fixture
 def pool():
-    p = HostKVPool(SPEC, 16)
-    fill_random(p.raw)
-    yield p
-    p.close()
+    with make_host_pool(SPEC, 16) as p:      # random bytes
+        yield p
 
 
 def _stores(tmp_path, pool):

@@ -27,6 +27,7 @@ from kvtier.host_pool import HostKVPool
 from kvtier.l3_stores import file as file_mod
 from kvtier.l3_stores.file import TRAILER_BYTES, FileStore, key_filename
 from kvtier.spec import KVSpec
+from kvtier.testing.data import make_host_pool
 from kvtier.testing import fill_random
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -57,10 +58,8 @@ def tmp_files(root: str) -> list[str]:
 
 @pytest.fixture
 def pool():
-    p = HostKVPool(SPEC, 16)
-    fill_random(p.raw)
-    yield p
-    p.close()
+    with make_host_pool(SPEC, 16) as p:      # random bytes
+        yield p
 
 
 @pytest.fixture

@@ -17,6 +17,7 @@ from kvtier.host_pool import HostKVPool
 from kvtier.l3_stores.file import TRAILER_BYTES, FileStore, key_filename
 from kvtier.l3_stores.memory import MemoryStore
 from kvtier.spec import KVSpec
+from kvtier.testing.data import make_host_pool
 from kvtier.testing import fill_random
 
 SPEC = KVSpec.mha(num_layers=2, num_kv_heads=2, head_dim=16, page_size=4, dtype="bfloat16")
@@ -38,10 +39,8 @@ def _path(store: FileStore, key: bytes) -> str:
 
 @pytest.fixture
 def pool():
-    p = HostKVPool(SPEC, 8)
-    fill_random(p.raw)
-    yield p
-    p.close()
+    with make_host_pool(SPEC, 8) as p:      # random bytes
+        yield p
 
 
 @pytest.fixture
