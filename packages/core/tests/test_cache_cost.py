@@ -204,3 +204,35 @@ def test_writes_to_a_slow_l3_go_on_unless_configured_off():
             r.cache.check_invariants(idle=True)
         finally:
             r.close()
+
+
+def test_recompute_rate_is_marginal_not_diluted_by_the_fixed_cost():
+    """On the H200 the demo's 8B prefills cost ~70 ms fixed + tokens / 75K per s; the plain
+    tokens/s ratio read that as ~5K tokens/s and let a 1.65 GB/s file L3 (13K tokens/s of
+    Llama-3-8B KV) through. The fit must find the marginal rate, and with it skip L3."""
+    m = CostModel()
+    for n in (1335, 250, 400, 180, 900, 300, 260, 1100, 220, 350) * 3:
+        m.observe_recompute(n, 0.070 + n / 75_000)
+    assert m.recompute_tokens_per_s == pytest.approx(75_000, rel=0.02)
+    assert m.recompute_fixed_s == pytest.approx(0.070, rel=0.05)
+    page_bytes = 64 * 128 * 1024                    # Llama-3-8B, 64-token pages, bf16
+    m.observe_load(page_bytes * 16, page_bytes * 16 / 45e9)
+    call = m.l3_call_started(page_bytes * 16)
+    m._inflight[call] = (time.perf_counter() - page_bytes * 16 / 1.65e9, page_bytes * 16)
+    m.l3_call_ended(call, page_bytes * 16)
+    assert m.pages_to_load(l2_pages=4, l3_pages=16, l3_ready=0, compute_tokens=300,
+                           page_size=64, page_bytes=page_bytes, layers=32) == 4
+    diluted = CostModel()                            # what the plain ratio decided
+    diluted._given_rate = sum(n for n in (1335, 250, 400, 180, 900)) / sum(
+        0.070 + n / 75_000 for n in (1335, 250, 400, 180, 900))
+    diluted._h2d, diluted._l3 = m._h2d, m._l3
+    assert diluted.pages_to_load(l2_pages=4, l3_pages=16, l3_ready=0, compute_tokens=300,
+                                 page_size=64, page_bytes=page_bytes, layers=32) == 20
+
+
+def test_recompute_rate_falls_back_to_the_ratio_until_sizes_vary():
+    m = CostModel()
+    assert m.recompute_tokens_per_s is None and m.recompute_fixed_s is None
+    for _ in range(5):
+        m.observe_recompute(512, 0.01)
+    assert m.recompute_tokens_per_s == pytest.approx(51_200)
