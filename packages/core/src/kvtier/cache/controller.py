@@ -6,28 +6,11 @@ L2 (a `HostKVPool` it owns) and L3 (any registered `L3Store`), moves pages with 
 `kvtier.cache.eviction`). Engines whose scheduler and workers are separate processes use its
 two halves instead: `CachePlanner` and `CacheExecutor` (`kvtier.cache.planner`/`executor`).
 
-Usage (every name below is public API)::
-
-    cache = TieredKVCache.from_config(
-        {"model_id": "llama-tiny", "host_pool_pages": 512, "l3_store": "file",
-         "l3_config": {"root": "/var/cache/kv"}, "write_policy": "write_through"},
-        device_pool=device_pool,            # kvtier.DeviceKVPool over the engine's L1 tensors
-        allocate_device_pages=alloc,        # (n) -> list[int] | None: the engine's allocator
-        free_device_pages=free)             # (pages) -> None: L1 eviction gives pages back
-    m = cache.match(tokens)         # Match: l1_pages, l2_count/l2_pages, l3_count, keys,
-                                    # num_tokens_hit(tier), total_pages. Pins its hits.
-    cache.prefetch(m)               # optional, when the request is queued: start L3 -> L2
-    cache.prefetch_ready(m)         # would fetch() now return without waiting (policy)?
-    h = cache.fetch(m, dev_pages)   # where the L2+L3 hits go (None: allocate_device_pages);
-                                    # waits for L3 within the prefetch policy, starts the H2D
-                                    # load: FetchHandle wait_layer(i)/wait()/done(),
-                                    # pages_loaded, device_pages, unused_pages (the engine's)
-    r = cache.commit(tokens, pages, match=m)   # ALL full pages of tokens, prefix included;
-                                    # CommitResult: taken, not_taken (duplicates: the engine's)
-    leftover = cache.release(m)     # unpin; the pages passed in that the cache did not take
-    cache.evict(n)                  # free n unpinned L1 pages (tier="l2": host pages)
-    cache.metrics()                 # counters, gauges (l3_state), latency percentiles
-    cache.wait_idle(timeout); cache.restart_l3(); cache.close()   # or `with cache:`
+Usage: `docs/integrate.md` walks through a complete integration (`examples/integrate.py`):
+``match`` (pins the hits) -> ``prefetch`` (optional, early) -> ``fetch`` (a `FetchHandle`:
+``wait_layer(i)`` per layer; ``unused_pages`` stay the engine's) -> prefill the rest ->
+``commit`` (every full page, prefix included) -> ``release`` (returns the pages the cache did
+not take); ``evict``, ``metrics``, ``wait_idle``, ``restart_l3``, ``close`` (or ``with``).
 
 Prefetch policies (`kvtier.policies`): ``wait_complete`` (the default) waits for every L3
 page, each store call within ``l3_call_timeout_s``; ``timeout`` waits up to a budget growing
@@ -131,7 +114,7 @@ class TieredKVCache:
                 self._owned.append(engine)
             self.engine = engine
             if store is None and cfg.l3_store is not None:
-                store = create_l3_store(cfg.l3_store, _with_namespace(
+                store = create_l3_store(cfg.l3_store, l3tasks.with_namespace(
                     cfg.l3_store, cfg.l3_config, self.keyer.namespace_id), spec=spec)
                 self._owned.append(store)
             if store is not None:
@@ -158,7 +141,7 @@ class TieredKVCache:
                             threads=cfg.l3_io_threads, error_limit=cfg.l3_error_limit,
                             call_timeout_s=cfg.l3_call_timeout_s,
                             metrics=self.metrics_registry, on_failure=self._l3_failed)
-        self._register_gauges()
+        lifecycle.register_gauges(self)
         lifecycle.close_on_exit(self)
 
     @classmethod
@@ -533,40 +516,3 @@ class TieredKVCache:
             task.done([None] * len(nodes))
             return
         l3tasks.enqueue_write(self, nodes, evict_after=evict_after, write=write)
-
-    def _register_gauges(self) -> None:
-        m = self.metrics_registry
-        io = self._l3
-        m.gauge("l1_pages", lambda: self._index.l1_count)
-        m.gauge("l2_pages", lambda: self._index.l2_count)
-        m.gauge("l2_free_pages", lambda: self.host_pool.free_count)
-        m.gauge("l2_capacity_pages", lambda: self.host_pool.num_pages)
-        m.gauge("l3_read_queue_pages", lambda: io.depths()[0] if io else 0)
-        m.gauge("l3_write_queue_pages", lambda: io.depths()[1] if io else 0)
-        m.gauge("transfer_queue", lambda: self._completer.depth())
-        m.gauge("backups_in_flight", lambda: self._index.backups_inflight)
-        m.gauge("l3_state", lambda: io.state if io else "none")
-        m.gauge("page_bytes", lambda: self.spec.page_bytes)
-        m.gauge("page_size", lambda: self.spec.page_size)
-        m.gauge("transfer_engine", lambda: self.engine.name)   # what "auto" chose, say
-        cost = self.cost
-        m.gauge("cost_aware_fetch", lambda: int(cost.enabled))
-        m.gauge("recompute_tokens_per_s", lambda: cost.recompute_tokens_per_s or 0.0)
-        m.gauge("recompute_fixed_s", lambda: cost.recompute_fixed_s or 0.0)
-        m.gauge("l2_load_bytes_per_s", lambda: cost.h2d_bytes_per_s or 0.0)
-        m.gauge("l3_read_bytes_per_s", lambda: cost.l3_bytes_per_s or 0.0)
-
-
-def _with_namespace(store: str, config: dict[str, Any], namespace_id: str) -> dict[str, Any]:
-    """A store whose Config has a ``namespace`` field (it keeps each key namespace apart and
-    records it, e.g. the file store's manifest) gets this cache's, unless one is given."""
-    import dataclasses
-
-    from ..interfaces import L3_STORES
-    from ..registry import get_backend_class
-    cls = get_backend_class(L3_STORES, store)
-    names = {f.name for f in dataclasses.fields(cls.Config)} \
-        if dataclasses.is_dataclass(cls.Config) else set()
-    if "namespace" in names and "namespace" not in config:
-        return {**config, "namespace": namespace_id}
-    return config

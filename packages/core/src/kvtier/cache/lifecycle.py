@@ -138,3 +138,27 @@ def close_on_exit(cache: "TieredKVCache") -> None:
 
 
 atexit.register(_close_at_exit)              # the fallback (and a no-op for closed caches)
+
+
+def register_gauges(cache: Any) -> None:
+    """The controller's gauges (read at every metrics snapshot or scrape)."""
+    m = cache.metrics_registry
+    io = cache._l3
+    m.gauge("l1_pages", lambda: cache._index.l1_count)
+    m.gauge("l2_pages", lambda: cache._index.l2_count)
+    m.gauge("l2_free_pages", lambda: cache.host_pool.free_count)
+    m.gauge("l2_capacity_pages", lambda: cache.host_pool.num_pages)
+    m.gauge("l3_read_queue_pages", lambda: io.depths()[0] if io else 0)
+    m.gauge("l3_write_queue_pages", lambda: io.depths()[1] if io else 0)
+    m.gauge("transfer_queue", lambda: cache._completer.depth())
+    m.gauge("backups_in_flight", lambda: cache._index.backups_inflight)
+    m.gauge("l3_state", lambda: io.state if io else "none")
+    m.gauge("page_bytes", lambda: cache.spec.page_bytes)
+    m.gauge("page_size", lambda: cache.spec.page_size)
+    m.gauge("transfer_engine", lambda: cache.engine.name)   # what "auto" chose, say
+    cost = cache.cost
+    m.gauge("cost_aware_fetch", lambda: int(cost.enabled))
+    m.gauge("recompute_tokens_per_s", lambda: cost.recompute_tokens_per_s or 0.0)
+    m.gauge("recompute_fixed_s", lambda: cost.recompute_fixed_s or 0.0)
+    m.gauge("l2_load_bytes_per_s", lambda: cost.h2d_bytes_per_s or 0.0)
+    m.gauge("l3_read_bytes_per_s", lambda: cost.l3_bytes_per_s or 0.0)
