@@ -63,18 +63,13 @@ class DeviceKVPool:
         for c, bufs in enumerate(comps):
             for layer, t in enumerate(bufs):
                 where = f"device buffer [comp {c}][layer {layer}]"
-                if t.dtype != spec.torch_dtype:
-                    raise LayoutError(f"{where} has dtype {t.dtype}, spec says {spec.torch_dtype}")
                 if t.dim() != 3 or tuple(t.shape[1:]) != spec.row_shape:
                     raise LayoutError(f"{where} has shape {tuple(t.shape)}, expected "
                                       f"[num_slots, {spec.row_shape[0]}, {spec.row_shape[1]}]")
                 if t.shape[0] != self.num_slots:
                     raise LayoutError(f"{where} has {t.shape[0]} slots, layer 0 has "
                                       f"{self.num_slots}")
-                if t.device != self.device:
-                    raise LayoutError(f"{where} is on {t.device}, layer 0 on {self.device}")
-                if not t.is_contiguous():
-                    raise LayoutError(f"{where} is not contiguous")
+                _check_buffer(where, t, spec, self.device)
         if self.num_slots == 0 or self.num_slots % spec.page_size:
             raise LayoutError(f"device pool has {self.num_slots} slots, not a positive multiple "
                               f"of page_size {spec.page_size}")
@@ -114,15 +109,10 @@ class DeviceKVPool:
             where = f"device buffer [layer {layer}]"
             if not isinstance(t, torch.Tensor):
                 raise LayoutError(f"{where} is a {type(t).__name__}, not a torch tensor")
-            if t.dtype != spec.torch_dtype:
-                raise LayoutError(f"{where} has dtype {t.dtype}, spec says {spec.torch_dtype}")
             if tuple(t.shape) != want:
                 raise LayoutError(f"{where} has shape {tuple(t.shape)}; layout {layout} with "
                                   f"this spec expects {list(want)}")
-            if t.device != first.device:
-                raise LayoutError(f"{where} is on {t.device}, layer 0 on {first.device}")
-            if not t.is_contiguous():
-                raise LayoutError(f"{where} is not contiguous")
+            _check_buffer(where, t, spec, first.device)
         if blocks == 0:
             raise LayoutError("device pool has no blocks")
         self = cls.__new__(cls)
@@ -191,6 +181,17 @@ class DeviceKVPool:
         indices to the host); use ``kvtier.layout.as_index_tensor`` to skip the check.
         """
         return check_page_indices(pages, self.num_pages, what)
+
+
+def _check_buffer(where: str, t: torch.Tensor, spec: KVSpec, device: torch.device) -> None:
+    """What every layout asks of an engine buffer: the spec's dtype, layer 0's device,
+    contiguous memory (shapes are each layout's own)."""
+    if t.dtype != spec.torch_dtype:
+        raise LayoutError(f"{where} has dtype {t.dtype}, spec says {spec.torch_dtype}")
+    if t.device != device:
+        raise LayoutError(f"{where} is on {t.device}, layer 0 on {device}")
+    if not t.is_contiguous():
+        raise LayoutError(f"{where} is not contiguous")
 
 
 def _byte_rows(t: torch.Tensor, blocks: int) -> torch.Tensor:
