@@ -115,6 +115,57 @@ def test_l3_pages_slower_than_recompute_are_computed_and_counted():
         r.close()
 
 
+class CountingStore(SlowStore):
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.got = 0
+
+    def batch_get(self, keys, host_pages):
+        self.got += len(keys)
+        return super().batch_get(keys, host_pages)
+
+
+@pytest.mark.parametrize("probe_s", [1e9, 0.0])
+def test_prefetch_reads_only_the_l3_pages_worth_loading(monkeypatch, probe_s):
+    """L3 slower than recompute: a prefetch reads none of the pages the split would skip
+    (they would only push useful pages out of L2), unless it is time for a probe read."""
+    monkeypatch.setattr(CostModel, "L3_PROBE_INTERVAL_S", probe_s)
+    store = CountingStore(spec=SPEC, delay=0.05)
+    r = Rig(store=store, prefetch_policy="wait_complete", recompute_tokens_per_s=1e6)
+    try:
+        a, b = toks(6 * SPEC.page_size, seed=1), toks(6 * SPEC.page_size, seed=2)
+        _to_l3(r, a)
+        _to_l3(r, b)
+        r.request(a)                             # no L3 rate yet: loads all, measures it
+        c = r.cache
+        c.wait_idle()
+        before = store.got
+        m = c.match(b)
+        assert m.l3_count == 6
+        c.prefetch(m)
+        deadline = time.perf_counter() + 5
+        while probe_s == 0 and store.got == before and time.perf_counter() < deadline:
+            time.sleep(0.01)                     # the probe read runs in the background
+        h = c.fetch(m, r.take(m.pages_to_load))
+        # a probe read that has landed by now is as good as L2
+        assert h.pages_loaded == 0 or (probe_s == 0 and h.pages_loaded == 6)
+        h.wait()
+        new = r.take(len(m.keys) - h.pages_loaded)
+        r.prefill(m.keys[h.pages_loaded:], new)
+        c.commit(b, list(h.device_pages[:h.pages_loaded]) + new, match=m)
+        r.alloc.free(c.release(m))
+        c.wait_idle()
+        met = c.metrics()
+        if probe_s:
+            assert store.got == before and met["cost_skipped_prefetch_pages"] == 6
+        else:
+            assert store.got == before + 6 and met.get("cost_skipped_prefetch_pages", 0) == 0
+        assert met["cost_skipped_pages_l3"] + h.pages_loaded == 6
+        c.check_invariants(idle=True)
+    finally:
+        r.close()
+
+
 def test_policy_off_loads_the_slow_l3_pages():
     store = SlowStore(spec=SPEC, delay=0.05)
     r = Rig(store=store, prefetch_policy="wait_complete", recompute_tokens_per_s=1e6,

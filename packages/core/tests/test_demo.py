@@ -182,6 +182,11 @@ def test_ideal_speedup_on_hand_made_numbers():
     t3 = ideal_ttft(tokens=641, l1_tokens=0, l2_tokens=0, l3_tokens=640, h2d_bps=1e9,
                     l3_bps=10e6, **kw)
     assert t3 == pytest.approx(641 / 64_000)
+    # an L3 read does not overlap the prefill of its own request: 10 pages at 2 GB/s
+    # (0.524 ms each, faster than the 1 ms recompute) before 6,401 tokens computed anyway
+    t3 = ideal_ttft(tokens=7041, l1_tokens=0, l2_tokens=0, l3_tokens=640, h2d_bps=1e12,
+                    l3_bps=2e9, **kw)
+    assert t3 == pytest.approx(10 * (1 << 20) / 2e9 + 6401 / 64_000, rel=1e-3)
     # L1 hits are free; no rate, no use of the tier
     assert ideal_ttft(tokens=641, l1_tokens=640, l2_tokens=0, l3_tokens=0, h2d_bps=None,
                       l3_bps=None, **kw) == pytest.approx(1 / 64_000)
@@ -195,6 +200,10 @@ def test_ideal_speedup_on_hand_made_numbers():
     sp = ideal_speedup(ours, base, h2d_bps=1e9, l3_bps=None, **kw)
     assert sp == pytest.approx(2 * 641 / 64_000 / (5 * (1 << 20) / 1e9 + 641 / 64_000))
     assert slower_share(ours, base) == 0.5          # request 1 is 6% slower
+    assert slower_share(ours, base, loading_only=True) == 0.0   # neither loaded anything
+    assert slower_share(ours, base, same_work=True) == 0.5
+    more = [res(0, 0.0200, l1=64), res(1, 0.0100)]  # computed less: not the same work
+    assert slower_share(more, base, same_work=True) == 0.0
 
 
 def test_prefill_cost_fit_on_hand_made_numbers():

@@ -138,6 +138,34 @@ def test_fast_prefill_on_restored_pages_matches_a_full_recompute(n, restored, ch
         assert torch.allclose(pool.layers[1][layer][slots], v[:len(slots)], atol=1e-5)
 
 
+def test_check_logits_measures_the_noise_of_a_split_recompute():
+    """With the prefix length given, the check recomputes twice (whole, and split where the
+    prefix ends) and reports how far those two differ; wrong logits still fail."""
+    from transformers import DynamicCache
+    model = DemoModel("tiny", page_size=PS, seed=3)
+    pool = DeviceKVPool.empty(model.spec, 16)
+    toks = _tokens(model, 90, seed=4)
+    first = [9, 8, 7, 6, 5][:len(toks) // PS]
+    model.prefill(toks[:3 * PS], pool, [], first[:3])
+    logits = model.prefill(toks, pool, first[:3], first[3:len(toks) // PS])
+    res = model.check_logits(toks, logits, 3 * PS)
+    with torch.inference_mode():
+        ref = model._chunks(toks, DynamicCache(), 0, explicit_positions=False,
+                            chunk=model.max_forward_tokens)
+        cache = DynamicCache()
+        model._chunks(toks[:3 * PS], cache, 0, explicit_positions=True)
+        split = model._chunks(toks, cache, 3 * PS, explicit_positions=True,
+                              chunk=model.max_forward_tokens)
+    assert res.passed
+    if res.exact:
+        assert res.noise_max_abs_diff == 0.0
+    else:
+        assert res.noise_max_abs_diff == float((split.double() - ref.double()).abs().max())
+    bad = logits.clone()
+    bad[1] += 0.5 + 4 * res.noise_max_abs_diff
+    assert not model.check_logits(toks, bad, 3 * PS).passed
+
+
 def test_check_logits_fails_on_wrong_logits(model):
     pool = DeviceKVPool.empty(model.spec, 8)
     toks = _tokens(model, 70, seed=5)
@@ -187,22 +215,28 @@ def test_layer_i_runs_before_layer_i_plus_1_of_the_prefix_lands():
     assert torch.equal(got, ref)
 
 
+@pytest.mark.parametrize("how", ["blocks", "lower_right"])
 @pytest.mark.parametrize("q_len, kv_len", [(40, 100), (16, 16), (1, 9), (33, 33 + 64)])
-def test_blocked_attention_after_a_prefix_is_causal_sdpa(monkeypatch, q_len, kv_len):
-    """Queries after a prefix are attended in blocks (the upper triangle skipped): the same
-    as one SDPA over all keys with the bottom-right causal mask."""
+def test_attention_after_a_prefix_is_causal_sdpa(monkeypatch, how, q_len, kv_len):
+    """Queries after a prefix, attended in blocks (the upper triangle skipped) or in one
+    bottom-right causal SDPA (what accelerators run), with grouped KV heads: the same as one
+    SDPA over all keys with the bottom-right causal mask as an explicit boolean mask."""
     from kvtier.demo import model as mod
-    monkeypatch.setattr(mod, "ATTENTION_BLOCK", 16)
     monkeypatch.setattr(mod, "ATTENTION_BLOCK_CPU", 16)
+    monkeypatch.setattr(mod, "PREFIX_ATTENTION", how)
     g = torch.Generator().manual_seed(q_len)
     q = torch.randn(1, 4, q_len, 8, generator=g)
-    k = torch.randn(1, 4, kv_len, 8, generator=g)
-    v = torch.randn(1, 4, kv_len, 8, generator=g)
+    k = torch.randn(1, 2, kv_len, 8, generator=g)
+    v = torch.randn(1, 2, kv_len, 8, generator=g)
 
     class Layer(torch.nn.Module):
         is_causal = True
+        num_key_value_groups = 2
+        scaling = 8 ** -0.5
     out, _ = mod._attention(Layer(), q, k, v, None, scaling=8 ** -0.5, dropout=0.0)
     mask = torch.ones(q_len, kv_len, dtype=torch.bool).tril(kv_len - q_len)
-    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                                           scale=8 ** -0.5)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1), attn_mask=mask,
+        scale=8 ** -0.5)
+    assert out.shape == (1, q_len, 4, 8)
     assert torch.allclose(out, ref.transpose(1, 2), atol=1e-6)

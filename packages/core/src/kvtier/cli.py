@@ -62,6 +62,8 @@ BENCH_CONTROL = Command("controller match/fetch/commit overhead per page",
                         "kvtier.bench.control")
 BENCH_MOONCAKE = Command("mooncake store batch_get/batch_set over loopback vs TCP and the file "
                          "store", "kvtier.bench.mooncake_store")
+BENCH_PREFILL = Command("the demo model's prefill after a cached prefix vs recomputing all "
+                        "tokens (the recompute side of the physics)", "kvtier.bench.prefill")
 BENCH_VLLM = Command("a multi-turn workload inside vLLM, alone and with kvtier (needs vllm)",
                      "kvtier.bench.vllm")
 

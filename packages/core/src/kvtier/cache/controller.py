@@ -21,7 +21,9 @@ loaded into L1, ``prefetch_cut_pages`` matched but not loaded.
 Cost-aware fetch (``cost_aware_fetch``, on by default; `kvtier.cache.cost`): a fetch loads only
 the leading hit pages whose loading beats recomputing them at the measured L2 -> L1 and L3
 rates and the engine's recompute rate (``recompute_tokens_per_s`` or `observe_recompute`);
-the rest stay the engine's to compute (``cost_skipped_pages_l2``/``_l3``).
+the rest stay the engine's to compute (``cost_skipped_pages_l2``/``_l3``). `prefetch` reads
+only the L3 pages the split would load (``cost_skipped_prefetch_pages`` the others), but for
+a probe now and then that keeps the L3 rate measured.
 
 Ownership: the cache owns every device page it registered (taken by commit or a fetch) and
 gives it back through ``free_device_pages`` when it evicts it; other pages stay the engine's.
@@ -201,10 +203,30 @@ class TieredKVCache:
 
     def prefetch(self, match: Match) -> None:
         """Start reading the match's L3 run into L2 in the background (idempotent). Call it
-        when the request is queued; `fetch` starts it itself otherwise."""
+        when the request is queued; `fetch` starts it itself otherwise.
+
+        With the cost-aware fetch on, only the L3 pages the split would load are read (the
+        rest are recomputed, and the engine's commit puts them in L1 and L2): reading them
+        anyway would spend the disk and push useful pages out of L2. The pages not read are
+        counted in ``cost_skipped_prefetch_pages``; every `CostModel.L3_PROBE_INTERVAL_S` one
+        such read is made anyway, so the L3 rate stays measured."""
         self._check()
         self._check_match(match)
-        l3tasks.start_read(self, match)
+        if match.l3_count == 0 or match.read is not None:
+            return
+        limit = match.l3_count
+        if self.cost.enabled:
+            ps = self.spec.page_size
+            k = self.cost.pages_to_load(
+                l2_pages=match.l2_count, l3_pages=match.l3_count, l3_ready=0,
+                compute_tokens=max(1, match.num_tokens - match.total_pages * ps),
+                page_size=ps, page_bytes=self.spec.page_bytes, layers=self.spec.num_layers)
+            limit = max(0, k - match.l2_count)
+            if limit < match.l3_count and self.cost.wants_l3_probe():
+                limit = match.l3_count
+            self.metrics_registry.add("cost_skipped_prefetch_pages", match.l3_count - limit)
+        if limit:
+            l3tasks.start_read(self, match, limit)
 
     def prefetch_ready(self, match: Match) -> bool:
         """Would `fetch` return without waiting on L3 now, under the prefetch policy?"""
@@ -253,8 +275,8 @@ class TieredKVCache:
                 page_size=ps, page_bytes=self.spec.page_bytes, layers=self.spec.num_layers)
             skip2, skip3 = n2 - min(n2, k), n3_want - max(0, k - n2)
             n2, n3_want = n2 - skip2, n3_want - skip3
-            if skip3:                       # read on into L2 for later requests
-                l3tasks.start_read(self, match)
+            if skip3 and match.read is None and self.cost.wants_l3_probe():
+                l3tasks.start_read(self, match)   # keeps the L3 rate measured
         if n3_want:
             l3tasks.start_read(self, match)
             l3tasks.wait_read(self, match, n3_want)

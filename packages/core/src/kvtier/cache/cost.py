@@ -155,6 +155,11 @@ class _Marginal:
 class CostModel:
     """Measured rates and the split decision of one controller (thread-safe)."""
 
+    #: How often (seconds) an L3 read the split would skip is made anyway, in the background,
+    #: so that the L3 rate stays measured: a disk that was slow (or stalled) and recovers is
+    #: used again.
+    L3_PROBE_INTERVAL_S = 5.0
+
     def __init__(self, *, enabled: bool = True, recompute_tokens_per_s: float | None = None,
                  alpha: float = 0.3, engine: str = "", store: str = ""):
         if recompute_tokens_per_s is not None:
@@ -173,6 +178,7 @@ class CostModel:
         self._l3 = _Rate(alpha)
         self._inflight: dict[int, tuple[float, int]] = {}   # call id -> (t0, bytes)
         self._next_call = 0
+        self._last_l3 = -math.inf            # when an L3 read last started
 
     # ----- observations ---------------------------------------------------------------------
     def observe_recompute(self, tokens: int, seconds: float) -> None:
@@ -189,6 +195,7 @@ class CostModel:
 
     def l3_call_started(self, nbytes: int) -> int:
         with self._lock:
+            self._last_l3 = time.perf_counter()
             self._next_call += 1
             self._inflight[self._next_call] = (time.perf_counter(), nbytes)
             return self._next_call
@@ -236,6 +243,16 @@ class CostModel:
         """Would reading a page from L3 take longer than recomputing it (rates known)?"""
         r, bw = self.recompute_tokens_per_s, self.l3_bytes_per_s
         return r is not None and bw is not None and page_bytes / max(bw, 1e-30) > page_size / r
+
+    def wants_l3_probe(self) -> bool:
+        """Should an L3 read the split skips be made anyway (none started for
+        `L3_PROBE_INTERVAL_S`, none in flight)? True claims the probe."""
+        with self._lock:
+            now = time.perf_counter()
+            if self._inflight or now - self._last_l3 < self.L3_PROBE_INTERVAL_S:
+                return False
+            self._last_l3 = now
+            return True
 
     # ----- the decision ---------------------------------------------------------------------
     def pages_to_load(self, *, l2_pages: int, l3_pages: int, l3_ready: int,

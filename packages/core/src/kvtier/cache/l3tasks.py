@@ -201,13 +201,16 @@ class WriteTask:
             "l2_evictions": len(freed), "l2_writebacks": written if self.evict_after else 0})
 
 
-def start_read(c: "TieredKVCache", match: "Match") -> None:
-    """Start reading the match's L3 run into new host pages (idempotent). Room that L2 is
-    writing back to L3 (write_back) is waited for, not skipped."""
+def start_read(c: "TieredKVCache", match: "Match", limit: int | None = None) -> None:
+    """Start reading the match's L3 run (its first ``limit`` pages) into new host pages
+    (idempotent). Room that L2 is writing back to L3 (write_back) is waited for, not
+    skipped."""
     with c._lock:
         if match.read is not None or match.l3_count == 0 or not c._l3_usable():
             return
-        want = match.l3_count
+        want = match.l3_count if limit is None else min(limit, match.l3_count)
+        if want <= 0:
+            return
         pages = eviction.alloc_host(c, want)
         wait = len(pages) < want and eviction.writes_back(c)
     if wait:

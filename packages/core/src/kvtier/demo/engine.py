@@ -183,7 +183,7 @@ class DemoEngine:
                 result_check = model.check_restored(tokens, logits, self.pool,
                                                     prefix + new_pages)
             else:
-                result_check = model.check_logits(tokens, logits)
+                result_check = model.check_logits(tokens, logits, len(prefix) * ps)
         t4 = time.perf_counter()
         pages = prefix + new_pages
         res = cache.commit(tokens_np, pages, match=m)

@@ -171,6 +171,12 @@ class SetupRun:
             "skipped_pages_l2": int(m.get("cost_skipped_pages_l2", 0)),
             "skipped_pages_l3": int(m.get("cost_skipped_pages_l3", 0)),
             "restored_pages_checked": sum(r.restored_checked for r in res),
+            # the logits checks: largest difference from a full recompute, and largest
+            # difference between two recomputes (the rounding noise the check allows)
+            "check_logits_max_diff": max((r.check.logits_max_abs_diff for r in res
+                                          if r.check is not None), default=None),
+            "check_noise_max_diff": max((r.check.noise_max_abs_diff for r in res
+                                         if r.check is not None), default=None),
             "recompute_tokens_per_s": self.recompute_rate(),
             "l2_load_bytes_per_s": float(m.get("l2_load_bytes_per_s") or 0.0) or None,
             "l3_read_bytes_per_s": float(m.get("l3_read_bytes_per_s") or 0.0) or None,
@@ -212,7 +218,7 @@ class DemoReport:
         ps, pb = self.model["page_size"], self.model["page_bytes"]
         for s, run in zip(rows, self.runs):
             s["ideal_speedup"] = s["achieved_of_ideal"] = s["slower_pct"] = None
-            s["slower_loading_pct"] = None
+            s["slower_loading_pct"] = s["slower_same_work_pct"] = None
             if base_run is None or base is None:
                 s["hit_gain_pts"] = s["ttft_speedup"] = s["p90_speedup"] = None
                 continue
@@ -222,6 +228,8 @@ class DemoReport:
                     page_bytes=pb, h2d_bps=s["l2_load_bytes_per_s"],
                     l3_bps=s["l3_read_bytes_per_s"], attn=attn, overhead_s=over)
             s["slower_pct"] = 100.0 * slower_share(run.results, base_run.results)
+            s["slower_same_work_pct"] = 100.0 * slower_share(run.results, base_run.results,
+                                                             same_work=True)
             s["slower_loading_pct"] = 100.0 * slower_share(run.results, base_run.results,
                                                            loading_only=True)
             s["hit_gain_pts"] = s["hit_rate_pct"] - base["hit_rate_pct"]
@@ -270,12 +278,15 @@ def ideal_ttft(*, tokens: int, l1_tokens: int, l2_tokens: int, l3_tokens: int,
                page_size: int, page_bytes: int, recompute_tps: float,
                h2d_bps: float | None, l3_bps: float | None, attn: float = 0.0,
                overhead_s: float = 0.0) -> float:
-    """The least time to the first token of one request at the measured rates, with loads
-    fully overlapped with compute: over every split (the first ``k`` hit pages loaded, the
-    rest recomputed), ``max(load(k), compute(k))``, where a page from L3 costs its read plus
-    its L2 -> L1 load, L1 hits cost nothing, and computing positions ``s..n`` costs
-    ``overhead_s + (n - s) / recompute_tps + attn (n^2 - s^2) / 2`` (`fit_prefill_cost`). A
-    rate not measured (None) makes its tier's pages unusable (recomputed)."""
+    """The least time to the first token of one request at the measured rates: over every
+    split (the first ``k`` hit pages loaded, the rest recomputed), ``l3(k) + max(h2d(k),
+    compute(k))``. L2 -> L1 loads overlap the prefill fully (layer ``i`` of the prefill needs
+    only layer ``i`` of the prefix; the pipeline's fill is not counted). An L3 read of the
+    same request cannot overlap it: every layer of the suffix attends over the whole prefix
+    and an L3 object holds all layers of its page, so the prefill's first layer waits for the
+    last page read. L1 hits cost nothing; computing positions ``s..n`` costs ``overhead_s +
+    (n - s) / recompute_tps + attn (n^2 - s^2) / 2`` (`fit_prefill_cost`). A rate not
+    measured (None) makes its tier's pages unusable (recomputed)."""
     n2, n3 = l2_tokens // page_size, l3_tokens // page_size
     if h2d_bps is None:
         n2 = n3 = 0
@@ -284,13 +295,11 @@ def ideal_ttft(*, tokens: int, l1_tokens: int, l2_tokens: int, l3_tokens: int,
     rest = tokens - l1_tokens - (n2 + n3) * page_size     # computed in every split
     best = math.inf
     for k in range(n2 + n3 + 1):
-        load = 0.0
-        if k:
-            load = k * page_bytes / h2d_bps                          # type: ignore[operator]
-            load += max(0, k - n2) * page_bytes / l3_bps if k > n2 else 0.0  # type: ignore
+        h2d = k * page_bytes / h2d_bps if k else 0.0                # type: ignore[operator]
+        l3 = max(0, k - n2) * page_bytes / l3_bps if k > n2 else 0.0  # type: ignore
         c = rest + (n2 + n3 - k) * page_size
         comp = c / recompute_tps + attn * (tokens ** 2 - (tokens - c) ** 2) / 2
-        best = min(best, max(load, comp))
+        best = min(best, l3 + max(h2d, comp))
     return overhead_s + best
 
 
@@ -314,11 +323,16 @@ def ideal_speedup(results: list[RequestResult], base: list[RequestResult], *,
 
 
 def slower_share(results: list[RequestResult], base: list[RequestResult],
-                 margin: float = 0.05, loading_only: bool = False) -> float:
+                 margin: float = 0.05, loading_only: bool = False,
+                 same_work: bool = False) -> float:
     """Share of requests more than ``margin`` slower (TTFT) than the same request with L1
-    only (``loading_only``: of the requests that loaded pages from L2/L3)."""
+    only (``loading_only``: of the requests that loaded pages from L2/L3; ``same_work``: of
+    those that loaded nothing and reused as much of L1, i.e. computed the same tokens as with
+    L1 only -- their share is the run's timing noise plus the controller's own cost)."""
     pairs = [(r.ttft_s, b.ttft_s) for r, b in zip(results, base) if r.index == b.index
-             and (not loading_only or r.l2_tokens + r.l3_tokens)]
+             and (not loading_only or r.l2_tokens + r.l3_tokens)
+             and (not same_work or (r.l2_tokens + r.l3_tokens == 0
+                                    and r.computed_tokens == b.computed_tokens))]
     return sum(1 for t, tb in pairs if t > (1 + margin) * tb) / len(pairs) if pairs else 0.0
 
 
@@ -451,6 +465,8 @@ def _check_failed(name: str, req: Any, res: RequestResult) -> CheckFailedError:
     c = res.check
     assert c is not None
     how = "bitwise equality" if c.tolerance == 0 else f"relative tolerance {c.tolerance:g}"
+    if c.noise_max_abs_diff:
+        how += f" or twice the {c.noise_max_abs_diff:.3g} two recomputes differ by"
     logits = "logits equal" if c.logits_max_abs_diff == 0 else \
         f"logits differ by up to {c.logits_max_abs_diff:.3g}"
     return CheckFailedError(
@@ -625,7 +641,7 @@ def tables(report: DemoReport) -> str:
     main = table(
         ["setup", "hit rate %", "L1 %", "L2 %", "L3 %", "vs L1 only (pts)", "TTFT mean ms",
          "TTFT p90 ms", "mean speedup", "p90 speedup", "ideal speedup", "achieved/ideal",
-         ">5% slower than L1 only: all / loading %", "computed tok", "loaded tok",
+         ">5% slower than L1 only: all / loading / same work %", "computed tok", "loaded tok",
          "skipped tok"],
         [[s["setup"], f"{s['hit_rate_pct']:.1f}", f"{s['l1_hit_pct']:.1f}",
           f"{s['l2_hit_pct']:.1f}", f"{s['l3_hit_pct']:.1f}",
@@ -633,8 +649,8 @@ def tables(report: DemoReport) -> str:
           f"{s['ttft_mean_ms']:.1f}", f"{s['ttft_p90_ms']:.1f}", _ratio(s["ttft_speedup"]),
           _ratio(s["p90_speedup"]), _ratio(s["ideal_speedup"]),
           "" if s["achieved_of_ideal"] is None else f"{100 * s['achieved_of_ideal']:.0f}%",
-          f"{pct(s['slower_pct'])} / {pct(s['slower_loading_pct'])}"
-          if s["setup"] != "L1 only" else "",
+          f"{pct(s['slower_pct'])} / {pct(s['slower_loading_pct'])} / "
+          f"{pct(s['slower_same_work_pct'])}" if s["setup"] != "L1 only" else "",
           s["computed_tokens"], s["loaded_tokens"], s["skipped_tokens"]] for s in rows])
     details = table(
         ["setup", "L1 pages", "L2 pages", "load ms (mean)", "prefill ms (mean)",
