@@ -140,6 +140,7 @@ def test_prefetch_reads_only_the_l3_pages_worth_loading(monkeypatch, probe_s):
         c = r.cache
         c.wait_idle()
         before = store.got
+        written = c.metrics()["l3_written_pages"]
         m = c.match(b)
         assert m.l3_count == 6
         c.prefetch(m)
@@ -161,6 +162,8 @@ def test_prefetch_reads_only_the_l3_pages_worth_loading(monkeypatch, probe_s):
         else:
             assert store.got == before + 6 and met.get("cost_skipped_prefetch_pages", 0) == 0
         assert met["cost_skipped_pages_l3"] + h.pages_loaded == 6
+        # the recomputed pages are in L3 already: backed up to L2, not written again
+        assert met["l3_written_pages"] == written
         c.check_invariants(idle=True)
     finally:
         r.close()
@@ -287,3 +290,41 @@ def test_recompute_rate_falls_back_to_the_ratio_until_sizes_vary():
     for _ in range(5):
         m.observe_recompute(512, 0.01)
     assert m.recompute_tokens_per_s == pytest.approx(51_200)
+
+
+def test_recompute_fit_finds_the_attention_term_of_long_contexts():
+    """Prefills of the H200's 8B shape: ~30 ms fixed, 40K tokens/s, and attention over the
+    context (2e-10 s per query-key pair: a 4K suffix after 24K tokens costs ~3x its tokens'
+    share). With contexts reported the fit recovers all three terms; without, it stays a
+    line (and no attention term)."""
+    import random
+    rng = random.Random(0)
+    with_ctx, without = CostModel(), CostModel()
+    for _ in range(60):
+        c = rng.choice((256, 512, 1024, 2048, 4096))
+        n = c + rng.choice((0, 1024, 8192, 24576))
+        t = 0.030 + c / 40_000 + 2e-10 * (n * n - (n - c) ** 2) / 2
+        with_ctx.observe_recompute(c, t, context=n)
+        without.observe_recompute(c, t)
+    assert with_ctx.recompute_tokens_per_s == pytest.approx(40_000, rel=1e-3)
+    assert with_ctx.recompute_attn_s == pytest.approx(2e-10, rel=1e-3)
+    assert with_ctx.recompute_fixed_s == pytest.approx(0.030, rel=1e-3)
+    assert without.recompute_attn_s == 0.0
+    assert with_ctx.rates()["recompute_attn_s_per_pair"] == with_ctx.recompute_attn_s
+
+
+def test_split_loads_deep_pages_from_l3_when_attention_makes_them_dear():
+    """The H200's long-context fit (49K tokens/s + 2.09 ns per query-key pair): a 4 GB/s L3
+    (2.1 ms per 8 MiB page) loses to recomputing a page at position 0 (1.3 ms), but the
+    pages of a 19K-token document also pay attention over the context (2.6 ms a page on
+    average): loading them wins."""
+    page_bytes = 64 * 128 * 1024               # 64 tokens of Llama-3-8B KV, bf16
+    kw = dict(l2_pages=0, l3_pages=300, compute_tokens=160, page_size=64,
+              page_bytes=page_bytes, h2d_bps=40e9, l3_bps=4e9, recompute_tps=48_868.0,
+              layers=32)
+    ctx = 300 * 64 + 160
+    assert best_split(**kw) == 0                                # no attention term: skip L3
+    k = best_split(**kw, attn_s=2.09e-9, context=ctx)
+    assert 0 < k <= 300
+    t = lambda k: split_time(k, **kw, attn_s=2.09e-9, context=ctx)  # noqa: E731
+    assert t(k) < t(0) and t(k) <= min(t(j) for j in range(0, 301, 10))

@@ -208,8 +208,9 @@ class TieredKVCache:
         With the cost-aware fetch on, only the L3 pages the split would load are read (the
         rest are recomputed, and the engine's commit puts them in L1 and L2): reading them
         anyway would spend the disk and push useful pages out of L2. The pages not read are
-        counted in ``cost_skipped_prefetch_pages``; every `CostModel.L3_PROBE_INTERVAL_S` one
-        such read is made anyway, so the L3 rate stays measured."""
+        counted in ``cost_skipped_prefetch_pages``; every `CostModel.L3_PROBE_INTERVAL_S` a
+        read of `CostModel.L3_PROBE_PAGES` of them is made anyway, so the L3 rate stays
+        measured."""
         self._check()
         self._check_match(match)
         if match.l3_count == 0 or match.read is not None:
@@ -220,10 +221,11 @@ class TieredKVCache:
             k = self.cost.pages_to_load(
                 l2_pages=match.l2_count, l3_pages=match.l3_count, l3_ready=0,
                 compute_tokens=max(1, match.num_tokens - match.total_pages * ps),
-                page_size=ps, page_bytes=self.spec.page_bytes, layers=self.spec.num_layers)
+                page_size=ps, page_bytes=self.spec.page_bytes, layers=self.spec.num_layers,
+                context=match.num_tokens)
             limit = max(0, k - match.l2_count)
             if limit < match.l3_count and self.cost.wants_l3_probe():
-                limit = match.l3_count
+                limit = max(limit, min(match.l3_count, self.cost.L3_PROBE_PAGES))
             self.metrics_registry.add("cost_skipped_prefetch_pages", match.l3_count - limit)
         if limit:
             l3tasks.start_read(self, match, limit)
@@ -272,11 +274,12 @@ class TieredKVCache:
             k = self.cost.pages_to_load(
                 l2_pages=n2, l3_pages=n3_want, l3_ready=match.l3_pages_landed,
                 compute_tokens=max(1, match.num_tokens - match.total_pages * ps),
-                page_size=ps, page_bytes=self.spec.page_bytes, layers=self.spec.num_layers)
+                page_size=ps, page_bytes=self.spec.page_bytes, layers=self.spec.num_layers,
+                context=match.num_tokens)
             skip2, skip3 = n2 - min(n2, k), n3_want - max(0, k - n2)
             n2, n3_want = n2 - skip2, n3_want - skip3
             if skip3 and match.read is None and self.cost.wants_l3_probe():
-                l3tasks.start_read(self, match)   # keeps the L3 rate measured
+                l3tasks.start_read(self, match, self.cost.L3_PROBE_PAGES)  # keeps it measured
         if n3_want:
             l3tasks.start_read(self, match)
             l3tasks.wait_read(self, match, n3_want)
@@ -369,8 +372,16 @@ class TieredKVCache:
             chain: list[Node] = []
             pol = self.write_policy
             backups: list[Node] = []
-            for key, d in zip(keys, dev):
+            # pages the match found in L3 (and the engine recomputed, or loaded): the store
+            # has them, so their backups to L2 are not written to L3 again
+            l3_lo = l3_hi = 0
+            if match is not None:
+                l3_lo = match.l1_count + match.l2_count
+                l3_hi = l3_lo + match.l3_count
+            for j, (key, d) in enumerate(zip(keys, dev)):
                 node = idx.node(key, parent)
+                if l3_lo <= j < l3_hi:
+                    node.in_l3 = True
                 if node.device_page is None:
                     idx.l1_add(node, d, touch=False)     # touched below, leaf first
                     new += 1
@@ -443,10 +454,13 @@ class TieredKVCache:
             if self._completer.depth() == 0:   # an L3 write may not queue new transfers
                 return True
 
-    def observe_recompute(self, tokens: int, seconds: float) -> None:
+    def observe_recompute(self, tokens: int, seconds: float,
+                          context: int | None = None) -> None:
         """The engine prefilled ``tokens`` tokens in ``seconds``: the recompute rate the
-        cost-aware fetch weighs loads against (unless the config gives it)."""
-        self.cost.observe_recompute(tokens, seconds)
+        cost-aware fetch weighs loads against (unless the config gives it). ``context``:
+        the request's length (the tokens computed were its last ones), so that the cost of
+        attention over a long context is fitted too."""
+        self.cost.observe_recompute(tokens, seconds, context)
 
     def metrics(self) -> dict[str, Any]:
         """A snapshot of every counter, gauge and latency summary."""

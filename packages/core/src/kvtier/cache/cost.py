@@ -12,7 +12,13 @@ of the pages not yet in L2 before it::
     T(k) = l3(k) + max(h2d(k), comp(k)) + min(h2d(k), comp(k)) / layers
     l3(k)   = pages of the first k not yet in L2 x page_bytes / L3 bandwidth
     h2d(k)  = k x page_bytes / L2 -> L1 bandwidth
-    comp(k) = (tokens computed anyway + (hit pages - k) x page_size) / recompute rate
+    comp(k) = c / recompute rate + attn x pairs(n, c)
+    c       = tokens computed anyway + (hit pages - k) x page_size  (the last c of n tokens)
+    pairs   = (n^2 - (n - c)^2) / 2  (query-key pairs of attention over the context)
+
+The recompute rate and ``attn`` come from an online fit of the engine's prefills (fixed cost
++ per token + per pair, see `_Marginal`); ``attn`` is 0 until the engine reports each
+prefill's context (``observe_recompute(..., context=n)``) and the data tell it apart.
 
 Until a rate is known nothing is cut (every hit is loaded, and the load measures it). A store
 call still running counts in the L3 bandwidth as soon as it is slower than the EWMA, so a
@@ -29,7 +35,17 @@ from typing import Any
 
 from ..errors import ConfigError
 
-__all__ = ["CostModel", "TimedStore", "best_split", "split_time", "check_rate"]
+__all__ = ["CostModel", "TimedStore", "best_split", "split_time", "check_rate", "pairs"]
+
+
+def pairs(context: int | None, computed: int) -> float:
+    """Query-key pairs of computing the last ``computed`` of ``context`` tokens causally
+    (``(n^2 - s^2) / 2``, s = n - computed); 0 when the context is not known."""
+    if context is None:
+        return 0.0
+    n = max(int(context), int(computed))
+    s = n - int(computed)
+    return (n * n - s * s) / 2.0
 
 
 def check_rate(name: str, value: Any) -> float:
@@ -45,23 +61,27 @@ def check_rate(name: str, value: Any) -> float:
 
 def split_time(k: int, *, l2_pages: int, l3_pages: int, l3_ready: int = 0, compute_tokens: int,
                page_size: int, page_bytes: int, h2d_bps: float, l3_bps: float | None,
-               recompute_tps: float, layers: int = 1) -> float:
+               recompute_tps: float, layers: int = 1, attn_s: float = 0.0,
+               context: int | None = None) -> float:
     """Modelled seconds to the first token when the first ``k`` of the ``l2_pages +
     l3_pages`` hit pages are loaded and the rest recomputed (see the module doc);
-    ``l3_ready`` of the L3 pages are already in L2. ``l3_bps`` None: L3 pages cost no read."""
+    ``l3_ready`` of the L3 pages are already in L2. ``l3_bps`` None: L3 pages cost no read.
+    ``context``: the request's tokens (for the attention term ``attn_s`` per pair)."""
     n = l2_pages + l3_pages
     if not 0 <= k <= n:
         raise ValueError(f"k={k} outside [0, {n}]")
     from_l3 = max(0, k - l2_pages - l3_ready)
     t3 = from_l3 * page_bytes / l3_bps if from_l3 and l3_bps is not None else 0.0
     h = k * page_bytes / h2d_bps
-    c = (compute_tokens + (n - k) * page_size) / recompute_tps
+    tokens = compute_tokens + (n - k) * page_size
+    c = tokens / recompute_tps + (attn_s * pairs(context, tokens) if attn_s else 0.0)
     return t3 + max(h, c) + min(h, c) / max(1, layers)
 
 
 def best_split(*, l2_pages: int, l3_pages: int, l3_ready: int = 0, compute_tokens: int,
                page_size: int, page_bytes: int, h2d_bps: float | None, l3_bps: float | None,
-               recompute_tps: float | None, layers: int = 1) -> int:
+               recompute_tps: float | None, layers: int = 1, attn_s: float = 0.0,
+               context: int | None = None) -> int:
     """How many leading hit pages to load (the fastest split; ties load more). Unknown rates
     (None) cut nothing -- except a collapsed L3 (``l3_bps`` 0): its pages not in L2 are
     never waited for."""
@@ -76,7 +96,8 @@ def best_split(*, l2_pages: int, l3_pages: int, l3_ready: int = 0, compute_token
         return n
     kw = dict(l2_pages=l2_pages, l3_pages=l3_pages, l3_ready=l3_ready,
               compute_tokens=compute_tokens, page_size=page_size, page_bytes=page_bytes,
-              h2d_bps=h2d_bps, l3_bps=l3_bps, recompute_tps=recompute_tps, layers=layers)
+              h2d_bps=h2d_bps, l3_bps=l3_bps, recompute_tps=recompute_tps, layers=layers,
+              attn_s=attn_s, context=context)
     best_k, best_t = n, split_time(n, **kw)
     for k in range(n - 1, -1, -1):
         t = split_time(k, **kw)
@@ -112,44 +133,91 @@ class _Rate:
 
 
 class _Marginal:
-    """The engine's recompute cost as ``fixed + tokens / rate``, fitted online (moving
-    averages of tokens, seconds and their products). The split decision needs the marginal
-    ``rate``: a prefill pays its fixed cost whether a prefix is loaded or not, and folding
-    that cost into tokens/s makes recompute look several times slower than it is (on the H200,
-    70 ms fixed + 75K tokens/s read as 5K tokens/s and let a 13K-tokens/s L3 through)."""
+    """The engine's recompute cost as ``fixed + tokens / rate + attn x pairs``, fitted online
+    (moving averages of the normal equations of the least-squares fit). The split decision
+    needs the marginal ``rate``: a prefill pays its fixed cost whether a prefix is loaded or
+    not, and folding that cost into tokens/s makes recompute look several times slower than
+    it is (on the H200, 70 ms fixed + 75K tokens/s read as 5K tokens/s and let a 13K-tokens/s
+    L3 through).
+
+    The third term is attention over the context: computing positions ``s..n`` costs about
+    ``(n^2 - s^2) / 2`` query-key pairs, which makes a token at position 30K several times
+    dearer than one at 1K (on the H200, 8B shape: 33K tokens/s from position 0, 13K at 24K).
+    It is fitted only when the engine reports the context (``pairs``); every coefficient
+    stays >= 0 (the best fit over the subsets of terms that keeps them so)."""
+
+    #: feature scales (kilo-tokens, mega-pairs) keep the normal equations well conditioned
+    _SCALE = (1.0, 1e-3, 1e-6)
+    _SUBSETS = ((0, 1, 2), (1, 2), (0, 1), (1,))
 
     def __init__(self, alpha: float):
         self.alpha = alpha
-        self._m = [0.0] * 4          # E[n], E[t], E[n^2], E[n t]
+        self._xx = [[0.0] * 3 for _ in range(3)]     # E[x x^T]
+        self._xt = [0.0] * 3                          # E[x t]
+        self._tt = 0.0                                # E[t^2]
         self.samples = 0
         self._ratio = _Rate(alpha)
+        self._fit: tuple[float, float, float] | None = None
 
-    def observe(self, tokens: float, seconds: float) -> None:
+    def observe(self, tokens: float, seconds: float, pairs: float = 0.0) -> None:
         if tokens <= 0:
             return
         a = 1.0 if not self.samples else self.alpha
-        for i, v in enumerate((tokens, seconds, tokens * tokens, tokens * seconds)):
-            self._m[i] = (1 - a) * self._m[i] + a * v
+        x = [f * v for f, v in zip(self._SCALE, (1.0, tokens, max(0.0, pairs)))]
+        for i in range(3):
+            for j in range(3):
+                self._xx[i][j] = (1 - a) * self._xx[i][j] + a * x[i] * x[j]
+            self._xt[i] = (1 - a) * self._xt[i] + a * x[i] * seconds
+        self._tt = (1 - a) * self._tt + a * seconds * seconds
         self.samples += 1
+        self._fit = None
         self._ratio.observe(tokens, seconds)
+
+    def _solve(self) -> tuple[float, float, float] | None:
+        """(fixed s, s per token, s per pair), or None until the data tell them apart."""
+        if self._fit is not None or self.samples < 3:
+            return self._fit
+        import numpy as np
+        xx, xt = np.array(self._xx), np.array(self._xt)
+        best: tuple[float, np.ndarray] | None = None
+        for cols in self._SUBSETS:
+            a = xx[np.ix_(cols, cols)]
+            if np.linalg.cond(a) > 1e9:
+                continue                      # a term the data do not vary in
+            coef = np.linalg.solve(a, xt[list(cols)])
+            if not np.isfinite(coef).all() or (coef < 0).any() or coef[cols.index(1)] <= 0:
+                continue
+            full = np.zeros(3)
+            full[list(cols)] = coef
+            err = self._tt - 2 * float(full @ xt) + float(full @ xx @ full)
+            if best is None or err < best[0] - 1e-12 * max(self._tt, 1e-30):
+                best = (err, full)
+        if best is not None:
+            c = best[1] * np.array(self._SCALE)
+            self._fit = (float(c[0]), float(c[1]), float(c[2]))
+        return self._fit
 
     @property
     def value(self) -> float | None:
-        """Marginal tokens/s once the tokens seen vary enough to tell slope from fixed cost;
-        until then the plain ratio (an underestimate: it counts the fixed cost too)."""
-        n, t, nn, nt = self._m
-        var = nn - n * n
-        if self.samples >= 3 and var > 1e-6 * max(nn, 1.0):
-            slope = (nt - n * t) / var
-            if slope > 0:
-                return max(1.0 / slope, self._ratio.value or 0.0)
+        """Marginal tokens/s once the data tell slope from fixed cost; until then the plain
+        ratio (an underestimate: it counts the fixed cost too)."""
+        fit = self._solve()
+        if fit is not None:
+            return max(1.0 / fit[1], self._ratio.value or 0.0)
         return self._ratio.value
 
     @property
+    def attn_s(self) -> float:
+        """Seconds per query-key pair of attention (0 until fitted)."""
+        fit = self._solve()
+        return 0.0 if fit is None else fit[2]
+
+    @property
     def fixed_s(self) -> float | None:
-        r = self.value
-        n, t = self._m[0], self._m[1]
-        return None if r is None or not self.samples else max(0.0, t - n / r)
+        fit = self._solve()
+        if fit is not None:
+            return fit[0]
+        return None if not self.samples else 0.0
 
 
 class CostModel:
@@ -159,6 +227,8 @@ class CostModel:
     #: so that the L3 rate stays measured: a disk that was slow (or stalled) and recovers is
     #: used again.
     L3_PROBE_INTERVAL_S = 5.0
+    #: Pages such a probe reads (enough for a rate, not a whole long document).
+    L3_PROBE_PAGES = 8
 
     def __init__(self, *, enabled: bool = True, recompute_tokens_per_s: float | None = None,
                  alpha: float = 0.3, engine: str = "", store: str = ""):
@@ -181,11 +251,13 @@ class CostModel:
         self._last_l3 = -math.inf            # when an L3 read last started
 
     # ----- observations ---------------------------------------------------------------------
-    def observe_recompute(self, tokens: int, seconds: float) -> None:
-        """The engine computed ``tokens`` prefill tokens in ``seconds``."""
+    def observe_recompute(self, tokens: int, seconds: float,
+                          context: int | None = None) -> None:
+        """The engine computed ``tokens`` prefill tokens in ``seconds``; ``context``: the
+        request's length (the tokens were its last ones), for the attention term."""
         if tokens > 0 and seconds >= 0 and math.isfinite(seconds):
             with self._lock:
-                self._recompute.observe(tokens, seconds)
+                self._recompute.observe(tokens, seconds, pairs(context, tokens))
 
     def observe_load(self, nbytes: int, seconds: float) -> None:
         """An L2 -> L1 load of ``nbytes`` took ``seconds`` (start to landed)."""
@@ -229,6 +301,11 @@ class CostModel:
         return bw
 
     @property
+    def recompute_attn_s(self) -> float:
+        """Fitted seconds per query-key pair of attention (0: not fitted, or given rate)."""
+        return 0.0 if self._given_rate is not None else self._recompute.attn_s
+
+    @property
     def recompute_fixed_s(self) -> float | None:
         """The fitted fixed cost of one prefill (not part of the split decision)."""
         return None if self._given_rate is not None else self._recompute.fixed_s
@@ -236,6 +313,7 @@ class CostModel:
     def rates(self) -> dict[str, float | None]:
         return {"recompute_tokens_per_s": self.recompute_tokens_per_s,
                 "recompute_fixed_s": self.recompute_fixed_s,
+                "recompute_attn_s_per_pair": self.recompute_attn_s,
                 "l2_load_bytes_per_s": self.h2d_bytes_per_s,
                 "l3_read_bytes_per_s": self.l3_bytes_per_s}
 
@@ -257,14 +335,15 @@ class CostModel:
     # ----- the decision ---------------------------------------------------------------------
     def pages_to_load(self, *, l2_pages: int, l3_pages: int, l3_ready: int,
                       compute_tokens: int, page_size: int, page_bytes: int,
-                      layers: int) -> int:
+                      layers: int, context: int | None = None) -> int:
         if not self.enabled:
             return l2_pages + l3_pages
         return best_split(l2_pages=l2_pages, l3_pages=l3_pages, l3_ready=l3_ready,
                           compute_tokens=compute_tokens, page_size=page_size,
                           page_bytes=page_bytes, h2d_bps=self.h2d_bytes_per_s,
                           l3_bps=self.l3_bytes_per_s if l3_pages > l3_ready else None,
-                          recompute_tps=self.recompute_tokens_per_s, layers=layers)
+                          recompute_tps=self.recompute_tokens_per_s, layers=layers,
+                          attn_s=self.recompute_attn_s, context=context)
 
 
 class TimedStore:

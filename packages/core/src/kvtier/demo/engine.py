@@ -174,7 +174,7 @@ class DemoEngine:
         if not waited:
             fh.wait()
         computed = n - len(prefix) * ps
-        cache.observe_recompute(computed, max(t3 - t2 - wait_s, 1e-9))
+        cache.observe_recompute(computed, max(t3 - t2 - wait_s, 1e-9), context=n)
         restored = list(fh.device_pages[:loaded])
         bad = self.digests.mismatches(m.keys[m.l1_count:m.l1_count + loaded], restored)
         result_check = None
