@@ -21,17 +21,19 @@ EXTRAS = {
     "amd-umbp": ["amd-umbp"],
     "ascend": ["ascend"],
     "nvidia-tma": ["nvidia-tma"],
-    "all": ["amd-umbp", "ascend", "nvidia-tma"],
+    "native-keys": ["native-keys"],
+    "all": ["amd-umbp", "ascend", "nvidia-tma", "native-keys"],
 }
 #: extra -> an extra of kvtier-core it passes on.
 CORE_EXTRAS = ("demo", "test", "vllm", "prometheus", "mooncake")
 DISTS = {"core": ("kvtier-core", "src/kvtier/_version.py"),
          "amd-umbp": ("kvtier-amd-umbp", "src/kvtier_amd_umbp/_version.py"),
          "ascend": ("kvtier-ascend", "src/kvtier_ascend/_version.py"),
-         "nvidia-tma": ("kvtier-nvidia-tma", "src/kvtier_nvidia_tma/_version.py")}
+         "nvidia-tma": ("kvtier-nvidia-tma", "src/kvtier_nvidia_tma/_version.py"),
+         "native-keys": ("kvtier-native-keys", "src/kvtier_native_keys/_version.py")}
 #: Released versions of the packages when building from an sdist (kept by the release build).
 RELEASED = {"kvtier-core": "0.1.0", "kvtier-amd-umbp": "0.1.0", "kvtier-ascend": "0.1.0",
-            "kvtier-nvidia-tma": "0.1.0"}
+            "kvtier-nvidia-tma": "0.1.0", "kvtier-native-keys": "0.1.0"}
 
 
 def _version(root: Path, folder: str) -> str:

@@ -23,6 +23,10 @@ nox.options.sessions = [f"tests-{p}" for p in PACKAGES] + ["tests-sglang", "test
 #: demo's transformers model, so the demo's tests run instead of skipping; prometheus_client and
 #: blake3, so the exporter's and the BLAKE3 key tests run too).
 CORE_EXTRAS = {"core": ("mooncake", "demo", "prometheus", "blake3")}
+#: Packages of this checkout a package's tests also install (core: kvtier-native-keys, so the
+#: key tests compare the native chain with the Python loop; .ci/run installs gcc and OpenSSL's
+#: headers it builds with).
+ALSO_INSTALL = {"core": ("native-keys",)}
 nox.options.reuse_existing_virtualenvs = True
 
 
@@ -38,6 +42,8 @@ for _pkg in PACKAGES:
         install_base(session, *CORE_EXTRAS.get(pkg, ()))
         if pkg != "core":
             session.install(f"packages/{pkg}")
+        for other in ALSO_INSTALL.get(pkg, ()):
+            session.install(f"packages/{other}")
         extra = ROOT / "packages" / pkg / "tests" / "requirements.txt"
         if extra.exists():
             session.install("-r", str(extra))
@@ -138,7 +144,8 @@ def build(session: nox.Session) -> None:
     ranges between our packages (``KVTIER_RELEASE=1``), checked for build-machine paths, then
     resolved the way a user's pip would (our files plus the index) for ``kvtier[all]``."""
     session.install(TORCH)                      # resolving torch then downloads nothing
-    session.install("build>=1.2", "hatchling>=1.21")
+    # setuptools: kvtier-native-keys (a C extension) builds with it
+    session.install("build>=1.2", "hatchling>=1.21", "setuptools>=68")
     out = str(ROOT / "dist")
     for path in [f"packages/{p}" for p in PACKAGES] + ["."]:
         session.run("python", "-m", "build", "--no-isolation", "--outdir", out, path,

@@ -88,3 +88,52 @@ def test_bad_prev_and_short_inputs():
     with pytest.raises(TokensError):
         k.keys([1, 2, 3, 4], prev=b"short")
     assert tokens_to_array([]).dtype == np.dtype("<u4")
+
+
+def _native():
+    try:
+        import kvtier_native_keys
+    except ImportError:
+        return None
+    return kvtier_native_keys
+
+
+needs_native = pytest.mark.skipif(_native() is None, reason="kvtier-native-keys is not installed "
+                                  "(pip install 'kvtier-core[native-keys]'): only the Python "
+                                  "loop is tested")
+
+
+def test_implementation_follows_the_package_and_the_switch(monkeypatch):
+    from kvtier.keys import NATIVE_KEYS_ENV
+    native = _native()
+    expect = "native" if native is not None and "sha256" in native.CHAINS else "python"
+    assert PageKeyer(model_id="m", spec=SPEC).implementation == expect
+    assert PageKeyer(model_id="m", spec=SPEC, hash="blake2b").implementation == "python"
+    monkeypatch.setenv(NATIVE_KEYS_ENV, "0")
+    assert PageKeyer(model_id="m", spec=SPEC).implementation == "python"
+
+
+@needs_native
+@settings(max_examples=60, deadline=None)
+@given(tokens=st.lists(st.integers(1, 2**32 - 1), max_size=60), page=st.sampled_from(
+    [1, 2, 3, 5, 17, 64]), model_id=st.text(min_size=1, max_size=12),
+    cut=st.integers(0, 10))
+def test_native_and_python_loop_give_the_same_keys(tokens, page, model_id, cut):
+    import os
+    from kvtier.keys import NATIVE_KEYS_ENV
+    spec = KVSpec.mha(num_layers=1, num_kv_heads=1, head_dim=8, page_size=page)
+    for name in _native().CHAINS:
+        native = PageKeyer(model_id=model_id, spec=spec, hash=name)
+        os.environ[NATIVE_KEYS_ENV] = "0"
+        try:
+            python = PageKeyer(model_id=model_id, spec=spec, hash=name)
+        finally:
+            del os.environ[NATIVE_KEYS_ENV]
+        assert (native.implementation, python.implementation) == ("native", "python")
+        keys = native.keys(tokens)
+        assert keys == python.keys(tokens) == reference_keys(native.namespace, tokens, page,
+                                                             name)
+        if 0 < cut <= len(keys):
+            rest = tokens[cut * page:]
+            assert native.keys(rest, prev=keys[cut - 1]) == keys[cut:] \
+                == python.keys(rest, prev=keys[cut - 1])

@@ -12,14 +12,20 @@ cached prefix" is "how many leading keys exist".
 collide, the hash name is part of the namespace. Engines that bring their own page hash
 (SGLang's HiCache adapter) do not use these keys at all.
 
-Tokens are hashed as little-endian uint32; the conversion is one vectorised numpy call and the
-chain is one hash call per page (never a Python loop per token).
+Tokens are hashed as little-endian uint32; the conversion is one vectorised numpy call. The
+chain itself is one native call for the whole prompt when the optional ``kvtier-native-keys``
+package is installed (``pip install 'kvtier-core[native-keys]'``; SHA-256 on OpenSSL's
+libcrypto) and the hash is one it supports, otherwise a Python loop of one hash call per page
+(never a loop per token); both give the same keys bit for bit. ``KVTIER_NATIVE_KEYS=0`` in the
+environment keeps the Python loop; :attr:`PageKeyer.implementation` says which one a keyer uses.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import os
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -89,6 +95,30 @@ def hash_function(name: str) -> Callable[..., Any]:
         raise ConfigError(f"hash must be one of {sorted(HASHES)}, got {name!r}", key="hash",
                           value=name)
     return HASHES[name]()
+
+
+#: Environment variable that, set to ``0`` (or ``false``/``no``/``off``), keeps every new
+#: :class:`PageKeyer` on the Python loop even where ``kvtier-native-keys`` is installed.
+NATIVE_KEYS_ENV = "KVTIER_NATIVE_KEYS"
+
+
+def native_chain(name: str) -> Callable[[bytes, Any, int], list[bytes]] | None:
+    """``kvtier_native_keys``' chain function for hash ``name`` (``chain(root, data,
+    page_bytes) -> list of 32-byte keys``), or None: the package is not installed, does
+    not support ``name``, or ``KVTIER_NATIVE_KEYS=0`` turns it off."""
+    if os.environ.get(NATIVE_KEYS_ENV, "").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    module = _native_module()
+    return None if module is None else module.CHAINS.get(name)
+
+
+@functools.lru_cache(maxsize=1)
+def _native_module() -> Any:
+    try:
+        import kvtier_native_keys
+    except ImportError:
+        return None
+    return kvtier_native_keys
 
 
 def canonical_rope(rope: Any) -> str:
@@ -185,7 +215,11 @@ class PageKeyer:
     Keyword arguments beyond ``model_id``/``spec``/``tp_rank``/``tp_size``/``salt``:
     ``model_revision``, ``rope`` (a string, or a mapping such as ``{"rope_theta": ...,
     "rope_scaling": {...}}``), ``device_layout``, ``host_layout``, ``pp_rank``, ``pp_size``,
-    ``format_version`` and ``hash`` (``"sha256"``, ``"blake2b"``, ``"blake3"``)."""
+    ``format_version`` and ``hash`` (``"sha256"``, ``"blake2b"``, ``"blake3"``).
+
+    :attr:`implementation` is ``"native"`` where the chain runs in one call of
+    ``kvtier-native-keys`` (SHA-256, package installed, ``KVTIER_NATIVE_KEYS`` not ``0`` when
+    the keyer was made), else ``"python"``; the keys are the same either way."""
 
     def __init__(self, *, model_id: str, spec: KVSpec, tp_rank: int = 0, tp_size: int = 1,
                  salt: str = "", **identity: Any):
@@ -199,11 +233,15 @@ class PageKeyer:
         self.root = self._hash(self.namespace).digest()
         #: Short printable id of the namespace (store prefixes, file names).
         self.namespace_id = self.root[:8].hex()
+        self._native = native_chain(self.hash_name)
+        #: "native" (one kvtier_native_keys call per prompt) or "python" (one hash call per page).
+        self.implementation = "python" if self._native is None else "native"
 
     def keys(self, tokens: Any, *, prev: bytes | None = None) -> list[bytes]:
         """Keys of every *full* page of ``tokens`` (a partial last page gets no key).
 
-        ``prev`` continues a chain: pass the key of the page before ``tokens[0]``.
+        ``prev`` continues a chain: pass the key of the page before ``tokens[0]``. The chain
+        is one ``kvtier_native_keys`` call or one hash call per page (:attr:`implementation`).
         """
         arr = tokens_to_array(tokens)
         n = arr.size // self.page_size
@@ -213,8 +251,10 @@ class PageKeyer:
             raise TokensError(f"prev must be a {KEY_BYTES}-byte key, got {prev!r}")
         if n == 0:
             return []
-        buf = arr[: n * self.page_size].tobytes()
         step = self.page_size * 4
+        if self._native is not None:
+            return self._native(prev, arr[: n * self.page_size], step)
+        buf = arr[: n * self.page_size].tobytes()
         h = self._hash
         out: list[bytes] = []
         append = out.append

@@ -1,18 +1,21 @@
-"""Page-key hashing: tokens -> chained page keys for one long prompt, per hash, and the bare
-per-call cost of the same hash measured in the same run (the floor a chain of one hash call
-per page cannot beat from Python)."""
+"""Page-key hashing: tokens -> chained page keys for one long prompt, per hash, with the native
+chain (kvtier-native-keys, one call per prompt) where installed and supported and the Python
+loop (one hash call per page) side by side, and the bare per-call cost of the same hash
+measured in the same run (the floor a chain of one hash call per page cannot beat from
+Python)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
 import numpy as np
 
 from ..errors import ConfigError
-from ..keys import HASHES, PageKeyer, hash_function
+from ..keys import HASHES, NATIVE_KEYS_ENV, PageKeyer, hash_function
 from ..report import progress, table
 from ..spec import KVSpec
 
@@ -43,6 +46,25 @@ def _bare(h, n: int, block: bytes) -> None:
         h(block).digest()
 
 
+def _keyers(spec: KVSpec, name: str) -> tuple[PageKeyer | None, PageKeyer]:
+    """(the native keyer or None, the Python-loop keyer) for hash ``name``."""
+    default = PageKeyer(model_id="bench", spec=spec, hash=name)
+    saved = os.environ.get(NATIVE_KEYS_ENV)
+    os.environ[NATIVE_KEYS_ENV] = "0"
+    try:
+        python = PageKeyer(model_id="bench", spec=spec, hash=name)
+    finally:
+        if saved is None:
+            del os.environ[NATIVE_KEYS_ENV]
+        else:
+            os.environ[NATIVE_KEYS_ENV] = saved
+    return (default if default.implementation == "native" else None), python
+
+
+def _fmt(ms: float | None) -> str:
+    return "-" if ms is None else f"{ms:.3f}"
+
+
 def run(args: argparse.Namespace) -> int:
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 150000, size=args.tokens, dtype=np.int64)
@@ -57,20 +79,32 @@ def run(args: argparse.Namespace) -> int:
     for name, h in hashes:
         for ps in progress(sizes, desc=f"{name} page sizes"):
             spec = KVSpec.mha(num_layers=1, num_kv_heads=1, head_dim=8, page_size=ps)
-            keyer = PageKeyer(model_id="bench", spec=spec, hash=name)
+            native, python = _keyers(spec, name)
             n = args.tokens // ps
-            ms = _median_ms(lambda k=keyer: k.keys(tokens), args.repeat)
+            if native is not None and native.keys(tokens) != python.keys(tokens):
+                raise AssertionError(f"{name} page {ps}: native keys differ from the Python loop")
+            native_ms = None if native is None else \
+                _median_ms(lambda k=native: k.keys(tokens), args.repeat)
+            python_ms = _median_ms(lambda k=python: k.keys(tokens), args.repeat)
             floor_ms = _median_ms(lambda h=h, n=n, b=b"\x01" * (32 + 4 * ps): _bare(h, n, b),
                                   args.repeat)
-            results.append({"hash": name, "page_size": ps, "pages": n, "keys_ms": ms,
+            ms = python_ms if native_ms is None else native_ms     # what PageKeyer uses
+            results.append({"hash": name, "page_size": ps, "pages": n,
+                            "implementation": "python" if native is None else "native",
+                            "keys_ms": ms, "native_ms": native_ms, "python_ms": python_ms,
                             "bare_ms": floor_ms, "us_per_page": ms * 1e3 / n,
                             "meets_target": ms <= args.target_ms})
-            rows.append([name, ps, n, f"{ms:.3f}", f"{ms * 1e3 / n:.3f}", f"{floor_ms:.3f}",
-                         f"{floor_ms / ms:.2f}", "yes" if ms <= args.target_ms else "no"])
-    print(f"hashing + chaining a {args.tokens}-token prompt (median of {args.repeat}); "
-          f"bare = one hash call per page on a block of the same size, no chaining")
-    print(table(["hash", "page size", "pages", "keys ms", "us/page", "bare ms", "bare/keys",
-                 f"<= {args.target_ms:g} ms"], rows))
+            rows.append([name, ps, n, _fmt(native_ms), _fmt(python_ms), f"{floor_ms:.3f}",
+                         f"{ms * 1e3 / n:.3f}",
+                         "-" if native_ms is None else f"{floor_ms / native_ms:.2f}",
+                         f"{floor_ms / python_ms:.2f}", "yes" if ms <= args.target_ms else "no"])
+    print(f"hashing + chaining a {args.tokens}-token prompt (median of {args.repeat}); native = "
+          f"kvtier-native-keys (one call per prompt; '-' where not installed or not supporting "
+          f"the hash), python = one hash call per page, bare = one hash call per page on a "
+          f"block of the same size, no chaining; us/page and the target for the one PageKeyer "
+          f"uses")
+    print(table(["hash", "page size", "pages", "native ms", "python ms", "bare ms", "us/page",
+                 "bare/native", "bare/python", f"<= {args.target_ms:g} ms"], rows))
     for line in skipped:
         print(f"skipped {line}")
     if args.json:
