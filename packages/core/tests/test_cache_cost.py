@@ -328,3 +328,35 @@ def test_split_loads_deep_pages_from_l3_when_attention_makes_them_dear():
     assert 0 < k <= 300
     t = lambda k: split_time(k, **kw, attn_s=2.09e-9, context=ctx)  # noqa: E731
     assert t(k) < t(0) and t(k) <= min(t(j) for j in range(0, 301, 10))
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_first_l3_read_is_a_probe_until_the_rate_is_known(prefetch):
+    """Before any L3 read was timed, a fetch reads only L3_PROBE_PAGES (8) of a 12-page L3 hit (a
+    slow disk must not hold the request for the whole prefix); once the rate is known (a
+    fast store here) the whole hit is read and loaded."""
+    store = CountingStore(spec=SPEC, delay=0.0)
+    r = Rig(store=store, prefetch_policy="wait_complete", recompute_tokens_per_s=1.0)
+    probe = CostModel.L3_PROBE_PAGES
+    try:
+        a, b = toks(12 * SPEC.page_size, seed=21), toks(12 * SPEC.page_size, seed=22)
+        _to_l3(r, a)
+        _to_l3(r, b)
+        c = r.cache
+        for t, want in ((a, probe), (b, 12)):
+            before = store.got
+            m = c.match(t)
+            assert m.l3_count == 12
+            if prefetch:
+                c.prefetch(m)
+            h = c.fetch(m, r.take(m.pages_to_load))
+            h.wait()
+            assert h.pages_loaded == want and store.got - before == want
+            new = r.take(len(m.keys) - want)
+            r.prefill(m.keys[want:], new)
+            c.commit(t, list(h.device_pages[:want]) + new, match=m)
+            r.alloc.free(c.release(m))
+            c.wait_idle()
+        c.check_invariants(idle=True)
+    finally:
+        r.close()
