@@ -180,6 +180,7 @@ class SegmentFormat:
         self._log_off = self._log_room = 0
         self._last_list = 0.0
         self._dir_key = (0, 0)
+        self._last_catch_up = 0.0
         self._sfd = self._open_dir()
         self._new_writer()
         self.refresh(clean=True)
@@ -333,6 +334,7 @@ class SegmentFormat:
             st = os.fstat(self._sfd) if self._sfd >= 0 else None
         except OSError:
             st = None
+        self._last_catch_up = time.monotonic()
         key = (st.st_mtime_ns, st.st_ctime_ns) if st is not None else (0, 0)
         if key != self._dir_key or time.time_ns() - max(key) < _TOUCH_NS:
             self._dir_key = key
@@ -503,9 +505,14 @@ class SegmentFormat:
         except OSError:
             return False
 
-    def lookup(self, keys: Sequence[bytes]) -> list[tuple[bytes, tuple[str, int, int] | None]]:
-        """(digest, index entry or None) per key; tails the logs once if any key misses."""
+    def lookup(self, keys: Sequence[bytes], fresh: bool = False
+               ) -> list[tuple[bytes, tuple[str, int, int] | None]]:
+        """(digest, index entry or None) per key. Catches up with the directory and the logs
+        once if any key misses, if ``fresh``, or if it has not for a second (segments
+        evicted by others are forgotten and their descriptors closed)."""
         digests = [hashlib.sha256(k).digest() for k in keys]
+        if fresh or time.monotonic() - self._last_catch_up > 1.0:
+            self._catch_up()
         with self._lock:
             found = [self._index.get(d) for d in digests]
         if None in found:
@@ -517,7 +524,7 @@ class SegmentFormat:
     # ----- public operations ------------------------------------------------------------------
     def exists(self, keys: Sequence[bytes]) -> int:
         n = 0
-        for _, entry in self.lookup(keys):
+        for _, entry in self.lookup(keys, fresh=True):     # evictions by others count
             if entry is None:
                 break
             n += 1
@@ -548,12 +555,12 @@ class SegmentFormat:
         return out
 
     def _chunk(self, n: int) -> int:
-        """Slots per I/O call: enough calls to keep every I/O thread busy, each within
-        IOV_MAX iovecs."""
+        """Slots per I/O call: two calls per I/O thread (so one thread's checksums overlap
+        another's transfer), each within IOV_MAX iovecs."""
         pieces = len(self.s._pieces) if self.s.host_pool is not None else 1
         cap = max(1, _f._IOV_MAX // (pieces + 1))
         threads = self.s.config.io_threads
-        return max(1, min(cap, -(-n // threads) if threads > 1 else n))
+        return max(1, min(cap, -(-n // (threads * 2)) if threads > 1 else n))
 
     def _acquire(self, seg: str) -> _Fd | None:
         """The segment's descriptor, held until ``_release``; None if it cannot be opened."""
@@ -904,9 +911,8 @@ class SegmentFormat:
     def delete(self, keys: Sequence[bytes]) -> int:
         n = 0
         recs = []
-        self._catch_up()                        # the latest slot of every key, whoever wrote it
         t_ns = time.time_ns()
-        for digest, entry in self.lookup(keys):
+        for digest, entry in self.lookup(keys, fresh=True):   # whoever wrote the latest
             if entry is None:
                 continue
             seg, slot, _ = entry
