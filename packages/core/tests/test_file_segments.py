@@ -699,3 +699,21 @@ def test_delete_is_a_miss_for_a_store_that_already_indexed_the_page(tmp_path, po
     assert b.batch_get(k[1:2], [10]) == [True] and torch.equal(page(pool, 10), want)
     a.close()
     b.close()
+
+
+def test_a_closed_writers_last_segment_becomes_evictable(tmp_path, pool):
+    """close() seals the writer in its log: its newest segment, protected while it could
+    still append, may go -- even though its process (this one) is alive."""
+    a = open_store(tmp_path)
+    a.attach(pool)
+    assert a.batch_set(keys(2), [0, 1]) == [True, True]
+    b = open_store(tmp_path)
+    (name,) = [os.path.basename(p) for p in files(a, ".kvs")]
+    b._seg._catch_up()
+    with b._seg._lock:
+        assert b._seg._protected(name, b._seg._segs[name], time.time_ns())
+    a.close()
+    b._seg.refresh()
+    with b._seg._lock:
+        assert not b._seg._protected(name, b._seg._segs[name], time.time_ns())
+    b.close()

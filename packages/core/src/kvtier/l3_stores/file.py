@@ -1,8 +1,14 @@
-"""`file`: one file per KV page in a directory on local disk, read straight into host pages.
+"""`file`: KV pages in a directory on local disk, read straight into host pages.
 
-Layout: ``<root>/<KVSpec fingerprint>[.ns-<namespace>]/<xx>/<hex of key>.kvp`` (``xx`` =
-256-way fan-out from a CRC of the key; keys longer than 96 bytes are named by their SHA-256
-instead). File names are hex digits only, so no key can name a path outside the directory.
+Two formats share this module's directory handling, trailer, checksums, manifest and modes
+(``Config.format``): ``segments`` (the default; pages appended into large preallocated
+segment files with per-writer index logs, described in ``kvtier.l3_stores.segments``) and
+``objects``, one file per page, described here.
+
+Layout of the ``objects`` format:
+``<root>/<KVSpec fingerprint>[.ns-<namespace>]/<xx>/<hex of key>.kvp`` (``xx`` = 256-way
+fan-out from a CRC of the key; keys longer than 96 bytes are named by their SHA-256 instead).
+File names are hex digits only, so no key can name a path outside the directory.
 ``manifest.json`` in the store directory records its identity (object format version, KVSpec
 fingerprint and geometry, key namespace).
 
@@ -294,7 +300,8 @@ def _in_use(fn):
 
 
 class FileStore(L3Store):
-    """One file per page on local disk; atomic, checksummed, LRU-bounded, multi-process safe."""
+    """KV pages on local disk (segment files, or one file per page); checksummed,
+    LRU-bounded, multi-process safe."""
 
     name = "file"
     interface_version = INTERFACE_VERSION
@@ -310,7 +317,8 @@ class FileStore(L3Store):
         #: Size of one segment file (``segments`` format), preallocated when it is created;
         #: with a capacity, segments are made no larger than a quarter of it.
         segment_bytes: int = 256 << 20
-        #: Bytes of objects (payload + trailer) to keep before evicting; None = no limit.
+        #: Bytes of objects (payload + trailer; segments: segment files) to keep before
+        #: evicting; None = no limit.
         capacity_bytes: int | None = None
         #: Threads doing file I/O in parallel for one batch.
         io_threads: int = 4
@@ -324,15 +332,18 @@ class FileStore(L3Store):
         o_direct: Literal["off", "auto", "on"] = "auto"
         #: Payload checksum written; readers accept either (the trailer says which).
         checksum: Literal["crc32", "adler32"] = "crc32"
-        #: Refresh an object's mtime on a read hit (the LRU order shared across processes);
-        #: skipped while the mtime is under a second old (saves a metadata write per hit).
+        #: Refresh an object's (a segment's) mtime on a read hit (the LRU order shared
+        #: across processes); skipped while it is under a second old (saves a metadata write
+        #: per hit).
         touch_on_read: bool = True
-        #: With a capacity, rescan the directory in the background (other processes' objects
-        #: count too) when a write comes this long after the last scan.
+        #: With a capacity, rescan the directory (other processes' objects count too) when
+        #: a write comes this long after the last scan (objects: in the background).
         rescan_interval_s: float = 30.0
-        #: Temporary files older than this are removed even if their writer may live.
+        #: Temporary files older than this are removed even if their writer may live
+        #: (segments: another host's writer's newest segment is evictable once this idle).
         stale_tmp_s: float = 600.0
-        #: Remove an object found corrupted (it would miss again on every read).
+        #: Remove an object found corrupted (segments: zero its slot's trailer), as it
+        #: would miss again on every read.
         remove_corrupted: bool = True
         #: Mode of object files (directories get the matching x bits, and the owner's rwx),
         #: set explicitly whatever the umask. Group modes (0o640; 0o660 with

@@ -1,11 +1,11 @@
 """The `file` store's ``segments`` format: pages appended into large preallocated files.
 
-The per-object format pays a create, a rename and journalled directory updates for every page;
-this format pays them once per segment (``segment_bytes``, 256 MiB by default), so a batch is a
-few large ``pwritev``/``preadv`` calls with no per-page metadata.
+The per-object format pays a create, a rename and journalled directory updates for every
+page; this format pays them once per segment (``segment_bytes``, 256 MiB by default), so a
+batch is a few large ``pwritev``/``preadv`` calls with no per-page metadata.
 
-Layout, in ``<store directory>/segments/`` (opened below the store directory's descriptor with
-``O_NOFOLLOW``, like every entry of the store)::
+Layout, in ``<store directory>/segments/`` (opened below the store directory's descriptor
+with ``O_NOFOLLOW``, like every entry of the store)::
 
     <writer>.<seq>.kvs   segment: an array of fixed slots
     <writer>.kvl         that writer's index log: append-only 64-byte records
@@ -16,51 +16,61 @@ bytes followed by the object format's 128-byte trailer (magic, version, KVSpec f
 SHA-256 of the key, payload length, payload checksum, identity digest, CRC of the trailer),
 zero-padded to a multiple of 4 KiB, so every payload starts 4 KiB-aligned and ``O_DIRECT``
 works for pages of 4 KiB multiples; other pages use the page cache (``o_direct`` keeps its
-auto/on/off meaning). A segment is preallocated (``posix_fallocate``) when it is created; a
-failure there (a full disk, a file size limit) is a miss and a counted error per page.
+auto/on/off meaning). A segment is preallocated (``posix_fallocate``) when it is created,
+and its writer's log with room for its records, so a full disk fails there and not after
+pages were written: a miss and a counted error per page. A nearly full disk (or a file size
+limit) gets smaller segments, down to one slot.
 
-Writes: ``batch_set`` takes consecutive slots of the writer's current segment (new segments as
-it fills) and writes each run of slots with one ``pwritev`` straight from the host pages
+Writes: ``batch_set`` takes consecutive slots of the writer's current segment (new segments
+as it fills) and writes each run of slots with one ``pwritev`` straight from the host pages
 (iovecs: page, trailer block, page, ...), runs spread over ``io_threads``; then (``fsync``:
-after the data is durable) it appends one index record per page to its log: SHA-256 of the key
--> (segment, slot, time), each record with its own CRC-32. A page is visible only once its
-record is, so a writer killed mid-batch leaves slots no record names: they are never read,
-and the dead writer's segment is sealed (nothing appends to it again).
+after the data is durable) it appends one index record per page to its log: SHA-256 of the
+key -> (segment, slot, time), each record with its own CRC-32; the log is preallocated, so
+its records end at the first all-zero one. A page is visible only once its record is, so a
+writer killed mid-batch leaves slots no record names: they are never read, and the dead
+writer's segment is sealed (nothing appends to it again).
 
-Reads: an in-memory index (SHA-256 of the key -> segment, slot) built at open from the logs --
-no slot is read to open a store. A key the index misses makes the reader tail the other
+Reads: an in-memory index (SHA-256 of the key -> segment, slot) built at open from the logs
+-- no slot is read to open a store. A key the index misses makes the reader tail the other
 writers' logs (``fstat`` each, read the new bytes) before it is declared a miss, so pages
 another process wrote are found without a rescan. ``batch_get`` groups hits by segment and
 contiguous slots and reads each run with one ``preadv`` into the host pages (trailers into
 4 KiB-aligned scratch), runs spread over ``io_threads``. Every slot's trailer (key, identity,
-length) and payload checksum are verified before it counts as a hit, so a stale or wrong index
-entry, a damaged or truncated segment, can only cost a miss (counted), never wrong KV. A
-garbled or torn log record is skipped and counted (``index_bad_records``); the page it named
-is a miss.
+length) and payload checksum are verified before it counts as a hit, so a stale or wrong
+index entry, a damaged or truncated segment, can only cost a miss (counted), never wrong KV.
+A garbled or torn log record is skipped and counted (``index_bad_records``); the page it
+named is a miss.
 
-``delete()`` zeroes the slot's trailer block (every process then reads a plain miss -- an
-all-zero trailer is "no page", not corruption) and appends a tombstone record; re-setting a
-key writes a new slot and the record with the latest time wins. A slot found corrupted is
-zeroed the same way (``remove_corrupted``), so it misses once as corruption, then plainly.
+``delete()`` first catches up with every log, then zeroes the key's latest slot's trailer
+block (every process then reads a plain miss -- an all-zero trailer is "no page", not
+corruption) and appends a tombstone record; re-setting a key writes a new slot and the
+record with the latest time wins. A process whose index still names an *older* slot of the
+key (it has not tailed the newer record) can read that older, intact page until it catches
+up (at least once a second, and on every miss) -- a valid page of the key, never another
+key's. A slot found corrupted is zeroed the same way (``remove_corrupted``), so it misses
+once as corruption, then plainly.
 
 Capacity counts segment bytes (preallocated size). Eviction removes whole segments, least
-recently used first -- LRU is per segment, not per page. "Use" is the segment's mtime, written
-by appends and refreshed on a read hit at most once a second (``touch_on_read``), so processes
-sharing the directory share one LRU order; a victim's mtime is re-checked before it is
-removed. A segment a live writer may still append to (the newest segment of a writer whose
-process is alive on this host, or of another host's writer, younger than ``stale_tmp_s``) is
-never evicted; segments of dead writers are sealed and evictable. With a capacity, segments
-are made no larger than a quarter of it (at least one slot), so eviction frees at most a
-quarter at a time. Segment files of dead writers that no record names, and logs of dead
-writers whose segments are all gone, are removed when a store opens the directory.
+recently used first -- LRU is per segment, not per page. "Use" is the segment's mtime,
+written by appends and refreshed on a read hit at most once a second (``touch_on_read``), so
+processes sharing the directory share one LRU order; a victim's mtime is re-checked before
+it is removed. A segment a live writer may still append to (the newest segment of a writer
+whose process is alive on this host, or of another host's writer, younger than
+``stale_tmp_s``) is never evicted; segments of dead writers, and of writers whose log ends
+with the seal record ``close()`` appends, are sealed and evictable. With a
+capacity, segments are made no larger than a quarter of it (at least one slot), so eviction
+frees at most a quarter at a time. Segment files of dead writers that no record names, and
+logs of dead writers whose segments are all gone, are removed when a store opens the
+directory.
 
-Anything else in ``segments/`` (foreign names, links, FIFOs, directories) is never followed or
-opened blocking; it is counted (``foreign_entries``, ``not_regular``) and left alone.
+Anything else in ``segments/`` (foreign names, links, FIFOs, directories) is never followed
+or opened blocking; it is counted (``foreign_entries``, ``not_regular``) and left alone.
 """
 
 from __future__ import annotations
 
 import errno
+import hashlib
 import mmap
 import os
 import re
@@ -71,7 +81,6 @@ import time
 import zlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
-import hashlib
 
 from . import file as _f
 
@@ -88,7 +97,7 @@ _LOG_RE = re.compile(_WRITER + r"\.kvl\Z")
 _REC = struct.Struct("<4sB3xIIQ32s")
 REC_BYTES = 64
 _REC_MAGIC = b"KVIX"
-_SET, _TOMB = 1, 2
+_SET, _TOMB, _SEAL = 1, 2, 3      # a page; a delete; the writer closed (appends no more)
 _TOUCH_NS = 1_000_000_000
 _ZERO_TRAILER = bytes(_f.TRAILER_BYTES)
 _ZERO_REC = bytes(REC_BYTES)
@@ -107,7 +116,7 @@ def unpack_record(raw: bytes) -> tuple[int, int, int, int, bytes] | None:
             zlib.crc32(raw[:REC_BYTES - 4]) & 0xFFFFFFFF:
         return None
     magic, kind, seq, slot, t_ns, digest = _REC.unpack_from(raw)
-    if magic != _REC_MAGIC or kind not in (_SET, _TOMB):
+    if magic != _REC_MAGIC or kind not in (_SET, _TOMB, _SEAL):
         return None
     return kind, seq, slot, t_ns, digest
 
@@ -167,6 +176,7 @@ class SegmentFormat:
         self._wlock = threading.Lock()          # slot allocation and our log
         self._index: dict[bytes, tuple[str, int, int]] = {}     # digest -> (seg, slot, t)
         self._tombs: dict[bytes, int] = {}      # digest -> time of its latest delete
+        self._sealed: set[str] = set()          # writers whose log says they closed
         self._segs: dict[str, _Seg] = {}
         self._logs: dict[str, _Log] = {}
         self._fds: dict[str, _Fd] = {}          # segment name -> its descriptor
@@ -224,6 +234,11 @@ class SegmentFormat:
                     self._retire(name)
 
     def close(self) -> None:
+        if self._log_fd >= 0 and self._sfd >= 0 and self._pid == os.getpid():
+            try:                        # other processes may now evict our last segment
+                self._append([pack_record(_SEAL, 0, 0, time.time_ns(), bytes(32))])
+            except OSError:
+                pass
         self.reopen()
         with self._lock:
             fds = [lg.fd for lg in self._logs.values()]
@@ -318,9 +333,9 @@ class SegmentFormat:
         with self._lock:
             for name in [n for n in self._segs if n not in seen_segs]:
                 self._drop_seg(name)
-            for name in list(self._logs):
-                if name not in {n for n, _ in entries}:
-                    os.close(self._logs.pop(name).fd)
+            listed = {n for n, _ in entries}
+            for name in [n for n in self._logs if n not in listed]:
+                os.close(self._logs.pop(name).fd)
         self.tail()
         self._last_list = time.monotonic()
         if clean:
@@ -394,6 +409,9 @@ class SegmentFormat:
                 bad += 1
                 continue
             kind, seq, slot, t_ns, digest = rec
+            if kind == _SEAL:
+                self._sealed.add(writer)
+                continue
             old = self._index.get(digest)
             if (old is not None and old[2] > t_ns) or self._tombs.get(digest, -1) > t_ns:
                 continue                        # a later record already won
@@ -468,9 +486,12 @@ class SegmentFormat:
                 os.close(e.fd)
 
     def _writer_state(self, writer: str) -> bool | None:
+        """Whether a writer may still append: True, False, or None (another host's)."""
         host, pid, _ = writer.split("-")
         if writer == self._writer:
             return True
+        if writer in self._sealed:
+            return False
         return _pid_alive_here(host, pid, self.s._host)
 
     def _clean_dead(self, now_ns: int) -> None:
@@ -834,6 +855,8 @@ class SegmentFormat:
                          _f._NOFOLLOW, self.s.config.file_mode, dir_fd=self._sfd)
             if self.s._fix_mode:
                 os.fchmod(fd, self.s.config.file_mode)
+            if self.s.config.fsync:
+                os.fsync(self._sfd)           # the log's name survives a power loss too
             self._log_fd, self._log_off, self._log_room = fd, 0, 0
         need = self._log_off + room * REC_BYTES
         if need > self._log_room:
@@ -966,8 +989,10 @@ class SegmentFormat:
         with self._lock:
             return sum(i.size for i in self._segs.values())
 
-    def _protected(self, name: str, info: _Seg, now_ns: int) -> bool:
-        """A segment its writer may still append to."""
+    def _protected(self, name: str, info: _Seg, now_ns: int,
+                   newest: dict[str, int] | None = None) -> bool:
+        """A segment its writer may still append to (lock held); ``newest``: each writer's
+        highest segment number, if the caller has it."""
         if self._cur is not None and name == self._cur[0]:
             return True
         e = self._fds.get(name)
@@ -978,8 +1003,9 @@ class SegmentFormat:
         alive = self._writer_state(info.writer)
         if alive is False:
             return False
-        newest = max(i.seq for i in self._segs.values() if i.writer == info.writer)
-        if info.seq != newest:
+        top = newest.get(info.writer, -1) if newest is not None else \
+            max(i.seq for i in self._segs.values() if i.writer == info.writer)
+        if info.seq != top:
             return False
         return alive is True or now_ns - info.used_ns < self.s.config.stale_tmp_s * 1e9
 
@@ -998,8 +1024,11 @@ class SegmentFormat:
             with self._lock:
                 if sum(i.size for i in self._segs.values()) + need <= cap:
                     break
+                newest: dict[str, int] = {}
+                for i in self._segs.values():
+                    newest[i.writer] = max(newest.get(i.writer, -1), i.seq)
                 cands = [(i.used_ns, n) for n, i in self._segs.items()
-                         if n not in skip and not self._protected(n, i, now)]
+                         if n not in skip and not self._protected(n, i, now, newest)]
                 if not cands:
                     break
                 _, victim = min(cands)
