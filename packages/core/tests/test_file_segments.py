@@ -280,7 +280,8 @@ def test_record_naming_another_keys_slot_is_a_miss(tmp_path, pool):
     assert s.batch_set([a], [0]) == [True]
     seg, slot, t = s._seg._index[seg_mod.hashlib.sha256(a).digest()]
     writer = seg.split(".")[0]
-    plant = os.path.join(seg_dir(s), "5bce98f7-1-00000000" + seg_mod.LOG_SUFFIX)
+    plant = os.path.join(seg_dir(s), seg.replace(writer, "5bce98f7-1-00000000")
+                         .replace(seg_mod.SEG_SUFFIX, seg_mod.LOG_SUFFIX))
     with open(plant, "wb") as f:
         f.write(seg_mod.pack_record(1, int(seg.split(".")[1]), slot, t + 1,
                                     seg_mod.hashlib.sha256(b).digest()))
@@ -319,7 +320,7 @@ def test_foreign_segments_and_garbage_open_and_miss(tmp_path, pool):
     d = seg_dir(ours)
     with open(os.path.join(d, "00000000-1-00000000.00000001.kvs"), "wb") as f:
         f.write(os.urandom(3 * 4096 + 5))
-    with open(os.path.join(d, "00000000-1-00000000.kvl"), "wb") as f:
+    with open(os.path.join(d, "00000000-1-00000000.00000001.kvl"), "wb") as f:
         f.write(os.urandom(1000))
     with open(os.path.join(d, "README"), "wb") as f:
         f.write(b"not the store's")
@@ -558,7 +559,7 @@ def test_dead_writers_orphans_are_cleaned_at_open(tmp_path, pool):
     dead.wait()
     names = {
         "dead-seg": f"{host}-{dead.pid}-0000abcd.00000001.kvs",     # no record names it
-        "dead-log": f"{host}-{dead.pid}-0000abcd.kvl",             # its segments are gone
+        "dead-log": f"{host}-{dead.pid}-0000abce.00000001.kvl",    # its segment is gone
         "alive-seg": f"{host}-{os.getppid()}-0000abcd.00000001.kvs",
         "other-host": f"ffffffff-{dead.pid}-0000abcd.00000001.kvs",
     }
@@ -717,3 +718,19 @@ def test_a_closed_writers_last_segment_becomes_evictable(tmp_path, pool):
     with b._seg._lock:
         assert not b._seg._protected(name, b._seg._segs[name], time.time_ns())
     b.close()
+
+
+def test_each_segment_has_its_own_log_removed_with_it(tmp_path, pool):
+    """Index records live and die with their segment: logs stay bounded by the live data."""
+    s = _capped(tmp_path, pool, 4)
+    k = keys(24)
+    for i in range(0, 24, 2):
+        assert s.batch_set(k[i:i + 2], [i % 16, (i + 1) % 16]) == [True, True]
+    segs = [os.path.basename(p)[:-4] for p in files(s, ".kvs")]
+    logs = [os.path.basename(p)[:-4] for p in files(s, ".kvl")]
+    assert len(segs) == 4 and segs == logs
+    assert s.stats()["evictions"] == 8
+    s.close()
+    fresh = _capped(tmp_path, pool, 4)
+    assert fresh.stats()["objects"] == 8 and fresh.batch_exists(k[16:]) == 8
+    fresh.close()

@@ -8,23 +8,25 @@ Layout, in ``<store directory>/segments/`` (opened below the store directory's d
 with ``O_NOFOLLOW``, like every entry of the store)::
 
     <writer>.<seq>.kvs   segment: an array of fixed slots
-    <writer>.kvl         that writer's index log: append-only 64-byte records
+    <writer>.<seq>.kvl   its index log: append-only 64-byte records
 
 ``<writer>`` is ``<host id>-<pid>-<random>``: every process (every store instance) appends
-only to its own segments and its own log, so writers never coordinate. A slot is the page's
+only to its own segments and their logs, so writers never coordinate. A log lives and dies
+with its segment (created after it, removed with it), so the logs are bounded by the live
+data and opening a store reads only the records of segments that still exist. A slot is the page's
 bytes followed by the object format's 128-byte trailer (magic, version, KVSpec fingerprint,
 SHA-256 of the key, payload length, payload checksum, identity digest, CRC of the trailer),
 zero-padded to a multiple of 4 KiB, so every payload starts 4 KiB-aligned and ``O_DIRECT``
 works for pages of 4 KiB multiples; other pages use the page cache (``o_direct`` keeps its
 auto/on/off meaning). A segment is preallocated (``posix_fallocate``) when it is created,
-and its writer's log with room for its records, so a full disk fails there and not after
+and its log with room for its records, so a full disk fails there and not after
 pages were written: a miss and a counted error per page. A nearly full disk (or a file size
 limit) gets smaller segments, down to one slot.
 
 Writes: ``batch_set`` takes consecutive slots of the writer's current segment (new segments
 as it fills) and writes each run of slots with one ``pwritev`` straight from the host pages
 (iovecs: page, trailer block, page, ...), runs spread over ``io_threads``; then (``fsync``:
-after the data is durable) it appends one index record per page to its log: SHA-256 of the
+after the data is durable) it appends one index record per page to the segment's log: SHA-256 of the
 key -> (segment, slot, time), each record with its own CRC-32; the log is preallocated, so
 its records end at the first all-zero one. A page is visible only once its record is, so a
 writer killed mid-batch leaves slots no record names: they are never read, and the dead
@@ -59,9 +61,8 @@ whose process is alive on this host, or of another host's writer, younger than
 ``stale_tmp_s``) is never evicted; segments of dead writers, and of writers whose log ends
 with the seal record ``close()`` appends, are sealed and evictable. With a
 capacity, segments are made no larger than a quarter of it (at least one slot), so eviction
-frees at most a quarter at a time. Segment files of dead writers that no record names, and
-logs of dead writers whose segments are all gone, are removed when a store opens the
-directory.
+frees at most a quarter at a time. Segment files of dead (or sealed) writers that no record
+names, and logs whose segment is gone, are removed when a store opens the directory.
 
 Anything else in ``segments/`` (foreign names, links, FIFOs, directories) is never followed
 or opened blocking; it is counted (``foreign_entries``, ``not_regular``) and left alone.
@@ -92,7 +93,7 @@ SEG_SUFFIX = ".kvs"
 LOG_SUFFIX = ".kvl"
 _WRITER = r"([0-9a-f]{8})-([0-9]{1,10})-([0-9a-f]{8})"
 _SEG_RE = re.compile(_WRITER + r"\.([0-9]{8})\.kvs\Z")
-_LOG_RE = re.compile(_WRITER + r"\.kvl\Z")
+_LOG_RE = re.compile(_WRITER + r"\.([0-9]{8})\.kvl\Z")
 #: magic, kind, segment sequence number, slot, time (ns), SHA-256 of the key; reserved; CRC-32.
 _REC = struct.Struct("<4sB3xIIQ32s")
 REC_BYTES = 64
@@ -149,6 +150,15 @@ class _Log:
     ino: tuple[int, int] = (0, 0)
 
 
+def _log_segment(log: str) -> str:
+    """The segment a log indexes."""
+    return log[:-len(LOG_SUFFIX)] + SEG_SUFFIX
+
+
+def _segment_log(seg: str) -> str:
+    return seg[:-len(SEG_SUFFIX)] + LOG_SUFFIX
+
+
 def _pid_alive_here(host: str, pid: str, my_host: str) -> bool | None:
     """True/False for a writer of this host; None when it is another host's (unknown)."""
     if host != my_host:
@@ -186,8 +196,8 @@ class SegmentFormat:
         self._cur: tuple[str, _Fd] | None = None       # (segment name, its descriptor)
         self._cur_next = 0
         self._cur_slots = 0
-        self._log_fd = -1
-        self._log_off = self._log_room = 0
+        #: our segments' logs: segment name -> [descriptor, end of records, preallocated end]
+        self._wlogs: dict[str, list[int]] = {}
         self._last_list = 0.0
         self._dir_key = (0, 0)
         self._last_catch_up = 0.0
@@ -220,7 +230,7 @@ class SegmentFormat:
         self._writer = f"{self.s._host}-{self._pid}-{os.urandom(4).hex()}"
         self._seq = 0
         self._cur = None
-        self._log_fd = -1
+        self._wlogs = {}
 
     def reopen(self) -> None:
         """Close the segment descriptors (the next I/O reopens them for the pool now attached)
@@ -234,20 +244,19 @@ class SegmentFormat:
                     self._retire(name)
 
     def close(self) -> None:
-        if self._log_fd >= 0 and self._sfd >= 0 and self._pid == os.getpid():
+        if self._wlogs and self._sfd >= 0 and self._pid == os.getpid():
             try:                        # other processes may now evict our last segment
                 self._append([pack_record(_SEAL, 0, 0, time.time_ns(), bytes(32))])
             except OSError:
                 pass
         self.reopen()
-        with self._lock:
-            fds = [lg.fd for lg in self._logs.values()]
-            if self._log_fd >= 0:
-                fds.append(self._log_fd)
+        with self._wlock, self._lock:
+            fds = [lg.fd for lg in self._logs.values()] + [w[0] for w in self._wlogs.values()]
             if self._sfd >= 0:
                 fds.append(self._sfd)
             self._logs.clear()
-            self._log_fd, self._sfd = -1, -1
+            self._wlogs.clear()
+            self._sfd = -1
         for fd in fds:
             try:
                 os.close(fd)
@@ -318,7 +327,7 @@ class SegmentFormat:
             elif _LOG_RE.match(name):
                 if not regular:
                     foreign += 1
-                elif name not in self._logs and name != self._writer + LOG_SUFFIX:
+                elif name not in self._logs and not name.startswith(self._writer + "."):
                     fd = self._open_entry(name, os.O_RDONLY)
                     if fd >= 0:
                         with self._lock:
@@ -365,7 +374,7 @@ class SegmentFormat:
             self._tail_one(name, lg)
 
     def _tail_one(self, name: str, lg: _Log) -> None:
-        writer = name[:-len(LOG_SUFFIX)]
+        writer = name.split(".")[0]
         path = os.path.join(self.s.dir, SEG_DIR, name)
         while True:
             try:
@@ -495,19 +504,18 @@ class SegmentFormat:
         return _pid_alive_here(host, pid, self.s._host)
 
     def _clean_dead(self, now_ns: int) -> None:
-        """Remove dead writers' segments no record names and logs whose segments are gone."""
+        """Remove dead (or sealed) writers' segments no record names, with their logs, and
+        logs whose segment is gone (a segment is created before its log, removed before it)."""
         with self._lock:
             victims = [n for n, i in self._segs.items()
                        if not i.members and self._writer_state(i.writer) is False]
-            writers = {i.writer for n, i in self._segs.items() if n not in victims}
         for name in victims:
             if self._unlink(name):
                 self.s._bump("tmp_cleaned")
             with self._lock:
                 self._drop_seg(name)
         with self._lock:
-            logs = [n for n in self._logs if n[:-len(LOG_SUFFIX)] not in writers
-                    and self._writer_state(n[:-len(LOG_SUFFIX)]) is False]
+            logs = [n for n in self._logs if _log_segment(n) not in self._segs]
         for name in logs:
             if self._unlink(name):
                 self.s._bump("tmp_cleaned")
@@ -750,6 +758,8 @@ class SegmentFormat:
         for ok_idx in self.s._map(lambda w: self._write_run(w, keys, pages, digests), work):
             for j in ok_idx:
                 out[j] = True
+        with self._wlock:
+            self._close_old_wlogs()
         return out
 
     _rotate_error: OSError = OSError(errno.EIO, "no segment")
@@ -761,17 +771,28 @@ class SegmentFormat:
                 gone = os.fstat(self._cur[1].fd).st_nlink == 0
             except OSError:
                 gone = True
+            w = self._wlogs.get(self._cur[0])
+            if not gone and w is not None:
+                try:
+                    gone = os.fstat(w[0]).st_nlink == 0
+                except OSError:
+                    gone = True
             if gone:
                 self._release(self._cur[1])
+                self._close_wlog(self._cur[0])
                 self._cur = None
-        if self._log_fd >= 0:
-            try:
-                gone = os.fstat(self._log_fd).st_nlink == 0
-            except OSError:
-                gone = True
-            if gone:
-                os.close(self._log_fd)
-                self._log_fd = -1
+
+    def _close_wlog(self, seg: str) -> None:
+        w = self._wlogs.pop(seg, None)
+        if w is not None:
+            os.close(w[0])
+
+    def _close_old_wlogs(self) -> None:
+        """After a batch: keep only the current segment's log open (wlock held)."""
+        cur = self._cur[0] if self._cur is not None else None
+        newest = max(self._wlogs, default=None)
+        for seg in [n for n in self._wlogs if n != cur and n != newest]:
+            self._close_wlog(seg)
 
     def _rotate(self, want: int) -> bool:
         """Seal the current segment and start a new, preallocated one (wlock held)."""
@@ -825,7 +846,7 @@ class SegmentFormat:
         try:
             while True:
                 try:
-                    self._ensure_log(self._cur_slots)
+                    self._ensure_log(name, self._cur_slots)
                     break
                 except OSError as exc:
                     # the segment took the last free space: give some back for its records
@@ -840,40 +861,49 @@ class SegmentFormat:
             with self._lock:
                 self._drop_seg(name)
             self._unlink(name)
+            self._close_wlog(name)
+            self._unlink(_segment_log(name))
             self._release(e)
             self._cur = None
             return False
         return True
 
-    def _ensure_log(self, room: int = 0) -> int:
-        """Our log, with space reserved (preallocated) for ``room`` more records, so a full
-        disk fails when a segment is created, not after its pages were written (wlock held).
-        Readers stop at the first all-zero record."""
-        if self._log_fd < 0:
-            name = self._writer + LOG_SUFFIX
-            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC |
-                         _f._NOFOLLOW, self.s.config.file_mode, dir_fd=self._sfd)
+    def _ensure_log(self, seg: str, room: int = 0) -> list[int]:
+        """Segment ``seg``'s log (ours), with space reserved (preallocated) for ``room`` more
+        records, so a full disk fails when a segment is created, not after its pages were
+        written (wlock held). Readers stop at the first all-zero record."""
+        w = self._wlogs.get(seg)
+        if w is None:
+            fd = os.open(_segment_log(seg), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+                         | _f._NOFOLLOW, self.s.config.file_mode, dir_fd=self._sfd)
             if self.s._fix_mode:
                 os.fchmod(fd, self.s.config.file_mode)
             if self.s.config.fsync:
                 os.fsync(self._sfd)           # the log's name survives a power loss too
-            self._log_fd, self._log_off, self._log_room = fd, 0, 0
-        need = self._log_off + room * REC_BYTES
-        if need > self._log_room:
+            w = self._wlogs[seg] = [fd, 0, 0]
+        need = w[1] + room * REC_BYTES
+        if need > w[2]:
             need = -(-need // _f.DIRECT_ALIGN) * _f.DIRECT_ALIGN
-            os.posix_fallocate(self._log_fd, self._log_room, need - self._log_room)
-            self._log_room = need
-        return self._log_fd
+            os.posix_fallocate(w[0], w[2], need - w[2])
+            w[2] = need
+        return w
 
-    def _append(self, records: list[bytes]) -> None:
+    def _append(self, records: list[bytes], seg: str | None = None) -> None:
+        """Append records to segment ``seg``'s log (None: our newest segment's, if any)."""
         with self._wlock:
-            fd = self._ensure_log()
+            if seg is None:
+                seg = max(self._wlogs, default=None)
+                if seg is None:
+                    return              # nothing written here: nothing to record
+            w = self._wlogs.get(seg)
+            if w is None:
+                raise OSError(errno.ENOENT, f"the log of {seg} is closed")
             blob = b"".join(records)
-            off = self._log_off
+            fd, off = w[0], w[1]
             while blob:
                 n = os.pwrite(fd, blob, off)
                 blob, off = blob[n:], off + n
-            self._log_off = off
+            w[1] = off
             if self.s.config.fsync:
                 os.fdatasync(fd)
 
@@ -916,9 +946,9 @@ class SegmentFormat:
             recs = [pack_record(_SET, seq, first + j, t_ns, digests[i])
                     for j, i in enumerate(idx)]
             try:
-                self._append(recs)
+                self._append(recs, seg)
             except OSError as exc:
-                s._write_failed(os.path.join(s.dir, SEG_DIR, self._writer + LOG_SUFFIX), exc,
+                s._write_failed(os.path.join(s.dir, SEG_DIR, _segment_log(seg)), exc,
                                 len(idx))
                 return []
             with self._lock:
@@ -974,6 +1004,8 @@ class SegmentFormat:
                 foreign += 1
         with self._wlock:
             self._check_current()
+            for seg in list(self._wlogs):
+                self._close_wlog(seg)
         with self._lock:
             for name in list(self._segs):
                 self._drop_seg(name)
@@ -1063,6 +1095,10 @@ class SegmentFormat:
                 continue
             with self._lock:
                 self._drop_seg(victim)
+                lg = self._logs.pop(_segment_log(victim), None)
+                if lg is not None:
+                    os.close(lg.fd)
+            self._unlink(_segment_log(victim))    # its records index nothing now
         return evicted
 
     def stats(self) -> dict[str, Any]:
@@ -1070,7 +1106,8 @@ class SegmentFormat:
             return {"objects": len(self._index), "bytes_stored": sum(
                 i.size for i in self._segs.values()), "segments": len(self._segs),
                 "live_slots": len(self._index), "slot_bytes": self.slot_bytes,
-                "segment_slots": self.seg_slots, "writers": len(self._logs) + 1}
+                "segment_slots": self.seg_slots, "writers": len(
+                    {n.split(".")[0] for n in self._logs} | {self._writer})}
 
     def locate(self, key: bytes) -> tuple[str, int] | None:
         """(segment path, byte offset of the slot) holding ``key`` here, for tests/tools."""
