@@ -734,3 +734,49 @@ def test_each_segment_has_its_own_log_removed_with_it(tmp_path, pool):
     fresh = _capped(tmp_path, pool, 4)
     assert fresh.stats()["objects"] == 8 and fresh.batch_exists(k[16:]) == 8
     fresh.close()
+
+
+def test_a_key_named_twice_is_read_into_both_pages(tmp_path, pool):
+    s = open_store(tmp_path)
+    s.attach(pool)
+    k = keys(3)
+    assert s.batch_set(k, [0, 1, 2]) == [True] * 3
+    want = page(pool, 1)
+    assert s.batch_get([k[1], k[0], k[1]], [5, 6, 7]) == [True] * 3
+    assert torch.equal(page(pool, 5), want) and torch.equal(page(pool, 7), want)
+    s.close()
+
+
+def test_concurrent_batches_across_segment_rotations(tmp_path):
+    """Several threads' batch_set calls share one writer: slots, rotations and the logs of
+    segments another batch is still writing into stay consistent."""
+    import threading
+    with HostKVPool(ODD, 48, allocator=MmapAllocator()) as pool:
+        fill_random(pool.raw)
+        s = open_store(tmp_path, segment_bytes=3 * 4096, io_threads=2)
+        s.attach(pool)
+        ks = [keys(6, f"t{t}") for t in range(4)]
+        want = {k: page(pool, 6 * t + i) for t in range(4) for i, k in enumerate(ks[t])}
+        errors: list = []
+
+        def writer(t: int) -> None:
+            for r in range(5):
+                got = s.batch_set(ks[t], [6 * t + i for i in range(6)])
+                if got != [True] * 6:
+                    errors.append((t, r, got))
+
+        threads = [threading.Thread(target=writer, args=(t,)) for t in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors and s.stats()["errors"] == 0
+        s.close()
+        fresh = open_store(tmp_path)
+        fresh.attach(pool)
+        flat = [k for t in range(4) for k in ks[t]]
+        pool.raw[24 * ODD.page_bytes:].fill_(0x5A)
+        assert fresh.batch_get(flat, list(range(24, 48))) == [True] * 24
+        for j, k in enumerate(flat):
+            assert torch.equal(page(pool, 24 + j), want[k])
+        fresh.close()

@@ -50,7 +50,9 @@ record with the latest time wins. A process whose index still names an *older* s
 key (it has not tailed the newer record) can read that older, intact page until it catches
 up (at least once a second, and on every miss) -- a valid page of the key, never another
 key's. A slot found corrupted is zeroed the same way (``remove_corrupted``), so it misses
-once as corruption, then plainly.
+once as corruption, then plainly. As in the object format, a page whose slot was read but
+did not check out (or was deleted since this process indexed it) holds unspecified bytes;
+a key the index does not know leaves its page untouched.
 
 Capacity counts segment bytes (preallocated size). Eviction removes whole segments, least
 recently used first -- LRU is per segment, not per page. "Use" is the segment's mtime,
@@ -570,12 +572,11 @@ class SegmentFormat:
         for seg, items in runs.items():
             items.sort()
             run: list[tuple[int, int, bytes, int]] = []
-            for it in items:
+            for it in items:     # a key named twice starts a run of its own: read twice
                 if run and (it[0] != run[-1][0] + 1 or len(run) >= step):
                     work.append((seg, run))
                     run = []
-                if not run or it[0] != run[-1][0]:     # a slot named twice: read once
-                    run.append(it)
+                run.append(it)
             if run:
                 work.append((seg, run))
         for done in self.s._map(self._read_run, work):
@@ -791,7 +792,9 @@ class SegmentFormat:
         """After a batch: keep only the current segment's log open (wlock held)."""
         cur = self._cur[0] if self._cur is not None else None
         newest = max(self._wlogs, default=None)
-        for seg in [n for n in self._wlogs if n != cur and n != newest]:
+        with self._lock:
+            busy = {n for n, e in self._fds.items() if e.writes}   # another batch's runs
+        for seg in [n for n in self._wlogs if n not in (cur, newest) and n not in busy]:
             self._close_wlog(seg)
 
     def _rotate(self, want: int) -> bool:
@@ -888,6 +891,24 @@ class SegmentFormat:
             w[2] = need
         return w
 
+    def _reopen_wlog(self, seg: str) -> list[int]:
+        """Open one of our segments' logs again (closed after an earlier batch): its records
+        end at the first all-zero one (wlock held)."""
+        fd = self._open_entry(_segment_log(seg), os.O_RDWR)
+        if fd < 0:
+            raise OSError(errno.ENOENT, f"the log of {seg} is gone")
+        try:
+            size = os.fstat(fd).st_size
+            raw = os.pread(fd, size, 0)
+        except OSError:
+            os.close(fd)
+            raise
+        end = 0
+        while end + REC_BYTES <= len(raw) and raw[end:end + REC_BYTES] != _ZERO_REC:
+            end += REC_BYTES
+        w = self._wlogs[seg] = [fd, end, size]
+        return w
+
     def _append(self, records: list[bytes], seg: str | None = None) -> None:
         """Append records to segment ``seg``'s log (None: our newest segment's, if any)."""
         with self._wlock:
@@ -897,7 +918,7 @@ class SegmentFormat:
                     return              # nothing written here: nothing to record
             w = self._wlogs.get(seg)
             if w is None:
-                raise OSError(errno.ENOENT, f"the log of {seg} is closed")
+                w = self._reopen_wlog(seg)
             blob = b"".join(records)
             fd, off = w[0], w[1]
             while blob:
