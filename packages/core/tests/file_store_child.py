@@ -26,6 +26,7 @@ from kvtier.l3_stores import file as file_mod
 from kvtier.l3_stores.file import FileStore
 from kvtier.spec import KVSpec
 
+FORMAT_ENV = "KVTIER_TEST_FILE_FORMAT"      # the store format the children use (file_formats)
 SPEC = KVSpec.mha(num_layers=4, num_kv_heads=4, head_dim=128, page_size=64, dtype="bfloat16")
 NUM_KEYS = 6
 
@@ -53,7 +54,8 @@ def check_page(page: torch.Tensor, key_index: int) -> int | None:
 
 def open_store(root: str, **config) -> tuple[FileStore, HostKVPool]:
     pool = HostKVPool(SPEC, 2 * NUM_KEYS, allocator=MmapAllocator())   # aligned: O_DIRECT (auto)
-    store = FileStore({"root": root, "io_threads": 2, **config}, spec=SPEC)
+    store = FileStore({"root": root, "io_threads": 2,
+                       "format": os.environ.get(FORMAT_ENV, "segments"), **config}, spec=SPEC)
     store.attach(pool)
     return store, pool
 

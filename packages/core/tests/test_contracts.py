@@ -13,3 +13,15 @@ class TestCoreL3Stores(L3StoreContract):
 
 class TestCoreTransferEngines(TransferEngineContract):
     distribution = "kvtier-core"
+
+
+class TestFileStoreObjectsFormat(L3StoreContract):
+    """The file store's per-object format through the same contract (the registry's example
+    config, used above, runs the default segments format)."""
+
+    def pytest_generate_tests(self, metafunc) -> None:
+        if "backend_name" in metafunc.fixturenames:
+            metafunc.parametrize("backend_name", ["file"])
+
+    def make_config(self, backend_name: str, workdir: str) -> dict:
+        return {**super().make_config(backend_name, workdir), "format": "objects"}

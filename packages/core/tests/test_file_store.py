@@ -1,5 +1,8 @@
 """The `file` L3 store beyond the contract: faults behind its back, killed writers, several
-processes on one directory, hostile keys, a full disk, LRU capacity, O_DIRECT, bad input."""
+processes on one directory, hostile keys, a full disk, LRU capacity, O_DIRECT, bad input.
+
+Tests run over both formats (``segments``, ``objects``) unless they handle per-object files
+directly (OBJECTS_ONLY); test_file_segments.py has the segment format's equivalents."""
 
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ from kvtier.errors import (ConfigError, InvalidArgumentError, KVTierError, PageI
 from kvtier.host_allocators.mmap import MmapAllocator
 from kvtier.host_pool import HostKVPool
 from kvtier.l3_stores import file as file_mod
-from kvtier.l3_stores.file import TRAILER_BYTES, FileStore, key_filename
+from kvtier.l3_stores.file import TRAILER_BYTES, key_filename
 from kvtier.spec import KVSpec
 from kvtier.testing.data import make_host_pool
 from kvtier.testing import fill_random
@@ -34,8 +37,27 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 CHILD = os.path.join(HERE, "file_store_child.py")
 sys.path.insert(0, HERE)
 import file_store_child as child  # noqa: E402
+from file_formats import FileStore, fmt, formats  # noqa: E402,F401
 
 SPEC = KVSpec.mha(num_layers=3, num_kv_heads=2, head_dim=24, page_size=5, dtype="bfloat16")
+
+#: Tests that handle the per-object format's files (paths, sizes, temporary files) directly.
+OBJECTS_ONLY = {
+    "test_damaged_object_is_a_counted_miss", "test_damaged_object_kept_when_asked",
+    "test_damaged_size_seen_by_exists", "test_foreign_fingerprint_is_a_counted_miss",
+    "test_object_of_another_key_is_a_miss",
+    "test_symlink_planted_at_an_object_path_is_not_followed",
+    "test_hostile_keys_stay_inside_the_directory",
+    "test_enospc_is_a_counted_miss_and_leaves_nothing",
+    "test_writer_killed_in_the_middle_of_an_object", "test_stale_temporary_files_are_cleaned",
+    "test_lru_evicts_least_recently_used", "test_a_chain_is_evicted_from_its_tail",
+    "test_overwrite_does_not_evict", "test_batch_larger_than_capacity",
+    "test_reads_by_another_process_count_as_use", "test_capacity_counts_other_processes_objects",
+    "test_explicit_rescan_enforces_capacity", "test_index_rebuilt_from_the_directory",
+    "test_o_direct_round_trip_or_reported_fallback",
+    "test_capacity_counts_bytes_on_disk_for_o_direct_objects",
+}
+pytest_generate_tests = formats(OBJECTS_ONLY)
 
 
 def keys(n: int, tag: str = "") -> list[bytes]:
@@ -403,7 +425,9 @@ def test_unattached_and_closed(tmp_path, pool):
                                     {"root": "x", "o_direct": "maybe"},
                                     {"root": "x", "checksum": "md5"},
                                     {"root": "x", "file_mode": 0o10000},
-                                    {"root": "x", "bogus": 1}])
+                                    {"root": "x", "bogus": 1},
+                                    {"root": "x", "format": "tar"},
+                                    {"root": "x", "segment_bytes": 100}])
 def test_bad_config(tmp_path, config):
     config = {k: (str(tmp_path / v) if k == "root" and v else v) for k, v in config.items()}
     with pytest.raises(ConfigError):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import stat
+import sys
 import threading
 
 import pytest
@@ -14,13 +15,26 @@ import torch
 
 from kvtier.errors import ConfigError, InvalidArgumentError, StoreError
 from kvtier.host_pool import HostKVPool
-from kvtier.l3_stores.file import TRAILER_BYTES, FileStore, key_filename
+from kvtier.l3_stores.file import TRAILER_BYTES, key_filename
 from kvtier.l3_stores.memory import MemoryStore
 from kvtier.spec import KVSpec
 from kvtier.testing.data import make_host_pool
 from kvtier.testing import fill_random
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from file_formats import FileStore, fmt, formats  # noqa: E402,F401
+
 SPEC = KVSpec.mha(num_layers=2, num_kv_heads=2, head_dim=16, page_size=4, dtype="bfloat16")
+#: Tests that plant entries at per-object paths (test_file_segments.py: the segment format's).
+OBJECTS_ONLY = {
+    "test_fifo_at_an_object_path_is_a_counted_miss_never_a_hang",
+    "test_other_non_regular_entries_at_object_paths",
+    "test_symlinked_fanout_directory_is_never_followed",
+    "test_clear_and_eviction_remove_only_the_stores_own_objects",
+    "test_group_file_mode_is_applied_whatever_the_umask",
+}
+pytest_generate_tests = formats(OBJECTS_ONLY)
 
 
 def keys(n: int, tag: str = "") -> list[bytes]:

@@ -58,6 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="page cache treatment for both sides: bypass it with O_DIRECT (the "
                         "store's default where it can), or use it and drop it with fadvise")
     p.add_argument("--checksum", choices=["crc32", "adler32"], default="crc32")
+    p.add_argument("--format", choices=["segments", "objects"], default="segments",
+                   help="file store format (default segments)")
     p.add_argument("--repeat", type=int, default=3, help="alternating repetitions (median)")
     p.add_argument("--json", help="write every result here")
     p.add_argument("--plot", help="save a PNG of GB/s vs page size here")
@@ -277,7 +279,8 @@ def plot(data: dict[str, Any], path: str) -> None:
 
 def _print(data: dict[str, Any], failures: int) -> None:
     how = " / ".join(data["raw_modes"])
-    print(f"file store vs raw sequential I/O in {data['dir']} ({data['cache']}; "
+    print(f"file store ({data.get('format', 'objects')} format) vs raw sequential I/O in "
+          f"{data['dir']} ({data['cache']}; "
           f"{data['total'] / 2**30:g} GiB per measurement, median of {data['repeat']}; "
           f"io_threads={data['threads']}, batch={data['batch']}; GB/s = 1e9 bytes/s)")
     print(table(["page", f"raw write ({how})", "batch_set", "set/raw", f"raw read ({how})",
@@ -346,7 +349,8 @@ def run(args: argparse.Namespace) -> int:
             root = os.path.join(work, "store")
             store = FileStore({"root": root, "io_threads": args.threads,
                                "o_direct": "on" if direct else "off",
-                               "checksum": args.checksum}, spec=spec)
+                               "checksum": args.checksum, "format": args.format},
+                              spec=spec)
             store.attach(pool)
             src, dst = list(range(n)), list(range(n, 2 * n))
             t0 = time.perf_counter()
@@ -379,7 +383,8 @@ def run(args: argparse.Namespace) -> int:
     labels = [m[0] for m in modes]
     speed, provider = checksum_gbps(args.checksum)
     data = {
-        "dir": base, "cache": args.cache, "total": total, "repeat": args.repeat,
+        "dir": base, "cache": args.cache, "format": args.format, "total": total,
+        "repeat": args.repeat,
         "threads": args.threads, "batch": args.batch, "raw_modes": labels,
         "checksum": {"kind": args.checksum, "provider": provider, "gbps": speed},
         "env": _env(base), "failures": failures, "results": []}

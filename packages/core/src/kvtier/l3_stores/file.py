@@ -1,8 +1,14 @@
-"""`file`: one file per KV page in a directory on local disk, read straight into host pages.
+"""`file`: KV pages in a directory on local disk, read straight into host pages.
 
-Layout: ``<root>/<KVSpec fingerprint>[.ns-<namespace>]/<xx>/<hex of key>.kvp`` (``xx`` =
-256-way fan-out from a CRC of the key; keys longer than 96 bytes are named by their SHA-256
-instead). File names are hex digits only, so no key can name a path outside the directory.
+Two formats share this module's directory handling, trailer, checksums, manifest and modes
+(``Config.format``): ``segments`` (the default; pages appended into large preallocated
+segment files with per-writer index logs, described in ``kvtier.l3_stores.segments``) and
+``objects``, one file per page, described here.
+
+Layout of the ``objects`` format:
+``<root>/<KVSpec fingerprint>[.ns-<namespace>]/<xx>/<hex of key>.kvp`` (``xx`` = 256-way
+fan-out from a CRC of the key; keys longer than 96 bytes are named by their SHA-256 instead).
+File names are hex digits only, so no key can name a path outside the directory.
 ``manifest.json`` in the store directory records its identity (object format version, KVSpec
 fingerprint and geometry, key namespace).
 
@@ -62,7 +68,7 @@ import zlib
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Callable, Literal, Sequence, TypeVar
 
 
 from ..errors import ConfigError, StoreError
@@ -71,6 +77,7 @@ from ..interfaces import INTERFACE_VERSION, Availability, L3Store
 from ..layout import PAGE_FIRST, page_ranges
 
 log = logging.getLogger(__name__)
+_R = TypeVar("_R")
 
 MAGIC = b"KVTIERPG"
 FORMAT_VERSION = 2         # 2: the trailer carries the store's identity digest
@@ -180,10 +187,12 @@ class _Bad(Exception):
 
 
 def check_trailer(raw: bytes, fingerprint: str, key: bytes, payload_len: int,
-                  identity: bytes = b"") -> tuple[int, int]:
-    """Validate a trailer; returns (checksum kind, payload checksum) or raises _Bad."""
+                  identity: bytes = b"", key_digest: bytes | None = None) -> tuple[int, int]:
+    """Validate a trailer (of ``key``, or of the key whose SHA-256 is ``key_digest``);
+    returns (checksum kind, payload checksum) or raises _Bad."""
     if len(raw) != TRAILER_BYTES:
         raise _Bad("truncated", f"trailer of {len(raw)} bytes")
+    want_digest = key_digest
     (magic, version, tlen, kind_id, fp, key_digest, plen, psum, ident) = \
         _FIELDS.unpack_from(raw)
     if magic != MAGIC:
@@ -195,7 +204,7 @@ def check_trailer(raw: bytes, fingerprint: str, key: bytes, payload_len: int,
         raise _Bad("foreign", f"unknown format version {version} / checksum {kind_id}")
     if fp.rstrip(b"\0") != fingerprint.encode("ascii")[:16]:
         raise _Bad("foreign", f"KVSpec fingerprint {fp!r} is not {fingerprint}")
-    if key_digest != hashlib.sha256(key).digest():
+    if key_digest != (hashlib.sha256(key).digest() if want_digest is None else want_digest):
         raise _Bad("foreign", "object belongs to another key")
     if plen != payload_len:
         raise _Bad("foreign", f"payload of {plen} bytes, pages have {payload_len}")
@@ -227,10 +236,16 @@ def _pwrite_all(fd: int, bufs: list[memoryview], offset: int = 0) -> None:
 
 
 def _pread_all(fd: int, bufs: list[memoryview], offset: int = 0) -> int:
-    """preadv into ``bufs`` until full or end of file; returns bytes read."""
+    """preadv into ``bufs`` until full or end of file; returns bytes read (an O_DIRECT read
+    that reached an end of file not on a block boundary ends there)."""
     total = 0
     while bufs:
-        n = os.preadv(fd, bufs[:_IOV_MAX], offset)
+        try:
+            n = os.preadv(fd, bufs[:_IOV_MAX], offset)
+        except OSError as exc:
+            if total and exc.errno == errno.EINVAL:
+                return total     # O_DIRECT, stopped at an unaligned end of file
+            raise
         if n <= 0:
             return total
         total += n
@@ -285,7 +300,8 @@ def _in_use(fn):
 
 
 class FileStore(L3Store):
-    """One file per page on local disk; atomic, checksummed, LRU-bounded, multi-process safe."""
+    """KV pages on local disk (segment files, or one file per page); checksummed,
+    LRU-bounded, multi-process safe."""
 
     name = "file"
     interface_version = INTERFACE_VERSION
@@ -294,7 +310,15 @@ class FileStore(L3Store):
     class Config:
         #: Directory of the store (created). Objects live under ``<root>/<spec fingerprint>``.
         root: str = ""
-        #: Bytes of objects (payload + trailer) to keep before evicting; None = no limit.
+        #: "segments": pages appended into large preallocated segment files (few large
+        #: I/O calls per batch, LRU per segment; see ``kvtier.l3_stores.segments``).
+        #: "objects": one file per page (LRU per page, a create and a rename per write).
+        format: Literal["segments", "objects"] = "segments"
+        #: Size of one segment file (``segments`` format), preallocated when it is created;
+        #: with a capacity, segments are made no larger than a quarter of it.
+        segment_bytes: int = 256 << 20
+        #: Bytes of objects (payload + trailer; segments: segment files) to keep before
+        #: evicting; None = no limit.
         capacity_bytes: int | None = None
         #: Threads doing file I/O in parallel for one batch.
         io_threads: int = 4
@@ -308,15 +332,18 @@ class FileStore(L3Store):
         o_direct: Literal["off", "auto", "on"] = "auto"
         #: Payload checksum written; readers accept either (the trailer says which).
         checksum: Literal["crc32", "adler32"] = "crc32"
-        #: Refresh an object's mtime on a read hit (the LRU order shared across processes);
-        #: skipped while the mtime is under a second old (saves a metadata write per hit).
+        #: Refresh an object's (a segment's) mtime on a read hit (the LRU order shared
+        #: across processes); skipped while it is under a second old (saves a metadata write
+        #: per hit).
         touch_on_read: bool = True
-        #: With a capacity, rescan the directory in the background (other processes' objects
-        #: count too) when a write comes this long after the last scan.
+        #: With a capacity, rescan the directory (other processes' objects count too) when
+        #: a write comes this long after the last scan (objects: in the background).
         rescan_interval_s: float = 30.0
-        #: Temporary files older than this are removed even if their writer may live.
+        #: Temporary files older than this are removed even if their writer may live
+        #: (segments: another host's writer's newest segment is evictable once this idle).
         stale_tmp_s: float = 600.0
-        #: Remove an object found corrupted (it would miss again on every read).
+        #: Remove an object found corrupted (segments: zero its slot's trailer), as it
+        #: would miss again on every read.
         remove_corrupted: bool = True
         #: Mode of object files (directories get the matching x bits, and the owner's rwx),
         #: set explicitly whatever the umask. Group modes (0o640; 0o660 with
@@ -340,6 +367,13 @@ class FileStore(L3Store):
             raise ConfigError(f"file.capacity_bytes={c.capacity_bytes} holds no page of "
                               f"{spec.page_bytes} bytes", key="file.capacity_bytes",
                               value=c.capacity_bytes)
+        if c.format not in ("segments", "objects"):
+            raise ConfigError(f"file.format must be 'segments' or 'objects', got {c.format!r}",
+                              key="file.format", value=c.format)
+        if not isinstance(c.segment_bytes, int) or c.segment_bytes < DIRECT_ALIGN:
+            raise ConfigError(f"file.segment_bytes must be at least {DIRECT_ALIGN}, got "
+                              f"{c.segment_bytes}", key="file.segment_bytes",
+                              value=c.segment_bytes)
         if c.io_threads < 1:
             raise ConfigError(f"file.io_threads must be >= 1, got {c.io_threads}",
                               key="file.io_threads", value=c.io_threads)
@@ -394,7 +428,12 @@ class FileStore(L3Store):
                 log.info("file: O_DIRECT unavailable in %s (%s); using the page cache",
                          self.dir, self._direct_reason)
         self._direct_pool = False
-        self._scan()
+        self._seg: Any = None
+        if c.format == "segments":
+            from .segments import SegmentFormat
+            self._seg = SegmentFormat(self)
+        else:
+            self._scan()
 
     # ----- backend metadata -----------------------------------------------------------------
     @classmethod
@@ -653,12 +692,16 @@ class FileStore(L3Store):
                 if self.config.o_direct == "on":
                     raise StoreError(f"file: o_direct='on' but {why}", backend=self.name)
                 log.info("file: O_DIRECT not used: %s; using the page cache", why)
+        if self._seg is not None:
+            self._seg.reopen()         # descriptors opened for another pool's alignment
 
     # ----- public API -----------------------------------------------------------------------
     @_in_use
     def batch_exists(self, keys: Sequence[bytes]) -> int:
         self._check_open()
         self._check_batch(keys)
+        if self._seg is not None:
+            return self._seg.exists(keys)
         n = 0
         for key in keys:
             sub, name = key_filename(key)
@@ -688,8 +731,11 @@ class FileStore(L3Store):
     def batch_get(self, keys: Sequence[bytes], host_pages: Sequence[int]) -> list[bool]:
         self._check_open()
         pages = self._check_batch(keys, host_pages, distinct_pages=True)
-        out = self._map(self._get_one, list(zip(keys, pages)))
-        self._order(keys, out)
+        if self._seg is not None:
+            out = self._seg.get(keys, pages)
+        else:
+            out = self._map(self._get_one, list(zip(keys, pages)))
+            self._order(keys, out)
         hits = sum(out)
         self._count(gets=len(keys), get_hits=hits, bytes_read=hits * self.spec.page_bytes)
         return out
@@ -702,6 +748,13 @@ class FileStore(L3Store):
         cap = self.config.capacity_bytes
         size = self._write_size()
         fits = n if cap is None else min(n, cap // size)
+        if self._seg is not None:
+            out = self._seg.set(keys[:fits], pages[:fits]) + [False] * (n - fits)
+            ok = sum(out)
+            self._count(sets=n, set_ok=ok, bytes_written=ok * self.spec.page_bytes)
+            if n > fits:
+                self._bump("over_capacity", n - fits)
+            return out
         self._maybe_rescan()
         if fits:
             self._make_room(fits * size, keep={self._rel(k) for k in keys})
@@ -719,6 +772,8 @@ class FileStore(L3Store):
     def delete(self, keys: Sequence[bytes]) -> int:
         self._check_open()
         self._check_batch(keys)
+        if self._seg is not None:
+            return self._seg.delete(keys)
         n = 0
         for key in keys:
             sub, name = key_filename(key)
@@ -738,6 +793,11 @@ class FileStore(L3Store):
         """Remove every object (and temporary file) of this store's directory. Entries the
         store did not make (other names, directories, links, FIFOs) are left and counted."""
         self._check_open()
+        if self._seg is not None:
+            foreign = self._seg.clear()
+            if foreign:
+                self._bump("foreign_entries", foreign)
+            return
         foreign = 0
         for sub, ok in self._subdirs(all_entries=True):
             if not ok:
@@ -767,6 +827,9 @@ class FileStore(L3Store):
                      o_direct_reason=self._direct_reason, root=self.dir,
                      checksum=f"{self.config.checksum} ({self.checksum_provider})",
                      manifest=self._manifest_state, identity=self._identity.hex())
+        d["format"] = self.config.format
+        if self._seg is not None:
+            d.update(self._seg.stats())
         return d
 
     def close(self) -> None:
@@ -797,6 +860,8 @@ class FileStore(L3Store):
             if fd >= 0:
                 self._dfd = -1
         if fd >= 0:
+            if self._seg is not None:
+                self._seg.close()
             os.close(fd)
 
     def __del__(self) -> None:
@@ -924,6 +989,12 @@ class FileStore(L3Store):
     def rescan(self) -> None:
         """Re-read the directory now (objects of other processes) and enforce capacity."""
         self._check_open()
+        if self._seg is not None:
+            self._seg.refresh()
+            evicted = self._seg.make_room(0)
+            if evicted:
+                self._count(evictions=evicted)
+            return
         self._scan()
         self._make_room(0, keep=set())
 
@@ -1036,6 +1107,8 @@ class FileStore(L3Store):
 
     def _write_size(self) -> int:
         """Bytes one object written now takes on disk."""
+        if self._seg is not None:
+            return int(self._seg.slot_bytes)
         return self.padded_bytes if self._direct and self._direct_pool else self.object_bytes
 
     def object_nbytes(self) -> int:
@@ -1211,7 +1284,7 @@ class FileStore(L3Store):
         return True
 
     # ----- helpers ---------------------------------------------------------------------------
-    def _map(self, fn: Callable[[tuple[bytes, int]], bool], items: list) -> list[bool]:
+    def _map(self, fn: Callable[[Any], _R], items: list) -> list[_R]:
         """Run ``fn`` over items on the I/O threads, keeping order."""
         threads = self.config.io_threads
         if len(items) <= 1 or threads == 1:
@@ -1243,6 +1316,15 @@ class FileStore(L3Store):
             self._bump("disk_full")
         _warn_once(f"io:{op}:{exc.errno}", f"file: {op} of {path} failed: {exc}; counted as a "
                    "miss (further ones are only counted in stats)")
+
+    def _write_failed(self, path: str, exc: OSError, pages: int) -> None:
+        """A write of ``pages`` pages failed: each is a miss and a counted error."""
+        self._count(errors=pages)
+        self._bump("write_errors", pages)
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            self._bump("disk_full", pages)
+        _warn_once(f"io:write:{exc.errno}", f"file: write of {path} failed: {exc}; counted as "
+                   "a miss (further ones are only counted in stats)")
 
     def _remove_bad(self, sfd: int, name: str, st: os.stat_result | None) -> None:
         """Remove an untrusted object unless another process replaced it meanwhile (or it is

@@ -1,0 +1,1140 @@
+"""The `file` store's ``segments`` format: pages appended into large preallocated files.
+
+The per-object format pays a create, a rename and journalled directory updates for every
+page; this format pays them once per segment (``segment_bytes``, 256 MiB by default), so a
+batch is a few large ``pwritev``/``preadv`` calls with no per-page metadata.
+
+Layout, in ``<store directory>/segments/`` (opened below the store directory's descriptor
+with ``O_NOFOLLOW``, like every entry of the store)::
+
+    <writer>.<seq>.kvs   segment: an array of fixed slots
+    <writer>.<seq>.kvl   its index log: append-only 64-byte records
+
+``<writer>`` is ``<host id>-<pid>-<random>``: every process (every store instance) appends
+only to its own segments and their logs, so writers never coordinate. A log lives and dies
+with its segment (created after it, removed with it), so the logs are bounded by the live
+data and opening a store reads only the records of segments that still exist. A slot is the page's
+bytes followed by the object format's 128-byte trailer (magic, version, KVSpec fingerprint,
+SHA-256 of the key, payload length, payload checksum, identity digest, CRC of the trailer),
+zero-padded to a multiple of 4 KiB, so every payload starts 4 KiB-aligned and ``O_DIRECT``
+works for pages of 4 KiB multiples; other pages use the page cache (``o_direct`` keeps its
+auto/on/off meaning). A segment is preallocated (``posix_fallocate``) when it is created,
+and its log with room for its records, so a full disk fails there and not after
+pages were written: a miss and a counted error per page. A nearly full disk (or a file size
+limit) gets smaller segments, down to one slot.
+
+Writes: ``batch_set`` takes consecutive slots of the writer's current segment (new segments
+as it fills) and writes each run of slots with one ``pwritev`` straight from the host pages
+(iovecs: page, trailer block, page, ...), runs spread over ``io_threads``; then (``fsync``:
+after the data is durable) it appends one index record per page to the segment's log: SHA-256 of the
+key -> (segment, slot, time), each record with its own CRC-32; the log is preallocated, so
+its records end at the first all-zero one. A page is visible only once its record is, so a
+writer killed mid-batch leaves slots no record names: they are never read, and the dead
+writer's segment is sealed (nothing appends to it again).
+
+Reads: an in-memory index (SHA-256 of the key -> segment, slot) built at open from the logs
+-- no slot is read to open a store. A key the index misses makes the reader tail the other
+writers' logs (``fstat`` each, read the new bytes) before it is declared a miss, so pages
+another process wrote are found without a rescan. ``batch_get`` groups hits by segment and
+contiguous slots and reads each run with one ``preadv`` into the host pages (trailers into
+4 KiB-aligned scratch), runs spread over ``io_threads``. Every slot's trailer (key, identity,
+length) and payload checksum are verified before it counts as a hit, so a stale or wrong
+index entry, a damaged or truncated segment, can only cost a miss (counted), never wrong KV.
+A garbled or torn log record is skipped and counted (``index_bad_records``); the page it
+named is a miss.
+
+``delete()`` first catches up with every log, then zeroes the key's latest slot's trailer
+block (every process then reads a plain miss -- an all-zero trailer is "no page", not
+corruption) and appends a tombstone record; re-setting a key writes a new slot and the
+record with the latest time wins. A process whose index still names an *older* slot of the
+key (it has not tailed the newer record) can read that older, intact page until it catches
+up (at least once a second, and on every miss) -- a valid page of the key, never another
+key's. A slot found corrupted is zeroed the same way (``remove_corrupted``), so it misses
+once as corruption, then plainly. As in the object format, a page whose slot was read but
+did not check out (or was deleted since this process indexed it) holds unspecified bytes;
+a key the index does not know leaves its page untouched.
+
+Capacity counts segment bytes (preallocated size). Eviction removes whole segments, least
+recently used first -- LRU is per segment, not per page. "Use" is the segment's mtime,
+written by appends and refreshed on a read hit at most once a second (``touch_on_read``), so
+processes sharing the directory share one LRU order; a victim's mtime is re-checked before
+it is removed. A segment a live writer may still append to (the newest segment of a writer
+whose process is alive on this host, or of another host's writer, younger than
+``stale_tmp_s``) is never evicted; segments of dead writers, and of writers whose log ends
+with the seal record ``close()`` appends, are sealed and evictable. With a
+capacity, segments are made no larger than a quarter of it (at least one slot), so eviction
+frees at most a quarter at a time. Segment files of dead (or sealed) writers that no record
+names, and logs whose segment is gone, are removed when a store opens the directory.
+
+Anything else in ``segments/`` (foreign names, links, FIFOs, directories) is never followed
+or opened blocking; it is counted (``foreign_entries``, ``not_regular``) and left alone.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import mmap
+import os
+import re
+import stat
+import struct
+import threading
+import time
+import zlib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Sequence
+
+from . import file as _f
+
+if TYPE_CHECKING:
+    from .file import FileStore
+
+SEG_DIR = "segments"
+SEG_SUFFIX = ".kvs"
+LOG_SUFFIX = ".kvl"
+_WRITER = r"([0-9a-f]{8})-([0-9]{1,10})-([0-9a-f]{8})"
+_SEG_RE = re.compile(_WRITER + r"\.([0-9]{8})\.kvs\Z")
+_LOG_RE = re.compile(_WRITER + r"\.([0-9]{8})\.kvl\Z")
+#: magic, kind, segment sequence number, slot, time (ns), SHA-256 of the key; reserved; CRC-32.
+_REC = struct.Struct("<4sB3xIIQ32s")
+REC_BYTES = 64
+_REC_MAGIC = b"KVIX"
+_SET, _TOMB, _SEAL = 1, 2, 3      # a page; a delete; the writer closed (appends no more)
+_TOUCH_NS = 1_000_000_000
+_ZERO_TRAILER = bytes(_f.TRAILER_BYTES)
+_ZERO_REC = bytes(REC_BYTES)
+_TAIL_CHUNK = 1 << 20
+
+
+def pack_record(kind: int, seq: int, slot: int, t_ns: int, digest: bytes) -> bytes:
+    head = _REC.pack(_REC_MAGIC, kind, seq, slot, t_ns, digest)
+    head += bytes(REC_BYTES - 4 - len(head))
+    return head + struct.pack("<I", zlib.crc32(head) & 0xFFFFFFFF)
+
+
+def unpack_record(raw: bytes) -> tuple[int, int, int, int, bytes] | None:
+    """(kind, seq, slot, time, digest) of a record, or None if it is garbled."""
+    if struct.unpack_from("<I", raw, REC_BYTES - 4)[0] != \
+            zlib.crc32(raw[:REC_BYTES - 4]) & 0xFFFFFFFF:
+        return None
+    magic, kind, seq, slot, t_ns, digest = _REC.unpack_from(raw)
+    if magic != _REC_MAGIC or kind not in (_SET, _TOMB, _SEAL):
+        return None
+    return kind, seq, slot, t_ns, digest
+
+
+@dataclass
+class _Seg:
+    writer: str
+    seq: int
+    size: int
+    used_ns: int                    # last use known here (mtime, or a read / write by us)
+    touched_ns: int = 0             # when this process last refreshed its mtime
+    members: set = field(default_factory=set)   # key digests whose latest slot is here
+
+
+class _Fd:
+    """A segment's descriptor shared by the I/O threads: closed only once it is dropped
+    (evicted, the store closing) and no call is using it, so no thread ever reads or writes
+    through a descriptor number that was closed and reused."""
+
+    __slots__ = ("fd", "refs", "writes", "dropped")
+
+    def __init__(self, fd: int):
+        self.fd, self.refs, self.writes, self.dropped = fd, 1, 0, False
+
+
+@dataclass
+class _Log:
+    fd: int
+    offset: int = 0
+    ino: tuple[int, int] = (0, 0)
+
+
+def _log_segment(log: str) -> str:
+    """The segment a log indexes."""
+    return log[:-len(LOG_SUFFIX)] + SEG_SUFFIX
+
+
+def _segment_log(seg: str) -> str:
+    return seg[:-len(SEG_SUFFIX)] + LOG_SUFFIX
+
+
+def _pid_alive_here(host: str, pid: str, my_host: str) -> bool | None:
+    """True/False for a writer of this host; None when it is another host's (unknown)."""
+    if host != my_host:
+        return None
+    return int(pid) == os.getpid() or _f._pid_alive(int(pid))
+
+
+class SegmentFormat:
+    """The segment format's state and I/O, on behalf of one ``FileStore`` (its helpers:
+    directory descriptor, page views, counters, I/O thread pool)."""
+
+    def __init__(self, store: "FileStore"):
+        self.s = store
+        c = store.config
+        spec = store.spec
+        self.slot_bytes = -(-(spec.page_bytes + _f.TRAILER_BYTES) // _f.DIRECT_ALIGN) \
+            * _f.DIRECT_ALIGN
+        self.tail_bytes = self.slot_bytes - spec.page_bytes
+        slots = max(1, c.segment_bytes // self.slot_bytes)
+        if c.capacity_bytes is not None:
+            slots = min(slots, max(1, c.capacity_bytes // self.slot_bytes // 4))
+        self.seg_slots = slots
+        self._local = threading.local()
+        self._lock = threading.RLock()          # index, segments, logs
+        self._wlock = threading.Lock()          # slot allocation and our log
+        self._index: dict[bytes, tuple[str, int, int]] = {}     # digest -> (seg, slot, t)
+        self._tombs: dict[bytes, int] = {}      # digest -> time of its latest delete
+        self._sealed: set[str] = set()          # writers whose log says they closed
+        self._segs: dict[str, _Seg] = {}
+        self._logs: dict[str, _Log] = {}
+        self._fds: dict[str, _Fd] = {}          # segment name -> its descriptor
+        self._writer = ""
+        self._pid = -1
+        self._seq = 0
+        self._cur: tuple[str, _Fd] | None = None       # (segment name, its descriptor)
+        self._cur_next = 0
+        self._cur_slots = 0
+        #: our segments' logs: segment name -> [descriptor, end of records, preallocated end]
+        self._wlogs: dict[str, list[int]] = {}
+        self._last_list = 0.0
+        self._dir_key = (0, 0)
+        self._last_catch_up = 0.0
+        self._sfd = self._open_dir()
+        self._new_writer()
+        self.refresh(clean=True)
+
+    # ----- directory ----------------------------------------------------------------------
+    def _open_dir(self) -> int:
+        s = self.s
+        try:
+            os.mkdir(SEG_DIR, s._dir_mode, dir_fd=s._dfd)
+            made = True
+        except FileExistsError:
+            made = False
+        except OSError as exc:
+            s._foreign_dir(SEG_DIR, exc)
+            return -1
+        try:
+            fd = os.open(SEG_DIR, _f._DIR_FLAGS, dir_fd=s._dfd)
+        except OSError as exc:
+            s._foreign_dir(SEG_DIR, exc)
+            return -1
+        if made:
+            os.fchmod(fd, s._dir_mode)
+        return fd
+
+    def _new_writer(self) -> None:
+        self._pid = os.getpid()
+        self._writer = f"{self.s._host}-{self._pid}-{os.urandom(4).hex()}"
+        self._seq = 0
+        self._cur = None
+        self._wlogs = {}
+
+    def reopen(self) -> None:
+        """Close the segment descriptors (the next I/O reopens them for the pool now attached)
+        and seal the current segment."""
+        with self._wlock:
+            with self._lock:
+                if self._cur is not None:
+                    self._release(self._cur[1])
+                    self._cur = None
+                for name in list(self._fds):
+                    self._retire(name)
+
+    def close(self) -> None:
+        if self._wlogs and self._sfd >= 0 and self._pid == os.getpid():
+            try:                        # other processes may now evict our last segment
+                self._append([pack_record(_SEAL, 0, 0, time.time_ns(), bytes(32))])
+            except OSError:
+                pass
+        self.reopen()
+        with self._wlock, self._lock:
+            fds = [lg.fd for lg in self._logs.values()] + [w[0] for w in self._wlogs.values()]
+            if self._sfd >= 0:
+                fds.append(self._sfd)
+            self._logs.clear()
+            self._wlogs.clear()
+            self._sfd = -1
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def _open_entry(self, name: str, flags: int) -> int:
+        """Open a segment-directory entry (never a link, never blocking); -1 if missing or not
+        a regular file (counted)."""
+        try:
+            fd = os.open(name, flags | _f._OPEN_FLAGS, dir_fd=self._sfd)
+        except FileNotFoundError:
+            return -1
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR, errno.EOPNOTSUPP):
+                self._not_regular(name)
+            else:
+                self.s._io_error("open", os.path.join(self.s.dir, SEG_DIR, name), exc)
+            return -1
+        try:
+            st = os.fstat(fd)
+        except OSError:
+            os.close(fd)
+            return -1
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            self._not_regular(name)
+            return -1
+        return fd
+
+    def _not_regular(self, name: str) -> None:
+        s = self.s
+        s._count(errors=1, corrupted=1)
+        s._bump("not_regular")
+        _f._warn_once("bad:not_regular", f"file: {os.path.join(s.dir, SEG_DIR, name)} is not a "
+                      "regular file; never followed, a miss (further ones are only counted)")
+
+    # ----- index ------------------------------------------------------------------------------
+    def refresh(self, clean: bool = False) -> None:
+        """List the segment directory (segments and logs of every writer), tail every log and,
+        with ``clean``, remove dead writers' orphan segments and logs."""
+        if self._sfd < 0:
+            return
+        try:
+            with os.scandir(self._sfd) as it:
+                entries = [(e.name, e.is_file(follow_symlinks=False)) for e in it]
+        except OSError:
+            return
+        now_ns = time.time_ns()
+        seen_segs: set[str] = set()
+        foreign = 0
+        for name, regular in entries:
+            m = _SEG_RE.match(name)
+            if m:
+                if not regular:
+                    foreign += 1
+                    continue
+                seen_segs.add(name)
+                if name not in self._segs:
+                    try:
+                        st = os.stat(name, dir_fd=self._sfd, follow_symlinks=False)
+                    except OSError:
+                        continue
+                    with self._lock:
+                        self._segs.setdefault(name, _Seg(
+                            f"{m.group(1)}-{m.group(2)}-{m.group(3)}", int(m.group(4)),
+                            st.st_size, st.st_mtime_ns))
+            elif _LOG_RE.match(name):
+                if not regular:
+                    foreign += 1
+                elif name not in self._logs and not name.startswith(self._writer + "."):
+                    fd = self._open_entry(name, os.O_RDONLY)
+                    if fd >= 0:
+                        with self._lock:
+                            if name in self._logs:
+                                os.close(fd)
+                            else:
+                                self._logs[name] = _Log(fd)
+            else:
+                foreign += 1
+        if foreign and clean:
+            self.s._bump("foreign_entries", foreign)
+        with self._lock:
+            for name in [n for n in self._segs if n not in seen_segs]:
+                self._drop_seg(name)
+            listed = {n for n, _ in entries}
+            for name in [n for n in self._logs if n not in listed]:
+                os.close(self._logs.pop(name).fd)
+        self.tail()
+        self._last_list = time.monotonic()
+        if clean:
+            self._clean_dead(now_ns)
+
+    def _catch_up(self) -> None:
+        """Before declaring a miss: list the directory again if entries came or went (a new
+        writer's log; one fstat tells: its mtime and ctime, or a change under a second old,
+        as timestamps are coarse), then read what every log gained."""
+        try:
+            st = os.fstat(self._sfd) if self._sfd >= 0 else None
+        except OSError:
+            st = None
+        self._last_catch_up = time.monotonic()
+        key = (st.st_mtime_ns, st.st_ctime_ns) if st is not None else (0, 0)
+        if key != self._dir_key or time.time_ns() - max(key) < _TOUCH_NS:
+            self._dir_key = key
+            self.refresh()
+        else:
+            self.tail()
+
+    def tail(self) -> None:
+        """Read the records other writers appended since the last look."""
+        with self._lock:
+            logs = list(self._logs.items())
+        for name, lg in logs:
+            self._tail_one(name, lg)
+
+    def _tail_one(self, name: str, lg: _Log) -> None:
+        writer = name.split(".")[0]
+        path = os.path.join(self.s.dir, SEG_DIR, name)
+        while True:
+            try:
+                size = os.fstat(lg.fd).st_size
+                if size - lg.offset < REC_BYTES:
+                    return
+                want = min(size - lg.offset, _TAIL_CHUNK) // REC_BYTES * REC_BYTES
+                raw = os.pread(lg.fd, want, lg.offset)
+            except OSError as exc:
+                self.s._io_error("read", path, exc)
+                return
+            raw = raw[:len(raw) // REC_BYTES * REC_BYTES]
+            # Logs are preallocated: the records end at the first all-zero one. A garbled
+            # record at the very end of a live writer's records may be one being written:
+            # it is looked at again next time, not skipped.
+            end = 0
+            while end < len(raw) and raw[end:end + REC_BYTES] != _ZERO_REC:
+                end += REC_BYTES
+            last_bad = end >= REC_BYTES and unpack_record(raw[end - REC_BYTES:end]) is None
+            if last_bad and self._writer_state(writer) is not False:
+                end -= REC_BYTES
+            with self._lock:
+                if self._logs.get(name) is not lg:
+                    return
+                bad = self._apply(writer, raw[:end])
+                lg.offset += end
+            if bad:
+                self.s._count(errors=bad)
+                self.s._bump("index_bad_records", bad)
+                _f._warn_once("bad:index", f"file: garbled records in {path}; the pages "
+                              "they named are misses (further ones are only counted)")
+            if end < len(raw) or end == 0:
+                return
+
+    def _apply(self, writer: str, raw: bytes) -> int:
+        """Apply a run of records (lock held); returns how many were garbled."""
+        bad = bad_slots = 0
+        for off in range(0, len(raw), REC_BYTES):
+            rec = unpack_record(raw[off:off + REC_BYTES])
+            if rec is None:
+                bad += 1
+                continue
+            kind, seq, slot, t_ns, digest = rec
+            if kind == _SEAL:
+                self._sealed.add(writer)
+                continue
+            old = self._index.get(digest)
+            if (old is not None and old[2] > t_ns) or self._tombs.get(digest, -1) > t_ns:
+                continue                        # a later record already won
+            if kind == _TOMB:
+                self._tombs[digest] = t_ns
+                self._unindex(digest)
+                continue
+            seg = f"{writer}.{seq:08d}{SEG_SUFFIX}"
+            info = self._segs.get(seg)
+            if info is None or (slot + 1) * self.slot_bytes > info.size:
+                info = self._stat_seg(seg, writer, seq)   # new since the listing, or grown
+                if info is None:
+                    continue                    # evicted (or not a file): a miss
+                if (slot + 1) * self.slot_bytes > info.size:
+                    bad_slots += 1              # a truncated segment
+                    continue
+            self._put(digest, seg, slot, t_ns)
+        if bad_slots:
+            self.s._count(errors=bad_slots, corrupted=bad_slots)
+            self.s._bump("truncated", bad_slots)
+        return bad
+
+    def _stat_seg(self, seg: str, writer: str, seq: int) -> _Seg | None:
+        """(Re)register a segment from its directory entry (lock held)."""
+        try:
+            st = os.stat(seg, dir_fd=self._sfd, follow_symlinks=False)
+        except OSError:
+            return None
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        info = self._segs.get(seg)
+        if info is None:
+            info = self._segs[seg] = _Seg(writer, seq, st.st_size, st.st_mtime_ns)
+        info.size = st.st_size
+        return info
+
+    def _put(self, digest: bytes, seg: str, slot: int, t_ns: int) -> None:
+        self._tombs.pop(digest, None)
+        self._unindex(digest)
+        self._index[digest] = (seg, slot, t_ns)
+        info = self._segs.get(seg)
+        if info is not None:
+            info.members.add(digest)
+
+    def _unindex(self, digest: bytes) -> None:
+        old = self._index.pop(digest, None)
+        if old is not None:
+            info = self._segs.get(old[0])
+            if info is not None:
+                info.members.discard(digest)
+
+    def _drop_seg(self, name: str) -> None:
+        """Forget a segment (lock held): its pages, its read descriptor."""
+        info = self._segs.pop(name, None)
+        if info is not None:
+            for d in info.members:
+                self._index.pop(d, None)
+        self._retire(name)
+
+    def _retire(self, name: str) -> None:
+        """Drop a segment's descriptor (lock held); closed when its last user is done."""
+        e = self._fds.pop(name, None)
+        if e is not None:
+            e.dropped = True
+            if e.refs == 0:
+                os.close(e.fd)
+
+    def _release(self, e: _Fd) -> None:
+        with self._lock:
+            e.refs -= 1
+            if e.refs == 0 and e.dropped:
+                os.close(e.fd)
+
+    def _writer_state(self, writer: str) -> bool | None:
+        """Whether a writer may still append: True, False, or None (another host's)."""
+        host, pid, _ = writer.split("-")
+        if writer == self._writer:
+            return True
+        if writer in self._sealed:
+            return False
+        return _pid_alive_here(host, pid, self.s._host)
+
+    def _clean_dead(self, now_ns: int) -> None:
+        """Remove dead (or sealed) writers' segments no record names, with their logs, and
+        logs whose segment is gone (a segment is created before its log, removed before it)."""
+        with self._lock:
+            victims = [n for n, i in self._segs.items()
+                       if not i.members and self._writer_state(i.writer) is False]
+        for name in victims:
+            if self._unlink(name):
+                self.s._bump("tmp_cleaned")
+            with self._lock:
+                self._drop_seg(name)
+        with self._lock:
+            logs = [n for n in self._logs if _log_segment(n) not in self._segs]
+        for name in logs:
+            if self._unlink(name):
+                self.s._bump("tmp_cleaned")
+            with self._lock:
+                lg = self._logs.pop(name, None)
+                if lg is not None:
+                    os.close(lg.fd)
+
+    def _unlink(self, name: str) -> bool:
+        try:
+            st = os.stat(name, dir_fd=self._sfd, follow_symlinks=False)
+            if not stat.S_ISREG(st.st_mode):
+                return False
+            os.unlink(name, dir_fd=self._sfd)
+            return True
+        except OSError:
+            return False
+
+    def lookup(self, keys: Sequence[bytes], fresh: bool = False
+               ) -> list[tuple[bytes, tuple[str, int, int] | None]]:
+        """(digest, index entry or None) per key. Catches up with the directory and the logs
+        once if any key misses, if ``fresh``, or if it has not for a second (segments
+        evicted by others are forgotten and their descriptors closed)."""
+        digests = [hashlib.sha256(k).digest() for k in keys]
+        if fresh or time.monotonic() - self._last_catch_up > 1.0:
+            self._catch_up()
+        with self._lock:
+            found = [self._index.get(d) for d in digests]
+        if None in found:
+            self._catch_up()
+            with self._lock:
+                found = [self._index.get(d) for d in digests]
+        return list(zip(digests, found))
+
+    # ----- public operations ------------------------------------------------------------------
+    def exists(self, keys: Sequence[bytes]) -> int:
+        n = 0
+        for _, entry in self.lookup(keys, fresh=True):     # evictions by others count
+            if entry is None:
+                break
+            n += 1
+        return n
+
+    def get(self, keys: Sequence[bytes], pages: list[int]) -> list[bool]:
+        out = [False] * len(keys)
+        runs: dict[str, list[tuple[int, int, bytes, int]]] = {}
+        for i, (digest, entry) in enumerate(self.lookup(keys)):
+            if entry is not None:
+                runs.setdefault(entry[0], []).append((entry[1], i, digest, pages[i]))
+        work = []
+        step = self._chunk(sum(len(v) for v in runs.values()))
+        for seg, items in runs.items():
+            items.sort()
+            run: list[tuple[int, int, bytes, int]] = []
+            for it in items:     # a key named twice starts a run of its own: read twice
+                if run and (it[0] != run[-1][0] + 1 or len(run) >= step):
+                    work.append((seg, run))
+                    run = []
+                run.append(it)
+            if run:
+                work.append((seg, run))
+        for done in self.s._map(self._read_run, work):
+            for i in done:
+                out[i] = True
+        return out
+
+    def _chunk(self, n: int) -> int:
+        """Slots per I/O call: two calls per I/O thread (so one thread's checksums overlap
+        another's transfer), each within IOV_MAX iovecs."""
+        pieces = len(self.s._pieces) if self.s.host_pool is not None else 1
+        cap = max(1, _f._IOV_MAX // (pieces + 1))
+        threads = self.s.config.io_threads
+        return max(1, min(cap, -(-n // (threads * 2)) if threads > 1 else n))
+
+    def _acquire(self, seg: str) -> _Fd | None:
+        """The segment's descriptor, held until ``_release``; None if it cannot be opened."""
+        with self._lock:
+            e = self._fds.get(seg)
+            if e is not None:
+                e.refs += 1
+                return e
+        direct = self.s._direct and self.s._direct_pool
+        fd = self._open_entry(seg, os.O_RDWR | (os.O_DIRECT if direct else 0))
+        if fd < 0:
+            return None
+        with self._lock:
+            if seg not in self._segs:
+                os.close(fd)
+                return None
+            e = self._fds.get(seg)
+            if e is not None:
+                os.close(fd)
+                e.refs += 1
+                return e
+            e = self._fds[seg] = _Fd(fd)
+            return e
+
+    def _read_run(self, item: tuple[str, list[tuple[int, int, bytes, int]]]) -> list[int]:
+        seg, run = item
+        s = self.s
+        path = os.path.join(s.dir, SEG_DIR, seg)
+        e = self._acquire(seg)
+        if e is None:
+            with self._lock:
+                for slot, _, digest, _ in run:
+                    self._forget_if(digest, seg, slot)
+            return []
+        fd = e.fd
+        n = len(run)
+        smv = self._scratch(n * self.tail_bytes)
+        bufs: list[memoryview] = []
+        for j, (_, _, _, page) in enumerate(run):
+            bufs += s._views(page)
+            bufs.append(smv[j * self.tail_bytes:(j + 1) * self.tail_bytes])
+        first = run[0][0]
+        try:
+            try:
+                got = _f._pread_all(fd, bufs, first * self.slot_bytes)
+            except OSError as exc:
+                s._io_error("read", path, exc)
+                return []
+            done = []
+            plen = s.spec.page_bytes
+            for j, (slot, i, digest, page) in enumerate(run):
+                if got < (j + 1) * self.slot_bytes:
+                    self._bad(seg, fd, slot, digest, _f._Bad("truncated", "segment ends "
+                                                             f"before slot {slot}"), path)
+                    continue
+                raw = bytes(smv[j * self.tail_bytes:j * self.tail_bytes + _f.TRAILER_BYTES])
+                if raw == _ZERO_TRAILER:          # deleted (or never completed): plain miss
+                    with self._lock:
+                        self._forget_if(digest, seg, slot)
+                    continue
+                try:
+                    kind_id, want = _f.check_trailer(raw, s.spec.fingerprint, b"", plen,
+                                                     s._identity, key_digest=digest)
+                    if _f._checksum(kind_id, s._views(page)) != want:
+                        raise _f._Bad("corrupted", "payload checksum mismatch")
+                except _f._Bad as bad:
+                    self._bad(seg, fd, slot, digest, bad, path)
+                    continue
+                done.append(i)
+            if done:
+                self._touch(seg, fd)
+            return done
+        finally:
+            del bufs
+            self._release(e)
+
+    def _scratch(self, nbytes: int) -> memoryview:
+        """A per-thread page-aligned scratch area of ``nbytes`` (trailer blocks; O_DIRECT
+        needs aligned buffers), reused across calls."""
+        buf = getattr(self._local, "scratch", None)
+        if buf is None or len(buf) < nbytes:
+            buf = self._local.scratch = mmap.mmap(-1, max(nbytes, _f.DIRECT_ALIGN))
+        return memoryview(buf)[:nbytes]
+
+    def _forget_if(self, digest: bytes, seg: str, slot: int) -> None:
+        entry = self._index.get(digest)
+        if entry is not None and entry[0] == seg and entry[1] == slot:
+            self._unindex(digest)
+
+    def _bad(self, seg: str, fd: int, slot: int, digest: bytes, bad: "_f._Bad",
+             path: str) -> None:
+        s = self.s
+        s._count(errors=1, corrupted=1)
+        s._bump(bad.kind)
+        _f._warn_once(f"bad:{bad.kind}", f"file: untrusted slot {slot} of {path} ({bad}); "
+                      "treated as a miss (further ones are only counted in stats)")
+        with self._lock:
+            self._forget_if(digest, seg, slot)
+        if s.config.remove_corrupted and bad.kind != "truncated":
+            self._zero_trailer(fd, slot)
+
+    def _zero_trailer(self, fd: int, slot: int) -> None:
+        """Make a slot a plain miss for every process (delete, or a corrupted slot)."""
+        blk = mmap.mmap(-1, _f.DIRECT_ALIGN)
+        try:
+            n = -(-self.tail_bytes // _f.DIRECT_ALIGN) * _f.DIRECT_ALIGN
+            off = slot * self.slot_bytes + self.s.spec.page_bytes
+            if off % _f.DIRECT_ALIGN == 0 and n == self.tail_bytes:
+                os.pwritev(fd, [memoryview(blk)[:_f.DIRECT_ALIGN]] * (n // _f.DIRECT_ALIGN),
+                           off)
+            else:             # an odd page size: the descriptor is not O_DIRECT
+                os.pwrite(fd, _ZERO_TRAILER, off)
+        except OSError as exc:
+            self.s._io_error("write", os.path.join(self.s.dir, SEG_DIR), exc)
+        finally:
+            blk.close()
+
+    def _touch(self, seg: str, fd: int) -> None:
+        now = time.time_ns()
+        with self._lock:
+            info = self._segs.get(seg)
+            if info is None:
+                return
+            info.used_ns = max(info.used_ns, now)
+            if not self.s.config.touch_on_read or now - info.touched_ns < _TOUCH_NS:
+                return
+            info.touched_ns = now
+        try:
+            os.utime(fd)
+        except OSError:
+            pass
+
+    # ----- writes -----------------------------------------------------------------------------
+    def set(self, keys: Sequence[bytes], pages: list[int]) -> list[bool]:
+        if os.getpid() != self._pid:            # a forked child: its own writer identity
+            with self._wlock:
+                self._new_writer()
+        n = len(keys)
+        if self._sfd < 0:
+            self.s._write_failed(os.path.join(self.s.dir, SEG_DIR),
+                                 OSError(errno.ENOTDIR, "segment directory unusable"), n)
+            return [False] * n
+        out = [False] * n
+        work = []
+        step = self._chunk(n)
+        with self._wlock:
+            self._check_current()
+            i = 0
+            while i < n:
+                if self._cur is None or self._cur_next >= self._cur_slots:
+                    if not self._rotate(n - i):
+                        break
+                assert self._cur is not None
+                take = min(n - i, self._cur_slots - self._cur_next, step)
+                e = self._cur[1]
+                with self._lock:
+                    e.refs += 1
+                    e.writes += 1
+                work.append((self._cur[0], e, self._cur_next, list(range(i, i + take))))
+                self._cur_next += take
+                i += take
+        if i < n:
+            self.s._write_failed(os.path.join(self.s.dir, SEG_DIR), self._rotate_error,
+                                 n - i)
+        digests = [hashlib.sha256(k).digest() for k in keys]
+        for ok_idx in self.s._map(lambda w: self._write_run(w, keys, pages, digests), work):
+            for j in ok_idx:
+                out[j] = True
+        with self._wlock:
+            self._close_old_wlogs()
+        return out
+
+    _rotate_error: OSError = OSError(errno.EIO, "no segment")
+
+    def _check_current(self) -> None:
+        """Our current segment or log removed behind our back (eviction, clear): start anew."""
+        if self._cur is not None:
+            try:
+                gone = os.fstat(self._cur[1].fd).st_nlink == 0
+            except OSError:
+                gone = True
+            w = self._wlogs.get(self._cur[0])
+            if not gone and w is not None:
+                try:
+                    gone = os.fstat(w[0]).st_nlink == 0
+                except OSError:
+                    gone = True
+            if gone:
+                self._release(self._cur[1])
+                self._close_wlog(self._cur[0])
+                self._cur = None
+
+    def _close_wlog(self, seg: str) -> None:
+        w = self._wlogs.pop(seg, None)
+        if w is not None:
+            os.close(w[0])
+
+    def _close_old_wlogs(self) -> None:
+        """After a batch: keep only the current segment's log open (wlock held)."""
+        cur = self._cur[0] if self._cur is not None else None
+        newest = max(self._wlogs, default=None)
+        with self._lock:
+            busy = {n for n, e in self._fds.items() if e.writes}   # another batch's runs
+        for seg in [n for n in self._wlogs if n not in (cur, newest) and n not in busy]:
+            self._close_wlog(seg)
+
+    def _rotate(self, want: int) -> bool:
+        """Seal the current segment and start a new, preallocated one (wlock held)."""
+        s = self.s
+        self._seq += 1
+        name = f"{self._writer}.{self._seq:08d}{SEG_SUFFIX}"
+        size = self.seg_slots * self.slot_bytes
+        evicted = self.make_room(size)
+        if evicted:
+            s._count(evictions=evicted)
+        direct = s._direct and s._direct_pool
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | _f._NOFOLLOW
+        try:
+            fd = os.open(name, flags | (os.O_DIRECT if direct else 0), s.config.file_mode,
+                         dir_fd=self._sfd)
+        except OSError as exc:
+            self._rotate_error = exc
+            return False
+        try:
+            if s._fix_mode:
+                os.fchmod(fd, s.config.file_mode)
+            while True:
+                try:
+                    os.posix_fallocate(fd, 0, size)
+                    break
+                except OSError as exc:
+                    # nearly full (or a file size limit): a smaller segment, down to one slot
+                    if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) \
+                            or size <= self.slot_bytes:
+                        raise
+                    size = max(self.slot_bytes, size // 2 // self.slot_bytes * self.slot_bytes)
+                    os.ftruncate(fd, 0)
+            if s.config.fsync:
+                os.fsync(self._sfd)
+        except OSError as exc:
+            os.close(fd)
+            try:
+                os.unlink(name, dir_fd=self._sfd)
+            except OSError:
+                pass
+            self._rotate_error = exc
+            return False
+        e = _Fd(fd)                     # its one reference: being the current segment
+        with self._lock:
+            self._segs[name] = _Seg(self._writer, self._seq, size, time.time_ns())
+            self._fds[name] = e
+        if self._cur is not None:
+            self._release(self._cur[1])
+        self._cur, self._cur_next = (name, e), 0
+        self._cur_slots = size // self.slot_bytes
+        try:
+            while True:
+                try:
+                    self._ensure_log(name, self._cur_slots)
+                    break
+                except OSError as exc:
+                    # the segment took the last free space: give some back for its records
+                    if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or self._cur_slots <= 1:
+                        raise
+                    self._cur_slots //= 2
+                    os.ftruncate(fd, self._cur_slots * self.slot_bytes)
+                    with self._lock:
+                        self._segs[name].size = self._cur_slots * self.slot_bytes
+        except OSError as exc:
+            self._rotate_error = exc
+            with self._lock:
+                self._drop_seg(name)
+            self._unlink(name)
+            self._close_wlog(name)
+            self._unlink(_segment_log(name))
+            self._release(e)
+            self._cur = None
+            return False
+        return True
+
+    def _ensure_log(self, seg: str, room: int = 0) -> list[int]:
+        """Segment ``seg``'s log (ours), with space reserved (preallocated) for ``room`` more
+        records, so a full disk fails when a segment is created, not after its pages were
+        written (wlock held). Readers stop at the first all-zero record."""
+        w = self._wlogs.get(seg)
+        if w is None:
+            fd = os.open(_segment_log(seg), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+                         | _f._NOFOLLOW, self.s.config.file_mode, dir_fd=self._sfd)
+            if self.s._fix_mode:
+                os.fchmod(fd, self.s.config.file_mode)
+            if self.s.config.fsync:
+                os.fsync(self._sfd)           # the log's name survives a power loss too
+            w = self._wlogs[seg] = [fd, 0, 0]
+        need = w[1] + room * REC_BYTES
+        if need > w[2]:
+            need = -(-need // _f.DIRECT_ALIGN) * _f.DIRECT_ALIGN
+            os.posix_fallocate(w[0], w[2], need - w[2])
+            w[2] = need
+        return w
+
+    def _reopen_wlog(self, seg: str) -> list[int]:
+        """Open one of our segments' logs again (closed after an earlier batch): its records
+        end at the first all-zero one (wlock held)."""
+        fd = self._open_entry(_segment_log(seg), os.O_RDWR)
+        if fd < 0:
+            raise OSError(errno.ENOENT, f"the log of {seg} is gone")
+        try:
+            size = os.fstat(fd).st_size
+            raw = os.pread(fd, size, 0)
+        except OSError:
+            os.close(fd)
+            raise
+        end = 0
+        while end + REC_BYTES <= len(raw) and raw[end:end + REC_BYTES] != _ZERO_REC:
+            end += REC_BYTES
+        w = self._wlogs[seg] = [fd, end, size]
+        return w
+
+    def _append(self, records: list[bytes], seg: str | None = None) -> None:
+        """Append records to segment ``seg``'s log (None: our newest segment's, if any)."""
+        with self._wlock:
+            if seg is None:
+                seg = max(self._wlogs, default=None)
+                if seg is None:
+                    return              # nothing written here: nothing to record
+            w = self._wlogs.get(seg)
+            if w is None:
+                w = self._reopen_wlog(seg)
+            blob = b"".join(records)
+            fd, off = w[0], w[1]
+            while blob:
+                n = os.pwrite(fd, blob, off)
+                blob, off = blob[n:], off + n
+            w[1] = off
+            if self.s.config.fsync:
+                os.fdatasync(fd)
+
+    def _write_run(self, w: tuple[str, _Fd, int, list[int]], keys: Sequence[bytes],
+                   pages: list[int], digests: list[bytes]) -> list[int]:
+        seg, e, first, idx = w
+        try:
+            return self._write_slots(seg, e.fd, first, idx, keys, pages, digests)
+        finally:
+            with self._lock:
+                e.writes -= 1
+            self._release(e)
+
+    def _write_slots(self, seg: str, fd: int, first: int, idx: list[int],
+                     keys: Sequence[bytes], pages: list[int], digests: list[bytes]
+                     ) -> list[int]:
+        s = self.s
+        plen = s.spec.page_bytes
+        smv = self._scratch(len(idx) * self.tail_bytes)
+        smv[:] = bytes(len(smv))            # padding after each trailer: zeros
+        bufs: list[memoryview] = []
+        try:
+            for j, i in enumerate(idx):
+                views = s._views(pages[i])
+                trailer = _f.pack_trailer(s.spec.fingerprint, keys[i], plen, s._kind_id,
+                                          _f._checksum(s._kind_id, views), s._identity)
+                smv[j * self.tail_bytes:j * self.tail_bytes + _f.TRAILER_BYTES] = trailer
+                bufs += views
+                bufs.append(smv[j * self.tail_bytes:(j + 1) * self.tail_bytes])
+            path = os.path.join(s.dir, SEG_DIR, seg)
+            try:
+                _f._pwrite_all(fd, bufs, first * self.slot_bytes)
+                if s.config.fsync:
+                    os.fdatasync(fd)
+            except OSError as exc:
+                s._write_failed(path, exc, len(idx))
+                return []
+            t_ns = time.time_ns()
+            seq = int(seg.rsplit(".", 2)[1])
+            recs = [pack_record(_SET, seq, first + j, t_ns, digests[i])
+                    for j, i in enumerate(idx)]
+            try:
+                self._append(recs, seg)
+            except OSError as exc:
+                s._write_failed(os.path.join(s.dir, SEG_DIR, _segment_log(seg)), exc,
+                                len(idx))
+                return []
+            with self._lock:
+                for j, i in enumerate(idx):
+                    self._put(digests[i], seg, first + j, t_ns)
+                info = self._segs.get(seg)
+                if info is not None:
+                    info.used_ns = max(info.used_ns, t_ns)
+            return idx
+        finally:
+            del bufs
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        n = 0
+        recs = []
+        t_ns = time.time_ns()
+        for digest, entry in self.lookup(keys, fresh=True):   # whoever wrote the latest
+            if entry is None:
+                continue
+            seg, slot, _ = entry
+            e = self._acquire(seg)
+            if e is not None:
+                try:
+                    self._zero_trailer(e.fd, slot)
+                finally:
+                    self._release(e)
+            with self._lock:
+                self._forget_if(digest, seg, slot)
+            t = max(t_ns, entry[2] + 1)
+            with self._lock:
+                self._tombs[digest] = t
+            recs.append(pack_record(_TOMB, 0, 0, t, digest))
+            n += 1
+        if recs and self._sfd >= 0:
+            try:
+                self._append(recs)
+            except OSError as exc:
+                self.s._io_error("write", os.path.join(self.s.dir, SEG_DIR), exc)
+        return n
+
+    def clear(self) -> int:
+        """Remove every segment and log; returns how many foreign entries were left."""
+        if self._sfd < 0:
+            return 1
+        foreign = 0
+        try:
+            with os.scandir(self._sfd) as it:
+                names = [e.name for e in it]
+        except OSError:
+            names = []
+        for name in names:
+            if not (_SEG_RE.match(name) or _LOG_RE.match(name)) or not self._unlink(name):
+                foreign += 1
+        with self._wlock:
+            self._check_current()
+            for seg in list(self._wlogs):
+                self._close_wlog(seg)
+        with self._lock:
+            for name in list(self._segs):
+                self._drop_seg(name)
+            self._index.clear()
+            self._tombs.clear()
+            for lg in self._logs.values():
+                os.close(lg.fd)
+            self._logs.clear()
+        return foreign
+
+    # ----- capacity ---------------------------------------------------------------------------
+    def bytes_stored(self) -> int:
+        with self._lock:
+            return sum(i.size for i in self._segs.values())
+
+    def _protected(self, name: str, info: _Seg, now_ns: int,
+                   newest: dict[str, int] | None = None) -> bool:
+        """A segment its writer may still append to (lock held); ``newest``: each writer's
+        highest segment number, if the caller has it."""
+        if self._cur is not None and name == self._cur[0]:
+            return True
+        e = self._fds.get(name)
+        if e is not None and e.writes:
+            return True                 # a batch of ours is writing into it
+        if info.writer == self._writer:
+            return False
+        alive = self._writer_state(info.writer)
+        if alive is False:
+            return False
+        top = newest.get(info.writer, -1) if newest is not None else \
+            max(i.seq for i in self._segs.values() if i.writer == info.writer)
+        if info.seq != top:
+            return False
+        return alive is True or now_ns - info.used_ns < self.s.config.stale_tmp_s * 1e9
+
+    def make_room(self, need: int) -> int:
+        """Evict least recently used segments until ``need`` more bytes fit; returns how
+        many were removed."""
+        cap = self.s.config.capacity_bytes
+        if cap is None:
+            return 0
+        if time.monotonic() - self._last_list >= self.s.config.rescan_interval_s:
+            self.refresh()
+        evicted = 0
+        skip: set[str] = set()
+        for _ in range(2 * len(self._segs) + 2):
+            now = time.time_ns()
+            with self._lock:
+                if sum(i.size for i in self._segs.values()) + need <= cap:
+                    break
+                newest: dict[str, int] = {}
+                for i in self._segs.values():
+                    newest[i.writer] = max(newest.get(i.writer, -1), i.seq)
+                cands = [(i.used_ns, n) for n, i in self._segs.items()
+                         if n not in skip and not self._protected(n, i, now, newest)]
+                if not cands:
+                    break
+                _, victim = min(cands)
+                recorded = self._segs[victim].used_ns
+            try:
+                st = os.stat(victim, dir_fd=self._sfd, follow_symlinks=False)
+            except OSError:
+                with self._lock:
+                    self._drop_seg(victim)
+                continue
+            if not stat.S_ISREG(st.st_mode):
+                with self._lock:
+                    self._drop_seg(victim)
+                continue
+            if st.st_mtime_ns > recorded:     # used by another process since: look again
+                with self._lock:
+                    info = self._segs.get(victim)
+                    if info is not None:
+                        info.used_ns = st.st_mtime_ns
+                if st.st_mtime_ns > now - _TOUCH_NS:
+                    skip.add(victim)          # in use right now
+                continue
+            try:
+                os.unlink(victim, dir_fd=self._sfd)
+                evicted += 1
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                self.s._count(errors=1)
+                _f.log.debug("file: evicting %s failed: %s", victim, exc)
+                skip.add(victim)
+                continue
+            with self._lock:
+                self._drop_seg(victim)
+                lg = self._logs.pop(_segment_log(victim), None)
+                if lg is not None:
+                    os.close(lg.fd)
+            self._unlink(_segment_log(victim))    # its records index nothing now
+        return evicted
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {"objects": len(self._index), "bytes_stored": sum(
+                i.size for i in self._segs.values()), "segments": len(self._segs),
+                "live_slots": len(self._index), "slot_bytes": self.slot_bytes,
+                "segment_slots": self.seg_slots, "writers": len(
+                    {n.split(".")[0] for n in self._logs} | {self._writer})}
+
+    def locate(self, key: bytes) -> tuple[str, int] | None:
+        """(segment path, byte offset of the slot) holding ``key`` here, for tests/tools."""
+        digest = hashlib.sha256(key).digest()
+        with self._lock:
+            entry = self._index.get(digest)
+        if entry is None:
+            return None
+        return os.path.join(self.s.dir, SEG_DIR, entry[0]), entry[1] * self.slot_bytes
