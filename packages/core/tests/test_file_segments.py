@@ -780,3 +780,24 @@ def test_concurrent_batches_across_segment_rotations(tmp_path):
         for j, k in enumerate(flat):
             assert torch.equal(page(pool, 24 + j), want[k])
         fresh.close()
+
+
+def test_descriptors_stay_bounded_with_many_segments(tmp_path):
+    """Hundreds of segments (and logs) written by another store, read by this one: only a
+    bounded number of descriptors stay open."""
+    with HostKVPool(ODD, 8, allocator=MmapAllocator()) as pool:
+        fill_random(pool.raw)
+        w = open_store(tmp_path, segment_bytes=4096, io_threads=1)       # one slot each
+        w.attach(pool)
+        k = keys(300)
+        for i in range(0, 300, 4):
+            assert w.batch_set(k[i:i + 4], [0, 1, 2, 3]) == [True] * 4
+        w.close()
+        before = len(os.listdir("/proc/self/fd"))
+        r = open_store(tmp_path, io_threads=1)
+        r.attach(pool)
+        for i in range(0, 300, 4):
+            assert r.batch_get(k[i:i + 4], [4, 5, 6, 7]) == [True] * 4
+        assert r.stats()["segments"] == 300
+        assert len(os.listdir("/proc/self/fd")) - before < 100
+        r.close()

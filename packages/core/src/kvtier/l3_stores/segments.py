@@ -105,6 +105,7 @@ _TOUCH_NS = 1_000_000_000
 _ZERO_TRAILER = bytes(_f.TRAILER_BYTES)
 _ZERO_REC = bytes(REC_BYTES)
 _TAIL_CHUNK = 1 << 20
+_FD_CACHE = 64                      # idle segment descriptors kept open
 
 
 def pack_record(kind: int, seq: int, slot: int, t_ns: int, digest: bytes) -> bytes:
@@ -147,9 +148,10 @@ class _Fd:
 
 @dataclass
 class _Log:
-    fd: int
+    """Another writer's log: how far it was read, and whether it can still grow (logs are
+    opened only while being read, so a store of many segments holds few descriptors)."""
     offset: int = 0
-    ino: tuple[int, int] = (0, 0)
+    done: bool = False
 
 
 def _log_segment(log: str) -> str:
@@ -253,7 +255,7 @@ class SegmentFormat:
                 pass
         self.reopen()
         with self._wlock, self._lock:
-            fds = [lg.fd for lg in self._logs.values()] + [w[0] for w in self._wlogs.values()]
+            fds = [w[0] for w in self._wlogs.values()]
             if self._sfd >= 0:
                 fds.append(self._sfd)
             self._logs.clear()
@@ -330,13 +332,8 @@ class SegmentFormat:
                 if not regular:
                     foreign += 1
                 elif name not in self._logs and not name.startswith(self._writer + "."):
-                    fd = self._open_entry(name, os.O_RDONLY)
-                    if fd >= 0:
-                        with self._lock:
-                            if name in self._logs:
-                                os.close(fd)
-                            else:
-                                self._logs[name] = _Log(fd)
+                    with self._lock:
+                        self._logs.setdefault(name, _Log())
             else:
                 foreign += 1
         if foreign and clean:
@@ -346,7 +343,7 @@ class SegmentFormat:
                 self._drop_seg(name)
             listed = {n for n, _ in entries}
             for name in [n for n in self._logs if n not in listed]:
-                os.close(self._logs.pop(name).fd)
+                del self._logs[name]
         self.tail()
         self._last_list = time.monotonic()
         if clean:
@@ -371,20 +368,45 @@ class SegmentFormat:
     def tail(self) -> None:
         """Read the records other writers appended since the last look."""
         with self._lock:
-            logs = list(self._logs.items())
+            logs = [(n, lg) for n, lg in self._logs.items() if not lg.done]
         for name, lg in logs:
-            self._tail_one(name, lg)
+            fd = self._open_entry(name, os.O_RDONLY)
+            if fd < 0:
+                lg.done = True              # gone, or not a regular file (counted)
+                continue
+            try:
+                self._tail_one(name, lg, fd)
+                if not lg.done:
+                    lg.done = self._finished(name, fd)
+            finally:
+                os.close(fd)
 
-    def _tail_one(self, name: str, lg: _Log) -> None:
+    def _finished(self, name: str, fd: int) -> bool:
+        """A log that cannot grow any more: its writer is dead or sealed, or it has moved on
+        two segments and the log has been still for a while (a batch may span segments)."""
+        m = _LOG_RE.match(name)
+        writer = name.split(".")[0]
+        if m is None or self._writer_state(writer) is False:
+            return True
+        seq = int(m.group(4))
+        with self._lock:
+            newest = max((i.seq for i in self._segs.values() if i.writer == writer), default=0)
+        try:
+            still = time.time_ns() - os.fstat(fd).st_mtime_ns > 5 * _TOUCH_NS
+        except OSError:
+            return False
+        return seq < newest - 1 and still
+
+    def _tail_one(self, name: str, lg: _Log, fd: int) -> None:
         writer = name.split(".")[0]
         path = os.path.join(self.s.dir, SEG_DIR, name)
         while True:
             try:
-                size = os.fstat(lg.fd).st_size
+                size = os.fstat(fd).st_size
                 if size - lg.offset < REC_BYTES:
                     return
                 want = min(size - lg.offset, _TAIL_CHUNK) // REC_BYTES * REC_BYTES
-                raw = os.pread(lg.fd, want, lg.offset)
+                raw = os.pread(fd, want, lg.offset)
             except OSError as exc:
                 self.s._io_error("read", path, exc)
                 return
@@ -522,9 +544,7 @@ class SegmentFormat:
             if self._unlink(name):
                 self.s._bump("tmp_cleaned")
             with self._lock:
-                lg = self._logs.pop(name, None)
-                if lg is not None:
-                    os.close(lg.fd)
+                self._logs.pop(name, None)
 
     def _unlink(self, name: str) -> bool:
         try:
@@ -595,8 +615,9 @@ class SegmentFormat:
     def _acquire(self, seg: str) -> _Fd | None:
         """The segment's descriptor, held until ``_release``; None if it cannot be opened."""
         with self._lock:
-            e = self._fds.get(seg)
+            e = self._fds.pop(seg, None)
             if e is not None:
+                self._fds[seg] = e          # most recently used last
                 e.refs += 1
                 return e
         direct = self.s._direct and self.s._direct_pool
@@ -613,7 +634,19 @@ class SegmentFormat:
                 e.refs += 1
                 return e
             e = self._fds[seg] = _Fd(fd)
+            self._trim_fds()
             return e
+
+    def _trim_fds(self) -> None:
+        """Keep at most _FD_CACHE idle segment descriptors open, least recently used go
+        (lock held); a store of thousands of segments stays far below the open-file limit."""
+        excess = len(self._fds) - _FD_CACHE
+        if excess <= 0:
+            return
+        cur = self._cur[0] if self._cur is not None else None
+        for name in [n for n, e in self._fds.items()
+                     if n != cur and not e.writes and not e.refs][:excess]:
+            self._retire(name)
 
     def _read_run(self, item: tuple[str, list[tuple[int, int, bytes, int]]]) -> list[int]:
         seg, run = item
@@ -1032,8 +1065,6 @@ class SegmentFormat:
                 self._drop_seg(name)
             self._index.clear()
             self._tombs.clear()
-            for lg in self._logs.values():
-                os.close(lg.fd)
             self._logs.clear()
         return foreign
 
@@ -1116,9 +1147,7 @@ class SegmentFormat:
                 continue
             with self._lock:
                 self._drop_seg(victim)
-                lg = self._logs.pop(_segment_log(victim), None)
-                if lg is not None:
-                    os.close(lg.fd)
+                self._logs.pop(_segment_log(victim), None)
             self._unlink(_segment_log(victim))    # its records index nothing now
         return evicted
 
