@@ -54,6 +54,12 @@ class SplitMachine(RuleBasedStateMachine):
         tokens = [t for s in symbols for t in (s, s + 10)]
         return self.pl.keys(tokens)
 
+    def settle_l3(self) -> None:
+        """Let the executor finish what it was sent before the planner asks L3 what exists:
+        its writes land in the background, and a lookup racing them would make the rules'
+        outcome (and Hypothesis's replay of them) depend on thread timing."""
+        assert self.ex.wait_idle(10)
+
     def free_device(self, n: int) -> list[int] | None:
         free = [p for p in range(DEVICE_PAGES) if p not in self.busy]
         return free[:n] if len(free) >= n else None
@@ -97,6 +103,7 @@ class SplitMachine(RuleBasedStateMachine):
 
     @rule(symbols=prompts, start=st.integers(0, 2), complete_now=st.booleans())
     def load(self, symbols, start, complete_now):
+        self.settle_l3()
         keys = self.keys_of(symbols)
         start = min(start, len(keys))
         hit = self.pl.lookup(keys, start)
@@ -128,6 +135,7 @@ class SplitMachine(RuleBasedStateMachine):
     @rule(symbols=prompts)
     def plan_lost(self, symbols):
         """A plan made but never sent (its worker gone): failed, everything comes back."""
+        self.settle_l3()
         keys = self.keys_of(symbols)
         dev = self.free_device(len(keys))
         if dev is None:
