@@ -51,10 +51,14 @@ def store(tmp_path_factory):
     return str(tmp_path_factory.mktemp("l3") / "store")
 
 
-def _ktc(root=None, **extra):
+def _ktc(root=None, file_format="objects", **extra):
+    """The connector's config; a file L3 at ``root`` in ``file_format`` (None: the default,
+    segments). The module's shared store is in the objects format: its fault phases corrupt
+    and delete objects as files (the segment format's faults: tests/test_file_segments.py)."""
     cfg = {"host_pool_pages": 16, **extra}
     if root is not None:
-        cfg.update(l3_store="file", l3_config={"root": root})
+        l3 = {"root": root} if file_format is None else {"root": root, "format": file_format}
+        cfg.update(l3_store="file", l3_config=l3)
     return kv_transfer_config(cfg)
 
 
@@ -114,7 +118,8 @@ def test_multiturn_hits_l2_and_l3_outputs_identical(model, reference, tmp_path):
     res = _run({"model": model,
                 "engine": {"enable_prefix_caching": True, "num_gpu_blocks_override": 10,
                            "max_model_len": 1024},
-                "kv_transfer_config": _ktc(str(tmp_path / "l3"), host_pool_pages=10),
+                "kv_transfer_config": _ktc(str(tmp_path / "l3"), file_format=None,
+                                           host_pool_pages=10),
                 "phases": [{"conversations": CONVS}]})
     k = res["kvtier"]
     assert k["hit_tokens_l2"] > 0, k

@@ -81,7 +81,8 @@ def multiturn(num_conversations: int = 3, turns: int = 3, *, system_tokens: int 
 # One engine run (in its own process)
 # --------------------------------------------------------------------------------------------
 def _do_action(action: dict[str, Any]) -> None:
-    """Things done to the L3 store between phases (tests of failures)."""
+    """Things done to the L3 store between phases (tests of failures; corrupt and delete
+    act on a file store in the objects format, one file per page)."""
     import glob
     import shutil
     kind = action["kind"]
