@@ -323,9 +323,12 @@ def test_bad_host_indices_are_counted_misses(backend, pools):
 
 
 def test_corrupted_file_object_is_a_miss(pools, case, tmp_path):
+    """A damaged object file (the objects format: one file per page; the segment format's
+    damaged slots are tests/test_file_segments.py's) is a miss for its page only."""
     _, host = pools
     root = tmp_path / "l3"
-    b = attach(host, storage_config(extra_config("file", {"root": str(root)}),
+    b = attach(host, storage_config(extra_config("file", {"root": str(root),
+                                                          "format": "objects"}),
                                     mla=case.kind == "mla"))
     keys = sglang_keys(random_tokens(2 * host.page_size, 11), host.page_size)
     b.batch_set_v1(keys, page_indices(host, [0, 1]))
