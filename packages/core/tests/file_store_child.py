@@ -66,6 +66,36 @@ def write_gen(store: FileStore, pool: HostKVPool, gen: int) -> list[bool]:
     return store.batch_set(keys(), list(range(NUM_KEYS)))
 
 
+# ----- the parent's side -------------------------------------------------------------------
+def read_all(root: str, **config) -> tuple[int, list[int]]:
+    """Hits and generations read back by a fresh store; every hit must be a whole page."""
+    store, pool = open_store(root, **config)
+    try:
+        got = store.batch_get(keys(), list(range(NUM_KEYS)))
+        gens = []
+        for i, ok in enumerate(got):
+            if ok:
+                gen = check_page(pool.page_bytes_view(i), i)
+                assert gen is not None, f"key {i}: wrong bytes after a killed writer"
+                gens.append(gen)
+        return sum(got), gens
+    finally:
+        store.close()
+        pool.close()
+
+
+def wait_for(proc, word: str, timeout: float = 60) -> None:
+    """Read a child's stdout until it prints ``word`` (an error if it exits or stays silent)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        line = proc.stdout.readline()
+        if word in line:
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"child exited: {proc.stderr.read()}")
+    raise AssertionError(f"child never said {word!r}")
+
+
 def main(argv: list[str]) -> None:
     root, mode = argv[0], argv[1]
     if mode == "loop":

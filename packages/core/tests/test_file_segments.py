@@ -479,30 +479,7 @@ def _env() -> dict[str, str]:
 
 
 def _read_all(root: str) -> tuple[int, list[int]]:
-    store, pool = child.open_store(root, format="segments")
-    try:
-        got = store.batch_get(child.keys(), list(range(child.NUM_KEYS)))
-        gens = []
-        for i, ok in enumerate(got):
-            if ok:
-                gen = child.check_page(pool.page_bytes_view(i), i)
-                assert gen is not None, f"key {i}: wrong bytes after a killed writer"
-                gens.append(gen)
-        return sum(got), gens
-    finally:
-        store.close()
-        pool.close()
-
-
-def _wait_for(proc: subprocess.Popen, word: str, timeout: float = 60) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        line = proc.stdout.readline()
-        if word in line:
-            return
-        if proc.poll() is not None:
-            raise AssertionError(f"child exited: {proc.stderr.read()}")
-    raise AssertionError(f"child never said {word!r}")
+    return child.read_all(root, format="segments")
 
 
 def test_writer_killed_in_the_middle_of_a_batch(tmp_path):
@@ -510,7 +487,7 @@ def test_writer_killed_in_the_middle_of_a_batch(tmp_path):
     proc = subprocess.Popen([sys.executable, CHILD, root, "stall"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=_env())
     try:
-        _wait_for(proc, "stalled")
+        child.wait_for(proc, "stalled")
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()

@@ -535,32 +535,6 @@ def test_really_full_filesystem(tmp_path, path):
 # --------------------------------------------------------------------------------------------
 # killed writers and several processes
 # --------------------------------------------------------------------------------------------
-def _read_all(root: str) -> tuple[int, list[int]]:
-    """Hits and generations read back by a fresh store; every hit must be a whole page."""
-    store, pool = child.open_store(root)
-    try:
-        got = store.batch_get(child.keys(), list(range(child.NUM_KEYS)))
-        gens = []
-        for i, ok in enumerate(got):
-            if ok:
-                gen = child.check_page(pool.page_bytes_view(i), i)
-                assert gen is not None, f"key {i}: wrong bytes after a killed writer"
-                gens.append(gen)
-        return sum(got), gens
-    finally:
-        store.close()
-        pool.close()
-
-
-def _wait_for(proc: subprocess.Popen, word: str, timeout: float = 60) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        line = proc.stdout.readline()
-        if word in line:
-            return
-        if proc.poll() is not None:
-            raise AssertionError(f"child exited: {proc.stderr.read()}")
-    raise AssertionError(f"child never said {word!r}")
 
 
 def test_writer_killed_in_the_middle_of_an_object(tmp_path):
@@ -568,13 +542,13 @@ def test_writer_killed_in_the_middle_of_an_object(tmp_path):
     proc = subprocess.Popen([sys.executable, CHILD, root, "stall"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
-        _wait_for(proc, "stalled")
+        child.wait_for(proc, "stalled")
         half_written = tmp_files(root)
         assert len(half_written) == 1, "the child stopped inside one object's write"
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    hits, gens = _read_all(root)       # opening a store also cleans the dead writer's tmp
+    hits, gens = child.read_all(root)       # opening a store also cleans the dead writer's tmp
     assert hits == child.NUM_KEYS and gens == [0] * child.NUM_KEYS, "old objects intact"
     assert tmp_files(root) == []
 
@@ -586,13 +560,13 @@ def test_writer_killed_at_random_times(tmp_path):
         proc = subprocess.Popen([sys.executable, CHILD, root, "loop"], stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
         try:
-            _wait_for(proc, "ready")
+            child.wait_for(proc, "ready")
             time.sleep(rng.uniform(0.05, 0.4))
         finally:
             proc.send_signal(signal.SIGKILL)
             proc.wait()
         print(f"killed with {len(tmp_files(root))} unfinished objects")
-        hits, gens = _read_all(root)
+        hits, gens = child.read_all(root)
         assert hits == child.NUM_KEYS, "every key had a complete generation before the kill"
         assert tmp_files(root) == []
 
@@ -618,10 +592,10 @@ def test_processes_sharing_one_directory(tmp_path):
     assert r["wrong"] == 0 and r["hits"] > 0
     assert r["stats"]["corrupted"] == 0
     # this process sees what the others wrote, and deletes for everyone
-    hits, gens = _read_all(root)
+    hits, gens = child.read_all(root)
     assert hits == child.NUM_KEYS
     assert store.delete(child.keys()) == child.NUM_KEYS
-    assert _read_all(root)[0] == 0
+    assert child.read_all(root)[0] == 0
     store.close()
     pool.close()
 
