@@ -211,23 +211,14 @@ class SegmentFormat:
 
     # ----- directory ----------------------------------------------------------------------
     def _open_dir(self) -> int:
+        """The segment directory's descriptor (made if missing, as the store makes its fan-out
+        directories), or -1: a foreign entry or a directory that cannot be made (counted)."""
         s = self.s
         try:
-            os.mkdir(SEG_DIR, s._dir_mode, dir_fd=s._dfd)
-            made = True
-        except FileExistsError:
-            made = False
-        except OSError as exc:
+            return s._sub_fd(SEG_DIR, create=True)
+        except OSError as exc:            # mkdir refused: a full disk, a read-only root
             s._foreign_dir(SEG_DIR, exc)
             return -1
-        try:
-            fd = os.open(SEG_DIR, _f._DIR_FLAGS, dir_fd=s._dfd)
-        except OSError as exc:
-            s._foreign_dir(SEG_DIR, exc)
-            return -1
-        if made:
-            os.fchmod(fd, s._dir_mode)
-        return fd
 
     def _new_writer(self) -> None:
         self._pid = os.getpid()
