@@ -217,18 +217,24 @@ class TieredKVCache:
             return
         limit = self._first_read_cap(match.l3_count)
         if self.cost.enabled and limit == match.l3_count:
-            ps = self.spec.page_size
-            k = self.cost.pages_to_load(
-                l2_pages=match.l2_count, l3_pages=match.l3_count, l3_ready=0,
-                compute_tokens=max(1, match.num_tokens - match.total_pages * ps),
-                page_size=ps, page_bytes=self.spec.page_bytes, layers=self.spec.num_layers,
-                context=match.num_tokens)
+            k = self._pages_to_load(match, match.l2_count, match.l3_count, l3_ready=0)
             limit = max(0, k - match.l2_count)
             if limit < match.l3_count and self.cost.wants_l3_probe():
                 limit = max(limit, min(match.l3_count, self.cost.L3_PROBE_PAGES))
             self.metrics_registry.add("cost_skipped_prefetch_pages", match.l3_count - limit)
         if limit:
             l3tasks.start_read(self, match, limit)
+
+    def _pages_to_load(self, match: Match, l2_pages: int, l3_pages: int, *,
+                       l3_ready: int) -> int:
+        """The cost model's split of ``l2_pages + l3_pages`` hit pages of ``match``: how
+        many leading ones to load (the rest and the match's misses are recomputed)."""
+        ps = self.spec.page_size
+        return self.cost.pages_to_load(
+            l2_pages=l2_pages, l3_pages=l3_pages, l3_ready=l3_ready,
+            compute_tokens=max(1, match.num_tokens - match.total_pages * ps),
+            page_size=ps, page_bytes=self.spec.page_bytes, layers=self.spec.num_layers,
+            context=match.num_tokens)
 
     def _first_read_cap(self, pages: int) -> int:
         """Until the L3 rate is measured, a read takes only `CostModel.L3_PROBE_PAGES` pages:
@@ -279,12 +285,7 @@ class TieredKVCache:
         n3_want = min(match.l3_count, len(dev) - n2)
         skip2 = skip3 = 0
         if self.cost.enabled and n2 + n3_want:
-            ps = self.spec.page_size
-            k = self.cost.pages_to_load(
-                l2_pages=n2, l3_pages=n3_want, l3_ready=match.l3_pages_landed,
-                compute_tokens=max(1, match.num_tokens - match.total_pages * ps),
-                page_size=ps, page_bytes=self.spec.page_bytes, layers=self.spec.num_layers,
-                context=match.num_tokens)
+            k = self._pages_to_load(match, n2, n3_want, l3_ready=match.l3_pages_landed)
             skip2, skip3 = n2 - min(n2, k), n3_want - max(0, k - n2)
             n2, n3_want = n2 - skip2, n3_want - skip3
             if skip3 and match.read is None and self.cost.wants_l3_probe():
