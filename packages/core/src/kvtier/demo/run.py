@@ -21,6 +21,7 @@ from typing import Any, Callable, Literal
 
 import numpy as np
 
+from ..cache.cost import pairs
 from ..config import build_config
 from ..errors import ConfigError
 from ..keys import PageKeyer
@@ -250,7 +251,7 @@ def fit_prefill_cost(results: list[RequestResult]) -> tuple[float, float, float]
     in s per token pair, overhead in s); rate NaN when nothing was measured."""
     import itertools
     rows = [(1.0, r.computed_tokens,
-             (r.tokens ** 2 - (r.tokens - r.computed_tokens) ** 2) / 2, r.prefill_s)
+             pairs(r.tokens, r.computed_tokens), r.prefill_s)
             for r in results if r.computed_tokens and r.prefill_s > 0]
     if not rows:
         return math.nan, 0.0, 0.0
@@ -298,7 +299,7 @@ def ideal_ttft(*, tokens: int, l1_tokens: int, l2_tokens: int, l3_tokens: int,
         h2d = k * page_bytes / h2d_bps if k else 0.0                # type: ignore[operator]
         l3 = max(0, k - n2) * page_bytes / l3_bps if k > n2 else 0.0  # type: ignore
         c = rest + (n2 + n3 - k) * page_size
-        comp = c / recompute_tps + attn * (tokens ** 2 - (tokens - c) ** 2) / 2
+        comp = c / recompute_tps + attn * pairs(tokens, c)
         best = min(best, l3 + max(h2d, comp))
     return overhead_s + best
 
