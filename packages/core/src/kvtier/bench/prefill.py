@@ -14,11 +14,10 @@ import time
 
 import torch
 
+from ..demo.model import PREFIX_ATTENTIONS as ATTENTIONS
 from ..device_pool import DeviceKVPool
 from ..errors import ConfigError
 from ..report import progress, table
-
-ATTENTIONS = ("blocks", "lower_right")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

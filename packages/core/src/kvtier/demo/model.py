@@ -70,8 +70,10 @@ PREFILL_MODES = ("fast", "paged")
 #: blocks, each wasting less of its diagonal square, come out ahead).
 ATTENTION_BLOCK_CPU = 256
 ATTENTION = "kvtier_sdpa"
-#: How queries that follow a prefix attend: ``"auto"`` (one bottom-right causal SDPA on
-#: accelerators, query blocks on CPU), ``"lower_right"`` or ``"blocks"``.
+#: How queries that follow a prefix may attend (see `_attention`).
+PREFIX_ATTENTIONS = ("blocks", "lower_right")
+#: How they do: ``"auto"`` (one bottom-right causal SDPA on accelerators, query blocks on
+#: CPU) or one of `PREFIX_ATTENTIONS`.
 PREFIX_ATTENTION = "auto"
 
 
