@@ -171,6 +171,8 @@ def test_backends_fits_an_80_column_terminal():
      "argument --l1-pages: invalid int value: '1X'"),
     (["bench", "store", "--total", "1X"], "--total: '1X' is not a size"),
     (["bench", "store", "--page-sizes", "4K,big"], "--page-sizes: 'big' is not a size"),
+    (["bench", "store", "--callers", "0"], "--callers must be >= 1, got 0"),
+    (["bench", "store", "--batch", "-3"], "--batch must be >= 1, got -3"),
     (["backends", "--kind", "nope"], "argument --kind: invalid choice: 'nope'"),
 ])
 def test_user_mistakes_are_one_line_exit_2(argv, words):

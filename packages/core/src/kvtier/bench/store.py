@@ -3,13 +3,16 @@
 For each page size the run alternates (``--repeat`` times, medians reported):
 
 * raw write: 8 MiB pieces written sequentially, then ``fsync``: by one thread into one file,
-  by ``--threads`` threads into one file (pieces dealt round-robin) and by ``--threads``
-  threads into a file each; the best of the three is the ceiling;
+  and by N threads into one file (pieces dealt round-robin) and into a file each, for N =
+  ``--threads`` and N = ``--threads`` x ``--callers`` (as many I/O calls in flight as the
+  store may have); the best of these is the ceiling;
 * store ``batch_set`` of the same number of bytes as pages, then ``syncfs`` (both are timed
-  until the data is on the disk);
-* raw read: the file read the same two ways (after ``POSIX_FADV_DONTNEED`` when cached);
-* store ``batch_get`` of every page (after ``POSIX_FADV_DONTNEED`` on every object when
-  cached).
+  until the data is on the disk), called as the controller calls it: ``--batch`` pages per
+  call (``CacheConfig.l3_batch_pages``) from ``--callers`` threads at once
+  (``CacheConfig.l3_io_threads``);
+* raw read: the file read back the same ways (after ``POSIX_FADV_DONTNEED`` when cached);
+* store ``batch_get`` of every page, called the same way (after ``POSIX_FADV_DONTNEED`` on
+  every object when cached).
 
 By default both sides use ``O_DIRECT`` (no page cache at all; the store's own default where
 the filesystem allows); ``--cache fadvise`` measures the page-cache path instead. Every
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import datetime
+import functools
 import json
 import platform
 import ctypes.util
@@ -38,6 +42,8 @@ from typing import Any
 
 import torch
 
+from ..cache.config import CacheConfig
+from ..errors import ConfigError
 from ..host_allocators.mmap import MmapAllocator
 from ..host_pool import HostKVPool
 from ..l3_stores.file import _CHECKSUMS, FileStore, checksum_impl
@@ -45,6 +51,8 @@ from ..report import parse_size, progress, table
 from ..spec import KVSpec
 
 CHUNK = 8 << 20
+_BATCH, _CALLERS = (CacheConfig.__dataclass_fields__[f].default
+                    for f in ("l3_batch_pages", "l3_io_threads"))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -52,7 +60,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="directory on the disk to measure (default: a new temporary directory)")
     p.add_argument("--page-sizes", default="256K,1M,4M,8M", help="comma-separated page sizes")
     p.add_argument("--total", default="1G", help="bytes moved per measurement (default 1G)")
-    p.add_argument("--batch", type=int, default=32, help="pages per batch_set/batch_get call")
+    p.add_argument("--batch", type=int, default=_BATCH,
+                   help="pages per batch_set/batch_get call (default: the controller's "
+                        f"l3_batch_pages, {_BATCH})")
+    p.add_argument("--callers", type=int, default=_CALLERS,
+                   help="threads calling the store at once (default: the controller's "
+                        f"l3_io_threads, {_CALLERS})")
     p.add_argument("--threads", type=int, default=4, help="file store io_threads")
     p.add_argument("--cache", choices=["direct", "fadvise"], default="direct",
                    help="page cache treatment for both sides: bypass it with O_DIRECT (the "
@@ -122,6 +135,18 @@ def _parallel(fn, streams: int) -> None:
         return
     with ThreadPoolExecutor(streams) as ex:
         list(ex.map(fn, range(streams)))
+
+
+def _op(fn, keys: list[bytes], pages: list[int], c: slice) -> list[bool]:
+    return fn(keys[c], pages[c])
+
+
+def _calls(fn, calls: list[slice], callers: int) -> list[bool]:
+    """Every call's results in order, made by ``callers`` threads at once."""
+    if callers <= 1:
+        return [v for c in calls for v in fn(c)]
+    with ThreadPoolExecutor(callers) as ex:
+        return [v for r in ex.map(fn, calls) for v in r]
 
 
 def _raw_paths(path: str, streams: int, files: bool) -> list[str]:
@@ -282,7 +307,8 @@ def _print(data: dict[str, Any], failures: int) -> None:
     print(f"file store ({data.get('format', 'objects')} format) vs raw sequential I/O in "
           f"{data['dir']} ({data['cache']}; "
           f"{data['total'] / 2**30:g} GiB per measurement, median of {data['repeat']}; "
-          f"io_threads={data['threads']}, batch={data['batch']}; GB/s = 1e9 bytes/s)")
+          f"io_threads={data['threads']}, batch={data['batch']}, "
+          f"callers={data.get('callers', 1)}; GB/s = 1e9 bytes/s)")
     print(table(["page", f"raw write ({how})", "batch_set", "set/raw", f"raw read ({how})",
                  "batch_get", "get/raw"], report(data)))
     ck = data["checksum"]
@@ -298,6 +324,10 @@ def run(args: argparse.Namespace) -> int:
         if args.plot:
             plot(data, args.plot)
         return 0
+    for flag in ("batch", "callers", "threads", "repeat"):
+        if getattr(args, flag) < 1:
+            raise ConfigError(f"--{flag} must be >= 1, got {getattr(args, flag)}", key=flag,
+                              value=getattr(args, flag))
     sizes = [parse_size(s, "--page-sizes") for s in args.page_sizes.split(",") if s.strip()]
     total = parse_size(args.total, "--total")
     direct = args.cache == "direct"
@@ -307,11 +337,10 @@ def run(args: argparse.Namespace) -> int:
     work = tempfile.mkdtemp(prefix="run-", dir=base)
     # raw ceilings: one stream; N streams over one file; N streams, a file each
     modes = [("1", 1, False)]
-    if args.threads > 1:
-        modes += [(f"{args.threads}", args.threads, False),
-                  (f"{args.threads} files", args.threads, True)]
+    for k in sorted({args.threads, args.threads * args.callers} - {1}):
+        modes += [(f"{k}", k, False), (f"{k} files", k, True)]
     bufs = []
-    for _ in range(args.threads):
+    for _ in range(max(k for _, k, _ in modes)):
         b = mmap.mmap(-1, CHUNK)                 # page-aligned: fit for O_DIRECT
         b.write(os.urandom(CHUNK))
         bufs.append(b)
@@ -353,10 +382,10 @@ def run(args: argparse.Namespace) -> int:
                               spec=spec)
             store.attach(pool)
             src, dst = list(range(n)), list(range(n, 2 * n))
+            calls = [slice(i, i + args.batch) for i in range(0, n, args.batch)]
             t0 = time.perf_counter()
-            ok = []
-            for i in range(0, n, args.batch):
-                ok += store.batch_set(keys[i:i + args.batch], src[i:i + args.batch])
+            ok = _calls(functools.partial(_op, store.batch_set, keys, src), calls,
+                        args.callers)
             _syncfs(root)
             r.setdefault("set", []).append(moved / (time.perf_counter() - t0) / 1e9)
             if not direct:
@@ -364,9 +393,8 @@ def run(args: argparse.Namespace) -> int:
             pool.raw[n * spec.page_bytes:].fill_(0xA5)
             _pause(work)
             t0 = time.perf_counter()
-            got = []
-            for i in range(0, n, args.batch):
-                got += store.batch_get(keys[i:i + args.batch], dst[i:i + args.batch])
+            got = _calls(functools.partial(_op, store.batch_get, keys, dst), calls,
+                         args.callers)
             r.setdefault("get", []).append(moved / (time.perf_counter() - t0) / 1e9)
             same = torch.equal(pool.raw[: moved], pool.raw[moved: 2 * moved])
             if not (all(ok) and all(got) and same):
@@ -385,7 +413,8 @@ def run(args: argparse.Namespace) -> int:
     data = {
         "dir": base, "cache": args.cache, "format": args.format, "total": total,
         "repeat": args.repeat,
-        "threads": args.threads, "batch": args.batch, "raw_modes": labels,
+        "threads": args.threads, "batch": args.batch, "callers": args.callers,
+        "raw_modes": labels,
         "checksum": {"kind": args.checksum, "provider": provider, "gbps": speed},
         "env": _env(base), "failures": failures, "results": []}
     for ps in sizes:
