@@ -125,6 +125,8 @@ def test_roundtrip_bitwise(engine_name, spec, layout, layerwise):
     {"warps": 1, "stages": 2, "stage_bytes": 4096},
     {"warps": 4, "stages": 3, "stage_bytes": 16384},
     {"tensor_map": False},
+    {"layer_signals": False}, {"layer_signals": True, "ctas": 8, "warps": 8},
+    {"signal_layers": 2}, {"signal_layers": 3, "tensor_map": False}, {"signal_layers": 64},
     {"side_stream": True},
     {"threads": 256, "unroll": 8}, {"threads": 1024, "unroll": 2},
 ], ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
@@ -220,6 +222,57 @@ def test_layer_events_really_gate(name):
         hpool.close()
 
 
+@pytest.mark.parametrize("layer_signals, signal_layers, launches", [
+    (True, 1, 1), (True, 3, 2), (True, 7, 1), (False, 1, 7)])
+def test_tma_per_layer_loads_are_one_launch_with_signals(monkeypatch, layer_signals,
+                                                         signal_layers, launches):
+    """With layer_signals a per-layer load of 7 layers is one kernel launch (two when the
+    groups of signal_layers leave a shorter last one) whose handle waits on device counters;
+    without, one launch per layer with events. Both land every layer bitwise, and wait_layer
+    on a compute stream orders a read of that layer after it."""
+    _available("nvidia-tma")
+    from kvtier_nvidia_tma import _driver
+    from kvtier_nvidia_tma.transfer_engine import CudaEventHandle, LayerSignalHandle
+    spec = KVSpec.mha(num_layers=7, num_kv_heads=2, head_dim=64, page_size=3)
+    dpool = DeviceKVPool.empty(spec, 64, "cuda")
+    hpool = HostKVPool(spec, 64)
+    eng = _engine("nvidia-tma", dpool, hpool, layer_signals=layer_signals,
+                  signal_layers=signal_layers)
+    seen_launches = []
+    real = _driver.launch
+    monkeypatch.setattr(_driver, "launch", lambda k, *a: (seen_launches.append(k.name),
+                                                           real(k, *a))[1])
+    rng = random.Random(7)
+    try:
+        assert eng.describe()["layer_signals"] is layer_signals
+        fill_random(hpool.raw)
+        _poison(dpool)
+        host, dev = rng.sample(range(64), 50), rng.sample(range(64), 50)
+        compute = torch.cuda.Stream()
+        with torch.cuda.stream(torch.cuda.Stream()):
+            handle = eng.load(host, dev)
+        assert isinstance(handle, LayerSignalHandle if layer_signals else CudaEventHandle)
+        assert len(seen_launches) == launches
+        d = torch.tensor(dev, device="cuda")
+        with torch.cuda.stream(compute):
+            seen = []
+            for layer in reversed(range(spec.num_layers)):
+                handle.wait_layer(layer)
+                seen.append(dpool.pages_view(1, layer).index_select(0, d))
+        compute.synchronize()
+        for layer, got in zip(reversed(range(spec.num_layers)), seen):
+            want = hpool.view[:, layer, 1].index_select(0, torch.tensor(host)).to("cuda")
+            assert torch.equal(_u8(got), _u8(want)), f"layer {layer}"
+        handle.synchronize()
+        assert handle.done()
+        assert_device_has(dpool, hpool, host, dev)
+        with pytest.raises(LayoutError):
+            handle.wait_layer(spec.num_layers)
+    finally:
+        eng.close()
+        hpool.close()
+
+
 # ----------------------------------------------------------------------------------------------
 # bad input
 # ----------------------------------------------------------------------------------------------
@@ -245,6 +298,19 @@ def test_copy_engine_max_batch_is_checked(bad):
     try:
         with pytest.raises(ConfigError, match="max_batch"):
             _engine("nvidia-copy-engine", dpool, hpool, max_batch=bad)
+    finally:
+        hpool.close()
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5, True])
+def test_tma_signal_layers_is_checked(bad):
+    _available("nvidia-tma")
+    spec = KVSpec.mla(num_layers=2, kv_lora_rank=512, rope_dim=64, page_size=1)
+    dpool = DeviceKVPool.empty(spec, 4, "cuda")
+    hpool = HostKVPool(spec, 4)
+    try:
+        with pytest.raises(ConfigError, match="signal_layers"):
+            _engine("nvidia-tma", dpool, hpool, signal_layers=bad)
     finally:
         hpool.close()
 

@@ -9,8 +9,8 @@ import pytest
 from kvtier.errors import ConfigError, LayoutError
 
 from kvtier_nvidia_tma._plan import (Geometry, KvtParams, TmaPlan, check_alignment,
-                                     host_strides, plan_register, plan_tma, simulate,
-                                     tensor_map_geometry, uniform_strides)
+                                     host_strides, layer_signal_target, plan_register,
+                                     plan_tma, simulate, tensor_map_geometry, uniform_strides)
 from kvtier_nvidia_tma.transfer_engine import merge_runs
 
 DEV_BASE = 0x7F0000000000
@@ -124,6 +124,59 @@ def test_plan_moves_every_chunk_exactly(case, layout, uniform, d2h):
             for d in set(range(13)) - moved:
                 for g in range(geo.comps * layers):
                     assert dev_chunk(geo, dev, table, d, g) == dev_chunk(geo, dev0, table, d, g)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"c{c[0]}x{c[1]}xL{c[2]}-s{c[3]}")
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+@pytest.mark.parametrize("uniform", [True, False], ids=["uniform", "scattered"])
+@pytest.mark.parametrize("d2h", [False, True], ids=["h2d", "d2h"])
+@pytest.mark.parametrize("pipes", [1, 3, 40])
+@pytest.mark.parametrize("group", [1, 2, 3])
+def test_layer_signalled_launch_moves_every_layer_and_counts_each(case, layout, uniform, d2h,
+                                                                   pipes, group):
+    """Launches looping over groups of layers, each group cut as a launch of it would be
+    (nvidia-tma's per-layer signals; a second launch for a shorter last group), move exactly
+    what an all-layer launch moves, and every group's counter ends at the target the waiting
+    stream uses, also with more pipelines than pieces."""
+    chunk, comps, layers, stage = case
+    rng = random.Random(hash((case, layout, uniform, d2h, pipes, group)) & 0xFFFF)
+    geo, host, dev, table = make_case(rng, chunk=chunk, comps=comps, layers=layers,
+                                      host_pages=11, dev_pages=13, layout=layout,
+                                      uniform=uniform)
+    n = 5
+    hidx, didx = rng.sample(range(11), n), rng.sample(range(13), n)
+    G = min(group, layers)
+    full, rest = divmod(layers, G)
+    host0, dev0 = bytearray(host), {b: bytearray(v) for b, v in dev.items()}
+    signals = [0] * (full + (1 if rest else 0))
+    want = []
+    for layer0, nl, loops in [(0, G, full)] + ([(full * G, rest, 1)] if rest else []):
+        plan = plan_tma(geo, n, nl, ctas=2, warps=1, stages=3, stage_bytes=stage,
+                        tmap_ok=uniform)
+        tmap = None
+        if plan.use_tmap and nl % plan.box_layers == 0:   # the engine's rule
+            tmap = tensor_map_geometry(table, geo, layer0, nl * loops, plan.box_layers)
+            assert tmap is not None
+        elif plan.use_tmap:
+            plan = plan_tma(geo, n, nl, ctas=2, warps=1, stages=3, stage_bytes=stage,
+                            tmap_ok=False)
+        p = params(geo, n, layer0, nl, d2h, plan)
+        p.layer_flags, p.loops = 1, loops
+        first = layer0 // G
+        part = signals[first:first + loops]
+        assert simulate(p, host, dev, hidx, didx, table, tmap, pipes=pipes,
+                        signals=part) == plan.num_pieces * loops
+        signals[first:first + loops] = part
+        want += [layer_signal_target(p, pipes)] * loops
+    assert signals == want and all(want)
+    for i in range(n):
+        for g in range(comps * layers):
+            if d2h:
+                assert host_chunk(geo, host, hidx[i], g) == \
+                    dev_chunk(geo, dev0, table, didx[i], g)
+            else:
+                assert dev_chunk(geo, dev, table, didx[i], g) == \
+                    host_chunk(geo, host0, hidx[i], g)
 
 
 def test_plan_modes_and_tensor_map_choice():

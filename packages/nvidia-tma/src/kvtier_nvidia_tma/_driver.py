@@ -148,6 +148,15 @@ def launch(k: Kernel, grid: int, threads: int, smem: int, stream: int, *args: An
                            ctypes.addressof(ptrs), 0), f"cuLaunchKernel({k.name})")
 
 
+def stream_wait_geq(stream: int, addr: int, value: int) -> None:
+    """Work queued on ``stream`` after this waits until the u32 at device address ``addr``
+    reaches ``value`` (cyclic >=; ``cuStreamWaitValue32``)."""
+    d = drv()
+    check(d.cuStreamWaitValue32(d.CUstream(stream), d.CUdeviceptr(addr), value,
+                                d.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ),
+          "cuStreamWaitValue32")
+
+
 # ----------------------------------------------------------------------------------------------
 # Memory
 # ----------------------------------------------------------------------------------------------

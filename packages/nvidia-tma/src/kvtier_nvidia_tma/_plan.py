@@ -33,7 +33,8 @@ class KvtParams(ctypes.Structure):
         "host_page_stride", "host_chunk_stride", "chunk_bytes", "host_pages", "dev_pages",
         "n", "comps", "layer0", "layers", "d2h",
         "seg_chunks", "mode", "per_piece", "pieces_per_seg", "num_pieces",
-        "slot_bytes", "stages", "stage_bytes", "use_tmap", "box_layers")]
+        "slot_bytes", "stages", "stage_bytes", "use_tmap", "box_layers",
+        "layer_flags", "loops")]
 
 
 def round_up(x: int, a: int) -> int:
@@ -261,11 +262,18 @@ def decode_piece(p: KvtParams, k: int) -> Piece:
     return Piece(seg0, 1, chunk0, 1, off, min(p.per_piece, p.chunk_bytes - off))
 
 
-def segment(p: KvtParams, s: int) -> tuple[int, int]:
-    """Segment -> (pair index, absolute first chunk g)."""
+def segment(p: KvtParams, s: int, loop: int = 0) -> tuple[int, int]:
+    """Segment -> (pair index, absolute first chunk g), in group ``loop`` of a launch with
+    per-layer signals (the launch's layers shifted by ``loop`` groups of ``p.layers``)."""
     per_pair = p.comps * p.layers // p.seg_chunks
     i, r = divmod(s, per_pair)
-    return i, p.layer0 * p.comps + r * p.seg_chunks
+    return i, (p.layer0 + loop * p.layers) * p.comps + r * p.seg_chunks
+
+
+def layer_signal_target(p: KvtParams, pipes: int) -> int:
+    """What each layer group's counter of a launch with ``layer_flags`` reaches: one count per
+    pipeline that holds pieces."""
+    return min(pipes, p.num_pieces)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -303,8 +311,14 @@ def plan_register(geo: Geometry, n: int, layers: int, *, ctas: int, threads: int
 # ----------------------------------------------------------------------------------------------
 def simulate(p: KvtParams, host: bytearray, dev: dict[int, bytearray], host_idx: Sequence[int],
              dev_idx: Sequence[int], table: Sequence[int],
-             tmap: TensorMapGeometry | None = None, *, pipes: int = 3) -> int:
+             tmap: TensorMapGeometry | None = None, *, pipes: int = 3,
+             signals: list[int] | None = None) -> int:
     """Run the TMA kernel's piece loop on byte buffers, as ``pipes`` pipelines would.
+
+    With ``p.layer_flags`` set the launch loops over ``p.loops`` groups of ``p.layers`` layers
+    as the kernel does, and each pipeline adds 1 to ``signals[group]`` after its last piece of
+    that group (the bytes of which are all in place by then, as the kernel's wait for the bulk
+    group ensures).
 
     ``host`` stands for the host pool (address ``p.host_base`` = offset 0); ``dev`` maps each
     device buffer base address to its bytes (a single block keyed by its base works too: an
@@ -330,15 +344,17 @@ def simulate(p: KvtParams, host: bytearray, dev: dict[int, bytearray], host_idx:
 
     done = 0
     slot = p.slot_bytes if p.mode == 0 else 0
+    loops = p.loops if p.layer_flags else 1
     for pipe in range(pipes):
-        for k in range(pipe, p.num_pieces, pipes):
+        mine = list(range(pipe, p.num_pieces, pipes))
+        for lay, k in [(lay, k) for lay in range(loops) for k in mine]:
             pc = decode_piece(p, k)
             stage = bytearray(p.stage_bytes)
             written = bytearray(p.stage_bytes)       # which stage bytes a load filled
             load_host = p.d2h == 0
             for side_host, load in ((load_host, True), (not load_host, False)):
                 for kk in range(pc.nseg):
-                    i, g = segment(p, pc.seg0 + kk)
+                    i, g = segment(p, pc.seg0 + kk, lay)
                     ok, h, d = valid(i)
                     if not ok:
                         continue
@@ -371,6 +387,9 @@ def simulate(p: KvtParams, host: bytearray, dev: dict[int, bytearray], host_idx:
                                 assert all(written[s0:s0 + pc.bytes]), "store of unloaded bytes"
                                 buf[o:o + pc.bytes] = stage[s0:s0 + pc.bytes]
             done += 1
+            if p.layer_flags and k == mine[-1]:
+                assert signals is not None, "a launch with layer_flags needs signals"
+                signals[lay] += 1
     return done
 
 

@@ -26,8 +26,8 @@ from kvtier.errors import (BackendUnavailableError, ConfigError, InvalidArgument
 from kvtier.interfaces import CompletedHandle, TransferHandle
 
 from . import KVTIER_INTERFACE_VERSION
-from ._plan import (Geometry, KvtParams, check_alignment, host_strides, plan_register,
-                    plan_tma, tensor_map_geometry, uniform_strides)
+from ._plan import (Geometry, KvtParams, check_alignment, host_strides, layer_signal_target,
+                    plan_register, plan_tma, tensor_map_geometry, uniform_strides)
 from ._probe import probe_cuda
 
 log = logging.getLogger(__name__)
@@ -62,6 +62,44 @@ class CudaEventHandle(TransferHandle):
 
     def synchronize(self) -> None:
         self._events[-1].synchronize()
+
+
+class LayerSignalHandle(TransferHandle):
+    """Launches that move every layer and count each finished group of ``group`` layers in
+    device memory (``nvidia-tma`` with ``layer_signals``): ``wait_layer(i)`` makes the
+    caller's current stream wait (``cuStreamWaitValue32``, no host sync) until every pipeline
+    has counted the group of layer ``i``; ``wait``/``done``/``synchronize`` use the event after
+    the last launch."""
+
+    def __init__(self, flags: Any, targets: list[int], group: int, num_layers: int, done: Any,
+                 dev: Any, device: Any, keep: tuple = ()):
+        self._flags, self._targets, self._group, self._done = flags, targets, group, done
+        self._dev, self.device = dev, device
+        self.num_layers = num_layers
+        self._keep = keep
+
+    def wait_layer(self, layer: int) -> None:
+        import torch
+        from . import _driver
+        if isinstance(layer, bool) or not isinstance(layer, int) \
+                or not 0 <= layer < self.num_layers:
+            raise LayoutError(f"layer {layer!r} out of range [0, {self.num_layers})")
+        g = layer // self._group
+        cur = torch.cuda.current_stream(self.device)
+        self._flags.record_stream(cur)       # the counters outlive the wait, not just the handle
+        self._dev.make_current()
+        _driver.stream_wait_geq(cur.cuda_stream, self._flags.data_ptr() + 4 * g,
+                                self._targets[g])
+
+    def wait(self) -> None:
+        import torch
+        torch.cuda.current_stream(self.device).wait_event(self._done)
+
+    def done(self) -> bool:
+        return bool(self._done.query())
+
+    def synchronize(self) -> None:
+        self._done.synchronize()
 
 
 class _NvidiaEngine(TransferEngine):
@@ -132,6 +170,7 @@ class _NvidiaEngine(TransferEngine):
                              host_pages=host_pool.num_pages, dev_pages=device_pool.num_pages)
         self._err = torch.zeros(1, dtype=torch.int32, device=self.device)
         self._side = torch.cuda.Stream(self.device) if self.config.side_stream else None
+        self._signals = False           # per-layer signals from one launch (nvidia-tma)
         self._own = None
         self._closed = False
 
@@ -240,6 +279,8 @@ class _NvidiaEngine(TransferEngine):
         with torch.cuda.device(self.device):
             self._dev.make_current()
             handle = stream.cuda_stream
+            if layerwise and L > 1 and self._signals:
+                return self._launch_signalled(h, d, d2h, stream)
             ranges = [(layer, 1) for layer in range(L)] if layerwise else [(0, L)]
             for layer0, layers in ranges:
                 self._launch(h, d, d2h, layer0, layers, handle)
@@ -259,6 +300,9 @@ class _NvidiaEngine(TransferEngine):
         return p
 
     def _launch(self, h, d, d2h: bool, layer0: int, layers: int, stream: int) -> None:
+        raise NotImplementedError
+
+    def _launch_signalled(self, h, d, d2h: bool, stream) -> TransferHandle:
         raise NotImplementedError
 
 
@@ -288,9 +332,17 @@ class TmaTransferEngine(_NvidiaEngine):
         stores_in_flight: int = 0
         #: Use a tensor map for the device side where the pool allows one.
         tensor_map: bool = True
-        #: One launch and one event per layer for loads / backups.
+        #: Per-layer completion for loads / backups (``wait_layer``).
         layerwise_load: bool = True
         layerwise_backup: bool = False
+        #: How per-layer transfers run: one launch for every layer that counts each finished
+        #: layer in device memory, the caller's stream waiting on the count (True), or one
+        #: launch and one CUDA event per layer (False; also used where the driver has no
+        #: stream memory operations).
+        layer_signals: bool = True
+        #: Layers counted together with ``layer_signals`` (each group's pieces are cut as a
+        #: launch of that many layers would be: longer host runs per page, coarser waits).
+        signal_layers: int = 1
         #: Run on an engine-owned stream ordered after the caller's (default: caller's stream).
         side_stream: bool = False
         #: Check device-resident indices (range, repeated destinations) before launch (syncs).
@@ -317,9 +369,37 @@ class TmaTransferEngine(_NvidiaEngine):
         self._maps: dict[tuple[int, int, int], Any] = {}
         self._plans: dict[tuple[int, int], Any] = {}
         self.ctas = c.ctas
+        if isinstance(c.signal_layers, bool) or not isinstance(c.signal_layers, int) \
+                or c.signal_layers < 1:
+            raise ConfigError(f"{self.name}: signal_layers must be an integer >= 1, got "
+                              f"{c.signal_layers!r}", key="signal_layers",
+                              value=c.signal_layers)
+        self._signals = bool(c.layer_signals) and self._stream_waits_work()
 
-    def plan(self, n: int, layer0: int, layers: int):
-        """The launch plan and tensor map for ``n`` pairs over the given layers."""
+    def _stream_waits_work(self) -> bool:
+        """Whether this driver runs ``cuStreamWaitValue32`` on device memory (tried once on a
+        counter that already satisfies it); without it per-layer transfers use events."""
+        from . import _driver
+        torch = self._torch
+        flag = torch.ones(1, dtype=torch.int32, device=self.device)
+        s = torch.cuda.Stream(self.device)
+        try:
+            self._dev.make_current()
+            _driver.stream_wait_geq(s.cuda_stream, flag.data_ptr(), 1)
+            s.synchronize()
+            return True
+        except TransferError as exc:
+            log.warning("%s: stream memory waits unavailable (%s): per-layer transfers use "
+                        "one launch per layer", self.name, exc)
+            return False
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "layer_signals": self._signals}
+
+    def plan(self, n: int, layer0: int, layers: int, map_layers: int = 0):
+        """The launch plan and tensor map for ``n`` pairs over the given layers (the map
+        spanning ``map_layers`` layers from ``layer0`` where given: one-layer pieces of a
+        launch that loops over every layer)."""
         from . import _driver
         c = self.config
         key = (n, layers)
@@ -335,19 +415,20 @@ class TmaTransferEngine(_NvidiaEngine):
             self._plans[key] = plan
         tmap = self._null_map
         if plan.use_tmap:
-            mkey = (layer0, layers, plan.box_layers)
-            tmap = self._maps.get(mkey)
-            if tmap is None:
-                geo = tensor_map_geometry(self._table, self._geo, layer0, layers,
-                                          plan.box_layers)
-                tmap = _driver.TensorMap(geo) if geo is not None else None
-                self._maps[mkey] = tmap
+            span = map_layers or layers
+            mkey = (layer0, span, plan.box_layers)
+            if mkey not in self._maps:
+                # a box must stay within its launch's layers (its group's, when looping)
+                geo = tensor_map_geometry(self._table, self._geo, layer0, span,
+                                          plan.box_layers) \
+                    if not map_layers or layers % plan.box_layers == 0 else None
+                self._maps[mkey] = _driver.TensorMap(geo) if geo is not None else None
+            tmap = self._maps[mkey]
             if tmap is None:
                 plan = plan_tma(self._geo, n, layers, ctas=c.ctas, warps=c.warps,
                                 stages=c.stages, stage_bytes=c.stage_bytes, tmap_ok=False,
                                 max_smem=self._dev.max_smem_optin,
                                 stores_in_flight=c.stores_in_flight)
-                self._plans[key] = plan
                 tmap = self._null_map
         return plan, tmap
 
@@ -355,9 +436,37 @@ class TmaTransferEngine(_NvidiaEngine):
         from . import _driver
         plan, tmap = self.plan(h.numel(), layer0, layers)
         p = plan.fill(self._params(h, d, d2h, layer0, layers))
+        p.loops = 1
         _driver.set_dynamic_smem(self._kernel, plan.smem_bytes)
         _driver.launch(self._kernel, plan.grid, plan.threads, plan.smem_bytes, stream, p,
                        tmap.arg)
+
+    def _launch_signalled(self, h, d, d2h, stream) -> TransferHandle:
+        """Every layer in one launch of groups of ``signal_layers`` layers (a second launch
+        for a last, shorter group), each group cut as a launch of it would be; a zeroed
+        counter per group (allocated on ``stream``) that each pipeline with pieces bumps when
+        its part of the group is written."""
+        from . import _driver
+        torch = self._torch
+        L = self.spec.num_layers
+        G = min(self.config.signal_layers, L)
+        full, rest = divmod(L, G)
+        with torch.cuda.stream(stream):
+            flags = torch.zeros(full + (1 if rest else 0), dtype=torch.int32,
+                                device=self.device)
+        targets: list[int] = []
+        for layer0, layers, loops in [(0, G, full)] + ([(full * G, rest, 1)] if rest else []):
+            plan, tmap = self.plan(h.numel(), layer0, layers, map_layers=layers * loops)
+            p = plan.fill(self._params(h, d, d2h, layer0, layers))
+            p.layer_flags, p.loops = flags.data_ptr() + 4 * len(targets), loops
+            _driver.set_dynamic_smem(self._kernel, plan.smem_bytes)
+            _driver.launch(self._kernel, plan.grid, plan.threads, plan.smem_bytes,
+                           stream.cuda_stream, p, tmap.arg)
+            targets += [layer_signal_target(p, plan.grid * (plan.threads // 32))] * loops
+        done = torch.cuda.Event()
+        done.record(stream)
+        return LayerSignalHandle(flags, targets, G, L, done, self._dev, self.device,
+                                 keep=(h, d))
 
 
 class RegisterTransferEngine(_NvidiaEngine):
@@ -574,6 +683,10 @@ class RoutedTransferEngine(TransferEngine):
         max_batch: int = 256
         layerwise_load: bool = True
         layerwise_backup: bool = False
+        #: Per-layer transfers on the TMA kernel as one launch with per-layer signals (see
+        #: ``nvidia-tma``'s ``layer_signals``).
+        layer_signals: bool = True
+        signal_layers: int = 1
         debug: bool = False
         device: int | None = None
 
@@ -601,7 +714,10 @@ class RoutedTransferEngine(TransferEngine):
                                              {**common, "max_batch": c.max_batch})
         sm_cls = TmaTransferEngine if self.copy._dev.cc >= TmaTransferEngine._min_cc \
             else RegisterTransferEngine
-        self.sm = sm_cls(device_pool, host_pool, {**common, "ctas": c.ctas})
+        sm_cfg = {**common, "ctas": c.ctas}
+        if sm_cls is TmaTransferEngine:
+            sm_cfg.update(layer_signals=c.layer_signals, signal_layers=c.signal_layers)
+        self.sm = sm_cls(device_pool, host_pool, sm_cfg)
         self.device = self.sm.device
         self.chunk_bytes = min(device_pool.chunk_nbytes)
         if c.crossover_bytes:

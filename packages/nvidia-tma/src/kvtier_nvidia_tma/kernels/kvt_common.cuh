@@ -45,6 +45,12 @@ struct KvtParams {
     i64 stage_bytes;        // bytes per stage (a multiple of 128)
     i64 use_tmap;           // device side through the tensor map (one op per box of layers)
     i64 box_layers;         // layers per tensor-map box
+    // per-layer signals (TMA kernel): with layer_flags != 0 one launch moves `loops` groups of
+    // `layers` layers one after the other (group j: layers layer0 + j * layers ...), each cut
+    // as a launch of that one group would be, and each pipeline adds 1 to u32 layer_flags[j]
+    // once its part of group j is written (see kvt_tma_copy)
+    i64 layer_flags;        // device address of u32[loops] zeroed counters, or 0
+    i64 loops;              // groups looped over inside the launch (1 without layer_flags)
 };
 
 __device__ __forceinline__ bool kvt_pair(const KvtParams& p, i64 i, i64& h, i64& d) {

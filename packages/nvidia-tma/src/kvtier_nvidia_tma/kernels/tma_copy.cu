@@ -10,6 +10,14 @@
 // page (the chunks of a page sit at a constant layer/comp stride in the device pool).
 // Lanes of the warp issue operations in parallel; only the warp's own data is touched, so the
 // warps of a CTA never synchronise after setup.
+//
+// Per-layer signals (layer_flags != 0): the launch moves `loops` groups of `layers` layers in
+// order, each cut exactly as a launch of that group would be, through one continuous pipeline
+// (no drain between groups). Once the bulk group holding a pipeline's last store of layer
+// group j has completed (its writes are done, `cp.async.bulk.wait_group`), the pipeline fences
+// and adds 1 to layer_flags[j]; a stream waiting for the counter to reach the number of
+// pipelines that hold pieces (cuStreamWaitValue32, GEQ) then sees all of those layers. The wait
+// lags one bulk group behind the newest store, so the loads running ahead keep the link busy.
 #include "kvt_common.cuh"
 
 #ifndef KVT_STORES_IN_FLIGHT
@@ -79,6 +87,11 @@ __device__ __forceinline__ void bulk_commit() {
 template <int N>
 __device__ __forceinline__ void bulk_wait_read() {
     asm volatile("cp.async.bulk.wait_group.read %0;" :: "n"(N) : "memory");
+}
+
+// All but the newest bulk group complete, writes included.
+__device__ __forceinline__ void bulk_wait_all_but_one() {
+    asm volatile("cp.async.bulk.wait_group 1;" ::: "memory");
 }
 
 __device__ __forceinline__ void bulk_wait_all() {
@@ -173,7 +186,7 @@ __device__ __forceinline__ void kvt_issue(const KvtParams& p, const Consts& c,
             if (!kvt_pair(p, i, h, d)) continue;
             const u32 s = stage + k * c.slot;
             // coordinates: (element, device page, comp, layer relative to the map's layer0)
-            const int layer = (int)((g + pc.chunk0 - c.g0) / c.comps);
+            const int layer = (int)((g + pc.chunk0) / c.comps - (u32)p.layer0);
             if (load) tmap_g2s(s, map, 0, (int)d, 0, layer, bar);
             else tmap_s2g(map, 0, (int)d, 0, layer, s);
         }
@@ -208,6 +221,18 @@ __device__ __forceinline__ u32 kvt_load_bytes(const KvtParams& p, const Consts& 
     return __reduce_add_sync(0xffffffffu, mine);
 }
 
+// This pipeline's part of layer group `group` is written (every lane waited for its bulk
+// groups): publish it.
+__device__ __forceinline__ void kvt_signal_layer(const KvtParams& p, u32 group, int lane) {
+    asm volatile("fence.proxy.async.global;" ::: "memory");
+    __threadfence_system();
+    __syncwarp();
+    if (lane == 0) {
+        __threadfence_system();
+        atomicAdd(reinterpret_cast<u32*>(p.layer_flags) + group, 1u);
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(1024)
 kvt_tma_copy(const KvtParams p, const __grid_constant__ KvtTensorMap tmap) {
     extern __shared__ __align__(128) unsigned char smem[];
@@ -226,32 +251,51 @@ kvt_tma_copy(const KvtParams p, const __grid_constant__ KvtTensorMap tmap) {
     __syncthreads();
 
     const bool src_host = p.d2h == 0;   // loads read the source side
-    const Consts c = kvt_consts(p);
+    const Consts c0 = kvt_consts(p);
     const u32 pipe = blockIdx.x * warps + warp, pipes = gridDim.x * warps;
     const u32 P = (u32)p.num_pieces;
-    const u32 nloc = P > pipe ? (P - pipe + pipes - 1) / pipes : 0;
+    const u32 nloc = P > pipe ? (P - pipe + pipes - 1) / pipes : 0;   // pieces per layer loop
+    const bool flags = p.layer_flags != 0;
+    const u32 T = nloc * (flags ? (u32)p.loops : 1u);                 // items: (group, piece)
+    const u32 gstep = (u32)p.layers * c0.comps;                        // chunks per group
     const u32 D = S - 1 - KVT_STORES_IN_FLIGHT;     // loads running ahead of the stores
-    for (u32 it = 0; it < nloc + D; ++it) {
-        if (it < nloc) {                             // load piece `it` into stage it % S
-            const u32 s = it % S;
-            if (it >= S) bulk_wait_read<KVT_STORES_IN_FLIGHT>();  // piece it-S read out
+    const u32 NONE = 0xffffffffu;
+    u32 pending = NONE;                              // layer group whose last store is in
+                                                     // the newest bulk group committed
+    for (u32 it = 0; it < T + D; ++it) {
+        if (it < T) {                                // load item `it` into stage it % S
+            const u32 s = it % S, lay = it / nloc;
+            Consts c = c0;
+            c.g0 += lay * gstep;
+            if (it >= S) bulk_wait_read<KVT_STORES_IN_FLIGHT>();  // item it-S read out
             __syncwarp();
-            const Piece pc = kvt_piece(c, pipe + it * pipes);
+            const Piece pc = kvt_piece(c, pipe + (it - lay * nloc) * pipes);
             const u32 bar = bars + s * 8, stage = stages + s * stage_bytes;
             const u32 nb = kvt_load_bytes(p, c, pc, src_host, lane);
             if (lane == 0) mbar_expect_tx(bar, nb);
             __syncwarp();
             kvt_issue(p, c, &tmap, pc, src_host, true, stage, bar, lane);
         }
-        if (it >= D && it - D < nloc) {              // store piece it-D from its stage
-            const u32 cp = it - D, s = cp % S;
+        if (it >= D && it - D < T) {                 // store item it-D from its stage
+            const u32 cp = it - D, s = cp % S, lay = cp / nloc;
+            Consts c = c0;
+            c.g0 += lay * gstep;
             const u32 bar = bars + s * 8, stage = stages + s * stage_bytes;
             mbar_wait(bar, (cp / S) & 1);
             fence_async_smem();
-            const Piece pc = kvt_piece(c, pipe + cp * pipes);
+            const Piece pc = kvt_piece(c, pipe + (cp - lay * nloc) * pipes);
             kvt_issue(p, c, &tmap, pc, !src_host, false, stage, bar, lane);
             bulk_commit();
+            if (flags) {
+                if (pending != NONE) {               // its group is now the second newest
+                    bulk_wait_all_but_one();
+                    kvt_signal_layer(p, pending, lane);
+                    pending = NONE;
+                }
+                if (cp - lay * nloc == nloc - 1) pending = lay;
+            }
         }
     }
     bulk_wait_all();
+    if (flags && pending != NONE) kvt_signal_layer(p, pending, lane);
 }
