@@ -511,6 +511,58 @@ def test_routed_calibration_is_measured_then_cached(tmp_path):
         hpool.close()
 
 
+def test_routed_copy_engine_route_that_is_slow_in_use_moves_to_the_sm_kernel(tmp_path,
+                                                                           caplog):
+    """A calibration that wrongly favours the copy engine (the cached table is edited to say
+    so for 4 KiB chunks, where it really runs at a few GB/s) is caught by the first timed
+    transfers: the route moves to the SM kernel, with a warning, and data stays bitwise."""
+    import json
+    import logging
+    _available("nvidia-routed")
+    spec = KVSpec.mha(num_layers=2, num_kv_heads=1, head_dim=128, page_size=16)  # 4 KiB
+    dpool = DeviceKVPool.empty(spec, 512, "cuda")
+    hpool = HostKVPool(spec, 512)
+    cache = tmp_path / "routes.json"
+    cfg = {"cache_file": str(cache), "calibrate_mib": 8, "verify_mib": 1, "verify_count": 3}
+    try:
+        _engine("nvidia-routed", dpool, hpool, **cfg).close()
+        data = json.loads(cache.read_text())
+        for entry in data.values():
+            for d in ("h2d", "d2h"):
+                entry[d]["table"] = {k: [v[0], 2 * v[0]] for k, v in entry[d]["table"].items()}
+                entry[d]["crossover"] = 4096
+        cache.write_text(json.dumps(data))
+        eng = _engine("nvidia-routed", dpool, hpool, **cfg)
+        assert eng.crossover_source == "cached" and eng.route["h2d"] == "copy_engine"
+        fill_random(hpool.raw)
+        pages = list(range(512))
+        with caplog.at_level(logging.WARNING):
+            for _ in range(4):
+                _poison(dpool)
+                eng.load(pages, pages).wait()
+                torch.cuda.synchronize()
+                assert_device_has(dpool, hpool, pages, pages)
+            st = eng.stats()
+        assert st["route"]["h2d"] == "sm" and st["rerouted"]["h2d"]["copy_engine_gbps"] < \
+            0.9 * st["rerouted"]["h2d"]["sm_calibrated_gbps"]
+        assert len(st["copy_engine_gbps_in_use"]["h2d"]) == 3
+        assert "moved to nvidia-tma" in caplog.text or "moved to nvidia-register" in caplog.text
+        assert st["transfers"]["sm"] >= 1 and st["route"]["d2h"] == "copy_engine"
+        _poison(dpool)
+        eng.load(pages, pages).wait()
+        torch.cuda.synchronize()
+        assert_device_has(dpool, hpool, pages, pages)
+        eng.close()
+        fixed = _engine("nvidia-routed", dpool, hpool, crossover_bytes=4096, verify_mib=1)
+        for _ in range(4):
+            fixed.load(pages, pages).wait()
+        torch.cuda.synchronize()
+        assert fixed.stats()["route"]["h2d"] == "copy_engine"      # configured: kept
+        fixed.close()
+    finally:
+        hpool.close()
+
+
 def test_auto_picks_the_router_on_cuda_and_reports_it(caplog):
     import logging
     _available("nvidia-routed")

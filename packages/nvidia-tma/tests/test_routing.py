@@ -13,7 +13,7 @@ from kvtier.errors import ConfigError
 from kvtier.testing.contracts import DEVICE_LAYOUTS, layout_specs, make_layout_pool
 from kvtier.testing.data import make_host_pool
 
-from kvtier_nvidia_tma._plan import choose_crossover
+from kvtier_nvidia_tma._plan import calibrated_rate, choose_crossover, copy_engine_falls_short
 from kvtier_nvidia_tma.transfer_engine import chunk_runs, copy_list
 
 
@@ -82,3 +82,23 @@ def test_crossover_is_where_the_copy_engine_keeps_up(table, within, want):
 def test_crossover_margin_is_checked():
     with pytest.raises(ConfigError):
         choose_crossover({4096: (1, 1)}, 1.0)
+
+
+def test_calibrated_rate_takes_the_largest_measured_size_not_above_the_chunk():
+    table = {4096: (50.0, 4.0), 65536: (49.0, 47.0), 131072: (48.0, 49.0)}
+    assert calibrated_rate(table, 100_000, 0) == 49.0
+    assert calibrated_rate(table, 131072, 1) == 49.0
+    assert calibrated_rate(table, 1024, 0) == 50.0          # below every size: the smallest
+    assert calibrated_rate({}, 4096, 0) is None
+
+
+@pytest.mark.parametrize("measured, sm, need, want", [
+    ([30.0, 31.0], 50.0, 3, None),                  # not enough transfers yet
+    ([30.0, 52.0, 31.0], 50.0, 3, True),            # median 31 < 0.9 x 50
+    ([46.0, 20.0, 47.0], 50.0, 3, False),           # one slow transfer does not decide
+    ([44.0, 44.5, 46.0], 50.0, 3, True),
+    ([45.5, 45.5, 45.5], 50.0, 3, False),           # within the 10% margin
+    ([1.0, 1.0, 1.0], None, 3, False),              # no SM rate known: keep the route
+])
+def test_copy_engine_route_is_kept_only_if_it_holds_up_in_use(measured, sm, need, want):
+    assert copy_engine_falls_short(measured, sm, 0.10, need) is want

@@ -441,3 +441,27 @@ def choose_crossover(table: dict[int, tuple[float, float]], prefer_copy_within: 
         else:
             break
     return cross
+
+
+def calibrated_rate(table: dict[int, tuple[float, float]], chunk_bytes: int, path: int
+                    ) -> float | None:
+    """The calibration's GB/s of ``path`` (0: SM kernel, 1: copy engine) at the largest
+    measured chunk size not above ``chunk_bytes`` (the smallest one if all are above)."""
+    if not table:
+        return None
+    sizes = sorted(table)
+    below = [c for c in sizes if c <= chunk_bytes]
+    return float(table[below[-1] if below else sizes[0]][path])
+
+
+def copy_engine_falls_short(measured_gbps: Sequence[float], sm_gbps: float | None,
+                            prefer_copy_within: float, need: int) -> bool | None:
+    """Whether the copy engine, routed to on the calibration's word, delivers less in use than
+    the margin allows against the SM path's calibrated rate: None until ``need`` transfers are
+    measured (their median decides), False when no SM rate is known."""
+    if len(measured_gbps) < need:
+        return None
+    if not sm_gbps:
+        return False
+    med = sorted(measured_gbps)[len(measured_gbps) // 2]
+    return med < (1 - prefer_copy_within) * sm_gbps

@@ -659,7 +659,13 @@ class RoutedTransferEngine(TransferEngine):
     else ``nvidia-register``) where they are small. The crossover, per direction, is measured on
     this machine the first time (both paths timed over scratch pools at the chunk sizes of
     ``CALIBRATION_CHUNKS``) and cached in a file keyed by GPU, driver and settings, or set with
-    ``crossover_bytes``. ``stats()`` says which path moved how many bytes."""
+    ``crossover_bytes``. ``stats()`` says which path moved how many bytes.
+
+    A calibrated route to the copy engine is then checked in use: the first ``verify_count``
+    transfers of at least ``verify_mib`` in a direction (with no transfer of the engine running
+    the other way) are timed with CUDA events, off the caller's streams; if their median falls
+    below the SM path's calibrated rate by more than ``prefer_copy_within``, that direction
+    moves to the SM kernel from then on, with a warning and ``stats()["rerouted"]``."""
 
     name = "nvidia-routed"
     interface_version = KVTIER_INTERFACE_VERSION
@@ -687,6 +693,11 @@ class RoutedTransferEngine(TransferEngine):
         #: ``nvidia-tma``'s ``layer_signals``).
         layer_signals: bool = True
         signal_layers: int = 1
+        #: Transfers at least this large (MiB) check a calibrated copy-engine route in use
+        #: (0: never checked).
+        verify_mib: int = 32
+        #: Transfers timed per direction before the check decides (their median).
+        verify_count: int = 3
         debug: bool = False
         device: int | None = None
 
@@ -703,7 +714,7 @@ class RoutedTransferEngine(TransferEngine):
         super().__init__(device_pool, host_pool, config)
         c = self.config
         for key, lo in (("crossover_bytes", 0), ("calibrate_mib", 1), ("ctas", 1),
-                        ("max_batch", 0)):
+                        ("max_batch", 0), ("verify_mib", 0), ("verify_count", 1)):
             v = getattr(c, key)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ConfigError(f"{self.name}: {key} must be an integer >= {lo}, got {v!r}",
@@ -733,6 +744,16 @@ class RoutedTransferEngine(TransferEngine):
         self.ctas = self.sm.ctas if "sm" in self.route.values() else 0
         self._bytes = {"copy_engine": 0, "sm": 0}
         self._transfers = {"copy_engine": 0, "sm": 0}
+        # in-use check of calibrated copy-engine routes: directions still being checked,
+        # their timed transfers (start, end, bytes) and measured GB/s, the last handle of each
+        # direction (a transfer timed while the other way runs would read low)
+        self._verify = {d for d in ("h2d", "d2h") if self.route[d] == "copy_engine"
+                        and self.crossover_source != "configured" and c.verify_mib > 0}
+        self._timed: dict[str, list[tuple[Any, Any, int]]] = {"h2d": [], "d2h": []}
+        self._measured: dict[str, list[float]] = {"h2d": [], "d2h": []}
+        self._last: dict[str, TransferHandle | None] = {"h2d": None, "d2h": None}
+        self._timing_stream = None
+        self.rerouted: dict[str, dict[str, Any]] = {}
         log.info("%s: %d-byte chunks: loads -> %s, backups -> %s (crossover %s, %s)",
                  self.name, self.chunk_bytes, self.route["h2d"], self.route["d2h"],
                  self.crossover, self.crossover_source)
@@ -746,9 +767,14 @@ class RoutedTransferEngine(TransferEngine):
 
     def stats(self) -> dict[str, Any]:
         """Which path moved how many bytes (and transfers), the routes and the crossover."""
+        for d in list(self._verify):
+            self._check_route(d)
         return {"bytes": dict(self._bytes), "transfers": dict(self._transfers),
                 "route": dict(self.route), "crossover_bytes": dict(self.crossover),
-                "crossover_source": self.crossover_source, "sm_engine": self.sm.name}
+                "crossover_source": self.crossover_source, "sm_engine": self.sm.name,
+                "copy_engine_gbps_in_use": {d: list(v) for d, v in self._measured.items()
+                                            if v},
+                "rerouted": {d: dict(v) for d, v in self.rerouted.items()}}
 
     def describe(self) -> dict[str, Any]:
         return {**self.stats(), "chunk_bytes": self.chunk_bytes,
@@ -759,12 +785,73 @@ class RoutedTransferEngine(TransferEngine):
         self.sm.close()
 
     def _go(self, direction: str, call, host_pages) -> TransferHandle:
+        if direction in self._verify:
+            self._check_route(direction)
         path = self.route[direction]
+        nbytes = len(host_pages) * self.spec.page_bytes
+        other = self._last["d2h" if direction == "h2d" else "h2d"]
+        start = None
+        if path == "copy_engine" and direction in self._verify \
+                and nbytes >= self.config.verify_mib << 20 \
+                and (other is None or other.done()):
+            import torch
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(torch.cuda.current_stream(self.device))
         handle = call(self.copy if path == "copy_engine" else self.sm)
-        n = len(host_pages)
-        self._bytes[path] += n * self.spec.page_bytes
+        if start is not None and isinstance(handle, CudaEventHandle):
+            self._time(direction, start, handle, nbytes)
+        self._bytes[path] += nbytes
         self._transfers[path] += 1
+        self._last[direction] = handle
         return RoutedHandle(handle, path)
+
+    # ----- in-use check of a calibrated copy-engine route -------------------------------------
+    def _time(self, direction: str, start, handle: CudaEventHandle, nbytes: int) -> None:
+        """End event on a stream of the engine's own that waits for the transfer's last
+        event: the caller's streams are not touched."""
+        import torch
+        if self._timing_stream is None:
+            self._timing_stream = torch.cuda.Stream(self.device)
+        ts = self._timing_stream
+        ts.wait_event(handle._events[-1])
+        end = torch.cuda.Event(enable_timing=True)
+        end.record(ts)
+        self._timed[direction].append((start, end, nbytes))
+
+    def _check_route(self, direction: str) -> None:
+        """Collect the timed transfers that have finished; once enough are measured, keep the
+        copy engine or move the direction to the SM kernel."""
+        from ._plan import calibrated_rate, copy_engine_falls_short
+        pending = []
+        for start, end, nbytes in self._timed[direction]:
+            if end.query():
+                ms = start.elapsed_time(end)
+                if ms > 0:
+                    self._measured[direction].append(nbytes / ms / 1e6)
+            else:
+                pending.append((start, end, nbytes))
+        self._timed[direction] = pending
+        table = {int(k): tuple(v) for k, v in
+                 self.calibration.get(direction, {}).get("table", {}).items()}
+        sm = calibrated_rate(table, self.chunk_bytes, 0)
+        verdict = copy_engine_falls_short(self._measured[direction], sm,
+                                          self.config.prefer_copy_within,
+                                          self.config.verify_count)
+        if verdict is None:
+            return
+        self._verify.discard(direction)
+        self._timed[direction] = []
+        if verdict:
+            got = sorted(self._measured[direction])[len(self._measured[direction]) // 2]
+            self.route[direction] = "sm"
+            if "sm" in self.route.values():
+                self.ctas = self.sm.ctas
+            self.rerouted[direction] = {"copy_engine_gbps": got, "sm_calibrated_gbps": sm,
+                                        "chunk_bytes": self.chunk_bytes}
+            log.warning("%s: %s on the copy engine ran at %.1f GB/s in use, under the SM "
+                        "path's calibrated %.1f GB/s by more than %.0f%% (%d-byte chunks): "
+                        "moved to %s", self.name, direction, got, sm,
+                        100 * self.config.prefer_copy_within, self.chunk_bytes, self.sm.name)
 
     # ----- calibration --------------------------------------------------------------------
     def _cache_key(self) -> str:
