@@ -13,12 +13,14 @@ def test_bench_store_calls_from_several_threads_and_measures_matching_ceilings(t
     out = tmp_path / "store.json"
     assert main(["bench", "store", "--dir", str(tmp_path / "d"), "--total", "1M",
                  "--page-sizes", "256K", "--batch", "3", "--callers", "3", "--threads",
-                 "2", "--repeat", "1", "--cache", "fadvise", "--json", str(out)]) == 0
+                 "2", "--io-depth", "1", "--io-call", "512K", "--repeat", "1", "--cache", "fadvise",
+                 "--json", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "batch=3, callers=3" in printed and "every page read back bitwise identical" \
+    assert "batch=3, callers=3, io_depth=1 (512 KiB calls)" in printed and "every page read back bitwise identical" \
         in printed
     data = json.loads(out.read_text())
     assert data["callers"] == 3 and data["batch"] == 3 and data["failures"] == 0
+    assert data["io_depth"] == 1 and data["io_call_bytes"] == 512 << 10
     assert data["raw_modes"] == ["1", "2", "2 files", "6", "6 files"]
     assert [r["page_bytes"] for r in data["results"]] == [256 << 10]
     for r in data["results"]:

@@ -173,6 +173,7 @@ def test_backends_fits_an_80_column_terminal():
     (["bench", "store", "--page-sizes", "4K,big"], "--page-sizes: 'big' is not a size"),
     (["bench", "store", "--callers", "0"], "--callers must be >= 1, got 0"),
     (["bench", "store", "--batch", "-3"], "--batch must be >= 1, got -3"),
+    (["bench", "store", "--io-depth", "-1"], "--io-depth must be >= 0, got -1"),
     (["backends", "--kind", "nope"], "argument --kind: invalid choice: 'nope'"),
 ])
 def test_user_mistakes_are_one_line_exit_2(argv, words):

@@ -778,3 +778,69 @@ def test_descriptors_stay_bounded_with_many_segments(tmp_path):
         assert r.stats()["segments"] == 300
         assert len(os.listdir("/proc/self/fd")) - before < 100
         r.close()
+
+
+# --------------------------------------------------------------------------------------------
+# I/O depth: how many read/write calls the disk sees at once
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("depth, call_bytes", [(1, 4 * 4096), (2, 8 * 4096), (0, 8 << 20)])
+def test_io_depth_bounds_calls_in_flight_over_all_callers(tmp_path, monkeypatch, depth,
+                                                           call_bytes):
+    """With io_depth below io_threads at most that many pwritev/preadv calls run at once,
+    over every thread and caller, each of about io_call_bytes; without it every I/O thread
+    issues its own (so the bound is observable). Data round-trips bitwise either way."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+    state = {"now": 0, "peak": 0, "sizes": []}
+    lock = threading.Lock()
+
+    def gated(real):
+        def call(fd, bufs, offset=0):
+            with lock:
+                state["now"] += 1
+                state["peak"] = max(state["peak"], state["now"])
+                state["sizes"].append(sum(len(b) for b in bufs))
+            time.sleep(0.01)
+            try:
+                return real(fd, bufs, offset)
+            finally:
+                with lock:
+                    state["now"] -= 1
+        return call
+
+    monkeypatch.setattr(file_mod, "_pwrite_all", gated(file_mod._pwrite_all))
+    monkeypatch.setattr(file_mod, "_pread_all", gated(file_mod._pread_all))
+    spec = ALIGNED
+    rng = random.Random(depth)
+    with HostKVPool(spec, 96, allocator=MmapAllocator()) as pool:
+        fill_random(pool.raw)
+        s = open_store(tmp_path, spec, io_threads=4, io_depth=depth, io_call_bytes=call_bytes)
+        s.attach(pool)
+        src = rng.sample(range(48), 48)
+        want = {p: page(pool, p) for p in src}
+        ks = keys(48)
+        batches = [(ks[i:i + 12], src[i:i + 12]) for i in range(0, 48, 12)]
+        with ThreadPoolExecutor(3) as ex:
+            assert all(all(r) for r in ex.map(lambda b: s.batch_set(*b), batches))
+        dst = rng.sample(range(48, 96), 48)
+        reads = [(ks[i:i + 12], dst[i:i + 12]) for i in range(0, 48, 12)]
+        with ThreadPoolExecutor(3) as ex:
+            assert all(all(r) for r in ex.map(lambda b: s.batch_get(*b), reads))
+        for p, d in zip(src, dst):
+            assert torch.equal(page(pool, d), want[p])
+        s.close()
+    slot = -(-(spec.page_bytes + TRAILER_BYTES) // 4096) * 4096
+    if depth:
+        assert state["peak"] == depth
+        assert max(state["sizes"]) <= max(1, call_bytes // slot) * slot
+    else:
+        assert state["peak"] > 2
+
+
+@pytest.mark.parametrize("key, bad", [("io_depth", -1), ("io_depth", True), ("io_depth", "2"),
+                                      ("io_call_bytes", 100), ("io_call_bytes", 1.5e6)])
+def test_io_depth_settings_are_checked(tmp_path, key, bad):
+    from kvtier.errors import ConfigError
+    with pytest.raises(ConfigError) as ei:
+        open_store(tmp_path, ALIGNED, **{key: bad})
+    assert ei.value.key == f"file.{key}"

@@ -67,6 +67,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="threads calling the store at once (default: the controller's "
                         f"l3_io_threads, {_CALLERS})")
     p.add_argument("--threads", type=int, default=4, help="file store io_threads")
+    p.add_argument("--io-depth", type=int, default=0,
+                   help="file store io_depth: read/write calls in flight in the store "
+                        "(0: one per I/O thread)")
+    p.add_argument("--io-call", default="8M", help="file store io_call_bytes (with --io-depth)")
     p.add_argument("--cache", choices=["direct", "fadvise"], default="direct",
                    help="page cache treatment for both sides: bypass it with O_DIRECT (the "
                         "store's default where it can), or use it and drop it with fadvise")
@@ -308,7 +312,9 @@ def _print(data: dict[str, Any], failures: int) -> None:
           f"{data['dir']} ({data['cache']}; "
           f"{data['total'] / 2**30:g} GiB per measurement, median of {data['repeat']}; "
           f"io_threads={data['threads']}, batch={data['batch']}, "
-          f"callers={data.get('callers', 1)}; GB/s = 1e9 bytes/s)")
+          f"callers={data.get('callers', 1)}"
+          + (f", io_depth={data['io_depth']} ({data['io_call_bytes'] >> 10} KiB calls)"
+             if data.get("io_depth") else "") + "; GB/s = 1e9 bytes/s)")
     print(table(["page", f"raw write ({how})", "batch_set", "set/raw", f"raw read ({how})",
                  "batch_get", "get/raw"], report(data)))
     ck = data["checksum"]
@@ -324,12 +330,14 @@ def run(args: argparse.Namespace) -> int:
         if args.plot:
             plot(data, args.plot)
         return 0
-    for flag in ("batch", "callers", "threads", "repeat"):
-        if getattr(args, flag) < 1:
-            raise ConfigError(f"--{flag} must be >= 1, got {getattr(args, flag)}", key=flag,
-                              value=getattr(args, flag))
+    for flag, low in (("batch", 1), ("callers", 1), ("threads", 1), ("repeat", 1),
+                      ("io_depth", 0)):
+        if getattr(args, flag) < low:
+            raise ConfigError(f"--{flag.replace('_', '-')} must be >= {low}, got "
+                              f"{getattr(args, flag)}", key=flag, value=getattr(args, flag))
     sizes = [parse_size(s, "--page-sizes") for s in args.page_sizes.split(",") if s.strip()]
     total = parse_size(args.total, "--total")
+    io_call = parse_size(args.io_call, "--io-call")
     direct = args.cache == "direct"
     own_dir = args.dir is None
     base = tempfile.mkdtemp(prefix="kvtier-bench-store-") if own_dir else args.dir
@@ -377,6 +385,7 @@ def run(args: argparse.Namespace) -> int:
 
             root = os.path.join(work, "store")
             store = FileStore({"root": root, "io_threads": args.threads,
+                               "io_depth": args.io_depth, "io_call_bytes": io_call,
                                "o_direct": "on" if direct else "off",
                                "checksum": args.checksum, "format": args.format},
                               spec=spec)
@@ -414,6 +423,7 @@ def run(args: argparse.Namespace) -> int:
         "dir": base, "cache": args.cache, "format": args.format, "total": total,
         "repeat": args.repeat,
         "threads": args.threads, "batch": args.batch, "callers": args.callers,
+        "io_depth": args.io_depth, "io_call_bytes": io_call,
         "raw_modes": labels,
         "checksum": {"kind": args.checksum, "provider": provider, "gbps": speed},
         "env": _env(base), "failures": failures, "results": []}

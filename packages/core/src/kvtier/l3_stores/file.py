@@ -322,6 +322,14 @@ class FileStore(L3Store):
         capacity_bytes: int | None = None
         #: Threads doing file I/O in parallel for one batch.
         io_threads: int = 4
+        #: ``segments`` format: read and write calls in flight at once in this store, over
+        #: all its threads and callers (0: one per I/O thread). With fewer than
+        #: ``io_threads`` the other threads checksum while the disk sees that many large
+        #: sequential calls (up to ``io_call_bytes`` each): for a disk that serves one
+        #: sequential stream fastest.
+        io_depth: int = 0
+        #: ``segments`` format with ``io_depth``: bytes a read or write call aims at.
+        io_call_bytes: int = 8 << 20
         #: fsync each object (and its directory) before it becomes visible: survives power
         #: loss. Off, a crash can lose recent objects (checksums turn them into misses).
         fsync: bool = False
@@ -377,6 +385,14 @@ class FileStore(L3Store):
         if c.io_threads < 1:
             raise ConfigError(f"file.io_threads must be >= 1, got {c.io_threads}",
                               key="file.io_threads", value=c.io_threads)
+        if isinstance(c.io_depth, bool) or not isinstance(c.io_depth, int) or c.io_depth < 0:
+            raise ConfigError(f"file.io_depth must be an integer >= 0, got {c.io_depth!r}",
+                              key="file.io_depth", value=c.io_depth)
+        if isinstance(c.io_call_bytes, bool) or not isinstance(c.io_call_bytes, int) \
+                or c.io_call_bytes < DIRECT_ALIGN:
+            raise ConfigError(f"file.io_call_bytes must be an integer >= {DIRECT_ALIGN}, got "
+                              f"{c.io_call_bytes!r}", key="file.io_call_bytes",
+                              value=c.io_call_bytes)
         if not 0 <= c.file_mode <= 0o777:
             raise ConfigError(f"file.file_mode must be a permission mode, got {c.file_mode:o}",
                               key="file.file_mode", value=c.file_mode)

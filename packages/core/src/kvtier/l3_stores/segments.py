@@ -72,6 +72,7 @@ or opened blocking; it is counted (``foreign_entries``, ``not_regular``) and lef
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import mmap
@@ -185,6 +186,9 @@ class SegmentFormat:
         if c.capacity_bytes is not None:
             slots = min(slots, max(1, c.capacity_bytes // self.slot_bytes // 4))
         self.seg_slots = slots
+        #: at most io_depth read/write calls in flight (None: one per I/O thread)
+        depth = c.io_depth if 0 < c.io_depth < c.io_threads else 0
+        self._io_gate = threading.Semaphore(depth) if depth else None
         self._local = threading.local()
         self._lock = threading.RLock()          # index, segments, logs
         self._wlock = threading.Lock()          # slot allocation and our log
@@ -597,10 +601,14 @@ class SegmentFormat:
 
     def _chunk(self, n: int) -> int:
         """Slots per I/O call: two calls per I/O thread (so one thread's checksums overlap
-        another's transfer), each within IOV_MAX iovecs."""
+        another's transfer), each within IOV_MAX iovecs; with an I/O depth below the thread
+        count, calls of about ``io_call_bytes`` (the disk sees few, large calls; the threads
+        waiting for their turn checksum meanwhile)."""
         pieces = len(self.s._pieces) if self.s.host_pool is not None else 1
         cap = max(1, _f._IOV_MAX // (pieces + 1))
         threads = self.s.config.io_threads
+        if self._io_gate is not None:
+            return max(1, min(cap, n, self.s.config.io_call_bytes // self.slot_bytes))
         return max(1, min(cap, -(-n // (threads * 2)) if threads > 1 else n))
 
     def _acquire(self, seg: str) -> _Fd | None:
@@ -659,7 +667,8 @@ class SegmentFormat:
         first = run[0][0]
         try:
             try:
-                got = _f._pread_all(fd, bufs, first * self.slot_bytes)
+                with self._io_gate or contextlib.nullcontext():
+                    got = _f._pread_all(fd, bufs, first * self.slot_bytes)
             except OSError as exc:
                 s._io_error("read", path, exc)
                 return []
@@ -980,7 +989,8 @@ class SegmentFormat:
                 bufs.append(smv[j * self.tail_bytes:(j + 1) * self.tail_bytes])
             path = os.path.join(s.dir, SEG_DIR, seg)
             try:
-                _f._pwrite_all(fd, bufs, first * self.slot_bytes)
+                with self._io_gate or contextlib.nullcontext():
+                    _f._pwrite_all(fd, bufs, first * self.slot_bytes)
                 if s.config.fsync:
                     os.fdatasync(fd)
             except OSError as exc:
