@@ -16,8 +16,8 @@ def test_bench_store_calls_from_several_threads_and_measures_matching_ceilings(t
                  "2", "--io-depth", "1", "--io-call", "512K", "--repeat", "1", "--cache", "fadvise",
                  "--json", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "batch=3, callers=3, io_depth=1 (512 KiB calls)" in printed and "every page read back bitwise identical" \
-        in printed
+    assert "batch=3, callers=3, io_depth=1 (512 KiB calls)" in printed
+    assert "every page read back bitwise identical" in printed
     data = json.loads(out.read_text())
     assert data["callers"] == 3 and data["batch"] == 3 and data["failures"] == 0
     assert data["io_depth"] == 1 and data["io_call_bytes"] == 512 << 10

@@ -752,7 +752,7 @@ class RoutedTransferEngine(TransferEngine):
         self._timed: dict[str, list[tuple[Any, Any, int]]] = {"h2d": [], "d2h": []}
         self._measured: dict[str, list[float]] = {"h2d": [], "d2h": []}
         self._last: dict[str, TransferHandle | None] = {"h2d": None, "d2h": None}
-        self._timing_stream = None
+        self._timing_stream: Any = None
         self.rerouted: dict[str, dict[str, Any]] = {}
         log.info("%s: %d-byte chunks: loads -> %s, backups -> %s (crossover %s, %s)",
                  self.name, self.chunk_bytes, self.route["h2d"], self.route["d2h"],
@@ -810,9 +810,9 @@ class RoutedTransferEngine(TransferEngine):
         """End event on a stream of the engine's own that waits for the transfer's last
         event: the caller's streams are not touched."""
         import torch
-        if self._timing_stream is None:
-            self._timing_stream = torch.cuda.Stream(self.device)
         ts = self._timing_stream
+        if ts is None:
+            ts = self._timing_stream = torch.cuda.Stream(self.device)
         ts.wait_event(handle._events[-1])
         end = torch.cuda.Event(enable_timing=True)
         end.record(ts)
