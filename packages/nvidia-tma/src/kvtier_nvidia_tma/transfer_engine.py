@@ -36,6 +36,13 @@ log = logging.getLogger(__name__)
 _REG_SAMPLE = 1 << 30
 
 
+def _check_int(engine: str, key: str, value: Any, lo: int) -> None:
+    """A setting that must be an integer (not a bool) of at least ``lo``: ConfigError."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise ConfigError(f"{engine}: {key} must be an integer >= {lo}, got {value!r}",
+                          key=key, value=value)
+
+
 class CudaEventHandle(TransferHandle):
     """Per-layer CUDA events of one transfer. ``wait_layer(i)`` makes the caller's current
     stream wait for layer ``i`` (no host sync); ``synchronize()`` blocks the host."""
@@ -46,11 +53,14 @@ class CudaEventHandle(TransferHandle):
         self.device = device
         self._keep = keep                 # index tensors in use until the launches ran
 
-    def wait_layer(self, layer: int) -> None:
-        import torch
+    def _check_layer(self, layer: int) -> None:
         if isinstance(layer, bool) or not isinstance(layer, int) \
                 or not 0 <= layer < self.num_layers:
             raise LayoutError(f"layer {layer!r} out of range [0, {self.num_layers})")
+
+    def wait_layer(self, layer: int) -> None:
+        import torch
+        self._check_layer(layer)
         torch.cuda.current_stream(self.device).wait_event(self._events[layer])
 
     def wait(self) -> None:
@@ -64,7 +74,7 @@ class CudaEventHandle(TransferHandle):
         self._events[-1].synchronize()
 
 
-class LayerSignalHandle(TransferHandle):
+class LayerSignalHandle(CudaEventHandle):
     """Launches that move every layer and count each finished group of ``group`` layers in
     device memory (``nvidia-tma`` with ``layer_signals``): ``wait_layer(i)`` makes the
     caller's current stream wait (``cuStreamWaitValue32``, no host sync) until every pipeline
@@ -73,33 +83,20 @@ class LayerSignalHandle(TransferHandle):
 
     def __init__(self, flags: Any, targets: list[int], group: int, num_layers: int, done: Any,
                  dev: Any, device: Any, keep: tuple = ()):
-        self._flags, self._targets, self._group, self._done = flags, targets, group, done
-        self._dev, self.device = dev, device
-        self.num_layers = num_layers
-        self._keep = keep
+        super().__init__([done] * num_layers, device, keep)
+        self._flags, self._targets, self._group = flags, targets, group
+        self._dev = dev
 
     def wait_layer(self, layer: int) -> None:
         import torch
         from . import _driver
-        if isinstance(layer, bool) or not isinstance(layer, int) \
-                or not 0 <= layer < self.num_layers:
-            raise LayoutError(f"layer {layer!r} out of range [0, {self.num_layers})")
+        self._check_layer(layer)
         g = layer // self._group
         cur = torch.cuda.current_stream(self.device)
         self._flags.record_stream(cur)       # the counters outlive the wait, not just the handle
         self._dev.make_current()
         _driver.stream_wait_geq(cur.cuda_stream, self._flags.data_ptr() + 4 * g,
                                 self._targets[g])
-
-    def wait(self) -> None:
-        import torch
-        torch.cuda.current_stream(self.device).wait_event(self._done)
-
-    def done(self) -> bool:
-        return bool(self._done.query())
-
-    def synchronize(self) -> None:
-        self._done.synchronize()
 
 
 class _NvidiaEngine(TransferEngine):
@@ -367,13 +364,9 @@ class TmaTransferEngine(_NvidiaEngine):
                                            {"KVT_STORES_IN_FLIGHT": c.stores_in_flight})
         self._null_map = _driver.TensorMap()
         self._maps: dict[tuple[int, int, int], Any] = {}
-        self._plans: dict[tuple[int, int], Any] = {}
+        self._plans: dict[tuple, Any] = {}
         self.ctas = c.ctas
-        if isinstance(c.signal_layers, bool) or not isinstance(c.signal_layers, int) \
-                or c.signal_layers < 1:
-            raise ConfigError(f"{self.name}: signal_layers must be an integer >= 1, got "
-                              f"{c.signal_layers!r}", key="signal_layers",
-                              value=c.signal_layers)
+        _check_int(self.name, "signal_layers", c.signal_layers, 1)
         self._signals = bool(c.layer_signals) and self._stream_waits_work()
 
     def _stream_waits_work(self) -> bool:
@@ -425,11 +418,13 @@ class TmaTransferEngine(_NvidiaEngine):
                 self._maps[mkey] = _driver.TensorMap(geo) if geo is not None else None
             tmap = self._maps[mkey]
             if tmap is None:
-                plan = plan_tma(self._geo, n, layers, ctas=c.ctas, warps=c.warps,
-                                stages=c.stages, stage_bytes=c.stage_bytes, tmap_ok=False,
-                                max_smem=self._dev.max_smem_optin,
-                                stores_in_flight=c.stores_in_flight)
-                tmap = self._null_map
+                plain = self._plans.get((n, layers, False))
+                if plain is None:
+                    plain = self._plans[(n, layers, False)] = plan_tma(
+                        self._geo, n, layers, ctas=c.ctas, warps=c.warps, stages=c.stages,
+                        stage_bytes=c.stage_bytes, tmap_ok=False,
+                        max_smem=self._dev.max_smem_optin, stores_in_flight=c.stores_in_flight)
+                plan, tmap = plain, self._null_map
         return plan, tmap
 
     def _launch(self, h, d, d2h, layer0, layers, stream) -> None:
@@ -715,10 +710,7 @@ class RoutedTransferEngine(TransferEngine):
         c = self.config
         for key, lo in (("crossover_bytes", 0), ("calibrate_mib", 1), ("ctas", 1),
                         ("max_batch", 0), ("verify_mib", 0), ("verify_count", 1)):
-            v = getattr(c, key)
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise ConfigError(f"{self.name}: {key} must be an integer >= {lo}, got {v!r}",
-                                  key=key, value=v)
+            _check_int(self.name, key, getattr(c, key), lo)
         common = {"layerwise_load": c.layerwise_load, "layerwise_backup": c.layerwise_backup,
                   "debug": c.debug, "device": c.device}
         self.copy = CopyEngineTransferEngine(device_pool, host_pool,
