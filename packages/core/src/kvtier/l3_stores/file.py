@@ -385,14 +385,11 @@ class FileStore(L3Store):
         if c.io_threads < 1:
             raise ConfigError(f"file.io_threads must be >= 1, got {c.io_threads}",
                               key="file.io_threads", value=c.io_threads)
-        if isinstance(c.io_depth, bool) or not isinstance(c.io_depth, int) or c.io_depth < 0:
-            raise ConfigError(f"file.io_depth must be an integer >= 0, got {c.io_depth!r}",
-                              key="file.io_depth", value=c.io_depth)
-        if isinstance(c.io_call_bytes, bool) or not isinstance(c.io_call_bytes, int) \
-                or c.io_call_bytes < DIRECT_ALIGN:
-            raise ConfigError(f"file.io_call_bytes must be an integer >= {DIRECT_ALIGN}, got "
-                              f"{c.io_call_bytes!r}", key="file.io_call_bytes",
-                              value=c.io_call_bytes)
+        for key, lo in (("io_depth", 0), ("io_call_bytes", DIRECT_ALIGN)):
+            v = getattr(c, key)
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ConfigError(f"file.{key} must be an integer >= {lo}, got {v!r}",
+                                  key=f"file.{key}", value=v)
         if not 0 <= c.file_mode <= 0o777:
             raise ConfigError(f"file.file_mode must be a permission mode, got {c.file_mode:o}",
                               key="file.file_mode", value=c.file_mode)
