@@ -14,8 +14,9 @@ import pytest
 
 from kvtier.l3_stores.file import FileStore as _FileStore
 
+from file_store_child import FORMAT_ENV   # the variable the child processes read
+
 FORMATS = ("segments", "objects")
-FORMAT_ENV = "KVTIER_TEST_FILE_FORMAT"
 FORMAT = {"name": "segments"}
 
 
@@ -51,3 +52,12 @@ class FileStore(_FileStore):
 
     def __init__(self, config=None, *, spec):
         super().__init__({"format": FORMAT["name"], **(config or {})}, spec=spec)
+
+
+def flip(path: str, offset: int) -> None:
+    """Flip one bit of the byte at ``offset`` of ``path`` (damage behind the store's back)."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x40]))

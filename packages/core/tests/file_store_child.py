@@ -26,7 +26,7 @@ from kvtier.l3_stores import file as file_mod
 from kvtier.l3_stores.file import FileStore
 from kvtier.spec import KVSpec
 
-FORMAT_ENV = "KVTIER_TEST_FILE_FORMAT"      # the store format the children use (file_formats)
+FORMAT_ENV = "KVTIER_TEST_FILE_FORMAT"      # the store format of the children (file_formats)
 SPEC = KVSpec.mha(num_layers=4, num_kv_heads=4, head_dim=128, page_size=64, dtype="bfloat16")
 NUM_KEYS = 6
 

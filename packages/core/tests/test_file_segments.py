@@ -34,6 +34,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 CHILD = os.path.join(HERE, "file_store_child.py")
 sys.path.insert(0, HERE)
 import file_store_child as child  # noqa: E402
+from file_formats import flip  # noqa: E402
 
 ODD = KVSpec.mha(num_layers=3, num_kv_heads=2, head_dim=24, page_size=5, dtype="bfloat16")
 ALIGNED = KVSpec.mha(num_layers=2, num_kv_heads=2, head_dim=64, page_size=8,
@@ -61,14 +62,6 @@ def seg_dir(store: FileStore) -> str:
 def files(store: FileStore, suffix: str) -> list[str]:
     d = seg_dir(store)
     return sorted(os.path.join(d, f) for f in os.listdir(d) if f.endswith(suffix))
-
-
-def flip(path: str, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x40]))
 
 
 @pytest.fixture(params=["page-cache", "o-direct"])

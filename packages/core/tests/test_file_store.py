@@ -37,7 +37,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 CHILD = os.path.join(HERE, "file_store_child.py")
 sys.path.insert(0, HERE)
 import file_store_child as child  # noqa: E402
-from file_formats import FileStore, fmt, formats  # noqa: E402,F401
+from file_formats import FileStore, flip as _flip, fmt, formats  # noqa: E402,F401
 
 SPEC = KVSpec.mha(num_layers=3, num_kv_heads=2, head_dim=24, page_size=5, dtype="bfloat16")
 
@@ -187,14 +187,6 @@ def test_layer_first_pool_and_page_first_pool_share_objects(tmp_path):
 # --------------------------------------------------------------------------------------------
 # objects damaged behind the store's back
 # --------------------------------------------------------------------------------------------
-def _flip(path: str, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x40]))
-
-
 DAMAGE = {
     "payload-bit": lambda p, n: _flip(p, n // 3),
     "last-payload-byte": lambda p, n: _flip(p, n - 1),

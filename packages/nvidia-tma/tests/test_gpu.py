@@ -251,7 +251,7 @@ def test_tma_per_layer_loads_are_one_launch_with_signals(monkeypatch, layer_sign
         compute = torch.cuda.Stream()
         with torch.cuda.stream(torch.cuda.Stream()):
             handle = eng.load(host, dev)
-        assert isinstance(handle, LayerSignalHandle if layer_signals else CudaEventHandle)
+        assert type(handle) is (LayerSignalHandle if layer_signals else CudaEventHandle)
         assert len(seen_launches) == launches
         d = torch.tensor(dev, device="cuda")
         with torch.cuda.stream(compute):
@@ -289,28 +289,18 @@ def test_misaligned_rows_are_typed_error(name):
         hpool.close()
 
 
-@pytest.mark.parametrize("bad", [-1, 2.5])
-def test_copy_engine_max_batch_is_checked(bad):
-    _available("nvidia-copy-engine")
+@pytest.mark.parametrize("name, key, bad", [
+    *(("nvidia-copy-engine", "max_batch", b) for b in (-1, 2.5)),
+    *(("nvidia-tma", "signal_layers", b) for b in (0, -2, 1.5, True)),
+])
+def test_integer_settings_are_checked(name, key, bad):
+    _available(name)
     spec = KVSpec.mla(num_layers=2, kv_lora_rank=512, rope_dim=64, page_size=1)
     dpool = DeviceKVPool.empty(spec, 4, "cuda")
     hpool = HostKVPool(spec, 4)
     try:
-        with pytest.raises(ConfigError, match="max_batch"):
-            _engine("nvidia-copy-engine", dpool, hpool, max_batch=bad)
-    finally:
-        hpool.close()
-
-
-@pytest.mark.parametrize("bad", [0, -2, 1.5, True])
-def test_tma_signal_layers_is_checked(bad):
-    _available("nvidia-tma")
-    spec = KVSpec.mla(num_layers=2, kv_lora_rank=512, rope_dim=64, page_size=1)
-    dpool = DeviceKVPool.empty(spec, 4, "cuda")
-    hpool = HostKVPool(spec, 4)
-    try:
-        with pytest.raises(ConfigError, match="signal_layers"):
-            _engine("nvidia-tma", dpool, hpool, signal_layers=bad)
+        with pytest.raises(ConfigError, match=key):
+            _engine(name, dpool, hpool, **{key: bad})
     finally:
         hpool.close()
 
