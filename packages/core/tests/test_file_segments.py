@@ -837,3 +837,32 @@ def test_io_depth_settings_are_checked(tmp_path, key, bad):
     with pytest.raises(ConfigError) as ei:
         open_store(tmp_path, ALIGNED, **{key: bad})
     assert ei.value.key == f"file.{key}"
+
+
+def test_concurrent_directory_listings_lose_nothing(tmp_path, pool):
+    """Threads that catch up with the directory at the same moment list it through one
+    descriptor; each must see every segment, or the pages of the ones it missed would be
+    forgotten (the per-second catch-up of concurrent readers did that under load)."""
+    import threading
+    s = open_store(tmp_path, ODD, segment_bytes=3 * 4096)       # many small segments
+    s.attach(pool)
+    ks = keys(16)
+    assert s.batch_set(ks, list(range(16))) == [True] * 16
+    want = {p: page(pool, p) for p in range(16)}
+    start = threading.Barrier(6)
+
+    def refresher() -> None:
+        start.wait()
+        for _ in range(200):
+            s._seg.refresh()
+
+    threads = [threading.Thread(target=refresher) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert s.batch_exists(ks) == 16
+    for i in range(16):
+        assert s.batch_get([ks[i]], [0]) == [True]
+        assert torch.equal(page(pool, 0), want[i])
+    s.close()

@@ -410,6 +410,7 @@ class FileStore(L3Store):
         self._host = _host_id()
         self._users = 0
         self._closed = False
+        self._list_lock = threading.Lock()     # directory listings (see _listdir)
         self._lock = threading.Lock()          # index and counters below
         self._dfd = -1
         self._dfd = self._open_store_dir(dirname)
@@ -948,18 +949,23 @@ class FileStore(L3Store):
         """Fan-out directory names (with ``all_entries``: (name, is a real directory) of every
         two-hex-digit entry, so foreign ones can be counted)."""
         try:
-            with os.scandir(self._dfd) as it:
-                found = [(e.name, e.is_dir(follow_symlinks=False)) for e in it
-                         if _FANOUT_RE.match(e.name)]
+            found = [(e.name, e.is_dir(follow_symlinks=False)) for e in self._listdir(self._dfd)
+                     if _FANOUT_RE.match(e.name)]
         except OSError:
             return []
         return found if all_entries else [name for name, ok in found if ok]
 
-    @staticmethod
-    def _entries(sfd: int) -> list[os.DirEntry]:
+    def _listdir(self, dfd: int) -> list[os.DirEntry]:
+        """The entries of the open directory ``dfd`` (OSError as raised). Listings of the
+        store's directories take turns: ``os.scandir`` of a descriptor reads through a
+        duplicate that shares the descriptor's offset, so two threads listing one directory
+        at once each get part of it (and would take the rest for gone)."""
+        with self._list_lock, os.scandir(dfd) as it:
+            return list(it)
+
+    def _entries(self, sfd: int) -> list[os.DirEntry]:
         try:
-            with os.scandir(sfd) as it:
-                return list(it)
+            return self._listdir(sfd)
         except OSError:
             return []
 

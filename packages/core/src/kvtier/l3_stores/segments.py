@@ -300,8 +300,8 @@ class SegmentFormat:
         if self._sfd < 0:
             return
         try:
-            with os.scandir(self._sfd) as it:
-                entries = [(e.name, e.is_file(follow_symlinks=False)) for e in it]
+            entries = [(e.name, e.is_file(follow_symlinks=False))
+                       for e in self.s._listdir(self._sfd)]
         except OSError:
             return
         now_ns = time.time_ns()
@@ -1049,11 +1049,7 @@ class SegmentFormat:
         if self._sfd < 0:
             return 1
         foreign = 0
-        try:
-            with os.scandir(self._sfd) as it:
-                names = [e.name for e in it]
-        except OSError:
-            names = []
+        names = [e.name for e in self.s._entries(self._sfd)]
         for name in names:
             if not (_SEG_RE.match(name) or _LOG_RE.match(name)) or not self._unlink(name):
                 foreign += 1
