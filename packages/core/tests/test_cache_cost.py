@@ -10,7 +10,8 @@ import time
 import pytest
 
 from kvtier.cache import CacheConfig
-from kvtier.cache.cost import CostModel, best_split, check_rate, split_time
+from kvtier.cache.cost import (CostModel, ReportedCostModel, best_split, check_rate, merge_rates,
+                              split_time)
 from kvtier.errors import ConfigError
 
 from test_cache import SPEC, Rig, SlowStore, toks
@@ -360,3 +361,60 @@ def test_first_l3_read_is_a_probe_until_the_rate_is_known(prefetch):
         c.check_invariants(idle=True)
     finally:
         r.close()
+
+
+# ----- rates measured in another process (vLLM: the worker's, for the scheduler) -----------
+def test_reported_rates_drive_the_split_and_bad_reports_are_ignored():
+    m = ReportedCostModel()
+    kw = dict(l2_pages=4, l3_pages=4, l3_ready=0, compute_tokens=10, page_size=16,
+              page_bytes=1 << 20, layers=8)
+    assert m.pages_to_load(**kw) == 8                      # nothing known: cut nothing
+    m.adopt({"recompute_tokens_per_s": 1e3, "l2_load_bytes_per_s": 1e12,
+             "l3_read_bytes_per_s": 1e6})                  # L3 1 s a page, recompute 16 ms
+    assert m.reports == 1 and m.pages_to_load(**kw) == 4
+    m.adopt({"recompute_tokens_per_s": float("nan"), "l3_read_bytes_per_s": -5})
+    assert m.recompute_tokens_per_s is None and m.l3_bytes_per_s is None
+    assert m.pages_to_load(**kw) == 8                      # unknown again: cut nothing
+    m.adopt({"recompute_tokens_per_s": 1e3, "l3_read_bytes_per_s": 0.0})   # stalled store
+    assert m.pages_to_load(**kw) == 4
+    m.adopt("not a dict")
+    m.adopt({"unknown": 1.0})
+    assert m.rates()["l2_load_bytes_per_s"] == 1e12 and "unknown" not in m.rates()
+
+
+def test_a_configured_recompute_rate_beats_the_reported_one():
+    m = ReportedCostModel.from_config(CacheConfig(model_id="m", recompute_tokens_per_s=1e12))
+    m.adopt({"recompute_tokens_per_s": 1.0, "recompute_attn_s_per_pair": 1.0,
+             "l2_load_bytes_per_s": 1e9})
+    assert m.recompute_tokens_per_s == 1e12 and m.recompute_attn_s == 0.0
+    assert m.pages_to_load(l2_pages=5, l3_pages=0, l3_ready=0, compute_tokens=1,
+                           page_size=16, page_bytes=1 << 20, layers=4) == 0
+    off = ReportedCostModel.from_config(CacheConfig(model_id="m", cost_aware_fetch=False))
+    off.adopt({"recompute_tokens_per_s": 1e12, "l2_load_bytes_per_s": 1.0})
+    assert off.pages_to_load(l2_pages=5, l3_pages=2, l3_ready=0, compute_tokens=1,
+                             page_size=16, page_bytes=1 << 20, layers=4) == 7
+
+
+def test_ranks_rates_merge_to_the_slowest():
+    a = {"recompute_tokens_per_s": 1e4, "recompute_fixed_s": 0.01,
+         "recompute_attn_s_per_pair": None, "l2_load_bytes_per_s": 5e9,
+         "l3_read_bytes_per_s": None}
+    b = {"recompute_tokens_per_s": 2e4, "recompute_fixed_s": 0.03,
+         "recompute_attn_s_per_pair": 1e-12, "l2_load_bytes_per_s": 4e9,
+         "l3_read_bytes_per_s": 1e9}
+    m = merge_rates(a, b)
+    assert m == {"recompute_tokens_per_s": 1e4, "recompute_fixed_s": 0.03,
+                 "recompute_attn_s_per_pair": 1e-12, "l2_load_bytes_per_s": 4e9,
+                 "l3_read_bytes_per_s": 1e9}
+    assert merge_rates(a, None) is a and merge_rates(None, b) is b
+    assert merge_rates(None, None) is None
+
+
+def test_a_step_of_several_requests_reports_its_pairs():
+    m = CostModel()
+    for n in (256, 1024, 4096, 512, 2048, 8192):          # 0.02 s + n / 50K + 1e-9 s/pair
+        m.observe_recompute(n, 0.02 + n / 50_000 + 1e-9 * 3 * n * n, num_pairs=3 * n * n)
+    assert m.recompute_tokens_per_s == pytest.approx(50_000, rel=1e-3)
+    assert m.recompute_attn_s == pytest.approx(1e-9, rel=1e-3)
+    m.observe_recompute(100, 0.01, num_pairs=-5)          # nonsense pairs count as none
+    assert m.recompute_tokens_per_s > 0

@@ -135,9 +135,7 @@ class TieredKVCache:
         self._failure_reported = True
         self._l3: L3IO | None = None
         self._completer = transfers.Completer(self._completer_died)
-        self.cost = CostModel(enabled=cfg.cost_aware_fetch, alpha=cfg.cost_ewma_alpha,
-                              recompute_tokens_per_s=cfg.recompute_tokens_per_s,
-                              engine=cfg.transfer_engine, store=cfg.l3_store or "")
+        self.cost = CostModel.from_config(cfg)
         if store is not None:
             self._l3 = L3IO(TimedStore(store, self.cost, spec.page_bytes),
                             threads=cfg.l3_io_threads, error_limit=cfg.l3_error_limit,

@@ -31,11 +31,18 @@ from __future__ import annotations
 import math
 import threading
 import time
-from typing import Any
+from typing import Any, TypeVar
 
 from ..errors import ConfigError
 
-__all__ = ["CostModel", "TimedStore", "best_split", "split_time", "check_rate", "pairs"]
+_Model = TypeVar("_Model", bound="CostModel")
+
+__all__ = ["CostModel", "ReportedCostModel", "TimedStore", "best_split", "split_time",
+           "check_rate", "pairs", "merge_rates", "RATE_NAMES"]
+
+#: The keys of `CostModel.rates` (what one process reports to another).
+RATE_NAMES = ("recompute_tokens_per_s", "recompute_fixed_s", "recompute_attn_s_per_pair",
+              "l2_load_bytes_per_s", "l3_read_bytes_per_s")
 
 
 def pairs(context: int | None, computed: int) -> float:
@@ -250,14 +257,25 @@ class CostModel:
         self._next_call = 0
         self._last_l3 = -math.inf            # when an L3 read last started
 
+    @classmethod
+    def from_config(cls: type[_Model], cfg: Any) -> _Model:
+        """The model a `CacheConfig` describes (``cost_aware_fetch``, ``recompute_tokens_per_s``,
+        ``cost_ewma_alpha``; named after its engine and store)."""
+        return cls(enabled=cfg.cost_aware_fetch, alpha=cfg.cost_ewma_alpha,
+                   recompute_tokens_per_s=cfg.recompute_tokens_per_s,
+                   engine=cfg.transfer_engine, store=cfg.l3_store or "")
+
     # ----- observations ---------------------------------------------------------------------
     def observe_recompute(self, tokens: int, seconds: float,
-                          context: int | None = None) -> None:
+                          context: int | None = None, *, num_pairs: float | None = None
+                          ) -> None:
         """The engine computed ``tokens`` prefill tokens in ``seconds``; ``context``: the
-        request's length (the tokens were its last ones), for the attention term."""
+        request's length (the tokens were its last ones), for the attention term. A step of
+        several requests gives its query-key pairs summed over them as ``num_pairs``."""
         if tokens > 0 and seconds >= 0 and math.isfinite(seconds):
+            n = pairs(context, tokens) if num_pairs is None else max(0.0, float(num_pairs))
             with self._lock:
-                self._recompute.observe(tokens, seconds, pairs(context, tokens))
+                self._recompute.observe(tokens, seconds, n)
 
     def observe_load(self, nbytes: int, seconds: float) -> None:
         """An L2 -> L1 load of ``nbytes`` took ``seconds`` (start to landed)."""
@@ -344,6 +362,83 @@ class CostModel:
                           l3_bps=self.l3_bytes_per_s if l3_pages > l3_ready else None,
                           recompute_tps=self.recompute_tokens_per_s, layers=layers,
                           attn_s=self.recompute_attn_s, context=context)
+
+
+def _reported(value: Any) -> float | None:
+    """A reported rate as a finite float >= 0, else None (never trusted blindly)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    v = float(value)
+    return v if math.isfinite(v) and v >= 0 else None
+
+
+def merge_rates(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Two processes' `CostModel.rates` as one (tensor-parallel ranks of one engine: a load is
+    done when the slowest rank's is): the lower of each rate, the higher of each cost."""
+    if not a or not b:
+        return a or b
+    out: dict[str, Any] = {}
+    for name in RATE_NAMES:
+        x, y = _reported(a.get(name)), _reported(b.get(name))
+        if x is None or y is None:
+            out[name] = x if y is None else y
+        elif name.endswith("_per_s"):
+            out[name] = min(x, y)
+        else:
+            out[name] = max(x, y)
+    return out
+
+
+class ReportedCostModel(CostModel):
+    """A cost model whose rates are measured in another process (the data path's
+    `CostModel.rates`, handed to `adopt`): the split decision of a scheduler that moves no
+    data. A recompute rate given in the config still wins; what was never reported is
+    unknown (nothing is cut for it); a value that is not a finite number >= 0 is ignored."""
+
+    def __init__(self, **kwargs: Any):
+        super().__init__(**kwargs)
+        self._rates: dict[str, float | None] = dict.fromkeys(RATE_NAMES)
+        self.reports = 0
+
+    def adopt(self, rates: dict[str, Any] | None) -> None:
+        if not isinstance(rates, dict):
+            return
+        with self._lock:
+            for name in RATE_NAMES:
+                if name in rates:
+                    self._rates[name] = _reported(rates[name])
+            self.reports += 1
+
+    def _get(self, name: str) -> float | None:
+        with self._lock:
+            return self._rates[name]
+
+    @property
+    def recompute_tokens_per_s(self) -> float | None:
+        if self._given_rate is not None:
+            return self._given_rate
+        v = self._get("recompute_tokens_per_s")
+        return v if v else None
+
+    @property
+    def h2d_bytes_per_s(self) -> float | None:
+        v = self._get("l2_load_bytes_per_s")
+        return v if v else None
+
+    @property
+    def l3_bytes_per_s(self) -> float | None:
+        """As reported: 0 is a stalled store (its pages are not waited for)."""
+        return self._get("l3_read_bytes_per_s")
+
+    @property
+    def recompute_attn_s(self) -> float:
+        if self._given_rate is not None:
+            return 0.0
+        return self._get("recompute_attn_s_per_pair") or 0.0
+
+    @property
+    def recompute_fixed_s(self) -> float | None:
+        return None if self._given_rate is not None else self._get("recompute_fixed_s")
 
 
 class TimedStore:
