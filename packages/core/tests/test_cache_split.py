@@ -355,3 +355,82 @@ def test_planner_keeps_held_host_pages_out_of_use_until_released():
     assert pl.host.free_count == 1
     with pytest.raises(InvalidArgumentError):
         pl.complete(PlanResult(plan.plan_id, released_host_pages=(stuck,)))
+
+
+def test_prefetch_reads_l3_pages_after_the_l2_run_into_l2(split):
+    keys = split.pl.keys(toks(4 * 6, 11))
+    src = random.Random(4).sample(range(16), 6)
+    want = [split.page(p).clone() for p in src]
+    assert split.run(split.pl.plan_save(keys, src)).ok
+    split.run(split.pl.plan_evict(8))                     # every page now only in L3
+    assert split.pl.lookup(keys) == Lookup(0, 0, 6)
+    plan = split.pl.plan_prefetch(keys, 1, 3)
+    assert [k for k, _ in plan.l3_reads] == keys[1:4] and not plan.loads
+    assert plan.device_pages == ()
+    res = split.run(plan)
+    assert res.ok and res.l3_reads == (True,) * 3
+    assert split.pl.lookup(keys, 1) == Lookup(1, 3, 2)   # landed in L2, L3 after them
+    assert split.pl.metrics()["planned_prefetch_pages"] == 3
+    dst = [20, 21, 22]
+    res = split.run(split.pl.plan_load(keys, dst, start=1))
+    assert res.loaded_prefix == 3
+    for i, d in enumerate(dst):
+        assert torch.equal(split.page(d), want[1 + i])
+    # from a page in L2 on: the reads start after the L2 run, and stop at the keys' end
+    plan = split.pl.plan_prefetch(keys, 1, 10)
+    assert [k for k, _ in plan.l3_reads] == keys[4:6]
+    assert split.run(plan).ok
+    assert split.pl.lookup(keys, 1) == Lookup(1, 5, 0)
+
+
+def test_prefetch_of_a_missing_object_frees_its_host_page(split):
+    keys = split.pl.keys(toks(4 * 3, 12))
+    assert split.run(split.pl.plan_save(keys, [0, 1, 2])).ok
+    split.run(split.pl.plan_evict(8))
+    split.ex.store.delete([keys[0]])
+    free = split.pl.host.free_count
+    res = split.run(split.pl.plan_prefetch(keys, 0, 2))
+    assert res.l3_reads == (False, True)
+    assert split.pl.host.free_count == free - 1 and keys[0] not in split.pl.l2_pages()
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "2"])
+def test_prefetch_refuses_a_bad_page_count(split, bad):
+    keys = split.pl.keys(toks(4 * 3, 13))
+    with pytest.raises(InvalidArgumentError):
+        split.pl.plan_prefetch(keys, 0, bad)
+    with pytest.raises(InvalidArgumentError):
+        split.pl.plan_prefetch(keys, 4, 1)
+    assert split.pl.pending_plans() == []
+
+
+def test_executor_measures_its_loads_and_store_reads(split):
+    assert split.ex.rates()["l2_load_bytes_per_s"] is None
+    keys = split.pl.keys(toks(4 * 5, 14))
+    assert split.run(split.pl.plan_save(keys, [0, 1, 2, 3, 4])).ok
+    assert split.run(split.pl.plan_load(keys, [20, 21, 22], start=1)).ok
+    r = split.ex.rates()
+    assert r["l2_load_bytes_per_s"] is not None and r["l2_load_bytes_per_s"] > 0
+    assert r["l3_read_bytes_per_s"] is None                 # nothing read from L3 yet
+    split.run(split.pl.plan_evict(8))
+    assert split.run(split.pl.plan_prefetch(keys, 0, 4)).ok
+    r = wire(split.ex.rates())                              # plain data, like the rest
+    assert r["l3_read_bytes_per_s"] is not None and r["l3_read_bytes_per_s"] > 0
+    split.ex.cost.observe_recompute(512, 0.01, num_pairs=512 * 512 / 2)
+    assert split.ex.rates()["recompute_tokens_per_s"] == pytest.approx(51_200)
+
+
+def test_step_timer_times_each_stopped_step_once():
+    from kvtier.integrations.vllm.datapath import StepTimer
+    t = StepTimer()
+    t.stop()                                  # never started: nothing
+    t.start(300, 4.5e4)
+    time.sleep(0.02)
+    t.stop()
+    t.start(10, 1.0)                          # never stopped: dropped at the next start
+    t.start(64, 2e3)
+    t.stop()
+    got = t.finished()
+    assert [(n, p) for n, p, _ in got] == [(300, 4.5e4), (64, 2e3)]
+    assert got[0][2] >= 0.02 and 0 <= got[1][2] < got[0][2]
+    assert t.finished() == []

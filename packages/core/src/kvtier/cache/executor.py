@@ -35,6 +35,7 @@ from ..host_pool import HostKVPool
 from ..interfaces import L3Store, TransferEngine, TransferHandle
 from ..metrics import Metrics
 from .config import CacheConfig
+from .cost import CostModel, TimedStore
 from .l3io import L3IO
 from .plans import Plan, PlanResult
 from .transfers import Completer
@@ -148,8 +149,12 @@ class CacheExecutor:
     def __init__(self, *, host_pool: HostKVPool, engine: TransferEngine,
                  store: L3Store | None = None, l3_io_threads: int = 2,
                  l3_batch_pages: int = 64, l3_error_limit: int = 8,
-                 l3_call_timeout_s: float = 30.0, owned: tuple[Any, ...] = ()):
+                 l3_call_timeout_s: float = 30.0, owned: tuple[Any, ...] = (),
+                 cost: CostModel | None = None):
         self.host_pool = host_pool
+        #: The rates this data path achieves (its loads, its store's reads), for a planner
+        #: elsewhere (`rates`); recompute observations go in it too.
+        self.cost = cost if cost is not None else CostModel()
         self.engine = engine
         self.store = store
         self.batch_pages = l3_batch_pages
@@ -165,7 +170,8 @@ class CacheExecutor:
         self._completer = Completer(self._completer_died)
         self.l3: L3IO | None = None
         if store is not None:
-            self.l3 = L3IO(store, threads=l3_io_threads, error_limit=l3_error_limit,
+            timed = TimedStore(store, self.cost, host_pool.spec.page_bytes)
+            self.l3 = L3IO(timed, threads=l3_io_threads, error_limit=l3_error_limit,
                            call_timeout_s=l3_call_timeout_s, metrics=self.metrics_registry,
                            name="kvtier-executor-l3")
         m = self.metrics_registry
@@ -202,7 +208,8 @@ class CacheExecutor:
         return cls(host_pool=host_pool, engine=engine, store=store,
                    l3_io_threads=cfg.l3_io_threads, l3_batch_pages=cfg.l3_batch_pages,
                    l3_error_limit=cfg.l3_error_limit,
-                   l3_call_timeout_s=cfg.l3_call_timeout_s, owned=tuple(owned))
+                   l3_call_timeout_s=cfg.l3_call_timeout_s, owned=tuple(owned),
+                   cost=CostModel.from_config(cfg))
 
     @property
     def l3_state(self) -> str:
@@ -268,6 +275,12 @@ class CacheExecutor:
 
     def metrics(self) -> dict[str, Any]:
         return self.metrics_registry.snapshot()
+
+    def rates(self) -> dict[str, float | None]:
+        """What this data path measured (`CostModel.rates`): L2 -> L1 loads from start to
+        landed, L3 reads per store call (one still running counts while it runs), and the
+        recompute rate from what the engine reported."""
+        return self.cost.rates()
 
     def close(self, timeout: float = 30.0) -> None:
         """Finish running plans (up to ``timeout``), stop the threads, close what
@@ -343,6 +356,7 @@ class CacheExecutor:
         p = run.plan
         with self._lock:
             run.parts += 1
+        t0 = time.perf_counter()
         try:
             h = self.engine.load([p.loads[i][0] for i in idx], [p.loads[i][1] for i in idx])
         except Exception as exc:
@@ -351,14 +365,18 @@ class CacheExecutor:
             return
         run.handles.append(h)
         run.loads_started.set()
-        self._completer.submit(h, lambda err: self._loads_done(run, idx, err))
+        self._completer.submit(h, lambda err: self._loads_done(run, idx, err, t0))
 
-    def _loads_done(self, run: _Run, idx: list[int], err: BaseException | None) -> None:
+    def _loads_done(self, run: _Run, idx: list[int], err: BaseException | None,
+                    t0: float | None = None) -> None:
         try:
             if err is None:
                 for i in idx:
                     run.loads[i] = True
                 self.metrics_registry.add("loaded_pages", len(idx))
+                if t0 is not None:
+                    self.cost.observe_load(len(idx) * self.host_pool.spec.page_bytes,
+                                           time.perf_counter() - t0)
             else:
                 self.metrics_registry.add("transfer_errors")
         finally:

@@ -166,14 +166,7 @@ class CachePlanner:
                 nd.hits += 1
             st.pinned = l2
             self.index.touch_l2_up(l2)
-            reads: list[tuple[bytes, int]] = []
-            rest = len(dev) - len(l2)
-            if rest and self._l3_exists is not None:
-                pages = self._alloc(rest, st)
-                first = start + len(l2)
-                reads = list(zip(keys[first:first + len(pages)], pages))
-                st.read_parents = [keys[first + j - 1] if first + j > 0 else None
-                                   for j in range(len(pages))]
+            reads = self._reads(st, keys, start + len(l2), len(dev) - len(l2))
             loads = [(nd.host_page, d) for nd, d in zip(l2, dev)]
             loads += [(h, d) for (_, h), d in zip(reads, dev[len(l2):])]
             plan = Plan(st.plan.plan_id, l3_reads=tuple(reads), loads=tuple(loads),  # type: ignore[arg-type]
@@ -182,6 +175,26 @@ class CachePlanner:
             self._plans[plan.plan_id] = st
         self.metrics_registry.add_many({"planned_l2_load_pages": len(l2),
                                         "planned_l3_load_pages": len(reads)})
+        return plan
+
+    def plan_prefetch(self, keys: Sequence[bytes], start: int = 0, num_pages: int = 1
+                      ) -> Plan:
+        """L3 -> L2 only: read up to ``num_pages`` pages of ``keys`` that follow the L2 run
+        from ``start`` into new host pages (no device pages); they join L2 when the plan
+        completes. For reads that serve later requests or keep the L3 rate measured; a page
+        L3 no longer holds fails in the result."""
+        self._check_start(keys, start)
+        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 0:
+            raise InvalidArgumentError(f"num_pages must be an int >= 0, got {num_pages!r}",
+                                       argument="num_pages", value=num_pages)
+        with self._lock:
+            st = _Pending(Plan(self._new_id()))
+            first = start + len(self.index.l2_run(keys, start))
+            reads = self._reads(st, keys, first, min(num_pages, len(keys) - first))
+            plan = Plan(st.plan.plan_id, l3_reads=tuple(reads), l3_writes=self._wb_ops(st))
+            st.plan = plan
+            self._plans[plan.plan_id] = st
+        self.metrics_registry.add("planned_prefetch_pages", len(reads))
         return plan
 
     def plan_save(self, keys: Sequence[bytes], device_pages: Sequence[int], start: int = 0
@@ -365,6 +378,17 @@ class CachePlanner:
             return None
         self.index.l2_add(nd, hp)
         return nd
+
+    def _reads(self, st: _Pending, keys: Sequence[bytes], first: int, n: int
+               ) -> list[tuple[bytes, int]]:
+        """L3 reads of ``keys[first:first + n]`` into new host pages (fewer if L2 has no
+        room; none without L3), their parents recorded in ``st``."""
+        if n <= 0 or self._l3_exists is None:
+            return []
+        pages = self._alloc(n, st)
+        st.read_parents = [keys[first + j - 1] if first + j > 0 else None
+                           for j in range(len(pages))]
+        return list(zip(keys[first:first + len(pages)], pages))
 
     def _wants_backup(self, key: bytes) -> bool:
         pol = self.write_policy
