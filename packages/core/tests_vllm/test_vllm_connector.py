@@ -54,8 +54,10 @@ def store(tmp_path_factory):
 def _ktc(root=None, file_format="objects", **extra):
     """The connector's config; a file L3 at ``root`` in ``file_format`` (None: the default,
     segments). The module's shared store is in the objects format: its fault phases corrupt
-    and delete objects as files (the segment format's faults: tests/test_file_segments.py)."""
-    cfg = {"host_pool_pages": 16, **extra}
+    and delete objects as files (the segment format's faults: tests/test_file_segments.py).
+    The data-path tests load every hit (``cost_aware_fetch`` off: on this tiny model the
+    split would often leave pages to vLLM); the split's own tests (section 7) turn it on."""
+    cfg = {"host_pool_pages": 16, "cost_aware_fetch": False, **extra}
     if root is not None:
         l3 = {"root": root} if file_format is None else {"root": root, "format": file_format}
         cfg.update(l3_store="file", l3_config=l3)
@@ -195,6 +197,57 @@ def _snapshot_store(store, first):
         shutil.copytree(store, store + ".snapshot")
 
 
+# ----- 7. the cost-aware split on the workers' measured rates ---------------------------------
+def test_split_leaves_pages_to_vllm_where_recompute_is_faster(model, reference):
+    """A recompute rate no load can beat: the first L2 hit is loaded (it measures the load
+    rate), every later one is left to vLLM, counted, with the same outputs."""
+    res = _run({"model": model, "kv_transfer_config": _ktc(cost_aware_fetch=True,
+                                                           recompute_tokens_per_s=1e12),
+                "phases": [{"prompts": [PROMPT, PROMPT, PROMPT]}]})
+    assert _cached(res, 0) == [0, 4 * BLOCK, 0]
+    assert _outputs(res, 0) == _outputs(reference, 0)[:1] * 3
+    k = res["kvtier"]
+    assert k["cost_skipped_pages_l2"] == 4 and k["hit_tokens_l2"] == 4 * BLOCK, k
+    assert k["cost_rates"]["l2_load_bytes_per_s"] > 0, k
+    assert k["cost_rates"]["recompute_tokens_per_s"] == 1e12
+
+
+def test_workers_measure_their_rates_for_the_scheduler(model, reference, tmp_path):
+    """The default: the workers time their forwards, loads and store reads; the scheduler's
+    split runs on what they report. Whatever it decides, outputs stay vLLM's."""
+    res = _run({"model": model,
+                "engine": {"enable_prefix_caching": True, "num_gpu_blocks_override": 10,
+                           "max_model_len": 1024},
+                "kv_transfer_config": _ktc(str(tmp_path / "l3"), file_format=None,
+                                           host_pool_pages=10, cost_aware_fetch=True),
+                "phases": [{"conversations": CONVS}]})
+    k = res["kvtier"]
+    rates = k["cost_rates"]
+    assert k["cost_reports"] > 0, k
+    assert rates["recompute_tokens_per_s"] > 0 and rates["l2_load_bytes_per_s"] > 0, rates
+    assert rates["l3_read_bytes_per_s"] > 0, rates
+    assert _outputs(res, 0) == _outputs(reference, 2)
+    offered = k.get("hit_tokens_l2", 0) + k.get("hit_tokens_l3", 0) + BLOCK * (
+        k.get("cost_skipped_pages_l2", 0) + k.get("cost_skipped_pages_l3", 0))
+    assert offered > 0, k
+
+
+def test_skipped_l3_pages_are_probed_into_l2(model, store, first, reference, tmp_path):
+    """L3 pages the split skips are still read now and then (a probe into L2), so a store
+    that was slow and recovers is measured again."""
+    root = str(tmp_path / "copy")
+    _copy_tree(store + ".snapshot" if os.path.exists(store + ".snapshot") else store, root)
+    res = _run({"model": model, "kv_transfer_config": _ktc(root, cost_aware_fetch=True,
+                                                           recompute_tokens_per_s=1e12),
+                "phases": [{"prompts": [PROMPT, OTHERS[0]]}]})
+    assert _cached(res, 0) == [4 * BLOCK, 0]      # rates unknown: loaded; then: skipped
+    assert _outputs(res, 0) == _outputs(reference, 0)[:1] + _outputs(reference, 1)[:1]
+    k = res["kvtier"]
+    assert k["cost_skipped_pages_l3"] == 3 and k["cost_probe_pages"] == 3, k
+    assert k["planner"]["planned_prefetch_pages"] == 3, k
+    assert k["l3_get_hits"] >= 4 + 1, k           # the probe read from the store too
+
+
 # ----- the plugin entry point ------------------------------------------------------------------
 def test_general_plugin_registers_the_connector_name():
     eps = importlib.metadata.entry_points(group="vllm.general_plugins")
@@ -216,5 +269,11 @@ def test_worker_results_of_ranks_are_anded_and_stats_summed():
     got = {r.plan_id: r for r in a.aggregate(b).results}
     assert got[1] == PlanResult(1, (True, False), (True, False))
     assert set(got) == {1, 2, 3}
+    a.rates = {"recompute_tokens_per_s": 2e4, "l2_load_bytes_per_s": 5e9}
+    b.rates = {"recompute_tokens_per_s": 1e4, "l2_load_bytes_per_s": 6e9,
+               "l3_read_bytes_per_s": 1e9}
+    r = a.aggregate(b).rates                       # the slowest rank's rates
+    assert r["recompute_tokens_per_s"] == 1e4 and r["l2_load_bytes_per_s"] == 5e9
+    assert r["l3_read_bytes_per_s"] == 1e9
     s = KVTierConnectorStats(data={"x": 1}).aggregate(KVTierConnectorStats(data={"x": 2, "y": 1}))
     assert s.reduce() == {"x": 3, "y": 1} and not s.is_empty()

@@ -22,7 +22,9 @@ between them, so they may run in different processes -- vLLM's scheduler and its
   request's token ids in a namespace made of everything that changes KV bytes
   (`identity`). ``get_num_new_matched_tokens`` counts the whole blocks after vLLM's own
   prefix-cache hit that are in kvtier's host pool (L2, `index.HostPageIndex`) and then in the
-  L3 store (``batch_exists``), never the last token of the request; an L3 hit makes the load
+  L3 store (``batch_exists``), never the last token of the request, and offers only the
+  leading ones whose loading beats recomputing them at the rates the workers measure and
+  report (`kvtier.cache.cost`; ``cost_aware_fetch``); an L3 hit makes the load
   asynchronous. ``update_state_after_alloc`` pins the L2 pages, reserves host pages for the L3
   ones (LRU eviction of unpinned pages) and pairs them with vLLM's block ids;
   ``build_connector_meta`` sends these load orders and the backups of newly computed blocks

@@ -15,12 +15,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from ... import registry
-from ...cache import CacheConfig, CacheExecutor, CachePlanner, Plan, PlanResult
+from ...cache import CacheConfig, CacheExecutor, CachePlanner, Lookup, Plan, PlanResult
+from ...cache.cost import CostModel, ReportedCostModel, merge_rates, pairs
 from ...device_pool import DeviceKVPool
 from ...errors import ConfigError, LayoutError
 from ...host_pool import HostKVPool
 from ...spec import KVSpec, dtype_name
-from .datapath import RankKeyStore, rank_key
+from .datapath import RankKeyStore, StepTimer, rank_key
 from .identity import engine_identity, make_keyer, request_root
 
 try:      # vLLM >= 0.31 names the tier an external hit came from
@@ -69,13 +70,22 @@ class KVTierMetadata(KVConnectorMetadata):
     #: Requests that finished while their asynchronous load ran: report them as sent once the
     #: load is done, so vLLM frees their blocks only then.
     finished_while_loading: list[str] = field(default_factory=list)
+    #: L3 -> L2 reads that no request waits for (probes that keep the L3 rate measured).
+    prefetches: list[Plan] = field(default_factory=list)
+    #: A step to time for the recompute rate (0: not timed -- no prefill, or loads the
+    #: forward waits for): its scheduled tokens and their query-key pairs of attention.
+    step_tokens: int = 0
+    step_pairs: float = 0.0
 
 
 @dataclass
 class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
-    """Results of finished plans, for the planner (one per plan; ANDed across ranks)."""
+    """Results of finished plans, for the planner (one per plan; ANDed across ranks), and the
+    data path's measured rates when they changed (`CacheExecutor.rates`; across ranks the
+    slowest)."""
 
     results: list[PlanResult] = field(default_factory=list)
+    rates: dict[str, Any] | None = None
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> "KVTierWorkerMetadata":
         assert isinstance(other, KVTierWorkerMetadata)
@@ -92,7 +102,7 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
                                                             (m.backups, r.backups),
                                                             (m.l3_writes, r.l3_writes)))))
         out.extend(mine.values())
-        return KVTierWorkerMetadata(results=out)
+        return KVTierWorkerMetadata(results=out, rates=merge_rates(self.rates, other.rates))
 
 
 class KVTierConnectorStats(KVConnectorStats):
@@ -197,6 +207,7 @@ class KVTierConnector(KVConnectorBase_V1):
                               f"cache block size {vllm_config.cache_config.block_size}")
         self.block_size = self.spec.page_size
         self.layout, self.page_order = block_layout(vllm_config)
+        self.device_type = str(getattr(vllm_config.device_config, "device_type", "") or "")
         self.identity = engine_identity(vllm_config, self.page_order)
         self.keyer = make_keyer(self.cfg.model_id, self.spec, self.identity, self.cfg.salt)
         self.num_device_blocks = int(kv_cache_config.num_blocks)
@@ -230,8 +241,12 @@ class KVTierConnector(KVConnectorBase_V1):
             exists = lambda keys: store.batch_exists([rank_key(k, 0, tp) for k in keys])  # noqa: E731
         self.planner = CachePlanner(self.cfg, spec=self.spec, num_host_pages=self.num_host_pages,
                                     l3_exists=exists)
+        #: The cost-aware split (`kvtier.cache.cost`) on the rates the workers report.
+        self.cost = ReportedCostModel.from_config(self.cfg)
         self.reqs: dict[str, _Req] = {}
-        self._lookups: dict[str, tuple[int, int, int]] = {}     # req -> (start, l2, l3)
+        #: req -> (start, l2 pages, l3 pages to load; l2, l3 pages the split left to vLLM)
+        self._lookups: dict[str, tuple[int, int, int, int, int]] = {}
+        self._prefetches: list[Plan] = []
         self._loads: list[LoadOrder] = []
         self._finished_loading: list[str] = []
         self._hit_sources: dict[str, tuple[int, int]] = {}
@@ -264,9 +279,40 @@ class KVTierConnector(KVConnectorBase_V1):
         start = num_computed_tokens // self.block_size
         if start >= limit:
             return 0, False
-        hit = self.planner.lookup(self._keys_upto(r, limit), start)
-        self._lookups[request.request_id] = (start, hit.l2_pages, hit.l3_pages)
-        return hit.pages * self.block_size, hit.l3_pages > 0
+        keys = self._keys_upto(r, limit)
+        hit = self.planner.lookup(keys, start)
+        l2, l3 = self._split(keys, hit, request.num_tokens)
+        self._lookups[request.request_id] = (start, l2, l3, hit.l2_pages - l2,
+                                             hit.l3_pages - l3)
+        return (l2 + l3) * self.block_size, l3 > 0
+
+    def _split(self, keys: list[bytes], hit: Lookup, num_tokens: int) -> tuple[int, int]:
+        """(L2, L3) leading pages of ``hit`` to load: those whose loading beats recomputing
+        them at the rates the workers measured (`CostModel.pages_to_load`); the rest vLLM
+        computes. Before the L3 rate is known, a first read of at most
+        `CostModel.L3_PROBE_PAGES` measures it; while the split skips L3 pages, a probe of as
+        many pages is read into L2 every `CostModel.L3_PROBE_INTERVAL_S`, so that a store
+        that was slow and recovers is used again."""
+        cost = self.cost
+        l2, l3 = hit.l2_pages, hit.l3_pages
+        if not cost.enabled or not hit.pages:
+            return l2, l3
+        if l3 and cost.l3_bytes_per_s is None:
+            l3 = min(l3, cost.L3_PROBE_PAGES)
+        bs = self.block_size
+        k = cost.pages_to_load(l2_pages=l2, l3_pages=l3, l3_ready=0,
+                               compute_tokens=num_tokens - (hit.start + l2 + l3) * bs,
+                               page_size=bs, page_bytes=self.spec.page_bytes,
+                               layers=self.spec.num_layers, context=num_tokens)
+        k2, k3 = min(l2, k), max(0, k - l2)
+        if k3 < l3 and cost.wants_l3_probe():
+            plan = self.planner.plan_prefetch(keys, hit.start + l2, cost.L3_PROBE_PAGES)
+            if plan.empty:
+                self.planner.complete(plan.failed())
+            else:
+                self._prefetches.append(plan)
+                self.totals["cost_probe_pages"] += len(plan.l3_reads)
+        return k2, k3
 
     def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int
                                        ) -> dict[Any, int]:
@@ -282,9 +328,13 @@ class KVTierConnector(KVConnectorBase_V1):
                                  num_external_tokens: int) -> None:
         r = self._req(request)
         looked = self._lookups.pop(request.request_id, None)
-        if num_external_tokens == 0 or looked is None:
+        if looked is None:
             return
-        start, l2, l3 = looked
+        start, l2, l3, skip2, skip3 = looked
+        for c in (self.totals, self._interval):     # pages the split left to vLLM
+            c.update(cost_skipped_pages_l2=skip2, cost_skipped_pages_l3=skip3)
+        if num_external_tokens == 0:
+            return
         n = num_external_tokens // self.block_size
         block_ids = list(blocks.get_block_ids()[0][start:start + n])
         plan = self.planner.plan_load(r.keys, block_ids, start)
@@ -303,17 +353,21 @@ class KVTierConnector(KVConnectorBase_V1):
         self._loads.append(LoadOrder(request.request_id, plan, failed, is_async))
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        meta = KVTierMetadata(loads=self._loads, finished_while_loading=self._finished_loading)
-        self._loads, self._finished_loading = [], []
+        meta = KVTierMetadata(loads=self._loads, finished_while_loading=self._finished_loading,
+                              prefetches=self._prefetches)
+        self._loads, self._finished_loading, self._prefetches = [], [], []
+        sched = scheduler_output.num_scheduled_tokens
+        step: list[tuple[int, int]] = []           # (scheduled, computed before) per request
         for new in scheduler_output.scheduled_new_reqs:
+            step.append((sched.get(new.req_id, 0), new.num_computed_tokens))
             r = self.reqs.get(new.req_id)
             if r is not None:
                 r.block_ids = list(new.block_ids[0])
-                self._plan_saves(r, new.num_computed_tokens
-                                 + scheduler_output.num_scheduled_tokens.get(new.req_id, 0),
+                self._plan_saves(r, new.num_computed_tokens + sched.get(new.req_id, 0),
                                  meta.saves)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
+            step.append((sched.get(req_id, 0), cached.num_computed_tokens[i]))
             r = self.reqs.get(req_id)
             if r is None:
                 continue
@@ -322,8 +376,13 @@ class KVTierConnector(KVConnectorBase_V1):
                 r.block_ids = list(nb[0]) if nb is not None else []
             elif nb is not None:
                 r.block_ids.extend(nb[0])
-            self._plan_saves(r, cached.num_computed_tokens[i]
-                             + scheduler_output.num_scheduled_tokens.get(req_id, 0), meta.saves)
+            self._plan_saves(r, cached.num_computed_tokens[i] + sched.get(req_id, 0),
+                             meta.saves)
+        # a step with a prefill and no load its forward waits for times the recompute rate
+        if any(n > 1 for n, _ in step) and \
+                not any(not o.is_async and not o.plan.empty for o in meta.loads):
+            meta.step_tokens = sum(n for n, _ in step)
+            meta.step_pairs = sum(pairs(done + n, n) for n, done in step)
         return meta
 
     def _plan_saves(self, r: _Req, computed_tokens: int, saves: list[Plan]) -> None:
@@ -344,6 +403,8 @@ class KVTierConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
         wm = connector_output.kv_connector_worker_meta
         if isinstance(wm, KVTierWorkerMetadata):
+            if wm.rates:
+                self.cost.adopt(wm.rates)
             for res in wm.results:
                 try:
                     self.planner.complete(res)
@@ -380,6 +441,8 @@ class KVTierConnector(KVConnectorBase_V1):
         if self._role == KVConnectorRole.SCHEDULER:
             out["planner"] = {k: v for k, v in self.planner.metrics().items()
                               if k != "latency"}
+            out["cost_rates"] = self.cost.rates()
+            out["cost_reports"] = self.cost.reports
         return out
 
     @classmethod
@@ -402,6 +465,9 @@ class KVTierConnector(KVConnectorBase_V1):
         self._send_now: set[str] = set()
         self._recv_done: OrderedDict[str, None] = OrderedDict()   # recent finished loads
         self._last_counts: dict[str, int] = {}
+        self._prefetch_ids: set[int] = set()
+        self._timer = StepTimer(cuda=self.device_type == "cuda")
+        self._sent_rates: dict[str, Any] | None = None
         try:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
             self.tp_rank = int(get_tensor_model_parallel_rank())
@@ -439,11 +505,19 @@ class KVTierConnector(KVConnectorBase_V1):
                 host_pool=host_pool, engine=engine, store=store,
                 l3_io_threads=cfg.l3_io_threads, l3_batch_pages=cfg.l3_batch_pages,
                 l3_error_limit=cfg.l3_error_limit, l3_call_timeout_s=cfg.l3_call_timeout_s,
-                owned=tuple(owned))
+                owned=tuple(owned), cost=CostModel.from_config(cfg))
         except BaseException:
             for obj in reversed(owned):
                 obj.close()
             raise
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        # vLLM binds the step's metadata before its forward (and starts loads that the forward
+        # does not wait for after it): the step timer starts here, stops in wait_for_save
+        super().bind_connector_metadata(connector_metadata)
+        if self._role == KVConnectorRole.WORKER and \
+                isinstance(connector_metadata, KVTierMetadata) and connector_metadata.step_tokens:
+            self._timer.start(connector_metadata.step_tokens, connector_metadata.step_pairs)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._connector_metadata
@@ -473,6 +547,14 @@ class KVTierConnector(KVConnectorBase_V1):
                 self._async[order.plan.plan_id] = order
             else:
                 self._sync.append((order, order.plan.plan_id))
+        for plan in meta.prefetches:
+            try:
+                ex.submit(plan)
+            except Exception as exc:
+                log.warning("kvtier: prefetch plan %d refused: %s", plan.plan_id, exc)
+                self._to_scheduler.append(plan.failed())
+                continue
+            self._prefetch_ids.add(plan.plan_id)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         i = self._layer_idx.get(layer_name)
@@ -499,6 +581,9 @@ class KVTierConnector(KVConnectorBase_V1):
         ex = self.executor
         if ex is None:
             return
+        self._timer.stop()                   # the forward ends here (queued, on a GPU)
+        for tokens, npairs, seconds in self._timer.finished():
+            ex.cost.observe_recompute(tokens, seconds, num_pairs=npairs)
         if self._sync:
             for i in range(self.spec.num_layers):
                 if i not in self._waited:    # a layer the forward never waited for
@@ -555,14 +640,22 @@ class KVTierConnector(KVConnectorBase_V1):
         if self.executor is None:
             return
         for res in self.executor.poll():
-            if res.plan_id in self._writes:          # L3 writes of a save: its result now
+            if res.released_host_pages:      # a late store call returned: free its pages
+                # (a save's write sub-plan runs as -id; the planner knows the save's id)
+                self._to_scheduler.append(PlanResult(
+                    abs(res.plan_id), released_host_pages=res.released_host_pages))
+            elif res.plan_id in self._writes:          # L3 writes of a save: its result now
                 plan, bres = self._writes.pop(res.plan_id)
                 done = dict(zip([w for w in plan.l3_writes if w[0] in
                                  {hp for (_, hp), ok in zip(plan.backups, bres.backups) if ok}],
                                 res.l3_writes))
                 self._to_scheduler.append(PlanResult(
                     plan.plan_id, backups=bres.backups,
-                    l3_writes=tuple(done.get(w, False) for w in plan.l3_writes)))
+                    l3_writes=tuple(done.get(w, False) for w in plan.l3_writes),
+                    held_host_pages=res.held_host_pages))
+            elif res.plan_id in self._prefetch_ids:
+                self._prefetch_ids.discard(res.plan_id)
+                self._to_scheduler.append(res)
             else:
                 self._results[res.plan_id] = res
 
@@ -591,10 +684,15 @@ class KVTierConnector(KVConnectorBase_V1):
         return errs
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        if not self._to_scheduler:
+        rates = self.executor.rates() if self.executor is not None else None
+        if rates == self._sent_rates:
+            rates = None                     # unchanged: the scheduler has them
+        else:
+            self._sent_rates = rates
+        if not self._to_scheduler and rates is None:
             return None
         out, self._to_scheduler = self._to_scheduler, []
-        return KVTierWorkerMetadata(results=out)
+        return KVTierWorkerMetadata(results=out, rates=rates)
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self._role == KVConnectorRole.SCHEDULER:     # this interval's hits per tier
