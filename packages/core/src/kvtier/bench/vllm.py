@@ -17,7 +17,9 @@ the previous prompt + the reply + a new user message, greedy sampling, token-id 
 * ``vllm+kvtier-l2``  vLLM's prefix cache + kvtier's host pool;
 * ``vllm+kvtier-l3``  the same + kvtier's file store (L3) under a fresh directory;
 * ``vllm+kvtier-l3-warm`` a second engine on that L3 directory (objects from the run before);
-* ``vllm+offload``    vLLM's own CPU offloading (``kv_offloading_size``), where it runs.
+* ``vllm+offload``    vLLM's own CPU offloading (``kv_offloading_size``), where it runs;
+* with ``--split-off``: ``vllm+kvtier-l2/-l3 split off``, the same runs offering every hit
+  (``cost_aware_fetch`` false) beside the default cost-aware split, in the same invocation.
 
 vLLM's device KV pool is sized so that its own prefix cache must evict. For every run it
 reports the prompt tokens vLLM found cached (its prefix cache + the connector), kvtier's hit
@@ -235,6 +237,11 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                ("vllm+kvtier-l2", _kvtier_config(kt), {}),
                ("vllm+kvtier-l3", _kvtier_config(l3c), {}),
                ("vllm+kvtier-l3-warm", _kvtier_config(l3c), {})]
+        if args.split_off:
+            off = {"cost_aware_fetch": False}
+            out += [("vllm+kvtier-l2 split off", _kvtier_config({**kt, **off}), {}),
+                    ("vllm+kvtier-l3 split off",
+                     _kvtier_config({**l3c, **off, "l3_config": {"root": l3 + "-off"}}), {})]
         if not args.no_offload:
             out.append(("vllm+offload", None, {"kv_offloading_size": args.offload_gib,
                                                "kv_offloading_backend": "native"}))
@@ -280,6 +287,9 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             "cached_tokens": sum(r["cached"] for r in reqs),
             "kvtier_l2_tokens": k.get("hit_tokens_l2", 0),
             "kvtier_l3_tokens": k.get("hit_tokens_l3", 0),
+            "split_skipped_pages_l2": k.get("cost_skipped_pages_l2", 0),
+            "split_skipped_pages_l3": k.get("cost_skipped_pages_l3", 0),
+            "cost_rates": k.get("cost_rates"),
             "ttft_mean_ms": 1e3 * statistics.median(statistics.mean(t) for t in per_round),
             "ttft_p90_ms": 1e3 * statistics.median(_pct(t, 0.9) for t in per_round),
             "rounds": len(good),
@@ -305,17 +315,19 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
-    head = ("| run | cached tokens / prompt tokens | kvtier L2 / L3 hit tokens | TTFT mean ms "
-            "(ratio) | TTFT p90 ms (ratio) | later turns TTFT mean ms | outputs = vllm / "
-            "= vllm-all-cached |")
-    lines = [head, "|---|---|---|---|---|---|---|"]
+    head = ("| run | cached tokens / prompt tokens | kvtier L2 / L3 hit tokens | split left "
+            "to vLLM: L2 / L3 pages | TTFT mean ms (ratio) | TTFT p90 ms (ratio) | later turns "
+            "TTFT mean ms | outputs = vllm / = vllm-all-cached |")
+    lines = [head, "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['run']} | did not run: {r['error']} | | | | | |")
+            lines.append(f"| {r['run']} | did not run: {r['error']} | | | | | | |")
             continue
         lines.append(
             f"| {r['run']} | {r['cached_tokens']} / {r['prompt_tokens']} | "
-            f"{r['kvtier_l2_tokens']} / {r['kvtier_l3_tokens']} | {r['ttft_mean_ms']:.1f} "
+            f"{r['kvtier_l2_tokens']} / {r['kvtier_l3_tokens']} | "
+            f"{r.get('split_skipped_pages_l2', 0)} / {r.get('split_skipped_pages_l3', 0)} | "
+            f"{r['ttft_mean_ms']:.1f} "
             f"({r['ttft_mean_ratio']:.2f}) | {r['ttft_p90_ms']:.1f} ({r['ttft_p90_ratio']:.2f})"
             f" | {r['ttft_later_turns_mean_ms']:.1f} | "
             f"{'yes' if r['outputs_identical'] else 'no'} / "
@@ -341,6 +353,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--offload-gib", type=float, default=1.0,
                    help="vLLM's own kv_offloading_size (GiB) for the offload run")
     p.add_argument("--no-offload", action="store_true", help="skip vLLM's own offloading")
+    p.add_argument("--split-off", action="store_true",
+                   help="also run kvtier L2 and L3 with the cost-aware split off")
     p.add_argument("--repeat", type=int, default=3,
                    help="rounds of every run, interleaved; TTFT figures are their medians")
     p.add_argument("--seed", type=int, default=0)
