@@ -10,8 +10,8 @@ import time
 import pytest
 
 from kvtier.cache import CacheConfig
-from kvtier.cache.cost import (CostModel, ReportedCostModel, best_split, check_rate, merge_rates,
-                              split_time)
+from kvtier.cache.cost import (CostModel, ReportedCostModel, best_split, check_rate,
+                              load_seconds, merge_rates, split_time)
 from kvtier.errors import ConfigError
 
 from test_cache import SPEC, Rig, SlowStore, toks
@@ -418,3 +418,40 @@ def test_a_step_of_several_requests_reports_its_pairs():
     assert m.recompute_attn_s == pytest.approx(1e-9, rel=1e-3)
     m.observe_recompute(100, 0.01, num_pairs=-5)          # nonsense pairs count as none
     assert m.recompute_tokens_per_s > 0
+
+
+def test_load_time_is_the_engines_own_where_it_measures_its_copies():
+    class Busy:
+        def __init__(self, v):
+            self.v = v
+
+        def busy_seconds(self):
+            return self.v
+
+    t0 = time.perf_counter() - 5.0                       # "started" 5 s ago
+    assert load_seconds(Busy(0.25), t0) == 0.25
+    for unknown in (None, -1.0, True, "x"):             # not measured: start to now
+        assert load_seconds(Busy(unknown), t0) >= 5.0
+    assert load_seconds(object(), t0) >= 5.0
+
+
+def test_torch_engine_reports_the_busy_time_of_host_copies():
+    import torch
+
+    from kvtier.device_pool import DeviceKVPool
+    from kvtier.host_pool import HostKVPool
+    from kvtier.registry import create_transfer_engine
+    dpool = DeviceKVPool.empty(SPEC, 8)
+    hpool = HostKVPool(SPEC, 8)
+    hpool.raw.copy_(torch.randint(0, 255, hpool.raw.shape, dtype=torch.uint8))
+    eng = create_transfer_engine("torch", dpool, hpool, {})
+    try:
+        t0 = time.perf_counter()
+        h = eng.load([3, 1, 6], [0, 5, 2])
+        h.synchronize()
+        wall = time.perf_counter() - t0
+        busy = h.busy_seconds()
+        assert busy is not None and 0 < busy <= wall
+        assert load_seconds(h, t0) == busy
+    finally:
+        eng.close()

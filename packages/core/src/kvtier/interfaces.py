@@ -330,6 +330,14 @@ class TransferHandle(abc.ABC):
     def synchronize(self) -> None:
         """Block the calling thread until every layer has really landed."""
 
+    def busy_seconds(self) -> float | None:
+        """Seconds the copies themselves ran, once landed, where the engine measures them
+        (None: not measured -- callers time the transfer from start to landed). Engines
+        whose copies run on the host's cores give it: there, start to landed also counts the
+        time their thread waited for a core or the interpreter beside the engine's compute,
+        which is not the copies' bandwidth."""
+        return None
+
 
 class CompletedHandle(TransferHandle):
     """A handle for work that finished synchronously."""

@@ -55,7 +55,7 @@ from ..metrics import Metrics
 from ..policies import PrefetchPolicy, WritePolicy, make_prefetch_policy, make_write_policy
 from . import eviction, handles, l3tasks, lifecycle, transfers
 from .config import CacheConfig
-from .cost import CostModel, TimedStore
+from .cost import CostModel, TimedStore, load_seconds
 from .handles import CommitResult, FetchHandle, Match
 from .index import Node, PageIndex
 from .l3io import L3IO
@@ -329,7 +329,7 @@ class TieredKVCache:
 
             def landed_cb(err: BaseException | None) -> None:
                 if err is None:
-                    self.cost.observe_load(nbytes, time.perf_counter() - t_load)
+                    self.cost.observe_load(nbytes, load_seconds(handle, t_load))
                 self._finish_fetch(fh, err)
             self._completer.submit(handle, landed_cb)
         else:

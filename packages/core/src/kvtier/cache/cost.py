@@ -38,7 +38,7 @@ from ..errors import ConfigError
 _Model = TypeVar("_Model", bound="CostModel")
 
 __all__ = ["CostModel", "ReportedCostModel", "TimedStore", "best_split", "split_time",
-           "check_rate", "pairs", "merge_rates", "RATE_NAMES"]
+           "check_rate", "pairs", "merge_rates", "load_seconds", "RATE_NAMES"]
 
 #: The keys of `CostModel.rates` (what one process reports to another).
 RATE_NAMES = ("recompute_tokens_per_s", "recompute_fixed_s", "recompute_attn_s_per_pair",
@@ -362,6 +362,15 @@ class CostModel:
                           l3_bps=self.l3_bytes_per_s if l3_pages > l3_ready else None,
                           recompute_tps=self.recompute_tokens_per_s, layers=layers,
                           attn_s=self.recompute_attn_s, context=context)
+
+
+def load_seconds(handle: Any, started: float) -> float:
+    """How long a landed load took, for its bandwidth: the engine's own measure of its copies
+    where it has one (`TransferHandle.busy_seconds`), else from ``started`` to now."""
+    busy = handle.busy_seconds() if hasattr(handle, "busy_seconds") else None
+    if isinstance(busy, (int, float)) and not isinstance(busy, bool) and busy >= 0:
+        return float(busy)
+    return time.perf_counter() - started
 
 
 def _reported(value: Any) -> float | None:

@@ -35,7 +35,7 @@ from ..host_pool import HostKVPool
 from ..interfaces import L3Store, TransferEngine, TransferHandle
 from ..metrics import Metrics
 from .config import CacheConfig
-from .cost import CostModel, TimedStore
+from .cost import CostModel, TimedStore, load_seconds
 from .l3io import L3IO
 from .plans import Plan, PlanResult
 from .transfers import Completer
@@ -365,18 +365,18 @@ class CacheExecutor:
             return
         run.handles.append(h)
         run.loads_started.set()
-        self._completer.submit(h, lambda err: self._loads_done(run, idx, err, t0))
+        self._completer.submit(h, lambda err: self._loads_done(run, idx, err, h, t0))
 
     def _loads_done(self, run: _Run, idx: list[int], err: BaseException | None,
-                    t0: float | None = None) -> None:
+                    handle: TransferHandle | None = None, t0: float = 0.0) -> None:
         try:
             if err is None:
                 for i in idx:
                     run.loads[i] = True
                 self.metrics_registry.add("loaded_pages", len(idx))
-                if t0 is not None:
+                if handle is not None:
                     self.cost.observe_load(len(idx) * self.host_pool.spec.page_bytes,
-                                           time.perf_counter() - t0)
+                                           load_seconds(handle, t0))
             else:
                 self.metrics_registry.add("transfer_errors")
         finally:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -53,9 +54,17 @@ class LayerwiseHandle(TransferHandle):
         self._landed = [threading.Event() for _ in range(num_layers)]
         self._events: list[Any] = [None] * num_layers
         self._error: BaseException | None = None
+        self._busy: float | None = None      # host copies: seconds the worker copied
+        self._t0: float | None = None
 
     # worker side
+    def _begin(self) -> None:
+        """Host copies start now (their layers are then signalled in order)."""
+        self._t0 = time.perf_counter()
+
     def _signal(self, layer: int, event: Any = None) -> None:
+        if self._t0 is not None and layer == self.num_layers - 1:
+            self._busy = time.perf_counter() - self._t0     # set before anyone sees it done
         self._events[layer] = event
         self._landed[layer].set()
 
@@ -85,6 +94,9 @@ class LayerwiseHandle(TransferHandle):
         if not all(ev.is_set() for ev in self._landed):
             return False
         return all(ev is None or ev.query() for ev in self._events)
+
+    def busy_seconds(self) -> float | None:
+        return self._busy
 
     def synchronize(self) -> None:
         """Block the calling thread until every layer has landed (host-side)."""
@@ -337,7 +349,8 @@ class TorchTransferEngine(TransferEngine):
             pending: list[tuple] = []
             try:
                 h_np = h_idx if self.zero_copy else h_idx.cpu().numpy()
-                if self._dm is None:
+                if self._dm is None:        # host copies: their own time is measured
+                    handle._begin()
                     for layer in range(self.spec.num_layers):
                         per_layer(layer, h_np, d_idx, handle, pending)
                 else:
