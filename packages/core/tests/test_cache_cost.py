@@ -455,3 +455,29 @@ def test_torch_engine_reports_the_busy_time_of_host_copies():
         assert load_seconds(h, t0) == busy
     finally:
         eng.close()
+
+
+def test_the_fixed_cost_of_waiting_for_l3_keeps_small_l3_hits_recomputed():
+    m = ReportedCostModel()
+    m.adopt({"recompute_tokens_per_s": 2_000.0, "l2_load_bytes_per_s": 1e9,
+             "l3_read_bytes_per_s": 1e8})
+    kw = dict(l2_pages=4, l3_pages=1, l3_ready=0, compute_tokens=100, page_size=128,
+              page_bytes=2 << 20, layers=8)
+    assert m.pages_to_load(**kw) == 5      # 21 ms to read a block, 64 ms to compute it
+    m.observe_l3_wait(float("nan"), 2 << 20, 2 << 20)     # ignored
+    m.observe_l3_wait(-1.0, 2 << 20, 2 << 20)             # ignored
+    assert m.l3_fixed_s == 0.0
+    # a request waited 171 ms for a 2 MiB read + load the rates put at 23 ms
+    m.observe_l3_wait(0.171, 2 << 20, 2 << 20)
+    assert m.l3_fixed_s == pytest.approx(0.171 - (2 << 20) / 1e8 - (2 << 20) / 1e9)
+    assert m.rates()["l3_wait_fixed_s"] == m.l3_fixed_s
+    assert m.pages_to_load(**kw) == 4      # the L3 block is now dearer than computing it
+    assert m.pages_to_load(**{**kw, "l3_pages": 8}) == 12   # 8 of them still pay
+    m.observe_l3_wait(0.001, 2 << 20, 2 << 20)            # faster than the rates: 0, averaged
+    assert 0 < m.l3_fixed_s < 0.148
+
+
+def test_l3_wait_is_not_learnt_before_the_rates_are_known():
+    m = ReportedCostModel()
+    m.observe_l3_wait(0.5, 1 << 20, 1 << 20)
+    assert m.l3_fixed_s == 0.0

@@ -11,6 +11,7 @@ of the pages not yet in L2 before it::
 
     T(k) = l3(k) + max(h2d(k), comp(k)) + min(h2d(k), comp(k)) / layers
     l3(k)   = pages of the first k not yet in L2 x page_bytes / L3 bandwidth
+              (+ the fixed cost of waiting for an L3 read at all, where the engine has one)
     h2d(k)  = k x page_bytes / L2 -> L1 bandwidth
     comp(k) = c / recompute rate + attn x pairs(n, c)
     c       = tokens computed anyway + (hit pages - k) x page_size  (the last c of n tokens)
@@ -69,16 +70,19 @@ def check_rate(name: str, value: Any) -> float:
 def split_time(k: int, *, l2_pages: int, l3_pages: int, l3_ready: int = 0, compute_tokens: int,
                page_size: int, page_bytes: int, h2d_bps: float, l3_bps: float | None,
                recompute_tps: float, layers: int = 1, attn_s: float = 0.0,
-               context: int | None = None) -> float:
+               context: int | None = None, l3_fixed_s: float = 0.0) -> float:
     """Modelled seconds to the first token when the first ``k`` of the ``l2_pages +
     l3_pages`` hit pages are loaded and the rest recomputed (see the module doc);
     ``l3_ready`` of the L3 pages are already in L2. ``l3_bps`` None: L3 pages cost no read.
-    ``context``: the request's tokens (for the attention term ``attn_s`` per pair)."""
+    ``context``: the request's tokens (for the attention term ``attn_s`` per pair);
+    ``l3_fixed_s``: what waiting for any L3 read costs beyond its bytes (vLLM: the request
+    leaves the batch until the read is reported)."""
     n = l2_pages + l3_pages
     if not 0 <= k <= n:
         raise ValueError(f"k={k} outside [0, {n}]")
     from_l3 = max(0, k - l2_pages - l3_ready)
-    t3 = from_l3 * page_bytes / l3_bps if from_l3 and l3_bps is not None else 0.0
+    t3 = from_l3 * page_bytes / l3_bps + l3_fixed_s \
+        if from_l3 and l3_bps is not None else 0.0
     h = k * page_bytes / h2d_bps
     tokens = compute_tokens + (n - k) * page_size
     c = tokens / recompute_tps + (attn_s * pairs(context, tokens) if attn_s else 0.0)
@@ -88,7 +92,7 @@ def split_time(k: int, *, l2_pages: int, l3_pages: int, l3_ready: int = 0, compu
 def best_split(*, l2_pages: int, l3_pages: int, l3_ready: int = 0, compute_tokens: int,
                page_size: int, page_bytes: int, h2d_bps: float | None, l3_bps: float | None,
                recompute_tps: float | None, layers: int = 1, attn_s: float = 0.0,
-               context: int | None = None) -> int:
+               context: int | None = None, l3_fixed_s: float = 0.0) -> int:
     """How many leading hit pages to load (the fastest split; ties load more). Unknown rates
     (None) cut nothing -- except a collapsed L3 (``l3_bps`` 0): its pages not in L2 are
     never waited for."""
@@ -104,7 +108,7 @@ def best_split(*, l2_pages: int, l3_pages: int, l3_ready: int = 0, compute_token
     kw = dict(l2_pages=l2_pages, l3_pages=l3_pages, l3_ready=l3_ready,
               compute_tokens=compute_tokens, page_size=page_size, page_bytes=page_bytes,
               h2d_bps=h2d_bps, l3_bps=l3_bps, recompute_tps=recompute_tps, layers=layers,
-              attn_s=attn_s, context=context)
+              attn_s=attn_s, context=context, l3_fixed_s=l3_fixed_s)
     best_k, best_t = n, split_time(n, **kw)
     for k in range(n - 1, -1, -1):
         t = split_time(k, **kw)
@@ -137,6 +141,17 @@ class _Rate:
         self._amount = (1 - a) * self._amount + a * amount
         self._seconds = (1 - a) * self._seconds + a * max(seconds, 1e-9)
         self.samples += 1
+
+
+class _Mean:
+    """An exponential moving average of a quantity (None until observed)."""
+
+    def __init__(self, alpha: float):
+        self.alpha = alpha
+        self.value: float | None = None
+
+    def observe(self, x: float) -> None:
+        self.value = x if self.value is None else (1 - self.alpha) * self.value + self.alpha * x
 
 
 class _Marginal:
@@ -254,6 +269,7 @@ class CostModel:
         self._h2d = _Rate(alpha)
         self._l3 = _Rate(alpha)
         self._inflight: dict[int, tuple[float, int]] = {}   # call id -> (t0, bytes)
+        self._l3_wait = _Mean(alpha)        # fixed cost of waiting for an L3 read
         self._next_call = 0
         self._last_l3 = -math.inf            # when an L3 read last started
 
@@ -282,6 +298,23 @@ class CostModel:
         if nbytes > 0 and seconds >= 0 and math.isfinite(seconds):
             with self._lock:
                 self._h2d.observe(nbytes, seconds)
+
+    def observe_l3_wait(self, seconds: float, nbytes_read: int, nbytes_loaded: int) -> None:
+        """A request waited ``seconds`` for a load that read ``nbytes_read`` from L3 and
+        loaded ``nbytes_loaded`` into L1: what the rates do not explain of it is the fixed
+        cost of an L3 read (`l3_fixed_s`)."""
+        if not (seconds >= 0 and math.isfinite(seconds)):
+            return
+        l3, h2d = self.l3_bytes_per_s, self.h2d_bytes_per_s
+        if not l3 or not h2d:
+            return
+        with self._lock:
+            self._l3_wait.observe(max(0.0, seconds - nbytes_read / l3 - nbytes_loaded / h2d))
+
+    @property
+    def l3_fixed_s(self) -> float:
+        """Measured fixed cost of waiting for an L3 read (0 until observed)."""
+        return self._l3_wait.value or 0.0
 
     def l3_call_started(self, nbytes: int) -> int:
         with self._lock:
@@ -333,7 +366,8 @@ class CostModel:
                 "recompute_fixed_s": self.recompute_fixed_s,
                 "recompute_attn_s_per_pair": self.recompute_attn_s,
                 "l2_load_bytes_per_s": self.h2d_bytes_per_s,
-                "l3_read_bytes_per_s": self.l3_bytes_per_s}
+                "l3_read_bytes_per_s": self.l3_bytes_per_s,
+                "l3_wait_fixed_s": self.l3_fixed_s}
 
     def l3_slower_than_recompute(self, page_size: int, page_bytes: int) -> bool:
         """Would reading a page from L3 take longer than recomputing it (rates known)?"""
@@ -361,7 +395,8 @@ class CostModel:
                           page_bytes=page_bytes, h2d_bps=self.h2d_bytes_per_s,
                           l3_bps=self.l3_bytes_per_s if l3_pages > l3_ready else None,
                           recompute_tps=self.recompute_tokens_per_s, layers=layers,
-                          attn_s=self.recompute_attn_s, context=context)
+                          attn_s=self.recompute_attn_s, context=context,
+                          l3_fixed_s=self.l3_fixed_s)
 
 
 def load_seconds(handle: Any, started: float) -> float:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -252,6 +253,8 @@ class KVTierConnector(KVConnectorBase_V1):
         self._hit_sources: dict[str, tuple[int, int]] = {}
         self._interval: Counter[str] = Counter()
         self._async_reqs: dict[int, str] = {}                    # plan id -> request
+        #: asynchronous loads: plan id -> (planned at, bytes read from L3, bytes loaded)
+        self._async_t0: dict[int, tuple[float, int, int]] = {}
 
     def _req(self, request: "Request") -> _Req:
         r = self.reqs.get(request.request_id)
@@ -344,6 +347,9 @@ class KVTierConnector(KVConnectorBase_V1):
         if is_async:
             r.load_plan = plan.plan_id
             self._async_reqs[plan.plan_id] = request.request_id
+            pb = self.spec.page_bytes
+            self._async_t0[plan.plan_id] = (time.perf_counter(), len(plan.l3_reads) * pb,
+                                            len(plan.loads) * pb)
         n3 = len(plan.l3_reads)
         n2 = len(plan.loads) - n3
         self._hit_sources[request.request_id] = (n2, n - n2)
@@ -410,6 +416,10 @@ class KVTierConnector(KVConnectorBase_V1):
                     self.planner.complete(res)
                 except Exception as exc:   # a result the planner does not know: log only
                     log.warning("kvtier: result of plan %s not booked: %s", res.plan_id, exc)
+                started = self._async_t0.pop(res.plan_id, None)
+                if started is not None and any(res.loads):    # the request waited this long
+                    t0, nread, nload = started
+                    self.cost.observe_l3_wait(time.perf_counter() - t0, nread, nload)
                 req_id = self._async_reqs.pop(res.plan_id, None)
                 r = self.reqs.get(req_id) if req_id is not None else None
                 if r is not None:
