@@ -21,6 +21,10 @@ probes say why it is not faster. Each prints a table and, with ``--json``, keeps
     dependent reads through registered host memory) with the link idle and while memcpys or an
     engine's loads and backups run, and the load rate that the reads an engine keeps in flight
     allow at that latency.
+``queue``
+    The copy engine's copies: host microseconds to queue one (``cuMemcpyBatchAsync``), and
+    both directions at once queued one after the other from one thread, from a thread each,
+    and queued before either starts.
 ``ncu``
     Runs Nsight Compute (where installed) over a few transfer launches and reports the
     kernels' system-memory requests at L2 (requests, sectors, bytes per request) and any
@@ -573,6 +577,137 @@ def _parse_ncu_csv(text: str) -> list[dict[str, str]]:
 
 
 # ----------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------
+# queue: the copy engine's two directions, queued one after the other, side by side, or before
+# they start
+# ----------------------------------------------------------------------------------------------
+def _gate(torch, stream, ms: float):
+    """A spin kernel of ``ms`` on ``stream``; its end event (others wait on it)."""
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(int(ms * 1.9e6))
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(stream)
+    return ev
+
+
+def probe_queue(args) -> dict[str, Any]:
+    """Per chunk size: host microseconds to queue one copy (``cuMemcpyBatchAsync``), and
+    GB/s of 256 MiB each way and both ways at once -- queued one direction after the other
+    from one thread (an engine's load, then its backup), from a thread per direction (the
+    copy engine's ``issue_thread``), and both queued before either starts (what the DMA
+    engines do once the host is out of the way)."""
+    import numpy as np
+    import torch
+    from kvtier.bench.transfer import CASES
+    from . import _driver
+    if not torch.cuda.is_available():
+        raise SystemExit("kvtier_nvidia_tma.limits: no CUDA device here")
+    total = args.mib << 20
+    ha = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+    hb = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+    da = torch.empty(total, dtype=torch.uint8, device="cuda")
+    db = torch.empty(total, dtype=torch.uint8, device="cuda")
+    sa, sb, sg = torch.cuda.Stream(), torch.cuda.Stream(), torch.cuda.Stream()
+    copiers = {id(sa): _driver.BatchCopier(), id(sb): _driver.BatchCopier()}
+    rng = np.random.default_rng(1)
+
+    def timed(fn, gate_ms: float = 0.0) -> float:
+        """Seconds from the start (the gate's end, or the call) to both streams done."""
+        vals = []
+        for _ in range(args.repeat):
+            torch.cuda.synchronize()
+            g = _gate(torch, sg, gate_ms) if gate_ms else None
+            if g is not None:
+                sa.wait_event(g)
+                sb.wait_event(g)
+            t0 = time.perf_counter()
+            fn()
+            if g is None:
+                torch.cuda.synchronize()
+                vals.append(time.perf_counter() - t0)
+                continue
+            ends = []
+            for s in (sa, sb):
+                e = torch.cuda.Event(enable_timing=True)
+                e.record(s)
+                ends.append(e)
+            torch.cuda.synchronize()
+            vals.append(max(g.elapsed_time(e) for e in ends) / 1e3)
+        return statistics.median(vals)
+
+    ceil = {"h2d": total / timed(lambda: da.copy_(ha, non_blocking=True)) / 1e9,
+            "d2h": total / timed(lambda: hb.copy_(db, non_blocking=True)) / 1e9}
+
+    def memcpy_both() -> None:
+        with torch.cuda.stream(sa):
+            da.copy_(ha, non_blocking=True)
+        with torch.cuda.stream(sb):
+            hb.copy_(db, non_blocking=True)
+    ceil["both"] = 2 * total / timed(memcpy_both, gate_ms=5) / 1e9
+    def measure(chunk: int) -> dict[str, Any]:
+        n = total // chunk
+        off = [rng.permutation(n).astype(np.uint64) * np.uint64(chunk) for _ in range(4)]
+        sizes = np.full(n, chunk, dtype=np.uint64)
+        load = (np.uint64(da.data_ptr()) + off[0], np.uint64(ha.data_ptr()) + off[1], sa)
+        back = (np.uint64(hb.data_ptr()) + off[2], np.uint64(db.data_ptr()) + off[3], sb)
+
+        def queue(job) -> None:
+            dst, src, s = job
+            copiers[id(s)](dst, src, sizes, s.cuda_stream, args.max_batch)
+
+        def in_turn() -> None:                   # one thread: the load, then the backup
+            queue(load)
+            queue(back)
+
+        def threads() -> None:
+            bar = threading.Barrier(2)
+
+            def run(job) -> None:
+                torch.cuda.set_device(0)
+                bar.wait()
+                queue(job)
+            ts = [threading.Thread(target=run, args=(j,)) for j in (load, back)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+        t_q = []
+        for _ in range(args.repeat):                 # queuing alone: behind a long gate
+            torch.cuda.synchronize()
+            sa.wait_event(_gate(torch, sg, 50 + n * 2e-3))
+            t0 = time.perf_counter()
+            queue(load)
+            t_q.append(time.perf_counter() - t0)
+            torch.cuda.synchronize()
+        gbps = {"h2d": total / timed(lambda: queue(load)) / 1e9,
+                "d2h": total / timed(lambda: queue(back)) / 1e9,
+                "both, one after the other": 2 * total / timed(in_turn) / 1e9,
+                "both, a thread each": 2 * total / timed(threads) / 1e9,
+                "both, queued before they start": 2 * total / timed(
+                    in_turn, gate_ms=50 + n * 4e-3) / 1e9}
+        row = {"chunk_bytes": chunk, "copies": n,
+               "queue_us_per_copy": 1e6 * statistics.median(t_q) / n,
+               **{k: {"gbps": v, "of_ceiling": v / ceil[k if k in ceil else "both"]}
+                  for k, v in gbps.items()}}
+        return row
+
+    rows = []
+    for chunk in sorted({CASES[c].chunk_bytes for c in args.cases.split(",")}):
+        row = measure(chunk)
+        rows.append(row)
+        print(f"{chunk // 1024} KiB chunks done", file=sys.stderr, flush=True)
+    names = ["h2d", "d2h", "both, one after the other", "both, a thread each",
+             "both, queued before they start"]
+    print(f"ceiling (pinned memcpy, {args.mib} MiB): h2d {ceil['h2d']:.1f} GB/s, d2h "
+          f"{ceil['d2h']:.1f}, both {ceil['both']:.1f}; batches of {args.max_batch} copies")
+    print("| chunk | queue us/copy | " + " | ".join(names) + " |")
+    print("|---|---|" + "---|" * len(names))
+    for r in rows:
+        print(f"| {r['chunk_bytes'] // 1024} KiB | {r['queue_us_per_copy']:.2f} | " + " | ".join(
+            f"{r[k]['gbps']:.1f} ({100 * r[k]['of_ceiling']:.1f}%)" for k in names) + " |")
+    return {"ceiling": ceil, "rows": rows, "max_batch": args.max_batch, "mib": args.mib}
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The probes as sub-commands of ``p`` (``kvtier bench limits`` or ``python -m``)."""
     sub = p.add_subparsers(dest="probe", metavar="PROBE", required=True)
@@ -585,7 +720,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
              "Nsight Compute system-memory and PCIe counters of a few launches"),
             ("latency", "mla-p64", "nvidia-tma", "PCIe read round trip, idle and under load"),
             ("workload", "mla-p1,mla-p64", "nvidia-tma,nvidia-register",
-             "the transfers the ncu probe profiles (run under Nsight Compute)")):
+             "the transfers the ncu probe profiles (run under Nsight Compute)"),
+            ("queue", "mha-32k,mla-p64,mha-128k", "nvidia-copy-engine",
+             "copy-engine copies: host cost of queuing, both directions queued in turn, "
+             "side by side, or before they start")):
         s = sub.add_parser(name, help=help_, description=help_,
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
         s.add_argument("--mib", type=int, default=256, help="MiB per transfer")
@@ -602,6 +740,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         if name == "latency":
             s.add_argument("--reads", type=int, default=2048, help="dependent reads per launch")
             s.add_argument("--repeat", type=int, default=9, help="launches per background")
+        if name == "queue":
+            s.add_argument("--repeat", type=int, default=5, help="timed runs (median)")
+            s.add_argument("--max-batch", type=int, default=256, help="copies per batch call")
         if name == "pcie":
             s.add_argument("--seconds", type=float, default=1.5, help="time per measurement")
             s.add_argument("--order", choices=["random", "sequential"], default="random")
@@ -634,7 +775,7 @@ def run(args: argparse.Namespace) -> int:
         workload(args)
         return 0
     out = {"gemm": probe_gemm, "pcie": probe_pcie, "ncu": probe_ncu,
-           "latency": probe_latency}[args.probe](args)
+           "latency": probe_latency, "queue": probe_queue}[args.probe](args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1, default=str)
