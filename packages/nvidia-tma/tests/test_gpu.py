@@ -127,7 +127,7 @@ def test_roundtrip_bitwise(engine_name, spec, layout, layerwise):
     {"tensor_map": False},
     {"layer_signals": False}, {"layer_signals": True, "ctas": 8, "warps": 8},
     {"signal_layers": 2}, {"signal_layers": 3, "tensor_map": False}, {"signal_layers": 64},
-    {"side_stream": True},
+    {"side_stream": True}, {"issue_thread": True}, {"issue_thread": False, "side_stream": True},
     {"threads": 256, "unroll": 8}, {"threads": 1024, "unroll": 2},
 ], ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
 def test_configurations_stay_bitwise(name, cfg):
@@ -219,6 +219,49 @@ def test_layer_events_really_gate(name):
         assert handle.done()
     finally:
         eng.close()
+        hpool.close()
+
+
+@pytest.mark.parametrize("issue_thread", [True, False])
+def test_copy_engine_copies_follow_the_callers_work_at_the_call_only(issue_thread):
+    """A backup sees what the caller wrote before it (held back by a spin kernel), and is not
+    held back by what the caller queues after it."""
+    import time
+    _available("nvidia-copy-engine")
+    spec = KVSpec.mla(num_layers=3, kv_lora_rank=512, rope_dim=64, page_size=4)
+    dpool = DeviceKVPool.empty(spec, 40, "cuda")
+    hpool = HostKVPool(spec, 40)
+    fill_random(hpool.raw)
+    eng = _engine("nvidia-copy-engine", dpool, hpool, issue_thread=issue_thread)
+    caller = torch.cuda.Stream()
+    dev, host = random.Random(3).sample(range(40), 17), random.Random(4).sample(range(40), 17)
+    try:
+        torch.cuda.synchronize()
+        with torch.cuda.stream(caller):
+            torch.cuda._sleep(100_000_000)             # ~50 ms before the caller's write
+            _poison(dpool)                             # the write the backup must see
+            handle = eng.backup(dev, host)
+            torch.cuda._sleep(2_000_000_000)           # ~1 s of later work
+        t0 = time.perf_counter()
+        handle.synchronize()
+        waited = time.perf_counter() - t0
+        assert_host_has(dpool, hpool, dev, host)
+        assert waited < 0.6, f"the backup waited {waited:.2f} s: behind later work"
+        torch.cuda.synchronize()
+    finally:
+        eng.close()
+        hpool.close()
+
+
+def test_copy_engine_issue_thread_setting_is_checked():
+    _available("nvidia-copy-engine")
+    spec = KVSpec.mla(num_layers=2, kv_lora_rank=512, rope_dim=64, page_size=1)
+    dpool = DeviceKVPool.empty(spec, 4, "cuda")
+    hpool = HostKVPool(spec, 4)
+    try:
+        with pytest.raises(ConfigError, match="issue_thread"):
+            _engine("nvidia-copy-engine", dpool, hpool, issue_thread="yes")
+    finally:
         hpool.close()
 
 

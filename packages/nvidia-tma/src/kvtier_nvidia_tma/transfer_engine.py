@@ -17,6 +17,8 @@ lands); ``debug=True`` rejects them.
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -24,6 +26,7 @@ from kvtier import Availability, Capabilities, TransferEngine
 from kvtier.errors import (BackendUnavailableError, ConfigError, InvalidArgumentError,
                            LayoutError, PageIndexError, TransferError)
 from kvtier.interfaces import CompletedHandle, TransferHandle
+from kvtier.transfer_engines.torch_engine import LayerwiseHandle
 
 from . import KVTIER_INTERFACE_VERSION
 from ._plan import (Geometry, KvtParams, check_alignment, host_strides, layer_signal_target,
@@ -72,6 +75,44 @@ class CudaEventHandle(TransferHandle):
 
     def synchronize(self) -> None:
         self._events[-1].synchronize()
+
+
+class _Issuer:
+    """One direction's stream and the thread that queues its copies, in submission order."""
+
+    def __init__(self, engine: "CopyEngineTransferEngine", direction: str):
+        import torch
+        self.engine = engine
+        self.stream = torch.cuda.Stream(engine.device)
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, daemon=True,
+                                       name=f"kvtier-copy-engine-{direction}")
+        self.thread.start()
+
+    def _run(self) -> None:
+        import torch
+        eng = self.engine
+        torch.cuda.set_device(eng.device)           # the driver's calls need a context
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            h, d, d2h, ranges, handle, start = job
+            try:
+                eng._dev.make_current()
+                self.stream.wait_event(start)         # after the caller's work at the call
+                for layer0, layers in ranges:
+                    eng._launch(h, d, d2h, layer0, layers, self.stream.cuda_stream)
+                    ev = torch.cuda.Event()
+                    ev.record(self.stream)
+                    for layer in range(layer0, layer0 + layers):
+                        handle._signal(layer, ev)
+            except BaseException as exc:   # raised to the caller by the handle's waits
+                handle._fail(exc)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.jobs.put(None)
+        self.thread.join(timeout)
 
 
 class LayerSignalHandle(CudaEventHandle):
@@ -536,6 +577,14 @@ class CopyEngineTransferEngine(_NvidiaEngine):
         side_stream: bool = False
         debug: bool = False
         device: int | None = None
+        #: Queue each direction's copies from a thread of its own, on a stream of its own,
+        #: ordered after the caller's work at the call: the caller returns at once and a load
+        #: and a backup called together are queued side by side. On the H200 that raised both
+        #: directions at once at 72-128 KiB from 66-74% to 80-82% of the ceiling, but cost
+        #: one direction alone 4-5 points all-layer and up to 38 per layer (the threads' turns
+        #: at the interpreter; docs/perf/nvidia-h200-copy-engine-queue.md), so it is off by
+        #: default. False: queued on the caller's thread.
+        issue_thread: bool = False
 
     @classmethod
     def probe(cls) -> Availability:
@@ -552,6 +601,41 @@ class CopyEngineTransferEngine(_NvidiaEngine):
         self._np = np
         self._copier = _driver.BatchCopier()
         self._runs = chunk_runs(device_pool, host_pool)
+        if not isinstance(self.config.issue_thread, bool):
+            raise ConfigError(f"issue_thread must be true or false, got "
+                              f"{self.config.issue_thread!r}", key="issue_thread",
+                              value=self.config.issue_thread)
+        self._issuers: dict[bool, _Issuer] = {}
+        self._issuers_lock = threading.Lock()
+
+    def _submit(self, h, d, *, d2h: bool, layerwise: bool) -> TransferHandle:
+        if not self.config.issue_thread:
+            return super()._submit(h, d, d2h=d2h, layerwise=layerwise)
+        torch = self._torch
+        L = self.spec.num_layers
+        if h.numel() == 0:
+            return CompletedHandle(L)
+        with self._issuers_lock:
+            if self._closed:
+                raise TransferError(f"{self.name}: engine is closed", backend=self.name)
+            iss = self._issuers.get(d2h)
+            if iss is None:
+                iss = self._issuers[d2h] = _Issuer(self, "d2h" if d2h else "h2d")
+        start = torch.cuda.Event()
+        start.record(torch.cuda.current_stream(self.device))
+        # layer i's event exists once its copies are queued: wait_layer(i) blocks the calling
+        # thread only until then (not until landed), then orders the caller's stream after it
+        handle = LayerwiseHandle(L, self.name, torch.cuda)
+        ranges = [(layer, 1) for layer in range(L)] if layerwise else [(0, L)]
+        iss.jobs.put((h, d, d2h, ranges, handle, start))
+        return handle
+
+    def close(self) -> None:
+        with self._issuers_lock:
+            self._closed = True
+            issuers, self._issuers = list(self._issuers.values()), {}
+        for iss in issuers:
+            iss.stop()
 
     def _index(self, pages, limit, what):
         torch = self._torch
@@ -682,6 +766,9 @@ class RoutedTransferEngine(TransferEngine):
         ctas: int = 2
         #: Copies per cuMemcpyBatchAsync call on the copy-engine path.
         max_batch: int = 256
+        #: The copy-engine path queues its copies from a thread per direction (see
+        #: ``nvidia-copy-engine``'s ``issue_thread``).
+        issue_thread: bool = False
         layerwise_load: bool = True
         layerwise_backup: bool = False
         #: Per-layer transfers on the TMA kernel as one launch with per-layer signals (see
@@ -714,7 +801,8 @@ class RoutedTransferEngine(TransferEngine):
         common = {"layerwise_load": c.layerwise_load, "layerwise_backup": c.layerwise_backup,
                   "debug": c.debug, "device": c.device}
         self.copy = CopyEngineTransferEngine(device_pool, host_pool,
-                                             {**common, "max_batch": c.max_batch})
+                                             {**common, "max_batch": c.max_batch,
+                                              "issue_thread": c.issue_thread})
         sm_cls = TmaTransferEngine if self.copy._dev.cc >= TmaTransferEngine._min_cc \
             else RegisterTransferEngine
         sm_cfg = {**common, "ctas": c.ctas}
@@ -790,7 +878,7 @@ class RoutedTransferEngine(TransferEngine):
             start = torch.cuda.Event(enable_timing=True)
             start.record(torch.cuda.current_stream(self.device))
         handle = call(self.copy if path == "copy_engine" else self.sm)
-        if start is not None and isinstance(handle, CudaEventHandle):
+        if start is not None:
             self._time(direction, start, handle, nbytes)
         self._bytes[path] += nbytes
         self._transfers[path] += 1
@@ -798,14 +886,15 @@ class RoutedTransferEngine(TransferEngine):
         return RoutedHandle(handle, path)
 
     # ----- in-use check of a calibrated copy-engine route -------------------------------------
-    def _time(self, direction: str, start, handle: CudaEventHandle, nbytes: int) -> None:
-        """End event on a stream of the engine's own that waits for the transfer's last
-        event: the caller's streams are not touched."""
+    def _time(self, direction: str, start, handle: TransferHandle, nbytes: int) -> None:
+        """End event on a stream of the engine's own that waits for the transfer (the
+        caller's streams are not touched)."""
         import torch
         ts = self._timing_stream
         if ts is None:
             ts = self._timing_stream = torch.cuda.Stream(self.device)
-        ts.wait_event(handle._events[-1])
+        with torch.cuda.stream(ts):
+            handle.wait()
         end = torch.cuda.Event(enable_timing=True)
         end.record(ts)
         self._timed[direction].append((start, end, nbytes))
