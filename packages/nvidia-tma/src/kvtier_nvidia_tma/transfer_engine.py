@@ -101,12 +101,17 @@ class _Issuer:
             try:
                 eng._dev.make_current()
                 self.stream.wait_event(start)         # after the caller's work at the call
+                events = []
                 for layer0, layers in ranges:
                     eng._launch(h, d, d2h, layer0, layers, self.stream.cuda_stream)
                     ev = torch.cuda.Event()
                     ev.record(self.stream)
-                    for layer in range(layer0, layer0 + layers):
-                        handle._signal(layer, ev)
+                    events += [ev] * layers
+                # the caller wakes once, when the whole transfer is queued (a wake-up per
+                # layer made it and this thread take turns at the interpreter); the device
+                # still orders each layer's readers after that layer's copies only
+                for layer, ev in enumerate(events):
+                    handle._signal(layer, ev)
             except BaseException as exc:   # raised to the caller by the handle's waits
                 handle._fail(exc)
 
@@ -580,10 +585,10 @@ class CopyEngineTransferEngine(_NvidiaEngine):
         #: Queue each direction's copies from a thread of its own, on a stream of its own,
         #: ordered after the caller's work at the call: the caller returns at once and a load
         #: and a backup called together are queued side by side. On the H200 that raised both
-        #: directions at once at 72-128 KiB from 66-74% to 80-82% of the ceiling, but cost
-        #: one direction alone 4-5 points all-layer and up to 38 per layer (the threads' turns
-        #: at the interpreter; docs/perf/nvidia-h200-copy-engine-queue.md), so it is off by
-        #: default. False: queued on the caller's thread.
+        #: directions at once at 72-128 KiB from 57-74% to 74-84% of the ceiling, but cost
+        #: one direction alone 2-8 points all-layer and MLA at 18 KiB per layer 11-19
+        #: (docs/perf/nvidia-h200-copy-engine-queue.md), so it is off by default. False:
+        #: queued on the caller's thread.
         issue_thread: bool = False
 
     @classmethod
