@@ -324,13 +324,17 @@ class _NvidiaEngine(TransferEngine):
             handle = stream.cuda_stream
             if layerwise and L > 1 and self._signals:
                 return self._launch_signalled(h, d, d2h, stream)
-            ranges = [(layer, 1) for layer in range(L)] if layerwise else [(0, L)]
-            for layer0, layers in ranges:
+            for layer0, layers in self._ranges(layerwise):
                 self._launch(h, d, d2h, layer0, layers, handle)
                 ev = torch.cuda.Event()
                 ev.record(stream)
                 events.extend([ev] * layers)
         return CudaEventHandle(events, self.device, keep=(h, d))
+
+    def _ranges(self, layerwise: bool) -> list[tuple[int, int]]:
+        """(first layer, layers) of each launch: one per layer, or one for all."""
+        L = self.spec.num_layers
+        return [(layer, 1) for layer in range(L)] if layerwise else [(0, L)]
 
     def _params(self, h, d, d2h: bool, layer0: int, layers: int) -> KvtParams:
         g = self._geo
@@ -631,8 +635,7 @@ class CopyEngineTransferEngine(_NvidiaEngine):
         # layer i's event exists once its copies are queued: wait_layer(i) blocks the calling
         # thread only until then (not until landed), then orders the caller's stream after it
         handle = LayerwiseHandle(L, self.name, torch.cuda)
-        ranges = [(layer, 1) for layer in range(L)] if layerwise else [(0, L)]
-        iss.jobs.put((h, d, d2h, ranges, handle, start))
+        iss.jobs.put((h, d, d2h, self._ranges(layerwise), handle, start))
         return handle
 
     def close(self) -> None:
