@@ -294,7 +294,7 @@ class CostModel:
                 self._recompute.observe(tokens, seconds, n)
 
     def observe_load(self, nbytes: int, seconds: float) -> None:
-        """An L2 -> L1 load of ``nbytes`` took ``seconds`` (start to landed)."""
+        """An L2 -> L1 load of ``nbytes`` took ``seconds`` (`load_seconds`)."""
         if nbytes > 0 and seconds >= 0 and math.isfinite(seconds):
             with self._lock:
                 self._h2d.observe(nbytes, seconds)

@@ -277,9 +277,10 @@ class CacheExecutor:
         return self.metrics_registry.snapshot()
 
     def rates(self) -> dict[str, float | None]:
-        """What this data path measured (`CostModel.rates`): L2 -> L1 loads from start to
-        landed, L3 reads per store call (one still running counts while it runs), and the
-        recompute rate from what the engine reported."""
+        """What this data path measured (`CostModel.rates`): L2 -> L1 loads (the engine's busy
+        time of its copies where it gives one, else start to landed), L3 reads per store call
+        (one still running counts while it runs), and the recompute rate from what the engine
+        reported."""
         return self.cost.rates()
 
     def close(self, timeout: float = 30.0) -> None:

@@ -67,11 +67,12 @@ class RankKeyStore(L3Store):
 
 
 class StepTimer:
-    """Times the engine's forward of one step, from ``start`` (``start_load_kv``) to ``stop``
-    (``wait_for_save``). On a host device by the wall clock; on CUDA by events on the current
-    stream (the forward is queued, not run, when ``wait_for_save`` returns), read once they
-    have completed and never waited for. `finished` hands back ``(tokens, pairs, seconds)``
-    of each timed step; a step never stopped is dropped."""
+    """Times the engine's forward of one step, from ``start`` (``bind_connector_metadata``,
+    which vLLM calls before the forward) to ``stop`` (``wait_for_save``). On a host device by
+    the wall clock; on CUDA by events on the current stream (the forward is queued, not run,
+    when ``wait_for_save`` returns), read once they have completed and never waited for.
+    `finished` hands back ``(tokens, pairs, seconds)`` of each timed step; a step never
+    stopped is dropped."""
 
     #: Steps whose events may be pending at once (older ones are dropped, not waited for).
     MAX_PENDING = 64
