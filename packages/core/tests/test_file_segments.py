@@ -830,6 +830,43 @@ def test_io_depth_bounds_calls_in_flight_over_all_callers(tmp_path, monkeypatch,
         assert state["peak"] > 2
 
 
+@pytest.mark.parametrize("call_slots, want", [(8, 8), (1, 4), (32, 32), (64, 32)])
+def test_batches_split_in_calls_no_smaller_than_io_call_bytes(tmp_path, monkeypatch,
+                                                              call_slots, want):
+    """Without io_depth a batch is spread over the I/O threads (two calls each), but in calls
+    of at least io_call_bytes where the batch holds that much: small pages would otherwise
+    reach the disk as many small calls. Data round-trips bitwise."""
+    sizes: dict[str, list[int]] = {"w": [], "r": []}
+
+    def counted(real, kind):
+        def call(fd, bufs, offset=0):
+            sizes[kind].append(sum(len(b) for b in bufs))
+            return real(fd, bufs, offset)
+        return call
+
+    monkeypatch.setattr(file_mod, "_pwrite_all", counted(file_mod._pwrite_all, "w"))
+    monkeypatch.setattr(file_mod, "_pread_all", counted(file_mod._pread_all, "r"))
+    spec = ALIGNED
+    slot = -(-(spec.page_bytes + TRAILER_BYTES) // 4096) * 4096
+    rng = random.Random(call_slots)
+    with HostKVPool(spec, 64, allocator=MmapAllocator()) as pool:
+        fill_random(pool.raw)
+        s = open_store(tmp_path, spec, io_threads=4, io_call_bytes=call_slots * slot)
+        s.attach(pool)
+        src = rng.sample(range(32), 32)
+        want_pages = {p: page(pool, p) for p in src}
+        ks = keys(32)
+        assert s.batch_set(ks, src) == [True] * 32
+        dst = list(range(32, 64))
+        assert s.batch_get(ks, dst) == [True] * 32
+        for p, d in zip(src, dst):
+            assert torch.equal(page(pool, d), want_pages[p])
+        s.close()
+    # 32 pages over 4 threads: 8 calls of 4 slots unless io_call_bytes asks for more
+    assert sorted(sizes["w"]) == [want * slot] * (32 // want)
+    assert sorted(sizes["r"]) == [want * slot] * (32 // want)
+
+
 @pytest.mark.parametrize("key, bad", [("io_depth", -1), ("io_depth", True), ("io_depth", "2"),
                                       ("io_call_bytes", 100), ("io_call_bytes", 1.5e6)])
 def test_io_depth_settings_are_checked(tmp_path, key, bad):

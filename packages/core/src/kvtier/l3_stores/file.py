@@ -101,8 +101,8 @@ _CHECKSUMS: dict[str, tuple[int, int]] = {"crc32": (1, 0), "adler32": (2, 1)}
 _CHECKSUM_NAME = {kid: name for name, (kid, _) in _CHECKSUMS.items()}
 _CHECKSUM_START = {kid: start for kid, start in _CHECKSUMS.values()}
 #: Bit-compatible implementations, fastest first: ISA-L and zlib-ng compute the very same
-#: CRC-32/Adler-32 several times faster than the system zlib (``pip install
-#: 'kvtier-core[fast-checksum]'``), so objects stay readable by every installation.
+#: CRC-32/Adler-32 several times faster than the system zlib (ISA-L is a dependency where it
+#: has wheels), so objects stay readable by every installation.
 _PROVIDERS = (("isal", "isal.isal_zlib"), ("zlib-ng", "zlib_ng.zlib_ng"), ("zlib", "zlib"))
 _impl_cache: dict[int, tuple[Callable[..., int], str]] = {}
 #: Names the store creates in a fan-out directory: objects (hex of the key, or "h" + its
@@ -328,7 +328,9 @@ class FileStore(L3Store):
         #: sequential calls (up to ``io_call_bytes`` each): for a disk that serves one
         #: sequential stream fastest.
         io_depth: int = 0
-        #: ``segments`` format with ``io_depth``: bytes a read or write call aims at.
+        #: ``segments`` format: bytes a read or write call aims at. A batch is split over
+        #: the I/O threads in calls no smaller than this (where it holds that much); with
+        #: ``io_depth``, in calls of this size.
         io_call_bytes: int = 8 << 20
         #: fsync each object (and its directory) before it becomes visible: survives power
         #: loss. Off, a crash can lose recent objects (checksums turn them into misses).

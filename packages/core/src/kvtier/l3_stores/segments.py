@@ -600,16 +600,20 @@ class SegmentFormat:
         return out
 
     def _chunk(self, n: int) -> int:
-        """Slots per I/O call: two calls per I/O thread (so one thread's checksums overlap
-        another's transfer), each within IOV_MAX iovecs; with an I/O depth below the thread
-        count, calls of about ``io_call_bytes`` (the disk sees few, large calls; the threads
-        waiting for their turn checksum meanwhile)."""
+        """Slots per I/O call, within IOV_MAX iovecs: two calls per I/O thread (so one
+        thread's checksums overlap another's transfer), but none smaller than
+        ``io_call_bytes`` where the batch holds that much (a disk serves small calls below
+        its sequential rate: a batch of small pages would otherwise make 2 MiB calls); with
+        an I/O depth below the thread count, calls of about ``io_call_bytes`` (the disk
+        sees few, large calls; the threads waiting for their turn checksum meanwhile)."""
         pieces = len(self.s._pieces) if self.s.host_pool is not None else 1
         cap = max(1, _f._IOV_MAX // (pieces + 1))
         threads = self.s.config.io_threads
+        least = self.s.config.io_call_bytes // self.slot_bytes
         if self._io_gate is not None:
-            return max(1, min(cap, n, self.s.config.io_call_bytes // self.slot_bytes))
-        return max(1, min(cap, -(-n // (threads * 2)) if threads > 1 else n))
+            return max(1, min(cap, n, least))
+        share = -(-n // (threads * 2)) if threads > 1 else n
+        return max(1, min(cap, n, max(least, share)))
 
     def _acquire(self, seg: str) -> _Fd | None:
         """The segment's descriptor, held until ``_release``; None if it cannot be opened."""
