@@ -70,7 +70,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--io-depth", type=int, default=0,
                    help="file store io_depth: read/write calls in flight in the store "
                         "(0: one per I/O thread)")
-    p.add_argument("--io-call", default="8M", help="file store io_call_bytes (with --io-depth)")
+    p.add_argument("--io-call", default="8M",
+                   help="file store io_call_bytes (least bytes per I/O call)")
+    p.add_argument("--raw-pieces", default="",
+                   help="comma-separated call sizes of extra single-stream raw modes (the "
+                        "ceiling is the best of every mode; a mode at the store's call size "
+                        "shows what the disk gives calls of that size)")
     p.add_argument("--cache", choices=["direct", "fadvise"], default="direct",
                    help="page cache treatment for both sides: bypass it with O_DIRECT (the "
                         "store's default where it can), or use it and drop it with fadvise")
@@ -117,14 +122,15 @@ def _drop_tree(root: str) -> None:
             _drop(os.path.join(dirpath, f))
 
 
-def _plan(total: int, streams: int, files: bool) -> list[list[tuple[int, int, int]]]:
-    """Per stream, its (file index, offset in that file, length) pieces of 8 MiB: one file
+def _plan(total: int, streams: int, files: bool, piece: int = CHUNK
+          ) -> list[list[tuple[int, int, int]]]:
+    """Per stream, its (file index, offset in that file, length) pieces: one file
     with the pieces dealt round-robin to the streams, or one file per stream written from
     its start."""
     plan: list[list[tuple[int, int, int]]] = [[] for _ in range(streams)]
     ends = [0] * streams
-    for i, off in enumerate(range(0, total, CHUNK)):
-        n, s = min(CHUNK, total - off), i % streams
+    for i, off in enumerate(range(0, total, piece)):
+        n, s = min(piece, total - off), i % streams
         if files:
             plan[s].append((s, ends[s], n))
             ends[s] += n
@@ -157,12 +163,42 @@ def _raw_paths(path: str, streams: int, files: bool) -> list[str]:
     return [f"{path}.{s}" for s in range(streams)] if files else [path]
 
 
+_TAIL = 4096                  # the segments format's slot tail: trailer padded to 4 KiB
+_TAIL_BUF = mmap.mmap(-1, _TAIL)
+
+
+def _slot_plan(total: int, streams: int, files: bool, piece: int, slot_page: int
+               ) -> tuple[int, list[list[tuple[int, int, int]]]]:
+    """``total`` payload bytes laid out as the segments format lays them out when
+    ``slot_page`` is set (each page followed by its 4 KiB tail), in calls of as many whole
+    slots as fit ``piece``; the file's bytes and the plan."""
+    if not slot_page:
+        return total, _plan(total, streams, files, piece)
+    slot = slot_page + _TAIL
+    size = total // slot_page * slot
+    return size, _plan(size, streams, files, max(1, piece // slot) * slot)
+
+
+def _iov(view: memoryview, n: int, slot_page: int) -> list[memoryview]:
+    """The iovecs of one ``n``-byte call: one buffer, or (slots) each page's bytes then a
+    4 KiB tail, as the store's ``preadv``/``pwritev`` calls pass them."""
+    if not slot_page:
+        return [view[:n]]
+    out: list[memoryview] = []
+    tail = memoryview(_TAIL_BUF)
+    for j in range(n // (slot_page + _TAIL)):
+        out += [view[j * slot_page:(j + 1) * slot_page], tail]
+    return out
+
+
 def raw_write(path: str, total: int, bufs: list[mmap.mmap], direct: bool,
-              streams: int = 1, files: bool = False) -> float:
-    """GB/s of writing ``total`` bytes sequentially in 8 MiB pieces by ``streams`` threads
-    (into one file, or one file each), fsync included."""
+              streams: int = 1, files: bool = False, piece: int = CHUNK,
+              slot_page: int = 0) -> float:
+    """GB/s of writing ``total`` bytes sequentially in ``piece``-byte calls by ``streams``
+    threads (into one file, or one file each), fsync included; with ``slot_page``, in the
+    segments format's slot layout (payload bytes counted)."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
-    plan = _plan(total, streams, files)
+    _, plan = _slot_plan(total, streams, files, piece, slot_page)
     t0 = time.perf_counter()
     fds = [os.open(p, flags, 0o600) for p in _raw_paths(path, streams, files)]
     try:
@@ -170,6 +206,8 @@ def raw_write(path: str, total: int, bufs: list[mmap.mmap], direct: bool,
             view = memoryview(bufs[s])
             for f, off, n in plan[s]:
                 done = 0
+                if slot_page:
+                    done = os.pwritev(fds[f], _iov(view, n, slot_page), off)
                 while done < n:
                     done += os.pwrite(fds[f], view[done:n], off + done)
         _parallel(stream, streams)
@@ -182,20 +220,21 @@ def raw_write(path: str, total: int, bufs: list[mmap.mmap], direct: bool,
 
 
 def raw_read(path: str, total: int, bufs: list[mmap.mmap], direct: bool,
-             streams: int = 1, files: bool = False) -> float:
+             streams: int = 1, files: bool = False, piece: int = CHUNK,
+             slot_page: int = 0) -> float:
     """GB/s of reading back what ``raw_write`` wrote (cache dropped or bypassed)."""
     paths = _raw_paths(path, streams, files)
     if not direct:
         for p in paths:
             _drop(p)
-    plan = _plan(total, streams, files)
+    _, plan = _slot_plan(total, streams, files, piece, slot_page)
     t0 = time.perf_counter()
     fds = [os.open(p, os.O_RDONLY | (os.O_DIRECT if direct else 0)) for p in paths]
     try:
         def stream(s: int) -> None:
             view = memoryview(bufs[s])
             for f, off, n in plan[s]:
-                if os.preadv(fds[f], [view[:n]], off) != n:
+                if os.preadv(fds[f], _iov(view, n, slot_page), off) != n:
                     raise OSError(f"{paths[f]}: short read at {off}")
         _parallel(stream, streams)
     finally:
@@ -312,9 +351,9 @@ def _print(data: dict[str, Any], failures: int) -> None:
           f"{data['dir']} ({data['cache']}; "
           f"{data['total'] / 2**30:g} GiB per measurement, median of {data['repeat']}; "
           f"io_threads={data['threads']}, batch={data['batch']}, "
-          f"callers={data.get('callers', 1)}"
-          + (f", io_depth={data['io_depth']} ({data['io_call_bytes'] >> 10} KiB calls)"
-             if data.get("io_depth") else "") + "; GB/s = 1e9 bytes/s)")
+          f"callers={data.get('callers', 1)}, calls of {data['io_call_bytes'] >> 10} KiB"
+          + (" or more" if not data.get("io_depth") else f", io_depth={data['io_depth']}")
+          + "; GB/s = 1e9 bytes/s)")
     print(table(["page", f"raw write ({how})", "batch_set", "set/raw", f"raw read ({how})",
                  "batch_get", "get/raw"], report(data)))
     ck = data["checksum"]
@@ -338,19 +377,31 @@ def run(args: argparse.Namespace) -> int:
     sizes = [parse_size(s, "--page-sizes") for s in args.page_sizes.split(",") if s.strip()]
     total = parse_size(args.total, "--total")
     io_call = parse_size(args.io_call, "--io-call")
+    pieces = list(dict.fromkeys(parse_size(x, "--raw-pieces")
+                                for x in args.raw_pieces.split(",") if x.strip()))
+    for piece in pieces:
+        if piece < 4096 or piece % 4096:
+            raise ConfigError(f"--raw-pieces: {piece} is not a positive multiple of 4096",
+                              key="raw_pieces", value=piece)
     direct = args.cache == "direct"
     own_dir = args.dir is None
     base = tempfile.mkdtemp(prefix="kvtier-bench-store-") if own_dir else args.dir
     os.makedirs(base, exist_ok=True)
     work = tempfile.mkdtemp(prefix="run-", dir=base)
     # raw ceilings: one stream; N streams over one file; N streams, a file each
-    modes = [("1", 1, False)]
+    modes = [("1", 1, False, CHUNK, False)]
     for k in sorted({args.threads, args.threads * args.callers} - {1}):
-        modes += [(f"{k}", k, False), (f"{k} files", k, True)]
+        modes += [(f"{k}", k, False, CHUNK, False), (f"{k} files", k, True, CHUNK, False)]
+    for piece in pieces:
+        modes.append((f"1 @{_label(piece)}", 1, False, piece, False))
+    if args.format == "segments":
+        # the disk's answer to the store's own iovec pattern (its calls, without the store)
+        modes.append((f"1 slots @{_label(io_call)}", 1, False, io_call, True))
     bufs = []
-    for _ in range(max(k for _, k, _ in modes)):
-        b = mmap.mmap(-1, CHUNK)                 # page-aligned: fit for O_DIRECT
-        b.write(os.urandom(CHUNK))
+    biggest = max(m[3] for m in modes)
+    for _ in range(max(m[1] for m in modes)):
+        b = mmap.mmap(-1, biggest)               # page-aligned: fit for O_DIRECT
+        b.write(os.urandom(biggest))
         bufs.append(b)
     failures = 0
     steps = [(ps, r) for ps in sizes for r in range(args.repeat)]
@@ -375,12 +426,13 @@ def run(args: argparse.Namespace) -> int:
             moved = n * spec.page_bytes
             r = results[ps]
             raw_path = os.path.join(work, "raw.bin")
-            for label, k, files in modes:
+            for label, k, files, piece, slots in modes:
+                sp = spec.page_bytes if slots else 0
                 r.setdefault(f"raw_w{label}", []).append(
-                    raw_write(raw_path, moved, bufs, direct, k, files))
+                    raw_write(raw_path, moved, bufs, direct, k, files, piece, sp))
                 _pause(work)
                 r.setdefault(f"raw_r{label}", []).append(
-                    raw_read(raw_path, moved, bufs, direct, k, files))
+                    raw_read(raw_path, moved, bufs, direct, k, files, piece, sp))
                 _remove_raw(raw_path, k, files)
 
             root = os.path.join(work, "store")
