@@ -46,7 +46,7 @@ from ..cache.config import CacheConfig
 from ..errors import ConfigError
 from ..host_allocators.mmap import MmapAllocator
 from ..host_pool import HostKVPool
-from ..l3_stores.file import _CHECKSUMS, FileStore, checksum_impl
+from ..l3_stores.file import _CHECKSUMS, DIRECT_ALIGN, TRAILER_BYTES, FileStore, checksum_impl
 from ..report import parse_size, progress, table
 from ..spec import KVSpec
 
@@ -163,30 +163,37 @@ def _raw_paths(path: str, streams: int, files: bool) -> list[str]:
     return [f"{path}.{s}" for s in range(streams)] if files else [path]
 
 
-_TAIL = 4096                  # the segments format's slot tail: trailer padded to 4 KiB
-_TAIL_BUF = mmap.mmap(-1, _TAIL)
+def _tail(page: int) -> int:
+    """Bytes after a page in its segments-format slot: the trailer, padded to the alignment."""
+    return -(-(page + TRAILER_BYTES) // DIRECT_ALIGN) * DIRECT_ALIGN - page
+
+
+@functools.lru_cache(maxsize=None)
+def _tail_buf(nbytes: int) -> mmap.mmap:
+    """One page-aligned (O_DIRECT-fit) tail buffer per size, shared by every call."""
+    return mmap.mmap(-1, nbytes)
 
 
 def _slot_plan(total: int, streams: int, files: bool, piece: int, slot_page: int
                ) -> tuple[int, list[list[tuple[int, int, int]]]]:
     """``total`` payload bytes laid out as the segments format lays them out when
-    ``slot_page`` is set (each page followed by its 4 KiB tail), in calls of as many whole
+    ``slot_page`` is set (each page followed by its trailer's tail), in calls of as many whole
     slots as fit ``piece``; the file's bytes and the plan."""
     if not slot_page:
         return total, _plan(total, streams, files, piece)
-    slot = slot_page + _TAIL
+    slot = slot_page + _tail(slot_page)
     size = total // slot_page * slot
     return size, _plan(size, streams, files, max(1, piece // slot) * slot)
 
 
 def _iov(view: memoryview, n: int, slot_page: int) -> list[memoryview]:
-    """The iovecs of one ``n``-byte call: one buffer, or (slots) each page's bytes then a
-    4 KiB tail, as the store's ``preadv``/``pwritev`` calls pass them."""
+    """The iovecs of one ``n``-byte call: one buffer, or (slots) each page's bytes then its
+    tail, as the store's ``preadv``/``pwritev`` calls pass them."""
     if not slot_page:
         return [view[:n]]
     out: list[memoryview] = []
-    tail = memoryview(_TAIL_BUF)
-    for j in range(n // (slot_page + _TAIL)):
+    tail = memoryview(_tail_buf(_tail(slot_page)))
+    for j in range(n // (slot_page + len(tail))):
         out += [view[j * slot_page:(j + 1) * slot_page], tail]
     return out
 
