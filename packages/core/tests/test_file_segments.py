@@ -830,12 +830,15 @@ def test_io_depth_bounds_calls_in_flight_over_all_callers(tmp_path, monkeypatch,
         assert state["peak"] > 2
 
 
-@pytest.mark.parametrize("call_slots, want", [(8, 8), (1, 4), (32, 32), (64, 32)])
+@pytest.mark.parametrize("call_slots, want", [(8, [8] * 4), (1, [4] * 8), (32, [32]),
+                                              (64, [32]), (12, [16, 16]),
+                                              (5, [5, 5, 5, 5, 6, 6])])
 def test_batches_split_in_calls_no_smaller_than_io_call_bytes(tmp_path, monkeypatch,
                                                               call_slots, want):
     """Without io_depth a batch is spread over the I/O threads (two calls each), but in calls
     of at least io_call_bytes where the batch holds that much: small pages would otherwise
-    reach the disk as many small calls. Data round-trips bitwise."""
+    reach the disk as many small calls. What does not divide evenly is spread over the calls
+    (no short last call). Data round-trips bitwise."""
     sizes: dict[str, list[int]] = {"w": [], "r": []}
 
     def counted(real, kind):
@@ -863,8 +866,8 @@ def test_batches_split_in_calls_no_smaller_than_io_call_bytes(tmp_path, monkeypa
             assert torch.equal(page(pool, d), want_pages[p])
         s.close()
     # 32 pages over 4 threads: 8 calls of 4 slots unless io_call_bytes asks for more
-    assert sorted(sizes["w"]) == [want * slot] * (32 // want)
-    assert sorted(sizes["r"]) == [want * slot] * (32 // want)
+    assert sorted(sizes["w"]) == [w * slot for w in want]
+    assert sorted(sizes["r"]) == [w * slot for w in want]
 
 
 @pytest.mark.parametrize("key, bad", [("io_depth", -1), ("io_depth", True), ("io_depth", "2"),

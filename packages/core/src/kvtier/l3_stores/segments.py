@@ -586,14 +586,16 @@ class SegmentFormat:
         step = self._chunk(sum(len(v) for v in runs.values()))
         for seg, items in runs.items():
             items.sort()
-            run: list[tuple[int, int, bytes, int]] = []
+            contiguous: list[list[tuple[int, int, bytes, int]]] = []
             for it in items:     # a key named twice starts a run of its own: read twice
-                if run and (it[0] != run[-1][0] + 1 or len(run) >= step):
-                    work.append((seg, run))
-                    run = []
-                run.append(it)
-            if run:
-                work.append((seg, run))
+                if not contiguous or it[0] != contiguous[-1][-1][0] + 1:
+                    contiguous.append([])
+                contiguous[-1].append(it)
+            for run in contiguous:
+                at = 0
+                for size in self._split(len(run), step):
+                    work.append((seg, run[at:at + size]))
+                    at += size
         for done in self.s._map(self._read_run, work):
             for i in done:
                 out[i] = True
@@ -606,14 +608,26 @@ class SegmentFormat:
         its sequential rate: a batch of small pages would otherwise make 2 MiB calls); with
         an I/O depth below the thread count, calls of about ``io_call_bytes`` (the disk
         sees few, large calls; the threads waiting for their turn checksum meanwhile)."""
-        pieces = len(self.s._pieces) if self.s.host_pool is not None else 1
-        cap = max(1, _f._IOV_MAX // (pieces + 1))
         threads = self.s.config.io_threads
         least = self.s.config.io_call_bytes // self.slot_bytes
         if self._io_gate is not None:
-            return max(1, min(cap, n, least))
+            return max(1, min(self._cap(), n, least))
         share = -(-n // (threads * 2)) if threads > 1 else n
-        return max(1, min(cap, n, max(least, share)))
+        return max(1, min(self._cap(), n, max(least, share)))
+
+    def _cap(self) -> int:
+        """The most slots one call may hold: a page's pieces and its tail within IOV_MAX."""
+        pieces = len(self.s._pieces) if self.s.host_pool is not None else 1
+        return max(1, _f._IOV_MAX // (pieces + 1))
+
+    def _split(self, length: int, step: int) -> list[int]:
+        """``length`` contiguous slots as balanced calls of about ``step`` slots: none smaller
+        than ``step`` without an I/O depth (64 pages at 31 a call are two calls of 32, not
+        31 + 31 + 2), none larger with one, none over the iovec limit."""
+        calls = length // step if self._io_gate is None else -(-length // step)
+        calls = max(1, calls, -(-length // self._cap()))
+        base, extra = divmod(length, calls)
+        return [base + 1] * extra + [base] * (calls - extra)
 
     def _acquire(self, seg: str) -> _Fd | None:
         """The segment's descriptor, held until ``_release``; None if it cannot be opened."""
@@ -781,7 +795,7 @@ class SegmentFormat:
                     if not self._rotate(n - i):
                         break
                 assert self._cur is not None
-                take = min(n - i, self._cur_slots - self._cur_next, step)
+                take = self._split(min(n - i, self._cur_slots - self._cur_next), step)[0]
                 e = self._cur[1]
                 with self._lock:
                     e.refs += 1
