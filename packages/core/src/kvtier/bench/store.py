@@ -6,10 +6,10 @@ For each page size the run alternates (``--repeat`` times, medians reported):
   and by N threads into one file (pieces dealt round-robin) and into a file each, for N =
   ``--threads`` and N = ``--threads`` x ``--callers`` (as many I/O calls in flight as the
   store may have); the best of these is the ceiling. Each call moves its own part of a buffer
-  as large as the data, as the store's calls move their own host pages: a raw mode that
-  reuses one 8 MiB buffer for every call ("1 hot", shown but not counted) measured 5-20%
-  faster than the same calls spread over the data on a virtual disk, a destination no store
-  of real size has;
+  as large as the data, as the store's calls move their own host pages; a raw mode that
+  reuses one 8 MiB buffer for every call ("1 hot": a cache-resident buffer, which no store
+  of real size has) is shown but not counted (on a virtual disk it has run 5-20% faster
+  than the same calls spread over the data, and in other runs no faster);
 * store ``batch_set`` of the same number of bytes as pages, then ``syncfs`` (both are timed
   until the data is on the disk), called as the controller calls it: ``--batch`` pages per
   call (``CacheConfig.l3_batch_pages``) from ``--callers`` threads at once
