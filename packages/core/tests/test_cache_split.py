@@ -110,6 +110,31 @@ def test_load_through_l3_after_l2_eviction(split):
     assert m["l3_matched_pages"] == 6 - hit.l2_pages
 
 
+def test_save_without_l3_write_keeps_l2_and_counts_the_skipped_writes(split):
+    """``l3_write=False`` (the connector's ``l3_write_when_slow=False`` while L3 is slower
+    than recomputing): the pages join L2 bitwise, none goes to L3, each is counted; the next
+    save writes through again."""
+    keys = split.pl.keys(toks(4 * 4, 9))
+    src = random.Random(4).sample(range(16), 4)
+    want = [split.page(p).clone() for p in src]
+    plan = split.pl.plan_save(keys, src, l3_write=False)
+    assert not plan.l3_writes and len(plan.backups) == 4
+    assert split.run(plan).ok
+    assert split.ex.store.batch_exists(keys) == 0
+    assert split.pl.metrics()["cost_skipped_l3_writes"] == 4
+    dst = [20, 21, 22, 23]
+    assert split.run(split.pl.plan_load(keys, dst)).loaded_prefix == 4
+    for w, d in zip(want, dst):
+        assert torch.equal(split.page(d), w)
+    more = split.pl.keys(toks(4 * 6, 9))                 # the same 4 pages and 2 more
+    plan = split.pl.plan_save(more, [24, 25], start=4)
+    assert len(plan.l3_writes) == 2 and split.run(plan).ok
+    assert split.ex.store.batch_exists(more[4:]) == 2
+    assert split.pl.metrics()["cost_skipped_l3_writes"] == 4
+    with pytest.raises(InvalidArgumentError):
+        split.pl.plan_save(keys, src, l3_write="no")
+
+
 def test_l3_miss_fails_only_those_loads(split):
     keys = split.pl.keys(toks(4 * 3, 5))
     assert split.run(split.pl.plan_save(keys, [0, 1, 2])).ok

@@ -234,18 +234,25 @@ def test_workers_measure_their_rates_for_the_scheduler(model, reference, tmp_pat
 
 def test_skipped_l3_pages_are_probed_into_l2(model, store, first, reference, tmp_path):
     """L3 pages the split skips are still read now and then (a probe into L2), so a store
-    that was slow and recovers is measured again."""
+    that was slow and recovers is measured again. With ``l3_write_when_slow`` off, a new
+    prompt's pages go to L2 only while L3 is measured slower than recomputing."""
     root = str(tmp_path / "copy")
     _copy_tree(store + ".snapshot" if os.path.exists(store + ".snapshot") else store, root)
+    gen = random.Random(11)
+    new = [gen.randrange(1, 500) for _ in range(3 * BLOCK + 40)]
     res = _run({"model": model, "kv_transfer_config": _ktc(root, cost_aware_fetch=True,
-                                                           recompute_tokens_per_s=1e12),
-                "phases": [{"prompts": [PROMPT, OTHERS[0]]}]})
-    assert _cached(res, 0) == [4 * BLOCK, 0]      # rates unknown: loaded; then: skipped
-    assert _outputs(res, 0) == _outputs(reference, 0)[:1] + _outputs(reference, 1)[:1]
+                                                           recompute_tokens_per_s=1e12,
+                                                           l3_write_when_slow=False),
+                "phases": [{"prompts": [PROMPT, OTHERS[0], new]}]})
+    assert _cached(res, 0) == [4 * BLOCK, 0, 0]   # rates unknown: loaded; then: skipped
+    assert _outputs(res, 0)[:2] == _outputs(reference, 0)[:1] + _outputs(reference, 1)[:1]
     k = res["kvtier"]
     assert k["cost_skipped_pages_l3"] == 3 and k["cost_probe_pages"] == 3, k
     assert k["planner"]["planned_prefetch_pages"] == 3, k
     assert k["l3_get_hits"] >= 4 + 1, k           # the probe read from the store too
+    pl = k["planner"]           # every block saved once L3 was measured slow: L2 only
+    assert pl["cost_skipped_l3_writes"] == pl["planned_backup_pages"] >= 3, pl
+    assert k.get("l3_set_ok", 0) == 0 and k.get("l3_bytes_written", 0) == 0, k
 
 
 # ----- the plugin entry point ------------------------------------------------------------------

@@ -197,10 +197,15 @@ class CachePlanner:
         self.metrics_registry.add("planned_prefetch_pages", len(reads))
         return plan
 
-    def plan_save(self, keys: Sequence[bytes], device_pages: Sequence[int], start: int = 0
-                  ) -> Plan:
+    def plan_save(self, keys: Sequence[bytes], device_pages: Sequence[int], start: int = 0,
+                  *, l3_write: bool = True) -> Plan:
         """Back up ``keys[start + i]`` held in ``device_pages[i]`` to L2 (and L3) under the
-        write policy; pages already in L2 or in flight are skipped."""
+        write policy; pages already in L2 or in flight are skipped. ``l3_write=False`` drops
+        the write-through L3 writes of this save (counted in ``cost_skipped_l3_writes``):
+        the caller's ``l3_write_when_slow=False`` while L3 is slower than recomputing."""
+        if not isinstance(l3_write, bool):
+            raise InvalidArgumentError(f"l3_write must be a bool, got {l3_write!r}",
+                                       argument="l3_write", value=l3_write)
         dev = self._span(keys, device_pages, start, "plan_save")
         pol = self.write_policy
         with self._lock:
@@ -225,16 +230,21 @@ class CachePlanner:
             st.backup_keys = [keys[i] for i, _ in cand]
             st.backup_parents = [keys[i - 1] if i > 0 else None for i, _ in cand]
             writes: tuple[tuple[int, bytes], ...] = ()
+            skipped = 0
             if pol.l3_on_backup and self._l3_exists is not None:
-                writes = tuple((h, k) for h, k in zip(pages, st.backup_keys))
-                st.wt_writes = len(writes)
+                if l3_write:
+                    writes = tuple((h, k) for h, k in zip(pages, st.backup_keys))
+                    st.wt_writes = len(writes)
+                else:
+                    skipped = len(pages)
             for k in st.backup_keys:
                 self._pending[k] = st.plan.plan_id
                 st.keys.append(k)
             plan = Plan(st.plan.plan_id, backups=backups, l3_writes=writes + self._wb_ops(st))
             st.plan = plan
             self._plans[plan.plan_id] = st
-        self.metrics_registry.add("planned_backup_pages", len(backups))
+        self.metrics_registry.add_many({"planned_backup_pages": len(backups),
+                                        "cost_skipped_l3_writes": skipped})
         return plan
 
     def plan_evict(self, num_pages: int) -> Plan:

@@ -399,7 +399,10 @@ class KVTierConnector(KVConnectorBase_V1):
         if full <= r.saved:
             return
         keys = self._keys_upto(r, full)
-        plan = self.planner.plan_save(keys, r.block_ids[r.saved:full], r.saved)
+        l3_write = self.cfg.l3_write_when_slow or not self.cost.l3_slower_than_recompute(
+            self.spec.page_size, self.spec.page_bytes)
+        plan = self.planner.plan_save(keys, r.block_ids[r.saved:full], r.saved,
+                                      l3_write=l3_write)
         r.saved = full
         if plan.empty:
             self.planner.complete(plan.failed())       # nothing to run: book it now
