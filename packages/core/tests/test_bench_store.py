@@ -4,6 +4,7 @@ several threads at once) beside raw ceilings with as many I/O calls in flight.""
 from __future__ import annotations
 
 import json
+import statistics
 
 
 from kvtier.cli import main
@@ -19,6 +20,7 @@ def test_bench_store_calls_from_several_threads_and_measures_matching_ceilings(t
     printed = capsys.readouterr().out
     assert "batch=3, callers=3, calls of 512 KiB, io_depth=1" in printed
     assert "every page read back bitwise identical" in printed
+    assert "against the median of the same raw modes (set / get): 256 KiB " in printed
     data = json.loads(out.read_text())
     assert data["callers"] == 3 and data["batch"] == 3 and data["failures"] == 0
     assert data["io_depth"] == 1 and data["io_call_bytes"] == 512 << 10
@@ -31,6 +33,9 @@ def test_bench_store_calls_from_several_threads_and_measures_matching_ceilings(t
         assert r["set"] > 0 and r["get"] > 0
         assert r["set_ratio"] == r["set"] / max(r["raw_write"][m] for m in data["ceiling_modes"])
         assert r["get_ratio"] == r["get"] / max(r["raw_read"][m] for m in data["ceiling_modes"])
+        assert r["get_ratio_median_mode"] == r["get"] / statistics.median(
+            r["raw_read"][m] for m in data["ceiling_modes"])
+        assert r["set_ratio_median_mode"] >= r["set_ratio"]
     assert not (tmp_path / "d").exists() or not any((tmp_path / "d").iterdir())
 
 
