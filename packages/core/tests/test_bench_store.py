@@ -37,6 +37,21 @@ def test_bench_store_calls_from_several_threads_and_measures_matching_ceilings(t
             r["raw_read"][m] for m in data["ceiling_modes"])
         assert r["set_ratio_median_mode"] >= r["set_ratio"]
     assert not (tmp_path / "d").exists() or not any((tmp_path / "d").iterdir())
+    # --replot prints the same table and both ratios, for records made before the ceiling
+    # named its modes too; a JSON file of another shape gets a typed error
+    capsys.readouterr()
+    assert main(["bench", "store", "--replot", str(out)]) == 0
+    again = capsys.readouterr().out
+    row = next(ln for ln in printed.splitlines() if ln.startswith("| 256 KiB"))
+    assert row in again and "against the median of the same raw modes" in again
+    old = {k: v for k, v in data.items() if k not in ("raw_modes", "ceiling_modes",
+                                                       "io_call_bytes")}
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    assert main(["bench", "store", "--replot", str(tmp_path / "old.json")]) == 0
+    assert "| 256 KiB" in capsys.readouterr().out
+    (tmp_path / "other.json").write_text(json.dumps({"runs": [data]}))
+    assert main(["bench", "store", "--replot", str(tmp_path / "other.json")]) != 0
+    assert "is not a `kvtier bench store --json` record" in capsys.readouterr().err
 
 
 def test_raw_slot_mode_lays_pages_out_as_the_segments_format(tmp_path):
@@ -97,3 +112,4 @@ def test_raw_modes_move_the_data_through_memory_as_large_as_the_data(tmp_path):
     dst = mmap.mmap(-1, total)
     bench.raw_read(path, total, dst, False, 2, False, piece, hot=True)
     assert dst[:2 * piece] == src[:2 * piece] and dst[2 * piece:] == bytes(total - 2 * piece)
+

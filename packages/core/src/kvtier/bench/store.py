@@ -337,10 +337,15 @@ def report(data: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+def _raw_modes(data: dict[str, Any]) -> list[str]:
+    """Every raw mode of a record (the oldest records name them only in their results)."""
+    return data.get("raw_modes") or list(data["results"][0]["raw_write"])
+
+
 def _ceiling_modes(data: dict[str, Any]) -> list[str]:
     """The raw modes the ceiling is the best of (every mode, in records made before the hot
     mode existed)."""
-    return data.get("ceiling_modes", data["raw_modes"])
+    return data.get("ceiling_modes", _raw_modes(data))
 
 
 def plot(data: dict[str, Any], path: str) -> None:
@@ -382,14 +387,15 @@ def plot(data: dict[str, Any], path: str) -> None:
 
 
 def _print(data: dict[str, Any], failures: int) -> None:
-    how = " / ".join(data["raw_modes"])
+    how = " / ".join(_raw_modes(data))
+    calls = "" if data.get("io_call_bytes") is None else \
+        f", calls of {data['io_call_bytes'] >> 10} KiB" + (
+            " or more" if not data.get("io_depth") else f", io_depth={data['io_depth']}")
     print(f"file store ({data.get('format', 'objects')} format) vs raw sequential I/O in "
           f"{data['dir']} ({data['cache']}; "
           f"{data['total'] / 2**30:g} GiB per measurement, median of {data['repeat']}; "
           f"io_threads={data['threads']}, batch={data['batch']}, "
-          f"callers={data.get('callers', 1)}, calls of {data['io_call_bytes'] >> 10} KiB"
-          + (" or more" if not data.get("io_depth") else f", io_depth={data['io_depth']}")
-          + "; GB/s = 1e9 bytes/s)")
+          f"callers={data.get('callers', 1)}{calls}; GB/s = 1e9 bytes/s)")
     print(table(["page", f"raw write ({how})", "batch_set", "set/raw", f"raw read ({how})",
                  "batch_get", "get/raw"], report(data)))
     ck = data["checksum"]
@@ -399,7 +405,7 @@ def _print(data: dict[str, Any], failures: int) -> None:
               f"{r['get'] / statistics.median(r['raw_read'][m] for m in modes):.0%}"
               for r in data["results"]]
     print("against the median of the same raw modes (set / get): " + ", ".join(spread))
-    hot = [m for m in data["raw_modes"] if m not in modes]
+    hot = [m for m in _raw_modes(data) if m not in modes]
     print("ratios are against the best raw figure"
           + (f" except {' / '.join(hot)} (one reused buffer, cache-resident: no store's "
              "pages are)" if hot else "") + "; "
@@ -410,6 +416,11 @@ def run(args: argparse.Namespace) -> int:
     if args.replot:
         with open(args.replot) as f:
             data = json.load(f)
+        if not isinstance(data, dict) or not data.get("results") or \
+                not all("raw_write" in r for r in data["results"]):
+            raise ConfigError(f"--replot: {args.replot} is not a `kvtier bench store --json` "
+                              "record (no results with raw figures)", key="replot",
+                              value=args.replot)
         _print(data, 0)
         if args.plot:
             plot(data, args.plot)
