@@ -342,6 +342,13 @@ def _raw_modes(data: dict[str, Any]) -> list[str]:
     return data.get("raw_modes") or list(data["results"][0]["raw_write"])
 
 
+def _vs_median(result: dict[str, Any], op: str, modes: list[str]) -> float:
+    """One page size's store figure (``op``: set or get) against the median of the raw
+    ``modes``: how much of a gap to the best raw figure is the disk's own spread."""
+    raw = result["raw_write" if op == "set" else "raw_read"]
+    return result[op] / statistics.median(raw[m] for m in modes)
+
+
 def _ceiling_modes(data: dict[str, Any]) -> list[str]:
     """The raw modes the ceiling is the best of (every mode, in records made before the hot
     mode existed)."""
@@ -400,10 +407,8 @@ def _print(data: dict[str, Any], failures: int) -> None:
                  "batch_get", "get/raw"], report(data)))
     ck = data["checksum"]
     modes = _ceiling_modes(data)
-    spread = [f"{_label(r['page_bytes'])} "
-              f"{r['set'] / statistics.median(r['raw_write'][m] for m in modes):.0%} / "
-              f"{r['get'] / statistics.median(r['raw_read'][m] for m in modes):.0%}"
-              for r in data["results"]]
+    spread = [f"{_label(r['page_bytes'])} {_vs_median(r, 'set', modes):.0%} / "
+              f"{_vs_median(r, 'get', modes):.0%}" for r in data["results"]]
     print("against the median of the same raw modes (set / get): " + ", ".join(spread))
     hot = [m for m in _raw_modes(data) if m not in modes]
     print("ratios are against the best raw figure"
@@ -547,13 +552,11 @@ def run(args: argparse.Namespace) -> int:
             "raw_write": {k: med[f"raw_w{k}"] for k in labels},
             "raw_read": {k: med[f"raw_r{k}"] for k in labels},
             "set_ratio": med["set"] / raw_w, "get_ratio": med["get"] / raw_r,
-            # against the typical raw mode: how much of the gap is the disk's own spread
-            "set_ratio_median_mode": med["set"] / statistics.median(
-                med[f"raw_w{k}"] for k in ceiling),
-            "get_ratio_median_mode": med["get"] / statistics.median(
-                med[f"raw_r{k}"] for k in ceiling),
             "o_direct": bool(med.get("o_direct", 0)),
             "samples": {k: v for k, v in results[ps].items() if k != "o_direct"}})
+        res = data["results"][-1]
+        for op in ("set", "get"):
+            res[f"{op}_ratio_median_mode"] = _vs_median(res, op, ceiling)
     _print(data, failures)
     if args.json:
         with open(args.json, "w") as f:
