@@ -122,12 +122,15 @@ def test_roundtrip_bitwise(engine_name, spec, layout, layerwise):
 @pytest.mark.parametrize("name", ["nvidia-tma", "nvidia-register", "nvidia-copy-engine"])
 @pytest.mark.parametrize("cfg", [
     {"ctas": 1}, {"ctas": 4}, {"max_batch": 3}, {"max_batch": 1},
+    {"first_batch": 0}, {"first_batch": 1}, {"first_batch": 5, "max_batch": 7},
     {"warps": 1, "stages": 2, "stage_bytes": 4096},
     {"warps": 4, "stages": 3, "stage_bytes": 16384},
     {"tensor_map": False},
     {"layer_signals": False}, {"layer_signals": True, "ctas": 8, "warps": 8},
     {"signal_layers": 2}, {"signal_layers": 3, "tensor_map": False}, {"signal_layers": 64},
     {"side_stream": True}, {"issue_thread": True}, {"issue_thread": False, "side_stream": True},
+    {"strided": False}, {"strided": True, "max_batch": 2, "first_batch": 1},
+    {"strided": True, "issue_thread": True},
     {"threads": 256, "unroll": 8}, {"threads": 1024, "unroll": 2},
 ], ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
 def test_configurations_stay_bitwise(name, cfg):
@@ -181,6 +184,8 @@ def test_scattered_device_layers(name):
             assert_device_has(dpool, hpool, host, dev)
             if name == "nvidia-tma":   # no constant (positive) layer stride: no 4-layer map
                 assert not eng.plan(len(host), 0, spec.num_layers)[0].use_tmap
+            if name == "nvidia-copy-engine":   # nor strided copies: one copy per chunk
+                assert not eng.describe()["strided"], eng.describe()
             eng.close()
     finally:
         hpool.close()
@@ -253,14 +258,15 @@ def test_copy_engine_copies_follow_the_callers_work_at_the_call_only(issue_threa
         hpool.close()
 
 
-def test_copy_engine_issue_thread_setting_is_checked():
+@pytest.mark.parametrize("key", ["issue_thread", "strided"])
+def test_copy_engine_switches_are_checked(key):
     _available("nvidia-copy-engine")
     spec = KVSpec.mla(num_layers=2, kv_lora_rank=512, rope_dim=64, page_size=1)
     dpool = DeviceKVPool.empty(spec, 4, "cuda")
     hpool = HostKVPool(spec, 4)
     try:
-        with pytest.raises(ConfigError, match="issue_thread"):
-            _engine("nvidia-copy-engine", dpool, hpool, issue_thread="yes")
+        with pytest.raises(ConfigError, match=key):
+            _engine("nvidia-copy-engine", dpool, hpool, **{key: "yes"})
     finally:
         hpool.close()
 
@@ -334,6 +340,8 @@ def test_misaligned_rows_are_typed_error(name):
 
 @pytest.mark.parametrize("name, key, bad", [
     *(("nvidia-copy-engine", "max_batch", b) for b in (-1, 2.5)),
+    *(("nvidia-copy-engine", "first_batch", b) for b in (-1, 2.5, True)),
+    *(("nvidia-routed", "first_batch", b) for b in (-1, 2.5)),
     *(("nvidia-tma", "signal_layers", b) for b in (0, -2, 1.5, True)),
 ])
 def test_integer_settings_are_checked(name, key, bad):
@@ -616,4 +624,36 @@ def test_auto_picks_the_router_on_cuda_and_reports_it(caplog):
         assert "nvidia-tma" in eng.auto_selection["skipped"]
         eng.close()
     finally:
+        hpool.close()
+
+
+@pytest.mark.parametrize("layerwise", [True, False], ids=["per-layer", "all-layer"])
+def test_copy_engine_strided_copies_where_layers_sit_at_one_stride(layerwise):
+    """One allocation (DeviceKVPool.empty): a page's run over every layer of a transfer is one
+    strided copy; bitwise both ways, with random and repeated source pages."""
+    _available("nvidia-copy-engine")
+    spec = KVSpec.mha(num_layers=9, num_kv_heads=3, head_dim=40, page_size=5, dtype="float16")
+    dpool = DeviceKVPool.empty(spec, 23, "cuda")
+    hpool = HostKVPool(spec, 19)
+    eng = _engine("nvidia-copy-engine", dpool, hpool, layerwise_load=layerwise,
+                  layerwise_backup=layerwise)
+    rng = random.Random(11)
+    try:
+        info = eng.describe()
+        assert info["strided"] and info["strided_why"] == "2 strided copies per page", info
+        for _ in range(3):
+            fill_random(hpool.raw)
+            _poison(dpool)
+            host = [rng.randrange(19) for _ in range(13)]
+            dev = rng.sample(range(23), 13)
+            eng.load(host, dev).wait()
+            torch.cuda.synchronize()
+            assert_device_has(dpool, hpool, host, dev)
+            fill_random(hpool.raw)
+            src, dst = [rng.randrange(23) for _ in range(11)], rng.sample(range(19), 11)
+            eng.backup(src, dst).wait()
+            torch.cuda.synchronize()
+            assert_host_has(dpool, hpool, src, dst)
+    finally:
+        eng.close()
         hpool.close()

@@ -278,10 +278,14 @@ def test_merge_runs():
     assert s.tolist() == [0, 100, 200, 1000, 5000] and n.tolist() == [100, 100, 100, 200, 100]
 
 
-@pytest.mark.parametrize("n, max_batch, expect", [
-    (10, 4, [4, 4, 2]), (10, 0, [10]), (10, 10, [10]), (10, 64, [10]), (1, 1, [1]), (0, 4, []),
+@pytest.mark.parametrize("n, max_batch, first, expect", [
+    (10, 4, 0, [4, 4, 2]), (10, 0, 0, [10]), (10, 10, 0, [10]), (10, 64, 0, [10]),
+    (1, 1, 0, [1]), (0, 4, 0, []),
+    # a first small call, then 4x larger ones up to max_batch (or to the rest, max_batch 0)
+    (10, 4, 2, [2, 4, 4]), (1000, 256, 16, [16, 64, 256, 256, 256, 152]), (10, 0, 3, [3, 7]),
+    (10, 4, 16, [4, 4, 2]), (5, 256, 16, [5]), (17, 256, 16, [16, 1]),
 ])
-def test_batch_copier_splits_batches(n, max_batch, expect):
+def test_batch_copier_splits_batches(n, max_batch, first, expect):
     from kvtier_nvidia_tma._driver import BatchCopier
     copier = object.__new__(BatchCopier)       # no driver here: record the batches instead
     seen = []
@@ -289,7 +293,7 @@ def test_batch_copier_splits_batches(n, max_batch, expect):
     src = np.arange(n, dtype=np.uint64) * 100
     dst = src + 7
     sizes = np.full(n, 5, dtype=np.uint64)
-    copier(dst, src, sizes, stream=0, max_batch=max_batch)
+    copier(dst, src, sizes, stream=0, max_batch=max_batch, first=first)
     assert [len(b[0]) for b in seen] == expect
     assert sum((b[1] for b in seen), []) == src.tolist()          # every copy once, in order
     assert sum((b[0] for b in seen), []) == dst.tolist()

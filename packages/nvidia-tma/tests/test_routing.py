@@ -14,12 +14,26 @@ from kvtier.testing.contracts import DEVICE_LAYOUTS, layout_specs, make_layout_p
 from kvtier.testing.data import make_host_pool
 
 from kvtier_nvidia_tma._plan import calibrated_rate, choose_crossover, copy_engine_falls_short
-from kvtier_nvidia_tma.transfer_engine import chunk_runs, copy_list
+from kvtier_nvidia_tma._driver import OP3D
+from kvtier_nvidia_tma.transfer_engine import chunk_runs, copy_list, strided_ops, strided_runs
 
 
 def _replay(src, dst, sizes) -> None:
     for s, d, n in zip(src.tolist(), dst.tolist(), sizes.tolist()):
         ctypes.memmove(d, s, n)
+
+
+def _replay_strided(ops) -> None:
+    """What cuMemcpy3DBatchAsync does with pointer operands: per op, ``height`` rows of
+    ``width`` bytes, each side at its own row length (pitch)."""
+    assert ops.dtype == OP3D
+    for op in ops:
+        assert op["src_type"] == op["dst_type"] == 1 and op["depth"] == 1 and op["order"] == 1
+        assert op["src_row"] >= op["width"] and op["dst_row"] >= op["width"]
+        assert op["src_height"] >= op["height"] and op["dst_height"] >= op["height"]
+        for r in range(int(op["height"])):
+            ctypes.memmove(int(op["dst_ptr"]) + r * int(op["dst_row"]),
+                           int(op["src_ptr"]) + r * int(op["src_row"]), int(op["width"]))
 
 
 @pytest.mark.parametrize("host_layout", ["page_first", "layer_first"])
@@ -50,6 +64,79 @@ def test_copy_lists_move_every_layout_bitwise(layout, which, host_layout):
             assert torch.equal(dpool.page_bytes(p), want[i])
     finally:
         hpool.close()
+
+
+def test_op_layout_is_cudas():
+    """CUDA_MEMCPY3D_BATCH_OP as cuda.h (CUDA 13.0) lays it out: 112 bytes, operands of 40."""
+    assert OP3D.itemsize == 112
+    assert [OP3D.fields[k][1] for k in ("src_ptr", "src_row", "src_height", "dst_type",
+                                         "dst_ptr", "width", "order", "flags")] == \
+        [8, 16, 24, 40, 48, 80, 104, 108]
+
+
+@pytest.mark.parametrize("host_layout", ["page_first", "layer_first"])
+@pytest.mark.parametrize("layout", DEVICE_LAYOUTS)
+@pytest.mark.parametrize("which", [0, 1])
+def test_strided_copies_move_every_layout_bitwise(layout, which, host_layout):
+    """Where a pool's layers sit at one stride, strided copies over any range of layers move
+    the same bytes as the per-chunk copies: random pages, odd sizes, both directions."""
+    spec = layout_specs(layout)[which]
+    dpool = make_layout_pool(spec, layout, 11, one_block=True)
+    hpool = make_host_pool(spec, 13, host_layout, "mmap")
+    try:
+        runs = chunk_runs(dpool, hpool)
+        rows = strided_runs(runs, spec.num_layers)
+        if spec.num_layers < 2:
+            assert rows is None
+            return
+        assert rows is not None, layout          # test pools are one allocation
+        base = hpool.raw.data_ptr()
+        rng = random.Random(3 + which)
+        src = rng.sample(range(dpool.num_pages), 7)
+        host = rng.sample(range(hpool.num_pages), 7)
+        want = [dpool.page_bytes(p) for p in src]
+        hpool.raw.fill_(0x5A)
+        ops = strided_ops(rows, base, np.array(host), np.array(src), True, 0, spec.num_layers)
+        assert len(ops) == 7 * len(rows["nbytes"])
+        _replay_strided(ops)
+        for i, p in enumerate(host):
+            assert torch.equal(torch.cat(hpool.page_segments(p)), want[i])
+        for layer in dpool.chunks:
+            for c in layer:
+                c.fill_(0xA5)
+        dst = rng.sample(range(dpool.num_pages), 7)
+        cut = rng.randint(1, spec.num_layers - 1)      # two ranges of layers
+        for layer0, layers in ((0, cut), (cut, spec.num_layers - cut)):
+            _replay_strided(strided_ops(rows, base, np.array(host), np.array(dst), False,
+                                        layer0, layers))
+        for i, p in enumerate(dst):
+            assert torch.equal(dpool.page_bytes(p), want[i])
+    finally:
+        hpool.close()
+
+
+def _runs(layers, dev_base, dev_stride=1000, nbytes=64, host_pitch=128):
+    n = len(layers)
+    return {"layer": np.array(layers, dtype=np.int64),
+            "dev_base": np.array(dev_base, dtype=np.uint64),
+            "dev_stride": np.full(n, dev_stride, dtype=np.uint64),
+            "host_off": np.array([host_pitch * g for g in layers], dtype=np.uint64),
+            "host_stride": np.full(n, 4096, dtype=np.uint64),
+            "nbytes": np.full(n, nbytes, dtype=np.uint64)}
+
+
+@pytest.mark.parametrize("runs, ok", [
+    (_runs([0, 1, 2], [10_000, 20_000, 30_000]), True),
+    (_runs([0, 1, 2], [10_000, 20_000, 40_000]), False),    # layers not at one stride
+    (_runs([0, 1, 2], [30_000, 20_000, 10_000]), False),    # a negative pitch
+    (_runs([0, 1, 2], [10_000, 10_032, 10_064]), False),    # rows would overlap
+    (_runs([0, 1, 2], [10_000, 20_000, 30_000], host_pitch=32), False),
+    (_runs([0], [10_000]), False),                          # one layer: nothing to gain
+    (_runs([0, 0, 1], [10_000, 10_500, 20_000]), False),    # layers with other runs
+])
+def test_strided_runs_only_where_layers_sit_at_one_stride(runs, ok):
+    layers = int(runs["layer"].max()) + 1
+    assert (strided_runs(runs, layers) is not None) is ok
 
 
 def test_contiguous_runs_merge():

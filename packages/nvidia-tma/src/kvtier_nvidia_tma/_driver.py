@@ -242,6 +242,86 @@ class _MemcpyAttributes(ctypes.Structure):
 CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 1
 
 
+def batch_sizes(n: int, max_batch: int = 0, first: int = 0) -> list[int]:
+    """Copies per ``cuMemcpyBatchAsync`` call for ``n`` copies: at most ``max_batch`` each (0:
+    no limit); with ``first`` > 0 the first call queues ``first`` copies and each next one 4x
+    more, so the DMA engines start once a few copies are queued instead of a whole batch
+    (queuing costs the host 0.5-0.95 us per copy on the H200, about a 32 KiB copy's time on the
+    link)."""
+    cap = max_batch if max_batch > 0 else n
+    out, k, left = [], min(first, cap) if first > 0 else cap, n
+    while left > 0:
+        take = min(k, left)
+        out.append(take)
+        left -= take
+        k = min(cap, k * 4)
+    return out
+
+
+#: ``CUDA_MEMCPY3D_BATCH_OP`` (cuda.h, CUDA 12.8+) with two pointer operands: per operand the
+#: operand type (1: pointer), the address, the row length (bytes from one row to the next: a
+#: pitch) and the layer height (rows), the location hint left zero; then the extent (width in
+#: bytes, height in rows, depth), the source access order and flags. 112 bytes.
+OP3D = np.dtype({
+    "names": ["src_type", "src_ptr", "src_row", "src_height", "dst_type", "dst_ptr", "dst_row",
+              "dst_height", "width", "height", "depth", "order", "flags"],
+    "formats": ["<i4", "<u8", "<u8", "<u8", "<i4", "<u8", "<u8", "<u8", "<u8", "<u8", "<u8",
+                "<i4", "<u4"],
+    "offsets": [0, 8, 16, 24, 40, 48, 56, 64, 80, 88, 96, 104, 108],
+    "itemsize": 112})
+CU_MEMCPY_OPERAND_TYPE_POINTER = 1
+
+
+def max_pitch(dev: Device) -> int:
+    """The largest row pitch (bytes) a strided copy may use on ``dev``."""
+    d = drv()
+    return int(check(d.cuDeviceGetAttribute(
+        d.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_PITCH, dev.handle), "cuDeviceGetAttribute"))
+
+
+class StridedCopier:
+    """``cuMemcpy3DBatchAsync`` (CUDA 12.8+ drivers; the CUDA 13 ``_v2`` entry point has no
+    failIdx): batches of strided copies, each ``height`` rows of ``width`` bytes at a pitch of
+    its own on each side (:data:`OP3D`). ``available`` is False (with ``why``) where the driver
+    has no such entry point."""
+
+    def __init__(self) -> None:
+        lib = libcuda()
+        self._fn = None
+        self.kind = ""
+        for sym, kind in (("cuMemcpy3DBatchAsync_v2", "v2"), ("cuMemcpy3DBatchAsync", "v1")):
+            fn = getattr(lib, sym, None)
+            if fn is not None:
+                fn.restype = ctypes.c_int
+                self._fn, self.kind = fn, kind
+                break
+        self.why = "" if self._fn is not None else "the driver has no cuMemcpy3DBatchAsync"
+
+    @property
+    def available(self) -> bool:
+        return self._fn is not None
+
+    def __call__(self, ops: np.ndarray, stream: int, max_batch: int = 0, first: int = 0) -> None:
+        """Queue ``ops`` (an :data:`OP3D` array) on ``stream`` in calls of
+        :func:`batch_sizes` copies."""
+        if self._fn is None:
+            raise TransferError(f"nvidia-copy-engine: {self.why}", backend="nvidia-copy-engine")
+        ops = np.ascontiguousarray(ops, dtype=OP3D)
+        i = 0
+        for k in batch_sizes(int(ops.size), max_batch, first):
+            args: list[Any] = [ctypes.c_size_t(k),
+                               ctypes.c_void_p(ops.ctypes.data + i * OP3D.itemsize)]
+            if self.kind == "v1":
+                fail = ctypes.c_size_t(0)
+                args.append(ctypes.byref(fail))
+            args += [ctypes.c_ulonglong(0), ctypes.c_void_p(stream)]
+            rc = self._fn(*args)
+            if rc != 0:
+                raise TransferError(f"nvidia-copy-engine: cuMemcpy3DBatchAsync failed "
+                                    f"(CUresult {rc})", backend="nvidia-copy-engine", code=rc)
+            i += k
+
+
 class BatchCopier:
     """``cuMemcpyBatchAsync`` (CUDA 12.8+ drivers; the CUDA 13 ``_v2`` entry point has no
     failIdx) with a per-copy ``cuMemcpyAsync`` loop where the driver has neither."""
@@ -263,21 +343,20 @@ class BatchCopier:
         self._copy.restype = ctypes.c_int
 
     def __call__(self, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, stream: int,
-                 max_batch: int = 0) -> None:
+                 max_batch: int = 0, first: int = 0) -> None:
         """Copy ``sizes[i]`` bytes from ``src[i]`` to ``dst[i]`` on ``stream``, in batches of at
-        most ``max_batch`` copies (0: one batch)."""
+        most ``max_batch`` copies (0: one batch); with ``first``, the batches start at
+        ``first`` copies and grow 4x each call up to that (see :func:`batch_sizes`)."""
         n = int(sizes.size)
         if n == 0:
             return
         dst = np.ascontiguousarray(dst, dtype=np.uint64)
         src = np.ascontiguousarray(src, dtype=np.uint64)
         sizes = np.ascontiguousarray(sizes, dtype=np.uint64)
-        if 0 < max_batch < n:
-            for i in range(0, n, max_batch):
-                self._batch(dst[i:i + max_batch], src[i:i + max_batch],
-                            sizes[i:i + max_batch], stream)
-        else:
-            self._batch(dst, src, sizes, stream)
+        i = 0
+        for k in batch_sizes(n, max_batch, first):
+            self._batch(dst[i:i + k], src[i:i + k], sizes[i:i + k], stream)
+            i += k
 
     def _batch(self, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, stream: int) -> None:
         n = int(sizes.size)

@@ -583,9 +583,20 @@ class CopyEngineTransferEngine(_NvidiaEngine):
         #: H200, batches of thousands of copies ran at 39-72% of the link where 256 ran at 87-96%
         #: (docs/perf/nvidia-h200-transfer.md).
         max_batch: int = 256
+        #: Copies in a transfer's first ``cuMemcpyBatchAsync`` call, each next call 4x more up
+        #: to ``max_batch``; the first pages' addresses are built and queued before the rest,
+        #: so the DMA engines start after a few copies are queued, not after a whole batch
+        #: (0: every call ``max_batch``).
+        first_batch: int = 16
         side_stream: bool = False
         debug: bool = False
         device: int | None = None
+        #: Where the pool's layers sit at a constant stride (one allocation, as most engines
+        #: make), move each run of a page over every layer of a transfer in one strided copy
+        #: (``cuMemcpy3DBatchAsync``: a row per layer) instead of one copy per chunk and layer:
+        #: 2 to 61 times fewer copies for the host to queue. Transfers of one layer (per-layer
+        #: loads) are unchanged.
+        strided: bool = True
         #: Queue each direction's copies from a thread of its own, on a stream of its own,
         #: ordered after the caller's work at the call: the caller returns at once and a load
         #: and a backup called together are queued side by side. On the H200 that raised both
@@ -603,19 +614,50 @@ class CopyEngineTransferEngine(_NvidiaEngine):
         super().__init__(device_pool, host_pool, config)
         import numpy as np
         from . import _driver
-        if not isinstance(self.config.max_batch, int) or self.config.max_batch < 0:
-            raise ConfigError(f"max_batch must be an integer >= 0, got "
-                              f"{self.config.max_batch!r}", key="max_batch",
-                              value=self.config.max_batch)
+        for key in ("max_batch", "first_batch"):
+            _check_int(self.name, key, getattr(self.config, key), 0)
         self._np = np
         self._copier = _driver.BatchCopier()
         self._runs = chunk_runs(device_pool, host_pool)
+        self._runs_per_layer = np.bincount(self._runs["layer"], minlength=self.spec.num_layers)
+        if not isinstance(self.config.strided, bool):
+            raise ConfigError(f"strided must be true or false, got {self.config.strided!r}",
+                              key="strided", value=self.config.strided)
+        self._strided, self._strided_why = None, "off (strided=false)"
+        if self.config.strided:
+            self._strided, self._strided_why = self._strided_plan()
         if not isinstance(self.config.issue_thread, bool):
             raise ConfigError(f"issue_thread must be true or false, got "
                               f"{self.config.issue_thread!r}", key="issue_thread",
                               value=self.config.issue_thread)
         self._issuers: dict[bool, _Issuer] = {}
         self._issuers_lock = threading.Lock()
+
+    def _strided_plan(self) -> tuple[dict[str, Any] | None, str]:
+        """The pool's runs as strided copies over layers, or None and why not (also where the
+        driver refuses a strided copy when tried once, device to device)."""
+        from . import _driver
+        rows = strided_runs(self._runs, self.spec.num_layers)
+        if rows is None:
+            return None, "the pool's layers are not at one stride"
+        copier = _driver.StridedCopier()
+        if not copier.available:
+            return None, copier.why
+        limit = _driver.max_pitch(self._dev)
+        if max(int(abs(rows["dev_pitch"]).max()), int(abs(rows["host_pitch"]).max())) > limit:
+            return None, f"a layer stride is over the device's {limit}-byte pitch limit"
+        try:
+            strided_self_test(self._torch, self.device, self._dev, copier)
+        except TransferError as exc:
+            log.warning("%s: strided copies unavailable (%s): one copy per chunk", self.name,
+                        exc)
+            return None, str(exc)
+        self._strided_copier = copier
+        return rows, f"{len(rows['nbytes'])} strided copies per page"
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "strided": self._strided is not None,
+                "strided_why": self._strided_why}
 
     def _submit(self, h, d, *, d2h: bool, layerwise: bool) -> TransferHandle:
         if not self.config.issue_thread:
@@ -653,9 +695,23 @@ class CopyEngineTransferEngine(_NvidiaEngine):
         return check_page_indices(pages, limit, what)
 
     def _launch(self, h, d, d2h, layer0, layers, stream) -> None:
-        src, dst, sizes = copy_list(self._runs, self._host_dptr, h.numpy(), d.numpy(), d2h,
-                                    layer0, layers)
-        self._copier(dst, src, sizes, stream, self.config.max_batch)
+        c = self.config
+        hn, dn = h.numpy(), d.numpy()
+        rows = self._strided if layers > 1 else None
+        per_page = len(rows["nbytes"]) if rows is not None else \
+            max(1, int(self._runs_per_layer[layer0:layer0 + layers].sum()))
+        head = -(-c.first_batch // per_page) if c.first_batch else 0
+        parts = [(0, head), (head, len(hn))] if 0 < head < len(hn) else [(0, len(hn))]
+        for lo, hi in parts:   # the first pages' copies are queued before the rest are built
+            first = c.first_batch if lo == 0 else 0
+            if rows is not None:
+                ops = strided_ops(rows, self._host_dptr, hn[lo:hi], dn[lo:hi], d2h,
+                                  layer0, layers)
+                self._strided_copier(ops, stream, c.max_batch, first)
+            else:
+                src, dst, sizes = copy_list(self._runs, self._host_dptr, hn[lo:hi], dn[lo:hi],
+                                            d2h, layer0, layers)
+                self._copier(dst, src, sizes, stream, c.max_batch, first)
 
 
 def copy_list(runs: dict[str, Any], host_base: int, h, d, d2h: bool, layer0: int,
@@ -673,6 +729,83 @@ def copy_list(runs: dict[str, Any], host_base: int, h, d, d2h: bool, layer0: int
     host, dev = host.ravel(), dev.ravel()
     src, dst = (dev, host) if d2h else (host, dev)
     return merge_runs(src, dst, sizes)
+
+
+def strided_runs(runs: dict[str, Any], num_layers: int) -> dict[str, Any] | None:
+    """Where every layer has the same runs (sizes and page strides) and run ``j`` of layer
+    ``l`` sits ``l`` pitches from layer 0's on both sides, layer 0's runs with those pitches
+    (int64, bytes): one strided copy then moves run ``j`` of a page over any range of layers.
+    None otherwise, or for one layer (nothing to gain). Pitches are at least the run's size
+    (rows of one copy never overlap) and positive."""
+    import numpy as np
+    layer = runs["layer"]
+    R = len(layer) // max(num_layers, 1)
+    if num_layers < 2 or R == 0 or R * num_layers != len(layer) \
+            or not np.array_equal(layer, np.repeat(np.arange(num_layers), R)):
+        return None
+    a = {k: runs[k].astype(np.int64).reshape(num_layers, R)
+         for k in ("dev_base", "dev_stride", "host_off", "host_stride", "nbytes")}
+    if any((a[k] != a[k][0]).any() for k in ("dev_stride", "host_stride", "nbytes")):
+        return None
+    steps = np.arange(num_layers, dtype=np.int64)[:, None]
+    out = {k: a[k][0] for k in ("dev_base", "dev_stride", "host_off", "host_stride", "nbytes")}
+    for side, off in (("dev", "dev_base"), ("host", "host_off")):
+        pitch = a[off][1] - a[off][0]
+        if (a[off] != a[off][0] + steps * pitch).any() or (pitch < out["nbytes"]).any():
+            return None
+        out[f"{side}_pitch"] = pitch
+    return out
+
+
+def strided_ops(rows: dict[str, Any], host_base: int, h, d, d2h: bool, layer0: int,
+                layers: int):
+    """The strided copies (:data:`_driver.OP3D`) of a transfer of pairs (h[i], d[i]) over the
+    layers ``layer0 .. layer0 + layers``: per page, per run, ``layers`` rows of the run's
+    bytes, a pitch apart on each side."""
+    import numpy as np
+    from ._driver import CU_MEMCPY_OPERAND_TYPE_POINTER, CU_MEMCPY_SRC_ACCESS_ORDER_STREAM, OP3D
+    hs = np.asarray(h).astype(np.int64)[:, None]
+    ds = np.asarray(d).astype(np.int64)[:, None]
+    host = (int(host_base) + rows["host_off"] + layer0 * rows["host_pitch"]
+            + hs * rows["host_stride"]).ravel()
+    dev = (rows["dev_base"] + layer0 * rows["dev_pitch"] + ds * rows["dev_stride"]).ravel()
+    n = host.size
+    per = len(rows["nbytes"])
+    ops = np.zeros(n, dtype=OP3D)
+    (sp, sa), (dp, da) = ((rows["dev_pitch"], dev), (rows["host_pitch"], host)) if d2h \
+        else ((rows["host_pitch"], host), (rows["dev_pitch"], dev))
+    ops["src_type"] = ops["dst_type"] = CU_MEMCPY_OPERAND_TYPE_POINTER
+    ops["src_ptr"], ops["dst_ptr"] = sa, da
+    ops["src_row"], ops["dst_row"] = np.tile(sp, n // per), np.tile(dp, n // per)
+    ops["src_height"] = ops["dst_height"] = layers
+    ops["width"] = np.tile(rows["nbytes"], n // per)
+    ops["height"] = layers
+    ops["depth"] = 1
+    ops["order"] = CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+    return ops
+
+
+def strided_self_test(torch, device, dev, copier) -> None:
+    """One strided copy device to device (3 rows of 48 bytes, pitches 80 and 64), checked;
+    TransferError where the driver refuses it or moves other bytes."""
+    import numpy as np
+    from ._driver import CU_MEMCPY_OPERAND_TYPE_POINTER, CU_MEMCPY_SRC_ACCESS_ORDER_STREAM, OP3D
+    src = torch.randint(1, 255, (240,), dtype=torch.uint8, device=device)
+    dst = torch.zeros(192, dtype=torch.uint8, device=device)
+    op = np.zeros(1, dtype=OP3D)
+    op["src_type"] = op["dst_type"] = CU_MEMCPY_OPERAND_TYPE_POINTER
+    op["src_ptr"], op["dst_ptr"] = src.data_ptr(), dst.data_ptr()
+    op["src_row"], op["dst_row"], op["src_height"], op["dst_height"] = 80, 64, 3, 3
+    op["width"], op["height"], op["depth"] = 48, 3, 1
+    op["order"] = CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+    stream = torch.cuda.Stream(device)
+    dev.make_current()
+    copier(op, stream.cuda_stream)
+    stream.synchronize()
+    want = src.view(3, 80)[:, :48]
+    if not (torch.equal(dst.view(3, 64)[:, :48], want) and not dst.view(3, 64)[:, 48:].any()):
+        raise TransferError("nvidia-copy-engine: a strided copy moved other bytes than asked",
+                            backend="nvidia-copy-engine")
 
 
 def chunk_runs(device_pool, host_pool) -> dict[str, Any]:
@@ -737,7 +870,7 @@ class RoutedHandle(TransferHandle):
 
 
 #: Chunk sizes the calibration measures (bytes); the crossover is one of them.
-CALIBRATION_CHUNKS = (4096, 8192, 16384, 32768, 65536, 131072, 262144)
+CALIBRATION_CHUNKS = (1024, 4096, 8192, 16384, 32768, 65536, 131072, 262144)
 
 
 class RoutedTransferEngine(TransferEngine):
@@ -772,11 +905,16 @@ class RoutedTransferEngine(TransferEngine):
         calibrate_mib: int = 128
         #: CTAs of the SM kernel (where chunks are small).
         ctas: int = 2
-        #: Copies per cuMemcpyBatchAsync call on the copy-engine path.
+        #: Copies per cuMemcpyBatchAsync call on the copy-engine path, and in a transfer's
+        #: first call (see ``nvidia-copy-engine``).
         max_batch: int = 256
+        first_batch: int = 16
         #: The copy-engine path queues its copies from a thread per direction (see
         #: ``nvidia-copy-engine``'s ``issue_thread``).
         issue_thread: bool = False
+        #: Strided copies over a transfer's layers on the copy-engine path (see
+        #: ``nvidia-copy-engine``).
+        strided: bool = True
         layerwise_load: bool = True
         layerwise_backup: bool = False
         #: Per-layer transfers on the TMA kernel as one launch with per-layer signals (see
@@ -804,12 +942,15 @@ class RoutedTransferEngine(TransferEngine):
         super().__init__(device_pool, host_pool, config)
         c = self.config
         for key, lo in (("crossover_bytes", 0), ("calibrate_mib", 1), ("ctas", 1),
-                        ("max_batch", 0), ("verify_mib", 0), ("verify_count", 1)):
+                        ("max_batch", 0), ("first_batch", 0), ("verify_mib", 0),
+                        ("verify_count", 1)):
             _check_int(self.name, key, getattr(c, key), lo)
         common = {"layerwise_load": c.layerwise_load, "layerwise_backup": c.layerwise_backup,
                   "debug": c.debug, "device": c.device}
         self.copy = CopyEngineTransferEngine(device_pool, host_pool,
                                              {**common, "max_batch": c.max_batch,
+                                              "first_batch": c.first_batch,
+                                              "strided": c.strided,
                                               "issue_thread": c.issue_thread})
         sm_cls = TmaTransferEngine if self.copy._dev.cc >= TmaTransferEngine._min_cc \
             else RegisterTransferEngine
@@ -817,6 +958,7 @@ class RoutedTransferEngine(TransferEngine):
         if sm_cls is TmaTransferEngine:
             sm_cfg.update(layer_signals=c.layer_signals, signal_layers=c.signal_layers)
         self.sm = sm_cls(device_pool, host_pool, sm_cfg)
+        self._sm_cfg = sm_cfg
         self.device = self.sm.device
         self.chunk_bytes = min(device_pool.chunk_nbytes)
         if c.crossover_bytes:
@@ -866,6 +1008,7 @@ class RoutedTransferEngine(TransferEngine):
 
     def describe(self) -> dict[str, Any]:
         return {**self.stats(), "chunk_bytes": self.chunk_bytes,
+                "copy_engine_strided": self.copy._strided_why,
                 "calibration": self.calibration}
 
     def close(self) -> None:
@@ -949,7 +1092,15 @@ class RoutedTransferEngine(TransferEngine):
         return "|".join(str(x) for x in (
             dev.name, f"sm_{dev.cc}", _driver_version(), torch.version.cuda, self.sm.name,
             self.config.ctas, self.config.max_batch, self.config.prefer_copy_within,
-            self.config.calibrate_mib, self.host_pool.buffer.backing))
+            self.config.calibrate_mib, self.host_pool.buffer.backing,
+            f"L{self.spec.num_layers}", self._copy_cfg(), sorted(self._sm_cfg.items())))
+
+    def _copy_cfg(self) -> dict[str, Any]:
+        """The copy engine's settings for calibration: strided only where this pool allows it."""
+        c = self.config
+        return {"max_batch": c.max_batch, "first_batch": c.first_batch,
+                "strided": self.copy._strided is not None,
+                "layerwise_load": c.layerwise_load, "layerwise_backup": c.layerwise_backup}
 
     def _cache_path(self) -> str | None:
         import os
@@ -975,7 +1126,10 @@ class RoutedTransferEngine(TransferEngine):
                     return cache[key], "cached"
             except (OSError, ValueError):
                 cache = {}
-        result = calibrate(self.sm._dev.ordinal, type(self.sm), self.config)
+        result = calibrate(self.sm._dev.ordinal, type(self.sm), self.config,
+                           sm_cfg={k: v for k, v in self._sm_cfg.items()
+                                   if k not in ("debug", "device")},
+                           copy_cfg=self._copy_cfg(), num_layers=self.spec.num_layers)
         if path:
             try:
                 os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -998,10 +1152,13 @@ def _driver_version() -> str:
         return "?"
 
 
-def calibrate(ordinal: int, sm_cls: type, config: Any) -> dict[str, Any]:
+def calibrate(ordinal: int, sm_cls: type, config: Any, sm_cfg: dict[str, Any] | None = None,
+              copy_cfg: dict[str, Any] | None = None, num_layers: int = 4) -> dict[str, Any]:
     """Time the SM kernel and the copy engine at each of ``CALIBRATION_CHUNKS`` over scratch
-    pools (random pages, all-layer transfers, median of 3 after a warm-up); returns per
-    direction the table ``{chunk: [sm GB/s, copy GB/s]}`` and the crossover."""
+    pools of ``num_layers`` layers (random pages, median of 3 after a warm-up), each engine
+    with the settings it runs with (per-layer or all-layer transfers per direction, strided
+    copies where the real pool allows them); returns per direction the table
+    ``{chunk: [sm GB/s, copy GB/s]}`` and the crossover."""
     import torch
     from kvtier import DeviceKVPool, HostKVPool, KVSpec
     from kvtier.interfaces import HostBuffer
@@ -1016,7 +1173,7 @@ def calibrate(ordinal: int, sm_cls: type, config: Any) -> dict[str, Any]:
     g = torch.Generator().manual_seed(5)
     with torch.cuda.device(dev), torch.cuda.stream(stream):
         for chunk in CALIBRATION_CHUNKS:
-            spec = KVSpec.mha(num_layers=4, num_kv_heads=1, head_dim=128,
+            spec = KVSpec.mha(num_layers=num_layers, num_kv_heads=1, head_dim=128,
                               page_size=chunk // 256)
             pages = nbytes // spec.page_bytes
             if pages < 2:
@@ -1025,9 +1182,10 @@ def calibrate(ordinal: int, sm_cls: type, config: Any) -> dict[str, Any]:
             hpool = HostKVPool(spec, pages, buffer=buf)
             perm_h = torch.randperm(pages, generator=g)
             perm_d = torch.randperm(pages, generator=g)
-            engines = [sm_cls(dpool, hpool, {"ctas": config.ctas, "layerwise_load": False}),
-                       CopyEngineTransferEngine(dpool, hpool, {"max_batch": config.max_batch,
-                                                               "layerwise_load": False})]
+            engines = [sm_cls(dpool, hpool, sm_cfg or {"ctas": config.ctas,
+                                                       "layerwise_load": False}),
+                       CopyEngineTransferEngine(dpool, hpool, copy_cfg or {
+                           "max_batch": config.max_batch, "layerwise_load": False})]
             for d in ("h2d", "d2h"):
                 row = []
                 for eng in engines:

@@ -518,15 +518,28 @@ DEVICE_LAYOUTS = ("token_major", "vllm_flash", "flashinfer_nhd", "flashinfer_hnd
                   "mla")
 
 
-def make_layout_pool(spec: KVSpec, layout: str, num_pages: int, device: str = "cpu"):
-    """A device pool of random bytes in ``layout`` (``token_major``: DeviceKVPool(spec, k, v))."""
+def make_layout_pool(spec: KVSpec, layout: str, num_pages: int, device: str = "cpu",
+                     one_block: bool = False):
+    """A device pool of random bytes in ``layout`` (``token_major``: DeviceKVPool(spec, k, v)),
+    each layer its own allocation, or with ``one_block`` views of one allocation (layers at
+    one stride, as engines that allocate the whole cache at once have it)."""
     from ..device_pool import BLOCK_LAYOUTS, DeviceKVPool
-    if layout == "token_major":
-        return make_device_pool(spec, num_pages, device)
     H, D = spec.row_shape
+    if layout == "token_major":
+        if one_block:
+            return make_device_pool(spec, num_pages, device)
+        comps = [[fill_random(torch.empty((num_pages * spec.page_size, H, D),
+                                          dtype=spec.torch_dtype, device=device))
+                  for _ in range(spec.num_layers)] for _ in range(spec.num_components)]
+        return DeviceKVPool(spec, comps[0], comps[1] if spec.num_components == 2 else None)
     shape = BLOCK_LAYOUTS[layout][1](num_pages, spec.page_size, H, D)
-    tensors = [fill_random(torch.empty(shape, dtype=spec.torch_dtype, device=device))
-               for _ in range(spec.num_layers)]
+    if one_block:
+        block = fill_random(torch.empty((spec.num_layers, *shape), dtype=spec.torch_dtype,
+                                        device=device))
+        tensors = list(block.unbind(0))
+    else:
+        tensors = [fill_random(torch.empty(shape, dtype=spec.torch_dtype, device=device))
+                   for _ in range(spec.num_layers)]
     return DeviceKVPool.from_blocks(spec, tensors, layout)
 
 
@@ -560,13 +573,14 @@ class DeviceLayoutContract(_Suite):
     def layout(self, request) -> str:
         return request.param
 
-    @pytest.fixture(params=[(lay, i) for lay in DEVICE_LAYOUTS for i in range(2)],
-                    ids=lambda p: f"{p[0]}-{p[1]}")
+    @pytest.fixture(params=[(lay, i, one) for lay in DEVICE_LAYOUTS for i in range(2)
+                            for one in (False, True)],
+                    ids=lambda p: f"{p[0]}-{p[1]}" + ("-one-block" if p[2] else ""))
     def layout_case(self, request):
         return request.param
 
     def test_layout_roundtrip_bitwise(self, backend_name, layout_case, layout, tmp_path):
-        dev_layout, which = layout_case
+        dev_layout, which, one_block = layout_case
         spec = layout_specs(dev_layout)[which]
         cls = self.backend_class(backend_name)
         if layout not in cls.capabilities().host_layouts:
@@ -574,7 +588,7 @@ class DeviceLayoutContract(_Suite):
         devices = self.devices(backend_name)
         if not devices:
             pytest.skip(f"{backend_name}: no device here")
-        dpool = make_layout_pool(spec, dev_layout, self.device_pages, devices[-1])
+        dpool = make_layout_pool(spec, dev_layout, self.device_pages, devices[-1], one_block)
         hpool = make_host_pool(spec, self.host_pages, layout, self.host_allocator(backend_name))
         try:
             try:
