@@ -36,30 +36,53 @@ def _replay_strided(ops) -> None:
                            int(op["src_ptr"]) + r * int(op["src_row"]), int(op["width"]))
 
 
+@pytest.mark.parametrize("strided", [False, True], ids=["per-chunk", "strided"])
 @pytest.mark.parametrize("host_layout", ["page_first", "layer_first"])
 @pytest.mark.parametrize("layout", DEVICE_LAYOUTS)
 @pytest.mark.parametrize("which", [0, 1])
-def test_copy_lists_move_every_layout_bitwise(layout, which, host_layout):
+def test_copies_move_every_layout_bitwise(layout, which, host_layout, strided):
+    """Per-chunk copy lists (layers allocated apart) and, where a pool's layers sit at one
+    stride, strided copies over ranges of layers, replayed on CPU pools: random pages, odd
+    sizes, both directions, bitwise."""
     spec = layout_specs(layout)[which]
-    dpool = make_layout_pool(spec, layout, 11)
+    dpool = make_layout_pool(spec, layout, 11, one_block=strided)
     hpool = make_host_pool(spec, 13, host_layout, "mmap")
     try:
         runs = chunk_runs(dpool, hpool)
+        rows = strided_runs(runs, spec.num_layers) if strided else None
+        if strided:
+            assert (rows is not None) is (spec.num_layers > 1), layout
+            if rows is None:
+                return
         base = hpool.raw.data_ptr()
-        rng = random.Random(which)
+
+        def move(h, d, d2h, layer0, layers):
+            h, d = np.array(h), np.array(d)
+            if rows is None:
+                _replay(*copy_list(runs, base, h, d, d2h, layer0, layers))
+            else:
+                ops = strided_ops(rows, base, h, d, d2h, layer0, layers)
+                assert len(ops) == len(h) * len(rows["nbytes"])
+                _replay_strided(ops)
+        rng = random.Random(which + 3 * strided)
         src = rng.sample(range(dpool.num_pages), 7)
         host = rng.sample(range(hpool.num_pages), 7)
         want = [dpool.page_bytes(p) for p in src]
-        _replay(*copy_list(runs, base, np.array(host), np.array(src), True, 0,
-                           spec.num_layers))
+        hpool.raw.fill_(0x5A)
+        move(host, src, True, 0, spec.num_layers)
         for i, p in enumerate(host):
             assert torch.equal(torch.cat(hpool.page_segments(p)), want[i])
         for layer in dpool.chunks:
             for c in layer:
                 c.fill_(0xA5)
         dst = rng.sample(range(dpool.num_pages), 7)
-        for layer in range(spec.num_layers):            # per-layer launches
-            _replay(*copy_list(runs, base, np.array(host), np.array(dst), False, layer, 1))
+        if rows is None:                                 # per-layer launches
+            ranges = [(layer, 1) for layer in range(spec.num_layers)]
+        else:                                            # two ranges of layers
+            cut = rng.randint(1, spec.num_layers - 1)
+            ranges = [(0, cut), (cut, spec.num_layers - cut)]
+        for layer0, layers in ranges:
+            move(host, dst, False, layer0, layers)
         for i, p in enumerate(dst):
             assert torch.equal(dpool.page_bytes(p), want[i])
     finally:
@@ -72,47 +95,6 @@ def test_op_layout_is_cudas():
     assert [OP3D.fields[k][1] for k in ("src_ptr", "src_row", "src_height", "dst_type",
                                          "dst_ptr", "width", "order", "flags")] == \
         [8, 16, 24, 40, 48, 80, 104, 108]
-
-
-@pytest.mark.parametrize("host_layout", ["page_first", "layer_first"])
-@pytest.mark.parametrize("layout", DEVICE_LAYOUTS)
-@pytest.mark.parametrize("which", [0, 1])
-def test_strided_copies_move_every_layout_bitwise(layout, which, host_layout):
-    """Where a pool's layers sit at one stride, strided copies over any range of layers move
-    the same bytes as the per-chunk copies: random pages, odd sizes, both directions."""
-    spec = layout_specs(layout)[which]
-    dpool = make_layout_pool(spec, layout, 11, one_block=True)
-    hpool = make_host_pool(spec, 13, host_layout, "mmap")
-    try:
-        runs = chunk_runs(dpool, hpool)
-        rows = strided_runs(runs, spec.num_layers)
-        if spec.num_layers < 2:
-            assert rows is None
-            return
-        assert rows is not None, layout          # test pools are one allocation
-        base = hpool.raw.data_ptr()
-        rng = random.Random(3 + which)
-        src = rng.sample(range(dpool.num_pages), 7)
-        host = rng.sample(range(hpool.num_pages), 7)
-        want = [dpool.page_bytes(p) for p in src]
-        hpool.raw.fill_(0x5A)
-        ops = strided_ops(rows, base, np.array(host), np.array(src), True, 0, spec.num_layers)
-        assert len(ops) == 7 * len(rows["nbytes"])
-        _replay_strided(ops)
-        for i, p in enumerate(host):
-            assert torch.equal(torch.cat(hpool.page_segments(p)), want[i])
-        for layer in dpool.chunks:
-            for c in layer:
-                c.fill_(0xA5)
-        dst = rng.sample(range(dpool.num_pages), 7)
-        cut = rng.randint(1, spec.num_layers - 1)      # two ranges of layers
-        for layer0, layers in ((0, cut), (cut, spec.num_layers - cut)):
-            _replay_strided(strided_ops(rows, base, np.array(host), np.array(dst), False,
-                                        layer0, layers))
-        for i, p in enumerate(dst):
-            assert torch.equal(dpool.page_bytes(p), want[i])
-    finally:
-        hpool.close()
 
 
 def _runs(layers, dev_base, dev_stride=1000, nbytes=64, host_pitch=128):
