@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import random
-import sys
-import threading
 
 import pytest
 import torch
@@ -19,8 +17,6 @@ from kvtier.spec import KVSpec
 from kvtier.testing import fill_random, make_device_pool, make_host_pool
 from kvtier.testing.contracts import (DEVICE_LAYOUTS, DeviceLayoutContract,
                                       assert_bitwise_equal, layout_specs, make_layout_pool)
-from kvtier.transfer_engines import torch_engine
-from kvtier.transfer_engines.host_threads import HostThreads, single_core
 from kvtier.transfer_engines.torch_engine import TorchTransferEngine
 
 MHA = KVSpec.mha(num_layers=4, num_kv_heads=3, head_dim=20, page_size=7, dtype="bfloat16")
@@ -312,8 +308,7 @@ def test_wide_elements_where_aligned():
 
 
 @pytest.mark.parametrize("bad", [{"staging_bytes": 0}, {"staging_bytes": -1},
-                                 {"staging_bytes": 1.5}, {"host_threads": -1},
-                                 {"host_threads": 2.0}, {"host_threads": True},
+                                 {"staging_bytes": 1.5}, {"host_threads": 4},
                                  {"staging_bytes": True}, {"no_such_key": 1}])
 def test_bad_config_is_refused_when_built(bad):
     dpool, hpool = make_device_pool(MHA, 3), make_host_pool(MHA, 3)
@@ -410,119 +405,3 @@ def test_cuda_large_rows_and_pageable_host(zero_copy):
         finally:
             eng.close()
             hpool.close()
-
-
-# ----- host copies split over threads -----------------------------------------------------------
-@pytest.mark.parametrize("threads", [2, 3])
-@pytest.mark.parametrize("host_layout", ["page_first", "layer_first"])
-@pytest.mark.parametrize("layout", ["token_major", "vllm_cpu", "mla"])
-@pytest.mark.parametrize("staged", [False, True], ids=["cpu", "staged"])
-def test_host_threads_round_trip(monkeypatch, layout, host_layout, threads, staged):
-    """Every host copy split into shares of one row or more (odd sizes, random and repeated
-    pages), over 2 and 3 threads: bitwise both ways, loads checked layer by layer."""
-    monkeypatch.setattr(torch_engine, "_SHARE_BYTES", 1)
-    for which in range(2):
-        spec, dpool, hpool, eng = _layout_case(layout, which, host_layout, 1 << 20,
-                                               staged=staged, host_threads=threads)
-        try:
-            assert eng.describe()["host_threads"] == threads, eng.describe()
-            for seed in range(3):
-                _roundtrip(dpool, hpool, eng, seed + 5 * which, random.Random(seed).randint(2, 20))
-        finally:
-            eng.close()
-            hpool.close()
-
-
-def test_host_threads_one_is_the_worker_alone():
-    dpool, hpool = make_device_pool(MHA, 3), make_host_pool(MHA, 3)
-    eng = TorchTransferEngine(dpool, hpool, {"host_threads": 1})
-    try:
-        assert eng.describe()["host_threads"] == 1
-        assert eng.describe()["host_threads_why"] == "1 host thread"
-        _roundtrip(dpool, hpool, eng, 1, 3)
-    finally:
-        eng.close()
-        hpool.close()
-
-
-def test_scatters_onto_repeated_rows_are_not_split(monkeypatch):
-    """A backup writing one host page twice is not split (two threads could tear the row);
-    one writing distinct pages is."""
-    monkeypatch.setattr(torch_engine, "_SHARE_BYTES", 1)
-    dpool, hpool = make_device_pool(MHA, 8), make_host_pool(MHA, 8)
-    eng = TorchTransferEngine(dpool, hpool, {"host_threads": 2})
-    split = []
-    real = eng._host.run
-    monkeypatch.setattr(eng._host, "run", lambda *a, **k: (split.append(1), real(*a, **k)))
-    try:
-        fill_random(dpool.chunks[0][0])
-        eng.backup([1, 2, 3], [6, 0, 6]).wait()
-        assert not split
-        eng.backup([1, 2, 3], [6, 0, 5]).wait()
-        assert len(split) == MHA.num_layers
-        for d, h in ((1, 6), (2, 0), (3, 5)):
-            assert torch.equal(hpool.page_bytes_view(h), dpool.page_bytes(d))
-    finally:
-        eng.close()
-        hpool.close()
-
-
-def test_distinct():
-    import numpy as np
-    assert torch_engine._distinct(np.array([3, 0, 7]), 8)
-    assert not torch_engine._distinct(np.array([3, 0, 3]), 8)
-    assert torch_engine._distinct(np.array([], dtype=np.int64), 8)
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="OpenMP lookup is Linux-only")
-def test_host_thread_shares():
-    """Shares cover every row once, each on a thread of its own running torch's CPU ops on
-    one core; a failing share is raised after all have finished and the set keeps working.
-    Runs in a thread of its own (the caller's share is turned to one core too)."""
-    errors: list = []
-
-    def body():
-        try:
-            _host_thread_shares()
-        except BaseException as exc:
-            errors.append(exc)
-    t = threading.Thread(target=body)
-    t.start()
-    t.join(60)
-    assert not t.is_alive()
-    if errors:
-        raise errors[0]
-
-
-def _host_thread_shares():
-    pool = HostThreads(3)
-    try:
-        assert pool.single_core
-        seen: list = []
-        lock = threading.Lock()
-
-        def share(lo, hi):
-            with lock:
-                seen.append((lo, hi, threading.get_ident(), torch.get_num_threads()))
-        single_core()                       # the caller's own share, too
-        pool.run(share, 10)
-        assert sorted((lo, hi) for lo, hi, *_ in seen) == [(0, 3), (3, 6), (6, 10)]
-        assert len({t for _, _, t, _ in seen}) == 3
-        assert all(n == 1 for *_, n in seen)
-        seen.clear()
-        pool.run(share, 10, min_rows=4)     # at most rows // min_rows shares
-        assert sorted((lo, hi) for lo, hi, *_ in seen) == [(0, 5), (5, 10)]
-        seen.clear()
-        pool.run(share, 3, min_rows=4)
-        assert [(lo, hi) for lo, hi, *_ in seen] == [(0, 3)]
-
-        def bad(lo, hi):
-            if lo == 0:
-                raise ValueError("share 0")
-        with pytest.raises(ValueError, match="share 0"):
-            pool.run(bad, 9)
-        seen.clear()
-        pool.run(share, 9)
-        assert len(seen) == 3
-    finally:
-        pool.close()

@@ -10,12 +10,11 @@ Per layer, in batches of pages, through a device staging buffer of page-major ro
 * **zero copy** (CUDA, host pool pinned or registered): the host pool is seen from the device
   at its own address (unified addressing), and torch's index kernels gather host rows into the
   staging rows and scatter them into the device chunks (backups: the reverse). No CPU copies.
-* **staged** (pageable host pools, other devices): torch's CPU index ops gather the host
-  rows into a pinned staging buffer, one contiguous copy moves it, and ``index_copy_``
-  scatters it on the device; backups the reverse. Two staging pairs are allocated when the
-  engine is built, so the CPU fills one while the other is on the link. The host copies (and,
-  for CPU device pools, the copies between the two pools) are split over ``host_threads``
-  threads of the engine's own, each on one core (see :mod:`.host_threads`).
+* **staged** (pageable host pools, other devices): torch's CPU index ops (on its own CPU
+  threads) gather the host rows into a pinned staging buffer, one contiguous copy moves it,
+  and ``index_copy_`` scatters it on the device; backups the reverse.
+  Two staging pairs are allocated when the engine is built, so the CPU fills one while the
+  other is on the link.
 
 Each call becomes one job on the engine's worker thread (jobs run in submission order). On an
 accelerator the copies run on a side stream ordered after the caller's stream at call time;
@@ -39,10 +38,6 @@ from ..errors import ConfigError, InvalidArgumentError, LayoutError, TransferErr
 from ..interfaces import (INTERFACE_VERSION, Availability, Capabilities, CompletedHandle,
                           TransferEngine, TransferHandle)
 from ..layout import PAGE_FIRST
-from .host_threads import HostThreads, host_threads, single_core
-
-#: Fewest bytes one host thread copies (smaller copies are not split).
-_SHARE_BYTES = 512 << 10
 
 #: Element widths tried for the byte rows (wider elements: fewer, larger copies).
 _WIDTHS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
@@ -157,10 +152,6 @@ class TorchTransferEngine(TransferEngine):
         #: CUDA with a pinned host pool: the device's index kernels read and write the host
         #: pool in place (no CPU copies, no pinned staging); False: always stage.
         zero_copy: bool = True
-        #: Threads for host-side copies (the staged path; CPU device pools), each running
-        #: torch's CPU index ops on one core: 0 = one per CPU core, at most 8; 1 = the
-        #: engine's worker thread alone, with torch's own CPU threads.
-        host_threads: int = 0
 
     @classmethod
     def probe(cls) -> Availability:
@@ -180,10 +171,6 @@ class TorchTransferEngine(TransferEngine):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ConfigError(f"{self.name}: staging_bytes must be a positive integer, got "
                               f"{v!r}", key="staging_bytes", value=v)
-        v = c.host_threads
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise ConfigError(f"{self.name}: host_threads must be an integer >= 0, got {v!r}",
-                              key="host_threads", value=v)
         if host_pool.raw.device.type != "cpu":
             raise LayoutError(f"{self.name}: host pool must be in host memory, got "
                               f"{host_pool.raw.device}")
@@ -207,11 +194,6 @@ class TorchTransferEngine(TransferEngine):
                                      self.device.type != "cpu", host=not self.zero_copy)
                                for _ in range(1 if self.zero_copy else 2)]
                 self._stream = self._dm.Stream(self.device) if c.side_stream else None
-        self._host: HostThreads | None = None
-        self._host_why = "zero copy: no host copies"
-        if not self.zero_copy:
-            self._host, self._host_why = host_threads(c.host_threads)
-        self._split_scatter = False    # worker-only: this job's scatter targets are distinct
         self._next = 0
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
@@ -234,17 +216,13 @@ class TorchTransferEngine(TransferEngine):
                 "staging_bytes": len(self._slots) and self._slots[0].dev.numel(),
                 "element_bytes": sorted(set(self._width)),
                 "pieces_per_layer": len(self._pieces[0]),
-                "host_runs_per_layer": len(self._runs[0]),
-                "host_threads": self._host.n if self._host else 1,
-                "host_threads_why": self._host_why}
+                "host_runs_per_layer": len(self._runs[0])}
 
     def close(self) -> None:
         if not self._closed:
             self._closed = True
             self._jobs.put(None)
             self._worker.join(timeout=30)
-            if self._host is not None:
-                self._host.close()
 
     def _device_module(self, device: torch.device) -> Any:
         """torch's module for ``device`` (``torch.cuda``, ...), None for the CPU; a device
@@ -363,8 +341,6 @@ class TorchTransferEngine(TransferEngine):
         return handle
 
     def _run(self) -> None:
-        if self._host is not None:     # this thread copies a share too, on one core
-            single_core()
         while True:
             job = self._jobs.get()
             if job is None:
@@ -373,11 +349,6 @@ class TorchTransferEngine(TransferEngine):
             pending: list[tuple] = []
             try:
                 h_np = h_idx if self.zero_copy else h_idx.cpu().numpy()
-                if self._host is not None:   # split a scatter only where no row is written twice
-                    to = d_idx.numpy() if self._dm is None and per_layer == self._load_layer \
-                        else h_np
-                    self._split_scatter = _distinct(to, self.host_pool.num_pages
-                                                    if to is h_np else self.device_pool.num_pages)
                 if self._dm is None:        # host copies: their own time is measured
                     handle._begin()
                     for layer in range(self.spec.num_layers):
@@ -483,44 +454,21 @@ class TorchTransferEngine(TransferEngine):
         lb, w = self.layer_bytes, self._width[layer]
         rows = _staged(staging, len(h), lb, w, self._runs[layer][0].host_view.dtype)
         idx = torch.from_numpy(h)
-        runs = [(r, rows[:, r.col // w:(r.col + r.nbytes) // w]) for r in self._runs[layer]]
-
-        def share(lo: int, hi: int) -> None:
-            for r, cols in runs:
-                if gather:
-                    torch.index_select(r.host_view, 0, idx[lo:hi], out=cols[lo:hi])
-                else:
-                    r.host_view.index_copy_(0, idx[lo:hi], cols[lo:hi])
-        self._split(share, len(h), lb, gather)
+        for r in self._runs[layer]:
+            cols = rows[:, r.col // w:(r.col + r.nbytes) // w]
+            if gather:
+                torch.index_select(r.host_view, 0, idx, out=cols)
+            else:
+                r.host_view.index_copy_(0, idx, cols)
 
     def _direct(self, layer: int, h: np.ndarray, d: np.ndarray, to_device: bool) -> None:
         """CPU device pools: each run straight between the two pools."""
         hi, di = torch.from_numpy(h), torch.from_numpy(d)
-
-        def share(lo: int, hi_: int) -> None:
-            for r in self._runs[layer]:
-                dv = r.dev_view
-                assert dv is not None
-                if to_device:
-                    dv.index_copy_(0, di[lo:hi_], r.host_view.index_select(0, hi[lo:hi_]))
-                else:
-                    r.host_view.index_copy_(0, hi[lo:hi_], dv.index_select(0, di[lo:hi_]))
-        self._split(share, len(h), self.layer_bytes, False)
-
-    def _split(self, share: Callable[[int, int], None], rows: int, row_bytes: int,
-               gather: bool) -> None:
-        """``share`` over the host threads (a scatter onto repeated rows: on this thread)."""
-        if self._host is None or not (gather or self._split_scatter):
-            share(0, rows)
-        else:
-            self._host.run(share, rows, max(1, _SHARE_BYTES // max(row_bytes, 1)))
-
-
-def _distinct(idx: np.ndarray, size: int) -> bool:
-    """Whether ``idx`` (values in ``[0, size)``) holds no value twice."""
-    seen = np.zeros(size, dtype=np.bool_)
-    seen[idx] = True
-    return int(np.count_nonzero(seen)) == len(idx)
+        for r in self._runs[layer]:
+            if to_device:
+                r.dev_view.index_copy_(0, di, r.host_view.index_select(0, hi))  # type: ignore[union-attr]
+            else:
+                r.host_view.index_copy_(0, hi, r.dev_view.index_select(0, di))  # type: ignore[union-attr]
 
 
 def _staged(flat: torch.Tensor, nb: int, lb: int, w: int, dtype: torch.dtype) -> torch.Tensor:
