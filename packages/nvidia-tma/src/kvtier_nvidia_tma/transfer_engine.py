@@ -586,8 +586,10 @@ class CopyEngineTransferEngine(_NvidiaEngine):
         #: Copies in a transfer's first ``cuMemcpyBatchAsync`` call, each next call 4x more up
         #: to ``max_batch``; the first pages' addresses are built and queued before the rest,
         #: so the DMA engines start after a few copies are queued, not after a whole batch
-        #: (0: every call ``max_batch``).
-        first_batch: int = 16
+        #: (0: every call ``max_batch``). Off by default: on the H200, 16 did not help strided
+        #: copies and cost one-copy-per-chunk transfers 1-7 points at 32 KiB
+        #: (docs/perf/nvidia-h200-transfer-strided.md).
+        first_batch: int = 0
         side_stream: bool = False
         debug: bool = False
         device: int | None = None
@@ -896,8 +898,10 @@ class RoutedTransferEngine(TransferEngine):
         #: (0: measured on this machine, per direction, and cached).
         crossover_bytes: int = 0
         #: Prefer the copy engine where it is within this fraction of the SM path (it leaves
-        #: the SMs to the model: a GEMM beside it is not slowed).
-        prefer_copy_within: float = 0.10
+        #: the SMs to the model: a GEMM beside it is not slowed). 0.05: on the H200, strided
+        #: copies of 32 KiB chunks calibrated at 92% of the TMA kernel and ran at 83.5% of the
+        #: link in use where the kernel ran at 92%; from 64 KiB they match it.
+        prefer_copy_within: float = 0.05
         #: Calibration cache file ("": ~/.cache/kvtier/nvidia-routed.json; "none": no cache).
         cache_file: str = ""
         #: MiB moved per calibration transfer (32 MiB transfers undersell the copy engine:
@@ -908,7 +912,7 @@ class RoutedTransferEngine(TransferEngine):
         #: Copies per cuMemcpyBatchAsync call on the copy-engine path, and in a transfer's
         #: first call (see ``nvidia-copy-engine``).
         max_batch: int = 256
-        first_batch: int = 16
+        first_batch: int = 0
         #: The copy-engine path queues its copies from a thread per direction (see
         #: ``nvidia-copy-engine``'s ``issue_thread``).
         issue_thread: bool = False
