@@ -272,6 +272,22 @@ OP3D = np.dtype({
 CU_MEMCPY_OPERAND_TYPE_POINTER = 1
 
 
+def pointer_ops(src, dst, src_row, dst_row, width, height) -> np.ndarray:
+    """:data:`OP3D` copies between pointers, one per element of ``src``/``dst`` (the other
+    arguments broadcast): ``height`` rows of ``width`` bytes, ``src_row``/``dst_row`` bytes
+    apart, in stream order."""
+    src = np.asarray(src)
+    ops = np.zeros(src.size, dtype=OP3D)
+    ops["src_type"] = ops["dst_type"] = CU_MEMCPY_OPERAND_TYPE_POINTER
+    ops["src_ptr"], ops["dst_ptr"] = src, dst
+    ops["src_row"], ops["dst_row"] = src_row, dst_row
+    ops["src_height"] = ops["dst_height"] = ops["height"] = height
+    ops["width"] = width
+    ops["depth"] = 1
+    ops["order"] = CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+    return ops
+
+
 def max_pitch(dev: Device) -> int:
     """The largest row pitch (bytes) a strided copy may use on ``dev``."""
     d = drv()

@@ -39,6 +39,13 @@ log = logging.getLogger(__name__)
 _REG_SAMPLE = 1 << 30
 
 
+def _check_bool(engine: str, key: str, value: Any) -> None:
+    """A switch that must be True or False: ConfigError."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"{engine}: {key} must be true or false, got {value!r}", key=key,
+                          value=value)
+
+
 def _check_int(engine: str, key: str, value: Any, lo: int) -> None:
     """A setting that must be an integer (not a bool) of at least ``lo``: ConfigError."""
     if isinstance(value, bool) or not isinstance(value, int) or value < lo:
@@ -618,20 +625,15 @@ class CopyEngineTransferEngine(_NvidiaEngine):
         from . import _driver
         for key in ("max_batch", "first_batch"):
             _check_int(self.name, key, getattr(self.config, key), 0)
+        for key in ("strided", "issue_thread"):
+            _check_bool(self.name, key, getattr(self.config, key))
         self._np = np
         self._copier = _driver.BatchCopier()
         self._runs = chunk_runs(device_pool, host_pool)
         self._runs_per_layer = np.bincount(self._runs["layer"], minlength=self.spec.num_layers)
-        if not isinstance(self.config.strided, bool):
-            raise ConfigError(f"strided must be true or false, got {self.config.strided!r}",
-                              key="strided", value=self.config.strided)
         self._strided, self._strided_why = None, "off (strided=false)"
         if self.config.strided:
             self._strided, self._strided_why = self._strided_plan()
-        if not isinstance(self.config.issue_thread, bool):
-            raise ConfigError(f"issue_thread must be true or false, got "
-                              f"{self.config.issue_thread!r}", key="issue_thread",
-                              value=self.config.issue_thread)
         self._issuers: dict[bool, _Issuer] = {}
         self._issuers_lock = threading.Lock()
 
@@ -646,7 +648,7 @@ class CopyEngineTransferEngine(_NvidiaEngine):
         if not copier.available:
             return None, copier.why
         limit = _driver.max_pitch(self._dev)
-        if max(int(abs(rows["dev_pitch"]).max()), int(abs(rows["host_pitch"]).max())) > limit:
+        if max(int(rows["dev_pitch"].max()), int(rows["host_pitch"].max())) > limit:
             return None, f"a layer stride is over the device's {limit}-byte pitch limit"
         try:
             strided_self_test(self._torch, self.device, self._dev, copier)
@@ -765,41 +767,26 @@ def strided_ops(rows: dict[str, Any], host_base: int, h, d, d2h: bool, layer0: i
     layers ``layer0 .. layer0 + layers``: per page, per run, ``layers`` rows of the run's
     bytes, a pitch apart on each side."""
     import numpy as np
-    from ._driver import CU_MEMCPY_OPERAND_TYPE_POINTER, CU_MEMCPY_SRC_ACCESS_ORDER_STREAM, OP3D
+    from ._driver import pointer_ops
     hs = np.asarray(h).astype(np.int64)[:, None]
     ds = np.asarray(d).astype(np.int64)[:, None]
     host = (int(host_base) + rows["host_off"] + layer0 * rows["host_pitch"]
             + hs * rows["host_stride"]).ravel()
     dev = (rows["dev_base"] + layer0 * rows["dev_pitch"] + ds * rows["dev_stride"]).ravel()
-    n = host.size
-    per = len(rows["nbytes"])
-    ops = np.zeros(n, dtype=OP3D)
-    (sp, sa), (dp, da) = ((rows["dev_pitch"], dev), (rows["host_pitch"], host)) if d2h \
-        else ((rows["host_pitch"], host), (rows["dev_pitch"], dev))
-    ops["src_type"] = ops["dst_type"] = CU_MEMCPY_OPERAND_TYPE_POINTER
-    ops["src_ptr"], ops["dst_ptr"] = sa, da
-    ops["src_row"], ops["dst_row"] = np.tile(sp, n // per), np.tile(dp, n // per)
-    ops["src_height"] = ops["dst_height"] = layers
-    ops["width"] = np.tile(rows["nbytes"], n // per)
-    ops["height"] = layers
-    ops["depth"] = 1
-    ops["order"] = CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
-    return ops
+    pages = len(hs)
+    hp, dp, width = (np.tile(rows[k], pages) for k in ("host_pitch", "dev_pitch", "nbytes"))
+    if d2h:
+        return pointer_ops(dev, host, dp, hp, width, layers)
+    return pointer_ops(host, dev, hp, dp, width, layers)
 
 
 def strided_self_test(torch, device, dev, copier) -> None:
     """One strided copy device to device (3 rows of 48 bytes, pitches 80 and 64), checked;
     TransferError where the driver refuses it or moves other bytes."""
-    import numpy as np
-    from ._driver import CU_MEMCPY_OPERAND_TYPE_POINTER, CU_MEMCPY_SRC_ACCESS_ORDER_STREAM, OP3D
+    from ._driver import pointer_ops
     src = torch.randint(1, 255, (240,), dtype=torch.uint8, device=device)
     dst = torch.zeros(192, dtype=torch.uint8, device=device)
-    op = np.zeros(1, dtype=OP3D)
-    op["src_type"] = op["dst_type"] = CU_MEMCPY_OPERAND_TYPE_POINTER
-    op["src_ptr"], op["dst_ptr"] = src.data_ptr(), dst.data_ptr()
-    op["src_row"], op["dst_row"], op["src_height"], op["dst_height"] = 80, 64, 3, 3
-    op["width"], op["height"], op["depth"] = 48, 3, 1
-    op["order"] = CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+    op = pointer_ops([src.data_ptr()], [dst.data_ptr()], 80, 64, 48, 3)
     stream = torch.cuda.Stream(device)
     dev.make_current()
     copier(op, stream.cuda_stream)
@@ -899,8 +886,8 @@ class RoutedTransferEngine(TransferEngine):
         crossover_bytes: int = 0
         #: Prefer the copy engine where it is within this fraction of the SM path (it leaves
         #: the SMs to the model: a GEMM beside it is not slowed). 0.05: on the H200, strided
-        #: copies of 32 KiB chunks calibrated at 92% of the TMA kernel and ran at 83.5% of the
-        #: link in use where the kernel ran at 92%; from 64 KiB they match it.
+        #: copies of 32 KiB chunks calibrated at 92% of the TMA kernel and ran at 80-84% of the
+        #: link in use where the kernel ran at 90-91%; from 64 KiB they match it.
         prefer_copy_within: float = 0.05
         #: Calibration cache file ("": ~/.cache/kvtier/nvidia-routed.json; "none": no cache).
         cache_file: str = ""
@@ -1156,8 +1143,8 @@ def _driver_version() -> str:
         return "?"
 
 
-def calibrate(ordinal: int, sm_cls: type, config: Any, sm_cfg: dict[str, Any] | None = None,
-              copy_cfg: dict[str, Any] | None = None, num_layers: int = 4) -> dict[str, Any]:
+def calibrate(ordinal: int, sm_cls: type, config: Any, sm_cfg: dict[str, Any],
+              copy_cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
     """Time the SM kernel and the copy engine at each of ``CALIBRATION_CHUNKS`` over scratch
     pools of ``num_layers`` layers (random pages, median of 3 after a warm-up), each engine
     with the settings it runs with (per-layer or all-layer transfers per direction, strided
@@ -1186,10 +1173,8 @@ def calibrate(ordinal: int, sm_cls: type, config: Any, sm_cfg: dict[str, Any] | 
             hpool = HostKVPool(spec, pages, buffer=buf)
             perm_h = torch.randperm(pages, generator=g)
             perm_d = torch.randperm(pages, generator=g)
-            engines = [sm_cls(dpool, hpool, sm_cfg or {"ctas": config.ctas,
-                                                       "layerwise_load": False}),
-                       CopyEngineTransferEngine(dpool, hpool, copy_cfg or {
-                           "max_batch": config.max_batch, "layerwise_load": False})]
+            engines = [sm_cls(dpool, hpool, sm_cfg),
+                       CopyEngineTransferEngine(dpool, hpool, copy_cfg)]
             for d in ("h2d", "d2h"):
                 row = []
                 for eng in engines:
