@@ -77,3 +77,15 @@ def test_plot_has_one_panel_per_direction(tmp_path):
     path = tmp_path / "p.png"
     transfer.plot(data, str(path))
     assert path.stat().st_size > 0
+
+
+def test_host_copies_measure_both_ways_and_render():
+    """The staged path's CPU side is measured (positive rates, torch's thread count) and
+    named in the report."""
+    import torch
+    buf = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8)
+    got = transfer.host_copies(torch, buf, 3 << 20, repeat=1, row=64 << 10, staging=1 << 20)
+    assert got["gather"] > 0 and got["scatter"] > 0
+    assert got["threads"] == torch.get_num_threads()
+    data = {"env": {"gpu": "G"}, "ceiling": {"h2d": 50.0}, "host_copies": got, "results": []}
+    assert f"gather {got['gather']:.1f} GB/s" in transfer.render(data)

@@ -88,7 +88,7 @@ def test_failures_surface_through_the_handle(engine, monkeypatch):
     def boom(*args):
         raise RuntimeError("copy engine on fire")
 
-    monkeypatch.setattr(engine, "_load_layer", boom)
+    monkeypatch.setattr(engine, "_load_group", boom)
     h = engine.load([0], [0])
     with pytest.raises(TransferError, match="on fire"):
         h.wait()
@@ -139,27 +139,42 @@ def test_bad_indices_touch_nothing(engine):
     assert torch.equal(hp.raw, before)
 
 
-def test_layer_i_waits_only_for_layer_i(engine, spec, monkeypatch):
-    """Layer 0 can be waited on while the later layers are still held back."""
+@pytest.mark.parametrize("group", [1, 2])
+def test_layer_i_waits_only_for_its_group(spec, group, monkeypatch):
+    """The layers of the first group can be waited on while the later groups are still held
+    back; with groups of one layer, layer 0 alone."""
     import threading
+    dpool, hpool = make_device_pool(spec, 13), make_host_pool(spec, 17)
+    engine = TorchTransferEngine(dpool, hpool, {"group_layers": group})
     gate = threading.Event()
-    real = engine._load_layer
+    real = engine._load_group
+    firsts = []
 
-    def held(layer, *args):
-        if layer > 0:
+    def held(a, g, *args):
+        firsts.append((a, g))
+        if a > 0:
             gate.wait(30)
-        real(layer, *args)
+        real(a, g, *args)
 
-    monkeypatch.setattr(engine, "_load_layer", held)
-    fill_random(engine.host_pool.raw)
-    h = engine.load([4], [2])
-    h.wait_layer(0)                    # returns although layer 1 has not moved yet
-    assert not h.done()
-    for c in range(spec.num_components):
-        assert_bitwise_equal(engine.device_pool.page(c, 0, 2), engine.host_pool.view[4, 0, c])
-    gate.set()
-    h.wait()
-    assert h.done()
+    try:
+        assert engine.max_group == group
+        monkeypatch.setattr(engine, "_load_group", held)
+        fill_random(hpool.raw)
+        h = engine.load([4], [2])
+        h.wait_layer(group - 1)            # returns although the next group has not moved
+        assert not h.done()
+        for layer in range(group):
+            for c in range(spec.num_components):
+                assert_bitwise_equal(dpool.page(c, layer, 2), hpool.view[4, layer, c])
+        gate.set()
+        h.wait()
+        assert h.done()
+        assert firsts == [(a, min(group, spec.num_layers - a))
+                          for a in range(0, spec.num_layers, group)]
+    finally:
+        gate.set()
+        engine.close()
+        hpool.close()
     caps = TorchTransferEngine.capabilities()
     assert not caps.host_indices and caps.row_alignment == 1
 
@@ -215,11 +230,19 @@ class StagedTorchEngine(TorchTransferEngine):
         return _FakeDeviceModule
 
 
-def _layout_case(layout, which, host_layout, staging, device="cpu", staged=True, **cfg):
+class ZeroCopyTorchEngine(StagedTorchEngine):
+    """The zero-copy path's index ops on the CPU: the host pool is its own device alias."""
+
+    def _host_alias(self):
+        return self.host_pool.raw
+
+
+def _layout_case(layout, which, host_layout, staging, device="cpu", staged=True,
+                 one_block=False, cls=None, **cfg):
     spec = layout_specs(layout)[which]
-    dpool = make_layout_pool(spec, layout, 23, device)
+    dpool = make_layout_pool(spec, layout, 23, device, one_block)
     hpool = make_host_pool(spec, 31, host_layout)
-    cls = StagedTorchEngine if staged else TorchTransferEngine
+    cls = cls or (StagedTorchEngine if staged else TorchTransferEngine)
     return spec, dpool, hpool, cls(dpool, hpool, {"staging_bytes": staging, **cfg})
 
 
@@ -260,13 +283,25 @@ def _roundtrip(dpool, hpool, eng, seed, n):
 @pytest.mark.parametrize("layout", DEVICE_LAYOUTS)
 @pytest.mark.parametrize("which", [0, 1])
 @pytest.mark.parametrize("staging", [1, 1 << 20], ids=["batched", "one-batch"])
-def test_staged_path_every_layout(layout, which, host_layout, staging):
+@pytest.mark.parametrize("pool", ["scattered", "one-block", "groups-of-2"])
+@pytest.mark.parametrize("cls", [StagedTorchEngine, ZeroCopyTorchEngine],
+                         ids=["staged", "zero-copy"])
+def test_staged_path_every_layout(layout, which, host_layout, staging, pool, cls):
     """Staging of 1 byte is rounded up to one page-layer: every page is its own batch and the
-    two staging buffers are reused many times per layer."""
-    spec, dpool, hpool, eng = _layout_case(layout, which, host_layout, staging)
+    two staging buffers are reused many times per layer. Pools of one allocation move groups
+    of layers per op (all of them in one batch, or 2 at a time, the last group shorter where
+    the layer count is odd); pools of layers allocated one by one, a layer per op."""
+    spec, dpool, hpool, eng = _layout_case(
+        layout, which, host_layout, staging, one_block=pool != "scattered", cls=cls,
+        group_layers=2 if pool == "groups-of-2" else 0)
     try:
+        assert eng.zero_copy == (cls is ZeroCopyTorchEngine)
+        assert eng.max_group == {"scattered": 1, "one-block": spec.num_layers,
+                                 "groups-of-2": 2}[pool]
         if staging == 1:
-            assert eng.batch_pages == 1
+            assert eng.batch_pages == 1 and eng._group_size(1) == 1
+        elif pool != "scattered":
+            assert eng._group_size(17) == eng.max_group
         for seed in range(2):
             _roundtrip(dpool, hpool, eng, seed * 7 + which, random.Random(seed).randint(1, 17))
     finally:
@@ -309,7 +344,9 @@ def test_wide_elements_where_aligned():
 
 @pytest.mark.parametrize("bad", [{"staging_bytes": 0}, {"staging_bytes": -1},
                                  {"staging_bytes": 1.5}, {"host_threads": 4},
-                                 {"staging_bytes": True}, {"no_such_key": 1}])
+                                 {"staging_bytes": True}, {"no_such_key": 1},
+                                 {"group_layers": -1}, {"group_layers": True},
+                                 {"group_layers": 1.5}])
 def test_bad_config_is_refused_when_built(bad):
     dpool, hpool = make_device_pool(MHA, 3), make_host_pool(MHA, 3)
     try:
@@ -336,12 +373,15 @@ def test_device_without_streams_is_refused():
 @pytest.mark.parametrize("layout", DEVICE_LAYOUTS)
 @pytest.mark.parametrize("staging", [1, 64 << 20], ids=["batched", "one-batch"])
 @pytest.mark.parametrize("zero_copy", [True, False], ids=["zero-copy", "staged"])
-def test_cuda_every_layout(layout, host_layout, staging, zero_copy):
+@pytest.mark.parametrize("one_block", [False, True], ids=["scattered", "one-block"])
+def test_cuda_every_layout(layout, host_layout, staging, zero_copy, one_block):
     for which in range(2):
         spec, dpool, hpool, eng = _layout_case(layout, which, host_layout, staging, "cuda",
-                                               staged=False, zero_copy=zero_copy)
+                                               staged=False, one_block=one_block,
+                                               zero_copy=zero_copy)
         try:
             assert eng.zero_copy == zero_copy        # torch-pinned host pools allow it
+            assert eng.max_group == (spec.num_layers if one_block else 1)
             for seed in range(3):
                 _roundtrip(dpool, hpool, eng, seed + 11 * which, random.Random(seed).randint(1, 20))
         finally:

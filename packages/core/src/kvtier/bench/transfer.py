@@ -147,6 +147,45 @@ def ceilings(torch, host_raw, nbytes: int, repeat: int) -> dict[str, float]:
     return out
 
 
+def host_copies(torch, host_raw, nbytes: int, repeat: int, row: int = 128 << 10,
+                staging: int = 32 << 20) -> dict[str, float]:
+    """GB/s of the staged path's CPU side: torch's CPU index ops gathering random rows of the
+    host buffer into a pinned staging buffer (and scattering them back), called from a thread
+    of their own as the `torch` engine's worker calls them: what bounds that path."""
+    import threading
+    rows = max(1, nbytes // row)
+    per = max(1, staging // row)
+    src = host_raw[:rows * row].view(torch.int64).view(rows, row // 8)
+    stage = torch.empty((per, row // 8), dtype=torch.int64,
+                        pin_memory=torch.cuda.is_available())
+    g = torch.Generator().manual_seed(3)
+    order = torch.randperm(rows, generator=g)
+    out: dict[str, float] = {}
+
+    def timed(gather: bool) -> float:
+        times = []
+        for i in range(repeat + 1):
+            t = time.perf_counter()
+            for s in range(0, rows, per):
+                idx = order[s:s + per]
+                if gather:
+                    torch.index_select(src, 0, idx, out=stage[:len(idx)])
+                else:
+                    src.index_copy_(0, idx, stage[:len(idx)])
+            if i:
+                times.append(time.perf_counter() - t)
+        return rows * row / statistics.median(times) / 1e9
+
+    def work() -> None:
+        out["gather"] = timed(True)
+        out["scatter"] = timed(False)
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    out["threads"] = torch.get_num_threads()
+    return out
+
+
 def _configs(cls, sweeps: dict[str, list], fixed: dict[str, Any],
              explicit: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     keys = set(getattr(cls.Config, "__dataclass_fields__", {}))
@@ -259,6 +298,9 @@ def _run(args: argparse.Namespace, torch) -> int:
     data["ceiling"] = ceilings(torch, host_buf.tensor, nbytes, args.repeat)
     print(f"ceiling (pinned cudaMemcpyAsync, {args.mib} MiB): "
           + ", ".join(f"{k} {v:.1f} GB/s" for k, v in data["ceiling"].items()), file=sys.stderr)
+    data["host_copies"] = host_copies(torch, host_buf.tensor[3 * nbytes:4 * nbytes], nbytes,
+                                      args.repeat)
+    print(_host_copies_text(data["host_copies"]), file=sys.stderr)
     directions = [d for d in args.directions.split(",") if d]
     modes = [m for m in args.modes.split(",") if m]
     cases = [c for c in args.cases.split(",") if c]
@@ -473,6 +515,12 @@ def _cfg_text(cfg: dict[str, Any]) -> str:
     return ",".join(f"{k}={v}" for k, v in cfg.items()) or "default"
 
 
+def _host_copies_text(h: dict[str, float]) -> str:
+    return (f"host index copies (the staged path's CPU side; 128 KiB rows in random order, "
+            f"{h['threads']} torch threads): gather {h['gather']:.1f} GB/s, scatter "
+            f"{h['scatter']:.1f} GB/s")
+
+
 def render(data: dict[str, Any]) -> str:
     env = data.get("env", {})
     ce = data["ceiling"]
@@ -481,6 +529,8 @@ def render(data: dict[str, Any]) -> str:
              f"pages in {data.get('order', 'random')} order",
              "ceiling (one pinned cudaMemcpyAsync): " + ", ".join(
                  f"{k} {v:.1f} GB/s" for k, v in ce.items())]
+    if data.get("host_copies"):
+        lines.append(_host_copies_text(data["host_copies"]))
     rows = [[r["case"], r["chunk_bytes"], r["engine"], _cfg_text(r["config"]), r["mode"],
              r["direction"], r.get("ctas") or "-", f"{r['gbps']:.1f}", f"{100 * r['ratio']:.1f}%"]
             for r in data["results"]]

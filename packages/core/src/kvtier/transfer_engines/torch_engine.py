@@ -5,7 +5,12 @@ devices such as Ascend's whose torch module mirrors ``torch.cuda``). It moves by
 typed elements, so every dtype (fp8 included) and every device layout moves the same way: each
 layer of a page is the device pool's byte chunks (``pool.chunks``) in order.
 
-Per layer, in batches of pages, through a device staging buffer of page-major rows:
+Per group of layers, in batches of pages, through a device staging buffer of page-major rows.
+Where the device pool's layers sit at one stride (one allocation: ``DeviceKVPool.empty``,
+vLLM's and SGLang's caches) a group is as many layers as one staging buffer holds for the
+transfer's pages, so each index op moves up to ``staging_bytes`` (a transfer of 59 pages of
+61 layers of 72 KiB is 9 ops a side, not 61); otherwise, or with ``group_layers=1``, a group is
+one layer:
 
 * **zero copy** (CUDA, host pool pinned or registered): the host pool is seen from the device
   at its own address (unified addressing), and torch's index kernels gather host rows into the
@@ -18,9 +23,10 @@ Per layer, in batches of pages, through a device staging buffer of page-major ro
 
 Each call becomes one job on the engine's worker thread (jobs run in submission order). On an
 accelerator the copies run on a side stream ordered after the caller's stream at call time;
-each layer signals as soon as it is queued (staged backups: once its rows are in the host
-pool), and ``wait_layer(i)`` then makes the caller's stream wait on layer ``i``'s event: the
-caller's thread waits at most for the CPU side of that layer, never for the device.
+each group's layers signal as soon as the group is queued (staged backups: once its rows are
+in the host pool), and ``wait_layer(i)`` then makes the caller's stream wait on the event of
+layer ``i``'s group: the caller's thread waits at most for the CPU side of that group, never for
+the device.
 """
 
 from __future__ import annotations
@@ -152,6 +158,10 @@ class TorchTransferEngine(TransferEngine):
         #: CUDA with a pinned host pool: the device's index kernels read and write the host
         #: pool in place (no CPU copies, no pinned staging); False: always stage.
         zero_copy: bool = True
+        #: Most layers one index op moves (0: as many as a staging buffer holds for the
+        #: transfer's pages; 1: one layer per op). Groups need the device pool's layers at one
+        #: stride; ``wait_layer(i)`` waits for ``i``'s whole group.
+        group_layers: int = 0
 
     @classmethod
     def probe(cls) -> Availability:
@@ -171,6 +181,10 @@ class TorchTransferEngine(TransferEngine):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ConfigError(f"{self.name}: staging_bytes must be a positive integer, got "
                               f"{v!r}", key="staging_bytes", value=v)
+        g = c.group_layers
+        if isinstance(g, bool) or not isinstance(g, int) or g < 0:
+            raise ConfigError(f"{self.name}: group_layers must be an integer >= 0, got {g!r}",
+                              key="group_layers", value=g)
         if host_pool.raw.device.type != "cpu":
             raise LayoutError(f"{self.name}: host pool must be in host memory, got "
                               f"{host_pool.raw.device}")
@@ -183,14 +197,19 @@ class TorchTransferEngine(TransferEngine):
         self._pieces = [p[0] for p in plans]
         self._runs = [p[1] for p in plans]
         self._width = [p[2] for p in plans]
+        self._strides = self._layer_strides()
+        self._views: dict[tuple[int, int], tuple[list, list]] = {}
         self._slots: list[_Slot] = []
         self._stream = None
+        self.staging_size = 0
         if self._dm is not None:
-            whole = self.layer_bytes * max(device_pool.num_pages, 1)
+            groups = self.max_group
+            whole = self.layer_bytes * max(device_pool.num_pages, 1) * groups
             size = max(self.layer_bytes, min(c.staging_bytes, whole))
+            self.staging_size = size
             self.batch_pages = size // self.layer_bytes
             with self._dm.device(self.device):
-                self._slots = [_Slot(self.batch_pages * self.layer_bytes, self.device,
+                self._slots = [_Slot(size, self.device,
                                      self.device.type != "cpu", host=not self.zero_copy)
                                for _ in range(1 if self.zero_copy else 2)]
                 self._stream = self._dm.Stream(self.device) if c.side_stream else None
@@ -204,16 +223,17 @@ class TorchTransferEngine(TransferEngine):
     # ----- public API -----------------------------------------------------------------------
     def load(self, host_pages, device_pages) -> TransferHandle:
         h_idx, d_idx = self._indices(host_pages, device_pages)
-        return self._submit(self._load_layer, h_idx, d_idx)
+        return self._submit(self._load_group, h_idx, d_idx)
 
     def backup(self, device_pages, host_pages) -> TransferHandle:
         h_idx, d_idx = self._indices(host_pages, device_pages)
-        return self._submit(self._backup_layer, h_idx, d_idx)
+        return self._submit(self._backup_group, h_idx, d_idx)
 
     def describe(self) -> dict[str, Any]:
         """What the benchmark records beside a result."""
         return {"zero_copy": self.zero_copy,
                 "staging_bytes": len(self._slots) and self._slots[0].dev.numel(),
+                "max_group_layers": self.max_group,
                 "element_bytes": sorted(set(self._width)),
                 "pieces_per_layer": len(self._pieces[0]),
                 "host_runs_per_layer": len(self._runs[0])}
@@ -304,6 +324,79 @@ class TorchTransferEngine(TransferEngine):
                 r.alias = host_view(r.host_off, r.host_stride, r.nbytes, self._alias)
         return pieces, runs, w
 
+    # ----- layer groups -----------------------------------------------------------------------
+    @property
+    def max_group(self) -> int:
+        """Most layers one op moves: 1 where the device pool's layers are not at one stride."""
+        if self._strides is None:
+            return 1
+        g = self.config.group_layers
+        return self.spec.num_layers if g == 0 else min(g, self.spec.num_layers)
+
+    def _layer_strides(self) -> tuple[list[int], list[int], list[int] | None] | None:
+        """Elements from one layer to the next for each device piece, each host run and (CPU
+        device pools) each run's device rows: None where some layer is not at that stride of
+        the same allocation, with the same shape, strides and element width."""
+        L = self.spec.num_layers
+        if L < 2 or len(set(self._width)) != 1:
+            return None
+        w = self._width[0]
+
+        def steps(per_layer: list[list[torch.Tensor]]) -> list[int] | None:
+            out = []
+            for col in zip(*per_layer):
+                a = col[0]
+                step = col[1].data_ptr() - a.data_ptr()
+                if step <= 0 or step % w or any(
+                        t.shape != a.shape or t.stride() != a.stride()
+                        or t.untyped_storage().data_ptr() != a.untyped_storage().data_ptr()
+                        or t.data_ptr() - a.data_ptr() != i * step for i, t in enumerate(col)):
+                    return None
+                out.append(step // w)
+            return out
+        dev = steps([[p.dev for p in ps] for ps in self._pieces])
+        host = steps([[r.host_view for r in rs] for rs in self._runs])
+        rows = None
+        if self._runs[0][0].dev_view is not None:
+            rows = steps([[r.dev_view for r in rs] for rs in self._runs])  # type: ignore[misc]
+            if rows is None:
+                return None
+        return None if dev is None or host is None else (dev, host, rows)
+
+    def _group_size(self, pages: int) -> int:
+        """Layers per op for a transfer of ``pages`` pages: as many as one op's bytes hold."""
+        per_layer = pages * self.layer_bytes
+        cap = self.staging_size or self.config.staging_bytes
+        return max(1, min(self.max_group, cap // per_layer))
+
+    def _group(self, a: int, g: int) -> tuple[list[tuple], list[tuple]]:
+        """Views over layers ``a .. a+g-1`` (``[pages, g, elements]``): per device piece
+        (rows, first staging column, columns) and per host run (host rows, the same rows seen
+        from the device or None, CPU device rows or None, first staging column, columns)."""
+        got = self._views.get((a, g))
+        if got is not None:
+            return got
+        w = self._width[a]
+        dev, host, rows = self._strides if g > 1 else (None, None, None)  # type: ignore[misc]
+
+        def widen(t: torch.Tensor | None, steps: list[int] | None, k: int) -> Any:
+            if t is None or steps is None:
+                return None if t is None else t.unsqueeze(1)
+            return t.as_strided((t.shape[0], g, t.shape[1]),
+                                (t.stride(0), steps[k], t.stride(1)), t.storage_offset())
+        pieces = [(widen(p.dev, dev, k), p.col0, p.cols) for k, p in enumerate(self._pieces[a])]
+        runs = [(widen(r.host_view, host, k), widen(r.alias, host, k),
+                 widen(r.dev_view, rows, k), r.col // w, r.nbytes // w)
+                for k, r in enumerate(self._runs[a])]
+        self._views[(a, g)] = (pieces, runs)
+        return pieces, runs
+
+    def _rows(self, flat: torch.Tensor, nb: int, a: int, g: int) -> torch.Tensor:
+        """The first ``nb`` page-major staging rows of layers ``a .. a+g-1``: ``[nb, g, e]``."""
+        w = self._width[a]
+        return flat[:nb * g * self.layer_bytes].view(self._pieces[a][0].dev.dtype).view(
+            nb, g, self.layer_bytes // w)
+
     # ----- internals ------------------------------------------------------------------------
     def _indices(self, host_pages, device_pages) -> tuple[torch.Tensor, torch.Tensor]:
         if self._closed:
@@ -328,7 +421,7 @@ class TorchTransferEngine(TransferEngine):
         pinned.copy_(idx)
         return pinned.to(self.device, non_blocking=True)
 
-    def _submit(self, per_layer: Callable, h_idx: torch.Tensor, d_idx: torch.Tensor
+    def _submit(self, per_group: Callable, h_idx: torch.Tensor, d_idx: torch.Tensor
                 ) -> TransferHandle:
         if h_idx.numel() == 0:
             return CompletedHandle(self.spec.num_layers)
@@ -337,7 +430,7 @@ class TorchTransferEngine(TransferEngine):
         if self._dm is not None:   # order the side stream after the caller's work so far
             start = self._dm.Event()
             start.record(self._dm.current_stream(self.device))
-        self._jobs.put((per_layer, h_idx, d_idx, handle, start))
+        self._jobs.put((per_group, h_idx, d_idx, handle, start))
         return handle
 
     def _run(self) -> None:
@@ -345,14 +438,16 @@ class TorchTransferEngine(TransferEngine):
             job = self._jobs.get()
             if job is None:
                 return
-            per_layer, h_idx, d_idx, handle, start = job
+            per_group, h_idx, d_idx, handle, start = job
             pending: list[tuple] = []
+            L = self.spec.num_layers
+            g = self._group_size(len(h_idx))
             try:
                 h_np = h_idx if self.zero_copy else h_idx.cpu().numpy()
                 if self._dm is None:        # host copies: their own time is measured
                     handle._begin()
-                    for layer in range(self.spec.num_layers):
-                        per_layer(layer, h_np, d_idx, handle, pending)
+                    for a in range(0, L, g):
+                        per_group(a, min(g, L - a), h_np, d_idx, handle, pending)
                 else:
                     dm = self._dm
                     stream = self._stream or dm.current_stream(self.device)
@@ -361,15 +456,15 @@ class TorchTransferEngine(TransferEngine):
                         for t in (h_np, d_idx):
                             if isinstance(t, torch.Tensor) and t.device.type != "cpu":
                                 t.record_stream(stream)
-                        for layer in range(self.spec.num_layers):
-                            per_layer(layer, h_np, d_idx, handle, pending)
+                        for a in range(0, L, g):
+                            per_group(a, min(g, L - a), h_np, d_idx, handle, pending)
                         while pending:
                             self._finish_backup(pending.pop(0), handle)
             except BaseException as exc:  # surfaced to the caller by the handle
                 handle._fail(exc)
 
-    def _batches(self, n: int):
-        step = n if self._dm is None else self.batch_pages
+    def _batches(self, n: int, g: int):
+        step = n if self._dm is None else max(1, self.staging_size // (g * self.layer_bytes))
         for s in range(0, n, step):
             yield s, min(n, s + step)
 
@@ -386,91 +481,90 @@ class TorchTransferEngine(TransferEngine):
         ev.record()
         return ev
 
-    def _load_layer(self, layer: int, h_idx: np.ndarray, d_idx: torch.Tensor,
+    @staticmethod
+    def _signal(handle: LayerwiseHandle, a: int, g: int, event: Any = None) -> None:
+        for layer in range(a, a + g):
+            handle._signal(layer, event)
+
+    def _load_group(self, a: int, g: int, h_idx: np.ndarray, d_idx: torch.Tensor,
                     handle: LayerwiseHandle, pending: list) -> None:
         if self._dm is None:               # CPU device pool: host rows straight to its rows
-            self._direct(layer, h_idx, d_idx.numpy(), to_device=True)
-            handle._signal(layer)
+            self._direct(a, g, h_idx, d_idx.numpy(), to_device=True)
+            self._signal(handle, a, g)
             return
-        lb, w = self.layer_bytes, self._width[layer]
-        for s, e in self._batches(len(h_idx)):
+        pieces, runs = self._group(a, g)
+        nbytes = g * self.layer_bytes
+        for s, e in self._batches(len(h_idx), g):
             nb = e - s
             slot = self._slot()
+            rows = self._rows(slot.dev, nb, a, g)
             if self.zero_copy:               # the device reads the host rows itself
-                rows = _staged(slot.dev, nb, lb, w, self._pieces[layer][0].dev.dtype)
-                for r in self._runs[layer]:
-                    torch.index_select(r.alias, 0, h_idx[s:e],  # type: ignore[arg-type]
-                                       out=rows[:, r.col // w:(r.col + r.nbytes) // w])
+                for _, alias, _, col, n in runs:
+                    torch.index_select(alias, 0, h_idx[s:e],  # type: ignore[arg-type]
+                                       out=rows[:, :, col:col + n])
             else:
-                self._host_rows(layer, slot.host, h_idx[s:e], gather=True)
-                slot.dev[:nb * lb].copy_(slot.host[:nb * lb], non_blocking=True)
+                self._host_rows(a, g, slot.host, h_idx[s:e], gather=True)
+                slot.dev[:nb * nbytes].copy_(slot.host[:nb * nbytes], non_blocking=True)
                 slot.free = self._record()
-            rows = _staged(slot.dev, nb, lb, w, self._pieces[layer][0].dev.dtype)
-            for p in self._pieces[layer]:
-                p.dev.index_copy_(0, d_idx[s:e], rows[:, p.col0:p.col0 + p.cols])
-        handle._signal(layer, self._record())
+            for dev, col, n in pieces:
+                dev.index_copy_(0, d_idx[s:e], rows[:, :, col:col + n])
+        self._signal(handle, a, g, self._record())
 
-    def _backup_layer(self, layer: int, h_idx: np.ndarray, d_idx: torch.Tensor,
+    def _backup_group(self, a: int, g: int, h_idx: np.ndarray, d_idx: torch.Tensor,
                       handle: LayerwiseHandle, pending: list) -> None:
         if self._dm is None:
-            self._direct(layer, h_idx, d_idx.numpy(), to_device=False)
-            handle._signal(layer)
+            self._direct(a, g, h_idx, d_idx.numpy(), to_device=False)
+            self._signal(handle, a, g)
             return
-        lb, w = self.layer_bytes, self._width[layer]
-        batches = list(self._batches(len(h_idx)))
+        pieces, runs = self._group(a, g)
+        nbytes = g * self.layer_bytes
+        batches = list(self._batches(len(h_idx), g))
         for s, e in batches:
             while len(pending) >= len(self._slots):   # its slot's bytes are still unread
                 self._finish_backup(pending.pop(0), handle)
             nb = e - s
             slot = self._slot()
-            rows = _staged(slot.dev, nb, lb, w, self._pieces[layer][0].dev.dtype)
-            for p in self._pieces[layer]:
-                torch.index_select(p.dev, 0, d_idx[s:e], out=rows[:, p.col0:p.col0 + p.cols])
+            rows = self._rows(slot.dev, nb, a, g)
+            for dev, col, n in pieces:
+                torch.index_select(dev, 0, d_idx[s:e], out=rows[:, :, col:col + n])
             if self.zero_copy:               # the device writes the host rows itself
-                for r in self._runs[layer]:
-                    r.alias.index_copy_(0, h_idx[s:e],  # type: ignore[union-attr,arg-type]
-                                        rows[:, r.col // w:(r.col + r.nbytes) // w])
+                for _, alias, _, col, n in runs:
+                    alias.index_copy_(0, h_idx[s:e],  # type: ignore[arg-type]
+                                      rows[:, :, col:col + n])
                 if e == len(h_idx):
-                    handle._signal(layer, self._record())
+                    self._signal(handle, a, g, self._record())
                 continue
-            slot.host[:nb * lb].copy_(slot.dev[:nb * lb], non_blocking=True)
+            slot.host[:nb * nbytes].copy_(slot.dev[:nb * nbytes], non_blocking=True)
             slot.free = self._record()
-            pending.append((layer, slot, slot.free, h_idx[s:e], e == len(h_idx)))
+            pending.append((a, g, slot, slot.free, h_idx[s:e], e == len(h_idx)))
 
     def _finish_backup(self, item: tuple, handle: LayerwiseHandle) -> None:
-        layer, slot, ev, h_part, last = item
+        a, g, slot, ev, h_part, last = item
         ev.synchronize()                   # the worker waits, never the caller
-        self._host_rows(layer, slot.host, h_part, gather=False)
+        self._host_rows(a, g, slot.host, h_part, gather=False)
         if last:
-            handle._signal(layer)
+            self._signal(handle, a, g)
 
     # ----- host-side copies -------------------------------------------------------------------
-    def _host_rows(self, layer: int, staging: torch.Tensor, h: np.ndarray, gather: bool
+    def _host_rows(self, a: int, g: int, staging: torch.Tensor, h: np.ndarray, gather: bool
                    ) -> None:
-        """Gather the layer's host rows of pages ``h`` into ``staging`` (page-major rows of
-        layer_bytes), or scatter them back: one torch index op per host run, which torch runs
-        on its CPU threads (on the H200's 16-core host: 41-45 GB/s for 128 KiB rows, where a
-        Python loop of memmoves over 16 threads made 13)."""
-        lb, w = self.layer_bytes, self._width[layer]
-        rows = _staged(staging, len(h), lb, w, self._runs[layer][0].host_view.dtype)
+        """Gather the host rows of layers ``a .. a+g-1`` of pages ``h`` into ``staging``
+        (page-major rows), or scatter them back: one torch index op per host run, which torch
+        runs on its CPU threads."""
+        rows = self._rows(staging, len(h), a, g)
         idx = torch.from_numpy(h)
-        for r in self._runs[layer]:
-            cols = rows[:, r.col // w:(r.col + r.nbytes) // w]
+        for host, _, _, col, n in self._group(a, g)[1]:
+            cols = rows[:, :, col:col + n]
             if gather:
-                torch.index_select(r.host_view, 0, idx, out=cols)
+                torch.index_select(host, 0, idx, out=cols)
             else:
-                r.host_view.index_copy_(0, idx, cols)
+                host.index_copy_(0, idx, cols)
 
-    def _direct(self, layer: int, h: np.ndarray, d: np.ndarray, to_device: bool) -> None:
+    def _direct(self, a: int, g: int, h: np.ndarray, d: np.ndarray, to_device: bool) -> None:
         """CPU device pools: each run straight between the two pools."""
         hi, di = torch.from_numpy(h), torch.from_numpy(d)
-        for r in self._runs[layer]:
+        for host, _, dev, _, _ in self._group(a, g)[1]:
             if to_device:
-                r.dev_view.index_copy_(0, di, r.host_view.index_select(0, hi))  # type: ignore[union-attr]
+                dev.index_copy_(0, di, host.index_select(0, hi))
             else:
-                r.host_view.index_copy_(0, hi, r.dev_view.index_select(0, di))  # type: ignore[union-attr]
-
-
-def _staged(flat: torch.Tensor, nb: int, lb: int, w: int, dtype: torch.dtype) -> torch.Tensor:
-    """The first ``nb`` page-major rows of a staging buffer, in elements of ``w`` bytes."""
-    return flat[:nb * lb].view(dtype).view(nb, lb // w)
+                host.index_copy_(0, hi, dev.index_select(0, di))
