@@ -309,6 +309,23 @@ def test_staged_path_every_layout(layout, which, host_layout, staging, pool, cls
         hpool.close()
 
 
+@pytest.mark.parametrize("host_layout", ["page_first", "layer_first"])
+@pytest.mark.parametrize("layout", DEVICE_LAYOUTS)
+@pytest.mark.parametrize("which", [0, 1])
+def test_staged_gathers_of_long_rows(layout, which, host_layout, monkeypatch):
+    """Host rows at or over torch's CPU select grain are gathered through the advanced-index
+    kernel instead: the same bytes land."""
+    from kvtier.transfer_engines import torch_engine
+    monkeypatch.setattr(torch_engine, "_CPU_SELECT_ROW_LIMIT", 1)
+    spec, dpool, hpool, eng = _layout_case(layout, which, host_layout, 1 << 20, one_block=True)
+    try:
+        for seed in range(2):
+            _roundtrip(dpool, hpool, eng, seed * 5 + which, random.Random(seed).randint(1, 17))
+    finally:
+        eng.close()
+        hpool.close()
+
+
 def test_fp8_moves_as_bytes():
     """fp8 (no CPU index_copy_ for it in torch) moves as bytes, NaN patterns included."""
     spec = KVSpec.mha(num_layers=2, num_kv_heads=1, head_dim=16, page_size=4,

@@ -48,6 +48,12 @@ from ..layout import PAGE_FIRST
 #: Element widths tried for the byte rows (wider elements: fewer, larger copies).
 _WIDTHS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
 
+#: torch's CPU ``index_select`` copies rows of fewer elements than its grain (32768) with
+#: memcpy over all its threads (61-84 GB/s on the H200's 16-core host), but larger rows one
+#: after another, each over at most a few threads (8-19 GB/s for 504 KiB rows); its advanced
+#: index kernel splits every element over the threads (41-50 GB/s at every row size).
+_CPU_SELECT_ROW_LIMIT = 32768
+
 
 
 class LayerwiseHandle(TransferHandle):
@@ -550,15 +556,18 @@ class TorchTransferEngine(TransferEngine):
                    ) -> None:
         """Gather the host rows of layers ``a .. a+g-1`` of pages ``h`` into ``staging``
         (page-major rows), or scatter them back: one torch index op per host run, which torch
-        runs on its CPU threads."""
+        runs on its CPU threads (gathers of long rows through its advanced-index kernel, which
+        splits them over every thread)."""
         rows = self._rows(staging, len(h), a, g)
         idx = torch.from_numpy(h)
         for host, _, _, col, n in self._group(a, g)[1]:
             cols = rows[:, :, col:col + n]
-            if gather:
+            if not gather:
+                host.index_copy_(0, idx, cols)
+            elif g * n < _CPU_SELECT_ROW_LIMIT:
                 torch.index_select(host, 0, idx, out=cols)
             else:
-                host.index_copy_(0, idx, cols)
+                torch.ops.aten.index.Tensor_out(host, [idx], out=cols)
 
     def _direct(self, a: int, g: int, h: np.ndarray, d: np.ndarray, to_device: bool) -> None:
         """CPU device pools: each run straight between the two pools."""
