@@ -326,66 +326,6 @@ def test_staged_gathers_of_long_rows(layout, which, host_layout, monkeypatch):
         hpool.close()
 
 
-def _held(engine, attr, gate, started):
-    """Make the engine's ``attr`` (its load or backup step) wait for ``gate`` first."""
-    real = getattr(engine, attr)
-
-    def step(*args):
-        started.set()
-        assert gate.wait(30)
-        real(*args)
-    setattr(engine, attr, step)
-
-
-@pytest.mark.parametrize("cls", [TorchTransferEngine, StagedTorchEngine, ZeroCopyTorchEngine],
-                         ids=["cpu", "staged", "zero-copy"])
-def test_directions_move_at_once_unless_their_pages_meet(cls):
-    """A load runs while a backup of other pages is held back; a load of the host pages that
-    backup writes, or a backup of the device pages a held load writes, waits for it and moves
-    its bytes (as one queue would have ordered them)."""
-    import threading
-    spec = MHA
-    dpool, hpool = make_device_pool(spec, 13), make_host_pool(spec, 17)
-    eng = cls(dpool, hpool)
-    try:
-        assert eng._lanes[0].thread is not eng._lanes[1].thread
-        # 1. independent pages: the load lands while the backup is held
-        gate, started = threading.Event(), threading.Event()
-        _held(eng, "_backup_group", gate, started)
-        fill_random(hpool.raw)
-        b = eng.backup([0, 1], [10, 11])
-        assert started.wait(30)
-        ld = eng.load([3, 4], [5, 6])
-        ld.wait()
-        assert not b.done()
-        assert_bitwise_equal(dpool.page(0, 1, 6), hpool.view[4, 1, 0])
-        # 2. a load of host page 11, which the held backup writes, waits for it
-        want = _device_page(dpool, 1)
-        ld2 = eng.load([11], [9])
-        assert not ld2.done()
-        gate.set()
-        ld2.wait()
-        b.wait()
-        for x, y in zip(_device_page(dpool, 9), want):
-            assert_bitwise_equal(x, y, "load after a held backup of the same host page")
-        del eng._backup_group
-        # 3. a backup of device page 7, which a held load writes, waits for it
-        gate2, started2 = threading.Event(), threading.Event()
-        _held(eng, "_load_group", gate2, started2)
-        fill_random(hpool.raw)
-        ld3 = eng.load([2], [7])
-        assert started2.wait(30)
-        b2 = eng.backup([7], [15])
-        assert not b2.done()
-        gate2.set()
-        b2.wait()
-        ld3.wait()
-        assert torch.equal(hpool.page_bytes_view(15), hpool.page_bytes_view(2))
-    finally:
-        eng.close()
-        hpool.close()
-
-
 def test_fp8_moves_as_bytes():
     """fp8 (no CPU index_copy_ for it in torch) moves as bytes, NaN patterns included."""
     spec = KVSpec.mha(num_layers=2, num_kv_heads=1, head_dim=16, page_size=4,
@@ -464,34 +404,6 @@ def test_cuda_every_layout(layout, host_layout, staging, zero_copy, one_block):
         finally:
             eng.close()
             hpool.close()
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("zero_copy", [True, False], ids=["zero-copy", "staged"])
-def test_cuda_lanes_order_pages_that_meet(zero_copy):
-    """Loads and backups run on streams of their own; queued behind the caller's long work
-    without waiting in between, a load of host pages a backup writes gets the backed-up
-    bytes, and a backup of device pages a load writes gets the loaded ones."""
-    spec = KVSpec.mha(num_layers=4, num_kv_heads=8, head_dim=128, page_size=16)
-    dpool, hpool = make_device_pool(spec, 96, "cuda"), make_host_pool(spec, 96)
-    eng = TorchTransferEngine(dpool, hpool, {"zero_copy": zero_copy})
-    try:
-        fill_random(hpool.raw)
-        torch.cuda.synchronize()
-        want = [dpool.page_bytes(p).cpu() for p in range(32)]
-        a = torch.randn(4096, 4096, device="cuda")
-        for _ in range(10):
-            a = a @ a / 64
-        eng.backup(list(range(32)), list(range(32, 64)))
-        eng.load(list(range(32, 64)), list(range(32, 64)))         # host pages just written
-        eng.backup(list(range(32, 64)), list(range(64, 96))).wait()  # device pages just written
-        torch.cuda.synchronize()
-        for i in range(32):
-            assert torch.equal(dpool.page_bytes(32 + i).cpu(), want[i]), f"device page {32 + i}"
-            assert torch.equal(hpool.page_bytes_view(64 + i), want[i]), f"host page {64 + i}"
-    finally:
-        eng.close()
-        hpool.close()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

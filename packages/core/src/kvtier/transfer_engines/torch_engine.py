@@ -18,18 +18,15 @@ one layer:
 * **staged** (pageable host pools, other devices): torch's CPU index ops (on its own CPU
   threads) gather the host rows into a pinned staging buffer, one contiguous copy moves it,
   and ``index_copy_`` scatters it on the device; backups the reverse.
-  Each direction gets two staging pairs when the engine is built, so the CPU fills one while
-  the other is on the link (zero copy: one device staging buffer per direction).
+  Two staging pairs are allocated when the engine is built, so the CPU fills one while the
+  other is on the link.
 
-Each call becomes one job on a worker thread of its direction: loads on one, backups on
-another, each with a stream and staging buffers of its own, so the two directions move at once.
-Jobs of one direction run in submission order; a job runs after the other direction's earlier
-jobs that share a host or a device page with it (so the engine behaves as one queue would).
-On an accelerator the copies run on the lane's side stream, ordered after the caller's stream
-at call time; each group's layers signal as soon as the group is queued (staged backups: once
-its rows are in the host pool), and ``wait_layer(i)`` then makes the caller's stream wait on the
-event of layer ``i``'s group: the caller's thread waits at most for the CPU side of that group,
-never for the device.
+Each call becomes one job on the engine's worker thread (jobs run in submission order). On an
+accelerator the copies run on a side stream ordered after the caller's stream at call time;
+each group's layers signal as soon as the group is queued (staged backups: once its rows are
+in the host pool), and ``wait_layer(i)`` then makes the caller's stream wait on the event of
+layer ``i``'s group: the caller's thread waits at most for the CPU side of that group, never for
+the device.
 """
 
 from __future__ import annotations
@@ -144,22 +141,6 @@ class _Run:
     alias: torch.Tensor | None = None   # the same rows seen from the device (zero copy)
 
 
-class _Lane:
-    """One direction's worker: its job queue, thread, stream and staging slots. Loads and
-    backups run on lanes of their own, so the two directions move at once; a job waits for
-    the other lane's earlier jobs only where their pages meet."""
-
-    def __init__(self, name: str):
-        self.name = name
-        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self.slots: list[_Slot] = []
-        self.next = 0
-        self.stream: Any = None
-        self.thread: threading.Thread | None = None
-        #: jobs submitted here and not yet seen done: (host pages, device pages, handle)
-        self.recent: list[tuple[torch.Tensor, torch.Tensor, LayerwiseHandle]] = []
-
-
 class _Slot:
     """One staging pair: pinned host memory and device memory of the same size."""
 
@@ -224,8 +205,8 @@ class TorchTransferEngine(TransferEngine):
         self._width = [p[2] for p in plans]
         self._strides = self._layer_strides()
         self._views: dict[tuple[int, int], tuple[list, list]] = {}
-        self._lanes = (_Lane("load"), _Lane("backup"))
-        self._lock = threading.Lock()
+        self._slots: list[_Slot] = []
+        self._stream = None
         self.staging_size = 0
         if self._dm is not None:
             groups = self.max_group
@@ -234,28 +215,30 @@ class TorchTransferEngine(TransferEngine):
             self.staging_size = size
             self.batch_pages = size // self.layer_bytes
             with self._dm.device(self.device):
-                for lane in self._lanes:
-                    lane.slots = [_Slot(size, self.device, self.device.type != "cpu",
-                                        host=not self.zero_copy)
-                                  for _ in range(1 if self.zero_copy else 2)]
-                    lane.stream = self._dm.Stream(self.device) if c.side_stream else None
+                self._slots = [_Slot(size, self.device,
+                                     self.device.type != "cpu", host=not self.zero_copy)
+                               for _ in range(1 if self.zero_copy else 2)]
+                self._stream = self._dm.Stream(self.device) if c.side_stream else None
+        self._next = 0
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
-        for lane in self._lanes:
-            lane.thread = threading.Thread(target=self._run, args=(lane,), daemon=True,
-                                           name=f"kvtier-torch-engine-{lane.name}")
-            lane.thread.start()
+        self._worker = threading.Thread(target=self._run, name="kvtier-torch-engine",
+                                        daemon=True)
+        self._worker.start()
 
     # ----- public API -----------------------------------------------------------------------
     def load(self, host_pages, device_pages) -> TransferHandle:
-        return self._submit(self._load_group, 0, *self._indices(host_pages, device_pages))
+        h_idx, d_idx = self._indices(host_pages, device_pages)
+        return self._submit(self._load_group, h_idx, d_idx)
 
     def backup(self, device_pages, host_pages) -> TransferHandle:
-        return self._submit(self._backup_group, 1, *self._indices(host_pages, device_pages))
+        h_idx, d_idx = self._indices(host_pages, device_pages)
+        return self._submit(self._backup_group, h_idx, d_idx)
 
     def describe(self) -> dict[str, Any]:
         """What the benchmark records beside a result."""
         return {"zero_copy": self.zero_copy,
-                "staging_bytes": self.staging_size,
+                "staging_bytes": len(self._slots) and self._slots[0].dev.numel(),
                 "max_group_layers": self.max_group,
                 "element_bytes": sorted(set(self._width)),
                 "pieces_per_layer": len(self._pieces[0]),
@@ -264,10 +247,8 @@ class TorchTransferEngine(TransferEngine):
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            for lane in self._lanes:
-                lane.jobs.put(None)
-            for lane in self._lanes:
-                lane.thread.join(timeout=30)  # type: ignore[union-attr]
+            self._jobs.put(None)
+            self._worker.join(timeout=30)
 
     def _device_module(self, device: torch.device) -> Any:
         """torch's module for ``device`` (``torch.cuda``, ...), None for the CPU; a device
@@ -423,9 +404,7 @@ class TorchTransferEngine(TransferEngine):
             nb, g, self.layer_bytes // w)
 
     # ----- internals ------------------------------------------------------------------------
-    def _indices(self, host_pages, device_pages) -> tuple[torch.Tensor, ...]:
-        """The pages as the lanes use them (host pages on the device for zero copy, device
-        pages on the device), and as checked (for the conflict test between lanes)."""
+    def _indices(self, host_pages, device_pages) -> tuple[torch.Tensor, torch.Tensor]:
         if self._closed:
             raise TransferError(f"{self.name}: engine is closed", backend=self.name)
         h_idx = self.host_pool.check_pages(host_pages)
@@ -433,8 +412,9 @@ class TorchTransferEngine(TransferEngine):
         if h_idx.numel() != d_idx.numel():
             raise InvalidArgumentError(f"{self.name}: {h_idx.numel()} host pages but "
                                        f"{d_idx.numel()} device pages", argument="pages")
-        h_use = self._to_device(h_idx) if self.zero_copy else h_idx
-        return h_use, self._to_device(d_idx), h_idx, d_idx
+        if self.zero_copy:
+            h_idx = self._to_device(h_idx)
+        return h_idx, self._to_device(d_idx)
 
     def _to_device(self, idx: torch.Tensor) -> torch.Tensor:
         """Indices on the engine's device; from the CPU through (cached) pinned memory, so the
@@ -447,8 +427,7 @@ class TorchTransferEngine(TransferEngine):
         pinned.copy_(idx)
         return pinned.to(self.device, non_blocking=True)
 
-    def _submit(self, per_group: Callable, lane: int, h_idx: torch.Tensor,
-                d_idx: torch.Tensor, h_pages: torch.Tensor, d_pages: torch.Tensor
+    def _submit(self, per_group: Callable, h_idx: torch.Tensor, d_idx: torch.Tensor
                 ) -> TransferHandle:
         if h_idx.numel() == 0:
             return CompletedHandle(self.spec.num_layers)
@@ -457,65 +436,34 @@ class TorchTransferEngine(TransferEngine):
         if self._dm is not None:   # order the side stream after the caller's work so far
             start = self._dm.Event()
             start.record(self._dm.current_stream(self.device))
-        with self._lock:           # submission order, and what of the other lane comes first
-            deps = self._conflicts(self._lanes[1 - lane], h_pages, d_pages)
-            mine = self._lanes[lane]
-            mine.recent = [j for j in mine.recent if not j[2].done()]
-            mine.recent.append((_cpu(h_pages), _cpu(d_pages), handle))
-            mine.jobs.put((per_group, h_idx, d_idx, handle, start, deps))
+        self._jobs.put((per_group, h_idx, d_idx, handle, start))
         return handle
 
-    @staticmethod
-    def _conflicts(other: _Lane, h_pages: torch.Tensor, d_pages: torch.Tensor
-                   ) -> list[LayerwiseHandle]:
-        """The other lane's unfinished jobs that share a host or a device page with this one:
-        a load reads host pages an earlier backup writes and writes device pages it reads
-        (and the reverse), so this job runs after them, as if both lanes were one queue."""
-        other.recent = [j for j in other.recent if not j[2].done()]
-        if not other.recent:
-            return []
-        h, d = _cpu(h_pages), _cpu(d_pages)
-        return [handle for oh, od, handle in other.recent
-                if bool(torch.isin(h, oh).any()) or bool(torch.isin(d, od).any())]
-
-    def _after(self, deps: list[LayerwiseHandle], stream: Any) -> None:
-        """Wait (this worker only) until the jobs ``deps`` have landed, and order ``stream``
-        after their device work. A failed job still releases this one; its caller sees the
-        failure."""
-        for dep in deps:
-            for layer in range(dep.num_layers):
-                dep._landed[layer].wait()
-                ev = dep._events[layer]
-                if ev is not None and stream is not None:
-                    stream.wait_event(ev)
-
-    def _run(self, lane: _Lane) -> None:
+    def _run(self) -> None:
         while True:
-            job = lane.jobs.get()
+            job = self._jobs.get()
             if job is None:
                 return
-            per_group, h_idx, d_idx, handle, start, deps = job
+            per_group, h_idx, d_idx, handle, start = job
             pending: list[tuple] = []
             L = self.spec.num_layers
             g = self._group_size(len(h_idx))
             try:
                 h_np = h_idx if self.zero_copy else h_idx.cpu().numpy()
                 if self._dm is None:        # host copies: their own time is measured
-                    self._after(deps, None)
                     handle._begin()
                     for a in range(0, L, g):
-                        per_group(a, min(g, L - a), h_np, d_idx, handle, pending, lane)
+                        per_group(a, min(g, L - a), h_np, d_idx, handle, pending)
                 else:
                     dm = self._dm
-                    stream = lane.stream or dm.current_stream(self.device)
+                    stream = self._stream or dm.current_stream(self.device)
                     with dm.device(self.device), dm.stream(stream):
                         stream.wait_event(start)
-                        self._after(deps, stream)
                         for t in (h_np, d_idx):
                             if isinstance(t, torch.Tensor) and t.device.type != "cpu":
                                 t.record_stream(stream)
                         for a in range(0, L, g):
-                            per_group(a, min(g, L - a), h_np, d_idx, handle, pending, lane)
+                            per_group(a, min(g, L - a), h_np, d_idx, handle, pending)
                         while pending:
                             self._finish_backup(pending.pop(0), handle)
             except BaseException as exc:  # surfaced to the caller by the handle
@@ -526,10 +474,9 @@ class TorchTransferEngine(TransferEngine):
         for s in range(0, n, step):
             yield s, min(n, s + step)
 
-    @staticmethod
-    def _slot(lane: _Lane) -> _Slot:
-        slot = lane.slots[lane.next]
-        lane.next = (lane.next + 1) % len(lane.slots)
+    def _slot(self) -> _Slot:
+        slot = self._slots[self._next]
+        self._next = (self._next + 1) % len(self._slots)
         if slot.free is not None:          # the copy that last read/wrote it has run
             slot.free.synchronize()
             slot.free = None
@@ -546,7 +493,7 @@ class TorchTransferEngine(TransferEngine):
             handle._signal(layer, event)
 
     def _load_group(self, a: int, g: int, h_idx: np.ndarray, d_idx: torch.Tensor,
-                    handle: LayerwiseHandle, pending: list, lane: _Lane) -> None:
+                    handle: LayerwiseHandle, pending: list) -> None:
         if self._dm is None:               # CPU device pool: host rows straight to its rows
             self._direct(a, g, h_idx, d_idx.numpy(), to_device=True)
             self._signal(handle, a, g)
@@ -555,7 +502,7 @@ class TorchTransferEngine(TransferEngine):
         nbytes = g * self.layer_bytes
         for s, e in self._batches(len(h_idx), g):
             nb = e - s
-            slot = self._slot(lane)
+            slot = self._slot()
             rows = self._rows(slot.dev, nb, a, g)
             if self.zero_copy:               # the device reads the host rows itself
                 for _, alias, _, col, n in runs:
@@ -570,7 +517,7 @@ class TorchTransferEngine(TransferEngine):
         self._signal(handle, a, g, self._record())
 
     def _backup_group(self, a: int, g: int, h_idx: np.ndarray, d_idx: torch.Tensor,
-                      handle: LayerwiseHandle, pending: list, lane: _Lane) -> None:
+                      handle: LayerwiseHandle, pending: list) -> None:
         if self._dm is None:
             self._direct(a, g, h_idx, d_idx.numpy(), to_device=False)
             self._signal(handle, a, g)
@@ -579,10 +526,10 @@ class TorchTransferEngine(TransferEngine):
         nbytes = g * self.layer_bytes
         batches = list(self._batches(len(h_idx), g))
         for s, e in batches:
-            while len(pending) >= len(lane.slots):    # its slot's bytes are still unread
+            while len(pending) >= len(self._slots):   # its slot's bytes are still unread
                 self._finish_backup(pending.pop(0), handle)
             nb = e - s
-            slot = self._slot(lane)
+            slot = self._slot()
             rows = self._rows(slot.dev, nb, a, g)
             for dev, col, n in pieces:
                 torch.index_select(dev, 0, d_idx[s:e], out=rows[:, :, col:col + n])
@@ -630,7 +577,3 @@ class TorchTransferEngine(TransferEngine):
                 dev.index_copy_(0, di, host.index_select(0, hi))
             else:
                 host.index_copy_(0, hi, dev.index_select(0, di))
-
-
-def _cpu(t: torch.Tensor) -> torch.Tensor:
-    return t if t.device.type == "cpu" else t.cpu()
