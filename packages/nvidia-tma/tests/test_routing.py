@@ -15,7 +15,8 @@ from kvtier.testing.data import make_host_pool
 
 from kvtier_nvidia_tma._plan import calibrated_rate, choose_crossover, copy_engine_falls_short
 from kvtier_nvidia_tma._driver import OP3D
-from kvtier_nvidia_tma.transfer_engine import chunk_runs, copy_list, strided_ops, strided_runs
+from kvtier_nvidia_tma.transfer_engine import (chunk_runs, copy_list, layer_copy_lists,
+                                               strided_ops, strided_runs)
 
 
 def _replay(src, dst, sizes) -> None:
@@ -85,6 +86,52 @@ def test_copies_move_every_layout_bitwise(layout, which, host_layout, strided):
             move(host, dst, False, layer0, layers)
         for i, p in enumerate(dst):
             assert torch.equal(dpool.page_bytes(p), want[i])
+    finally:
+        hpool.close()
+
+
+@pytest.mark.parametrize("host_layout", ["page_first", "layer_first"])
+@pytest.mark.parametrize("layout", DEVICE_LAYOUTS)
+@pytest.mark.parametrize("which", [0, 1])
+@pytest.mark.parametrize("order", ["random", "sequential"])
+def test_per_layer_lists_are_each_layers_copies(layout, which, host_layout, order):
+    """A per-layer transfer's copies built in one pass are, layer by layer, the copies of that
+    layer alone (merges of sequential pages included, never across layers), and replayed in
+    layer order they move every page bitwise."""
+    spec = layout_specs(layout)[which]
+    dpool = make_layout_pool(spec, layout, 11, one_block=which == 0)
+    hpool = make_host_pool(spec, 13, host_layout, "mmap")
+    try:
+        runs = chunk_runs(dpool, hpool)
+        base = hpool.raw.data_ptr()
+        rng = random.Random(which + 7)
+        if order == "random":
+            host, dst = rng.sample(range(13), 7), rng.sample(range(11), 7)
+        else:
+            host, dst = list(range(2, 9)), list(range(3, 10))
+        want = [torch.cat(hpool.page_segments(p)).clone() for p in host]
+        for d2h in (False, True):
+            got = layer_copy_lists(runs, base, np.array(host), np.array(dst), d2h,
+                                   spec.num_layers)
+            assert got is not None
+            src, dstp, sizes, bounds = got
+            assert bounds[0] == 0 and bounds[-1] == len(sizes)
+            for layer in range(spec.num_layers):
+                one = copy_list(runs, base, np.array(host), np.array(dst), d2h, layer, 1)
+                a, b = bounds[layer], bounds[layer + 1]
+                for x, y in zip(one, (src, dstp, sizes)):
+                    assert np.array_equal(x, y[a:b]), (layer, d2h)
+        for layer in dpool.chunks:
+            for c in layer:
+                c.fill_(0xA5)
+        _replay(*layer_copy_lists(runs, base, np.array(host), np.array(dst), False,
+                                  spec.num_layers)[:3])
+        for i, p in enumerate(dst):
+            assert torch.equal(dpool.page_bytes(p), want[i])
+        uneven = {k: v[1:] for k, v in runs.items()}      # layer 0 short of a run
+        if len(runs["layer"]) > spec.num_layers:
+            assert layer_copy_lists(uneven, base, np.array(host), np.array(dst), False,
+                                    spec.num_layers) is None
     finally:
         hpool.close()
 

@@ -331,6 +331,10 @@ class _NvidiaEngine(TransferEngine):
             handle = stream.cuda_stream
             if layerwise and L > 1 and self._signals:
                 return self._launch_signalled(h, d, d2h, stream)
+            if layerwise and L > 1:
+                per_layer = self._launch_per_layer(h, d, d2h, stream)
+                if per_layer is not None:
+                    return CudaEventHandle(per_layer, self.device, keep=(h, d))
             for layer0, layers in self._ranges(layerwise):
                 self._launch(h, d, d2h, layer0, layers, handle)
                 ev = torch.cuda.Event()
@@ -358,6 +362,10 @@ class _NvidiaEngine(TransferEngine):
 
     def _launch_signalled(self, h, d, d2h: bool, stream) -> TransferHandle:
         raise NotImplementedError
+
+    def _launch_per_layer(self, h, d, d2h: bool, stream) -> list[Any] | None:
+        """Queue a per-layer transfer in one go, an event per layer; None: launch by launch."""
+        return None
 
 
 class TmaTransferEngine(_NvidiaEngine):
@@ -698,6 +706,26 @@ class CopyEngineTransferEngine(_NvidiaEngine):
             pages = pages.to("cpu")          # a host sync: addresses are built on the host
         return check_page_indices(pages, limit, what)
 
+    def _launch_per_layer(self, h, d, d2h: bool, stream) -> list[Any] | None:
+        """Every layer's copies built in one NumPy pass, then one batch call and one event per
+        layer: per-layer loads spend their host time queueing copies, not building them."""
+        c = self.config
+        lists = layer_copy_lists(self._runs, self._host_dptr, h.numpy(), d.numpy(), d2h,
+                                 self.spec.num_layers)
+        if lists is None:
+            return None
+        src, dst, sizes, bounds = lists
+        torch = self._torch
+        events = []
+        for layer in range(self.spec.num_layers):
+            a, b = int(bounds[layer]), int(bounds[layer + 1])
+            self._copier(dst[a:b], src[a:b], sizes[a:b], stream.cuda_stream, c.max_batch,
+                         c.first_batch)
+            ev = torch.cuda.Event()
+            ev.record(stream)
+            events.append(ev)
+        return events
+
     def _launch(self, h, d, d2h, layer0, layers, stream) -> None:
         c = self.config
         hn, dn = h.numpy(), d.numpy()
@@ -733,6 +761,36 @@ def copy_list(runs: dict[str, Any], host_base: int, h, d, d2h: bool, layer0: int
     host, dev = host.ravel(), dev.ravel()
     src, dst = (dev, host) if d2h else (host, dev)
     return merge_runs(src, dst, sizes)
+
+
+def layer_copy_lists(runs: dict[str, Any], host_base: int, h, d, d2h: bool, num_layers: int):
+    """The copies of a per-layer transfer of pairs (h[i], d[i]), every layer at once: (src,
+    dst, sizes, bounds), layer ``l``'s copies at ``bounds[l]:bounds[l + 1]``, each layer's as
+    :func:`copy_list` makes them for that layer alone (page by page, contiguous runs merged,
+    never across layers). None where layers differ in their number of runs."""
+    import numpy as np
+    layer = runs["layer"]
+    R = len(layer) // max(num_layers, 1)
+    if R == 0 or R * num_layers != len(layer) \
+            or not np.array_equal(layer, np.repeat(np.arange(num_layers), R)):
+        return None
+
+    def grid(key: str):
+        return runs[key].astype(np.uint64).reshape(num_layers, 1, R)
+    hs = np.asarray(h).astype(np.uint64).reshape(1, -1, 1)
+    ds = np.asarray(d).astype(np.uint64).reshape(1, -1, 1)
+    n = hs.size
+    host = (np.uint64(host_base) + grid("host_off") + hs * grid("host_stride")).ravel()
+    dev = (grid("dev_base") + ds * grid("dev_stride")).ravel()
+    sizes = np.broadcast_to(grid("nbytes"), (num_layers, n, R)).ravel()
+    src, dst = (dev, host) if d2h else (host, dev)
+    per = n * R
+    cont = (src[1:] == src[:-1] + sizes[:-1]) & (dst[1:] == dst[:-1] + sizes[:-1])
+    cont[per - 1::per] = False                  # a layer's copies end at its boundary
+    starts = np.flatnonzero(np.concatenate(([True], ~cont)))
+    merged = np.add.reduceat(sizes, starts).astype(np.uint64)
+    bounds = np.searchsorted(starts, np.arange(num_layers + 1) * per)
+    return src[starts], dst[starts], merged, bounds
 
 
 def strided_runs(runs: dict[str, Any], num_layers: int) -> dict[str, Any] | None:
