@@ -312,18 +312,44 @@ def test_staged_path_every_layout(layout, which, host_layout, staging, pool, cls
 @pytest.mark.parametrize("host_layout", ["page_first", "layer_first"])
 @pytest.mark.parametrize("layout", DEVICE_LAYOUTS)
 @pytest.mark.parametrize("which", [0, 1])
-def test_staged_gathers_of_long_rows(layout, which, host_layout, monkeypatch):
-    """Host rows at or over torch's CPU select grain are gathered through the advanced-index
-    kernel instead: the same bytes land."""
+@pytest.mark.parametrize("staged", [True, False], ids=["staged", "cpu"])
+def test_gathers_of_long_rows(layout, which, host_layout, staged, monkeypatch):
+    """Rows at or over torch's CPU select grain are gathered through the advanced-index kernel
+    instead (host rows into staging; both pools' rows for CPU device pools): the same bytes
+    land."""
     from kvtier.transfer_engines import torch_engine
     monkeypatch.setattr(torch_engine, "_CPU_SELECT_ROW_LIMIT", 1)
-    spec, dpool, hpool, eng = _layout_case(layout, which, host_layout, 1 << 20, one_block=True)
+    monkeypatch.setattr(torch_engine, "_threads", lambda: 1 << 30)
+    spec, dpool, hpool, eng = _layout_case(layout, which, host_layout, 1 << 20, one_block=True,
+                                           staged=staged)
     try:
         for seed in range(2):
             _roundtrip(dpool, hpool, eng, seed * 5 + which, random.Random(seed).randint(1, 17))
     finally:
         eng.close()
         hpool.close()
+
+
+def test_cpu_gather_picks_the_op_by_row_and_threads(monkeypatch):
+    """index_select under the grain or where a row's copy already spans every thread; the
+    advanced-index kernel for long rows with threads to spare; the same rows either way."""
+    from kvtier.transfer_engines import torch_engine
+    calls = []
+    real = torch.ops.aten.index.Tensor_out
+    monkeypatch.setattr(torch_engine, "_CPU_SELECT_ROW_LIMIT", 8)
+    src = torch.arange(6 * 24, dtype=torch.int64).view(6, 24)      # rows of 24: 3 grains
+    idx = torch.tensor([4, 0, 5, 4])
+    for threads, want in ((3, "select"), (4, "index")):
+        monkeypatch.setattr(torch_engine, "_threads", lambda t=threads: t)
+        out = torch.empty(4, 24, dtype=torch.int64)
+        calls.clear()
+        monkeypatch.setattr(torch.ops.aten.index, "Tensor_out",
+                            lambda *a, **k: calls.append(1) or real(*a, **k), raising=False)
+        torch_engine._cpu_gather(src, idx, out)
+        assert torch.equal(out, src[idx])
+        assert ("index" if calls else "select") == want
+        assert torch.equal(torch_engine._cpu_gather(src, idx), src[idx])
+    assert torch.equal(torch_engine._cpu_gather(src[:, :7], idx), src[idx, :7])  # under grain
 
 
 def test_fp8_moves_as_bytes():

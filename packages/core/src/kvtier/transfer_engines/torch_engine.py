@@ -31,6 +31,7 @@ the device.
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 import time
@@ -51,8 +52,10 @@ _WIDTHS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8
 #: torch's CPU ``index_select`` copies rows of fewer elements than its grain (32768) with
 #: memcpy over all its threads (61-84 GB/s on the H200's 16-core host), but larger rows one
 #: after another, each over at most a few threads (8-19 GB/s for 504 KiB rows); its advanced
-#: index kernel splits every element over the threads (41-50 GB/s at every row size).
+#: index kernel splits every element over the threads (41-50 GB/s at every row size). With few
+#: threads (a 2-core box) ``index_select`` stays the faster of the two at every row size.
 _CPU_SELECT_ROW_LIMIT = 32768
+_threads = torch.get_num_threads
 
 
 
@@ -562,18 +565,30 @@ class TorchTransferEngine(TransferEngine):
         idx = torch.from_numpy(h)
         for host, _, _, col, n in self._group(a, g)[1]:
             cols = rows[:, :, col:col + n]
-            if not gather:
-                host.index_copy_(0, idx, cols)
-            elif g * n < _CPU_SELECT_ROW_LIMIT:
-                torch.index_select(host, 0, idx, out=cols)
+            if gather:
+                _cpu_gather(host, idx, cols)
             else:
-                torch.ops.aten.index.Tensor_out(host, [idx], out=cols)
+                host.index_copy_(0, idx, cols)
 
     def _direct(self, a: int, g: int, h: np.ndarray, d: np.ndarray, to_device: bool) -> None:
         """CPU device pools: each run straight between the two pools."""
         hi, di = torch.from_numpy(h), torch.from_numpy(d)
         for host, _, dev, _, _ in self._group(a, g)[1]:
             if to_device:
-                dev.index_copy_(0, di, host.index_select(0, hi))
+                dev.index_copy_(0, di, _cpu_gather(host, hi))
             else:
-                host.index_copy_(0, hi, dev.index_select(0, di))
+                host.index_copy_(0, hi, _cpu_gather(dev, di))
+
+
+def _cpu_gather(src: torch.Tensor, idx: torch.Tensor, out: torch.Tensor | None = None
+                ) -> torch.Tensor:
+    """``src[idx]`` along dim 0 on the CPU (into ``out`` when given): ``index_select`` for rows
+    under torch's grain, and for longer ones where its per-row copy already spreads over every
+    thread; else torch's advanced-index kernel (see ``_CPU_SELECT_ROW_LIMIT``)."""
+    row = math.prod(src.shape[1:])
+    if row < _CPU_SELECT_ROW_LIMIT or _threads() <= -(-row // _CPU_SELECT_ROW_LIMIT):
+        return torch.index_select(src, 0, idx, out=out) if out is not None \
+            else src.index_select(0, idx)
+    if out is None:
+        return src[idx]
+    return torch.ops.aten.index.Tensor_out(src, [idx], out=out)
