@@ -6,8 +6,8 @@ typed elements, so every dtype (fp8 included) and every device layout moves the 
 layer of a page is the device pool's byte chunks (``pool.chunks``) in order.
 
 Per group of layers, in batches of pages, through a device staging buffer of page-major rows.
-Where the device pool's layers sit at one stride (one allocation: ``DeviceKVPool.empty``,
-vLLM's and SGLang's caches) a group is as many layers as one staging buffer holds for the
+Where the device pool's layers sit at one stride (one allocation, as ``DeviceKVPool.empty``
+makes them) a group is as many layers as one staging buffer holds for the
 transfer's pages, so each index op moves up to ``staging_bytes`` (a transfer of 59 pages of
 61 layers of 72 KiB is 9 ops a side, not 61); otherwise, or with ``group_layers=1``, a group is
 one layer:
