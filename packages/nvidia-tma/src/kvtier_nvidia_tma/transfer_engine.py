@@ -769,10 +769,8 @@ def layer_copy_lists(runs: dict[str, Any], host_base: int, h, d, d2h: bool, num_
     :func:`copy_list` makes them for that layer alone (page by page, contiguous runs merged,
     never across layers). None where layers differ in their number of runs."""
     import numpy as np
-    layer = runs["layer"]
-    R = len(layer) // max(num_layers, 1)
-    if R == 0 or R * num_layers != len(layer) \
-            or not np.array_equal(layer, np.repeat(np.arange(num_layers), R)):
+    R = runs_per_layer(runs, num_layers)
+    if R == 0:
         return None
 
     def grid(key: str):
@@ -785,12 +783,21 @@ def layer_copy_lists(runs: dict[str, Any], host_base: int, h, d, d2h: bool, num_
     sizes = np.broadcast_to(grid("nbytes"), (num_layers, n, R)).ravel()
     src, dst = (dev, host) if d2h else (host, dev)
     per = n * R
-    cont = (src[1:] == src[:-1] + sizes[:-1]) & (dst[1:] == dst[:-1] + sizes[:-1])
-    cont[per - 1::per] = False                  # a layer's copies end at its boundary
-    starts = np.flatnonzero(np.concatenate(([True], ~cont)))
-    merged = np.add.reduceat(sizes, starts).astype(np.uint64)
+    starts = _merge_starts(src, dst, sizes, every=per)    # never across a layer's end
     bounds = np.searchsorted(starts, np.arange(num_layers + 1) * per)
-    return src[starts], dst[starts], merged, bounds
+    return src[starts], dst[starts], np.add.reduceat(sizes, starts).astype(np.uint64), bounds
+
+
+def runs_per_layer(runs: dict[str, Any], num_layers: int) -> int:
+    """How many runs each layer has, where every layer has the same number and they come
+    layer by layer in order; 0 otherwise."""
+    import numpy as np
+    layer = runs["layer"]
+    R = len(layer) // max(num_layers, 1)
+    if R == 0 or R * num_layers != len(layer) \
+            or not np.array_equal(layer, np.repeat(np.arange(num_layers), R)):
+        return 0
+    return R
 
 
 def strided_runs(runs: dict[str, Any], num_layers: int) -> dict[str, Any] | None:
@@ -800,10 +807,8 @@ def strided_runs(runs: dict[str, Any], num_layers: int) -> dict[str, Any] | None
     None otherwise, or for one layer (nothing to gain). Pitches are at least the run's size
     (rows of one copy never overlap) and positive."""
     import numpy as np
-    layer = runs["layer"]
-    R = len(layer) // max(num_layers, 1)
-    if num_layers < 2 or R == 0 or R * num_layers != len(layer) \
-            or not np.array_equal(layer, np.repeat(np.arange(num_layers), R)):
+    R = runs_per_layer(runs, num_layers)
+    if num_layers < 2 or R == 0:
         return None
     a = {k: runs[k].astype(np.int64).reshape(num_layers, R)
          for k in ("dev_base", "dev_stride", "host_off", "host_stride", "nbytes")}
@@ -889,10 +894,19 @@ def merge_runs(src, dst, sizes):
     import numpy as np
     if src.size <= 1:
         return src, dst, sizes
-    cont = (src[1:] == src[:-1] + sizes[:-1]) & (dst[1:] == dst[:-1] + sizes[:-1])
-    starts = np.flatnonzero(np.concatenate(([True], ~cont)))
+    starts = _merge_starts(src, dst, sizes)
     run_sizes = np.add.reduceat(sizes, starts)
     return src[starts], dst[starts], run_sizes.astype(np.uint64)
+
+
+def _merge_starts(src, dst, sizes, every: int = 0):
+    """Indices of the copies that begin a merged run: those that do not continue the previous
+    copy on both sides (with ``every``, also each ``every``-th copy: runs end there)."""
+    import numpy as np
+    cont = (src[1:] == src[:-1] + sizes[:-1]) & (dst[1:] == dst[:-1] + sizes[:-1])
+    if every:
+        cont[every - 1::every] = False
+    return np.flatnonzero(np.concatenate(([True], ~cont)))
 
 
 # --------------------------------------------------------------------------------------------
