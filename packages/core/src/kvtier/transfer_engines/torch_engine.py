@@ -241,7 +241,7 @@ class TorchTransferEngine(TransferEngine):
     def describe(self) -> dict[str, Any]:
         """What the benchmark records beside a result."""
         return {"zero_copy": self.zero_copy,
-                "staging_bytes": len(self._slots) and self._slots[0].dev.numel(),
+                "staging_bytes": self.staging_size,
                 "max_group_layers": self.max_group,
                 "element_bytes": sorted(set(self._width)),
                 "pieces_per_layer": len(self._pieces[0]),
@@ -319,9 +319,9 @@ class TorchTransferEngine(TransferEngine):
 
         def host_view(off: int, stride: int, n: int, of: torch.Tensor = raw) -> torch.Tensor:
             return of.as_strided((P, n), (stride, 1), of.storage_offset() + off).view(dt)
-        if self.device.type == "cpu":           # device rows are plain memory: run by run
+        if self.device.type == "cpu":           # device rows are plain memory: piece by piece
             runs = [_Run(off, stride, col, int(d.shape[1]), host_view(off, stride,
-                         int(d.shape[1])), d.view(dt)) for d, col, off, stride in cuts]
+                         int(d.shape[1])), p.dev) for p, (d, col, off, stride) in zip(pieces, cuts)]
         elif hp.layout == PAGE_FIRST:
             runs = [_Run(layer * lb, spec.page_bytes, 0, lb,
                          host_view(layer * lb, spec.page_bytes, lb))]
@@ -342,10 +342,11 @@ class TorchTransferEngine(TransferEngine):
         g = self.config.group_layers
         return self.spec.num_layers if g == 0 else min(g, self.spec.num_layers)
 
-    def _layer_strides(self) -> tuple[list[int], list[int], list[int] | None] | None:
-        """Elements from one layer to the next for each device piece, each host run and (CPU
-        device pools) each run's device rows: None where some layer is not at that stride of
-        the same allocation, with the same shape, strides and element width."""
+    def _layer_strides(self) -> tuple[list[int], list[int]] | None:
+        """Elements from one layer to the next for each device piece and each host run (CPU
+        device pools: run ``k``'s device rows are piece ``k``'s): None where some layer is not
+        at that stride of the same allocation, with the same shape, strides and element
+        width."""
         L = self.spec.num_layers
         if L < 2 or len(set(self._width)) != 1:
             return None
@@ -365,12 +366,7 @@ class TorchTransferEngine(TransferEngine):
             return out
         dev = steps([[p.dev for p in ps] for ps in self._pieces])
         host = steps([[r.host_view for r in rs] for rs in self._runs])
-        rows = None
-        if self._runs[0][0].dev_view is not None:
-            rows = steps([[r.dev_view for r in rs] for rs in self._runs])  # type: ignore[misc]
-            if rows is None:
-                return None
-        return None if dev is None or host is None else (dev, host, rows)
+        return None if dev is None or host is None else (dev, host)
 
     def _group_size(self, pages: int) -> int:
         """Layers per op for a transfer of ``pages`` pages: as many as one op's bytes hold."""
@@ -386,7 +382,7 @@ class TorchTransferEngine(TransferEngine):
         if got is not None:
             return got
         w = self._width[a]
-        dev, host, rows = self._strides if g > 1 else (None, None, None)  # type: ignore[misc]
+        dev, host = self._strides if g > 1 else (None, None)  # type: ignore[misc]
 
         def widen(t: torch.Tensor | None, steps: list[int] | None, k: int) -> Any:
             if t is None or steps is None:
@@ -395,7 +391,7 @@ class TorchTransferEngine(TransferEngine):
                                 (t.stride(0), steps[k], t.stride(1)), t.storage_offset())
         pieces = [(widen(p.dev, dev, k), p.col0, p.cols) for k, p in enumerate(self._pieces[a])]
         runs = [(widen(r.host_view, host, k), widen(r.alias, host, k),
-                 widen(r.dev_view, rows, k), r.col // w, r.nbytes // w)
+                 widen(r.dev_view, dev, k), r.col // w, r.nbytes // w)
                 for k, r in enumerate(self._runs[a])]
         self._views[(a, g)] = (pieces, runs)
         return pieces, runs
