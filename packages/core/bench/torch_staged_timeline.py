@@ -63,7 +63,7 @@ def timeline(eng: TorchTransferEngine, direction: str, h, d, repeat: int) -> dic
         t = time.perf_counter()
         for a in range(0, L, g):
             for s, e in eng._batches(len(hn), min(g, L - a)):
-                real_rows(a, min(g, L - a), slot.host, hn[s:e], direction == "h2d")
+                real_rows(eng._plan(slot, e - s, a, min(g, L - a)), hn[s:e], direction == "h2d")
         times.append(time.perf_counter() - t)
     mid["cpu_alone_s"] = statistics.median(times[1:])
     return mid

@@ -84,6 +84,37 @@ def test_wait_layers_in_any_order(engine, spec):
             h.wait_layer(bad)                           # type: ignore[arg-type]
 
 
+def test_a_groups_shared_event_is_waited_once_per_stream():
+    """Layers of one group share an event: the caller's stream waits on it once, and again
+    only from another stream (or for another event)."""
+    from kvtier.transfer_engines.torch_engine import LayerwiseHandle
+
+    class Stream:
+        def __init__(self, name):
+            self.name, self.waits = name, []
+
+        def wait_event(self, ev):
+            self.waits.append(ev)
+
+    class Module:                          # the calls LayerwiseHandle makes of torch.cuda
+        current = Stream("a")
+
+        def current_stream(self):
+            return self.current
+
+    dm = Module()
+    h = LayerwiseHandle(5, "torch", dm)
+    for layer, ev in enumerate(["g0", "g0", "g0", "g1", "g1"]):
+        h._signal(layer, ev)
+    h.wait()
+    h.wait_layer(4)
+    assert dm.current.waits == ["g0", "g1"]
+    dm.current = Stream("b")
+    h.wait_layer(2)
+    h.wait_layer(1)
+    assert dm.current.waits == ["g0"]
+
+
 def test_failures_surface_through_the_handle(engine, monkeypatch):
     def boom(*args):
         raise RuntimeError("copy engine on fire")
@@ -309,17 +340,18 @@ def test_staged_path_every_layout(layout, which, host_layout, staging, pool, cls
         hpool.close()
 
 
+@pytest.mark.parametrize("op", ["parts", "index"])
 @pytest.mark.parametrize("host_layout", ["page_first", "layer_first"])
 @pytest.mark.parametrize("layout", DEVICE_LAYOUTS)
 @pytest.mark.parametrize("which", [0, 1])
 @pytest.mark.parametrize("staged", [True, False], ids=["staged", "cpu"])
-def test_gathers_of_long_rows(layout, which, host_layout, staged, monkeypatch):
-    """Rows at or over torch's CPU select grain are gathered through the advanced-index kernel
-    instead (host rows into staging; both pools' rows for CPU device pools): the same bytes
-    land."""
+def test_gathers_of_long_rows(layout, which, host_layout, staged, op, monkeypatch):
+    """Rows at or over torch's CPU select grain are gathered in parts under the grain or
+    through the advanced-index kernel instead (host rows into staging; both pools' rows for
+    CPU device pools): the same bytes land. A grain of 5 elements cuts rows into odd parts."""
     from kvtier.transfer_engines import torch_engine
-    monkeypatch.setattr(torch_engine, "_CPU_SELECT_ROW_LIMIT", 1)
-    monkeypatch.setattr(torch_engine, "_threads", lambda: 1 << 30)
+    monkeypatch.setattr(torch_engine, "_CPU_SELECT_ROW_LIMIT", 5)
+    monkeypatch.setattr(torch_engine, "_gather_op", lambda row, rows: op)
     spec, dpool, hpool, eng = _layout_case(layout, which, host_layout, 1 << 20, one_block=True,
                                            staged=staged)
     try:
@@ -331,25 +363,50 @@ def test_gathers_of_long_rows(layout, which, host_layout, staged, monkeypatch):
 
 
 def test_cpu_gather_picks_the_op_by_row_and_threads(monkeypatch):
-    """index_select under the grain or where a row's copy already spans every thread; the
-    advanced-index kernel for long rows with threads to spare; the same rows either way."""
+    """index_select under the grain or where a row's copy already spans every thread; longer
+    rows in parts under the grain where there is a row per thread, else the advanced-index
+    kernel; the same rows every way, into ``out`` or a new tensor."""
     from kvtier.transfer_engines import torch_engine
-    calls = []
-    real = torch.ops.aten.index.Tensor_out
     monkeypatch.setattr(torch_engine, "_CPU_SELECT_ROW_LIMIT", 8)
-    src = torch.arange(6 * 24, dtype=torch.int64).view(6, 24)      # rows of 24: 3 grains
-    idx = torch.tensor([4, 0, 5, 4])
-    for threads, want in ((3, "select"), (4, "index")):
+    calls = []
+    real_index, real_select = torch.ops.aten.index.Tensor_out, torch.index_select
+    monkeypatch.setattr(torch.ops.aten.index, "Tensor_out",
+                        lambda *a, **k: calls.append("index") or real_index(*a, **k),
+                        raising=False)
+    monkeypatch.setattr(torch, "index_select",
+                        lambda *a, **k: calls.append("select") or real_select(*a, **k))
+    src = torch.arange(6 * 26, dtype=torch.int64).view(6, 26)      # rows of 26: 4 grains
+    idx = torch.tensor([4, 0, 5, 4, 1])
+    for threads, want in ((4, ["select"]), (5, ["select"] * 4), (6, ["index"])):
         monkeypatch.setattr(torch_engine, "_threads", lambda t=threads: t)
-        out = torch.empty(4, 24, dtype=torch.int64)
-        calls.clear()
-        monkeypatch.setattr(torch.ops.aten.index, "Tensor_out",
-                            lambda *a, **k: calls.append(1) or real(*a, **k), raising=False)
-        torch_engine._cpu_gather(src, idx, out)
-        assert torch.equal(out, src[idx])
-        assert ("index" if calls else "select") == want
-        assert torch.equal(torch_engine._cpu_gather(src, idx), src[idx])
+        for shape in ((6, 26), (6, 2, 13)):           # [rows, g, e] views are cut alike
+            s = src.view(shape)
+            calls.clear()
+            out = torch.empty((5, *shape[1:]), dtype=torch.int64)
+            assert torch_engine._cpu_gather(s, idx, out) is out
+            assert torch.equal(out, s[idx]) and calls == want
+            assert torch.equal(torch_engine._cpu_gather(s, idx), s[idx])
     assert torch.equal(torch_engine._cpu_gather(src[:, :7], idx), src[idx, :7])  # under grain
+
+
+def test_row_parts_cover_every_column_once_in_parts_under_the_grain(monkeypatch):
+    """Flat rows and [rows, g, e] views whose rows are not one run (layer_first hosts) are cut
+    into 2-D parts under the grain that together write every element of ``out`` once."""
+    from kvtier.transfer_engines import torch_engine
+    monkeypatch.setattr(torch_engine, "_CPU_SELECT_ROW_LIMIT", 5)
+    base = torch.randint(1, 1 << 40, (7, 3, 23), dtype=torch.int64)
+    for src in (base, base[:, :, 2:17], base[:, 1:3, :], base.view(7, 69)[:, 3:50]):
+        out = torch.zeros(src.shape, dtype=torch.int64)
+        parts = torch_engine._row_parts(src, out)
+        for a, b in parts:
+            assert a.dim() == b.dim() == 2 and 0 < a.shape[1] < 5 and b.shape == a.shape
+            assert a.stride(1) == 1 and b.stride(1) == 1
+            b.copy_(a + b)                              # each element once: a + 0
+        assert torch.equal(out, src)
+    flat = base[:, 1:3, :]                               # two layers, one run per row
+    assert torch_engine._flat(flat).shape == (7, 46)
+    assert torch_engine._flat(base[:, :, 2:17]) is not None and \
+        torch_engine._flat(base[:, :, 2:17]).dim() == 3
 
 
 def test_fp8_moves_as_bytes():

@@ -113,12 +113,12 @@ class _Issuer:
                     eng._launch(h, d, d2h, layer0, layers, self.stream.cuda_stream)
                     ev = torch.cuda.Event()
                     ev.record(self.stream)
-                    events += [ev] * layers
+                    events.append((layer0, layers, ev))
                 # the caller wakes once, when the whole transfer is queued (a wake-up per
                 # layer made it and this thread take turns at the interpreter); the device
                 # still orders each layer's readers after that layer's copies only
-                for layer, ev in enumerate(events):
-                    handle._signal(layer, ev)
+                for layer0, layers, ev in events:
+                    handle._land(layer0, layers, ev)
             except BaseException as exc:   # raised to the caller by the handle's waits
                 handle._fail(exc)
 

@@ -35,7 +35,7 @@ import math
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
@@ -57,19 +57,27 @@ _WIDTHS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8
 _CPU_SELECT_ROW_LIMIT = 32768
 _threads = torch.get_num_threads
 
+#: Batch shapes whose views an engine keeps (see ``TorchTransferEngine._plan``).
+_PLANS = 256
+
 
 
 class LayerwiseHandle(TransferHandle):
-    """Per-layer completion signalled by a worker thread (plus device events off the CPU)."""
+    """Per-layer completion signalled by a worker thread (plus device events off the CPU).
+    Layers land in order, a group of them at a time: one wake-up per group for a waiting
+    caller, since each wake-up makes the caller and the worker take turns at the
+    interpreter."""
 
     def __init__(self, num_layers: int, backend: str, device_module: Any = None):
         self.num_layers = num_layers
         self.backend = backend
         self._dm = device_module
-        self._landed = [threading.Event() for _ in range(num_layers)]
+        self._cond = threading.Condition()
+        self._upto = 0                       # layers 0 .. _upto-1 have landed
         self._events: list[Any] = [None] * num_layers
         self._error: BaseException | None = None
         self._busy: float | None = None      # host copies: seconds the worker copied
+        self._waited: tuple[Any, Any] = (None, None)    # the stream and event waited last
         self._t0: float | None = None
 
     # worker side
@@ -77,36 +85,53 @@ class LayerwiseHandle(TransferHandle):
         """Host copies start now (their layers are then signalled in order)."""
         self._t0 = time.perf_counter()
 
-    def _signal(self, layer: int, event: Any = None) -> None:
-        if self._t0 is not None and layer == self.num_layers - 1:
+    def _land(self, a: int, g: int, event: Any = None) -> None:
+        """Layers ``a .. a+g-1`` (the next in order) have landed, behind ``event``."""
+        if a != self._upto:
+            raise RuntimeError(f"{self.backend}: layer {a} landed before layer {self._upto}")
+        if self._t0 is not None and a + g == self.num_layers:
             self._busy = time.perf_counter() - self._t0     # set before anyone sees it done
-        self._events[layer] = event
-        self._landed[layer].set()
+        self._events[a:a + g] = [event] * g
+        with self._cond:
+            self._upto = a + g
+            self._cond.notify_all()
+
+    def _signal(self, layer: int, event: Any = None) -> None:
+        self._land(layer, 1, event)
 
     def _fail(self, exc: BaseException) -> None:
-        self._error = exc
-        for ev in self._landed:
-            ev.set()
+        with self._cond:
+            self._error = exc
+            self._cond.notify_all()
 
     # caller side
     def wait_layer(self, layer: int) -> None:
         if isinstance(layer, bool) or not isinstance(layer, int) \
                 or not 0 <= layer < self.num_layers:
             raise LayoutError(f"layer {layer!r} out of range [0, {self.num_layers})")
-        self._landed[layer].wait()
+        self._until(layer)
         if self._error is not None:
             raise TransferError(f"{self.backend}: transfer failed: {self._error}",
                                 backend=self.backend) from self._error
         ev = self._events[layer]
         if ev is not None:
-            self._dm.current_stream().wait_event(ev)
+            stream = self._dm.current_stream()
+            if ev is not self._waited[1] or stream != self._waited[0]:
+                stream.wait_event(ev)          # a group's layers share one event: wait once
+                self._waited = (stream, ev)
 
     def wait(self) -> None:
+        self._until(self.num_layers - 1)     # one wake-up, then each group's event once
         for layer in range(self.num_layers):
             self.wait_layer(layer)
 
+    def _until(self, layer: int) -> None:
+        if self._upto <= layer and self._error is None:
+            with self._cond:
+                self._cond.wait_for(lambda: self._upto > layer or self._error is not None)
+
     def done(self) -> bool:
-        if not all(ev.is_set() for ev in self._landed):
+        if self._error is None and self._upto < self.num_layers:
             return False
         return all(ev is None or ev.query() for ev in self._events)
 
@@ -142,6 +167,21 @@ class _Run:
     host_view: torch.Tensor  # [host pages, nbytes // w] typed view (small-row path)
     dev_view: torch.Tensor | None = None    # CPU device pools: the device rows of the run
     alias: torch.Tensor | None = None   # the same rows seen from the device (zero copy)
+
+
+@dataclass
+class _Batch:
+    """A batch's views: device pieces and the staging columns they fill or empty, host rows
+    seen from the device and theirs (zero copy), the gather steps and scatter pairs between
+    the host runs and the pinned staging rows (staged), and the staging bytes the link
+    moves."""
+
+    dev: list[tuple[torch.Tensor, torch.Tensor]]
+    alias: list[tuple[torch.Tensor, torch.Tensor]]
+    dev_flat: torch.Tensor
+    host_flat: torch.Tensor
+    gather: list[tuple[str, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    scatter: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
 
 class _Slot:
@@ -208,6 +248,7 @@ class TorchTransferEngine(TransferEngine):
         self._width = [p[2] for p in plans]
         self._strides = self._layer_strides()
         self._views: dict[tuple[int, int], tuple[list, list]] = {}
+        self._plans: dict[tuple[int, int, int, int], _Batch] = {}
         self._slots: list[_Slot] = []
         self._stream = None
         self.staging_size = 0
@@ -486,84 +527,97 @@ class TorchTransferEngine(TransferEngine):
         ev.record()
         return ev
 
-    @staticmethod
-    def _signal(handle: LayerwiseHandle, a: int, g: int, event: Any = None) -> None:
-        for layer in range(a, a + g):
-            handle._signal(layer, event)
+    def _plan(self, slot: _Slot, nb: int, a: int, g: int) -> "_Batch":
+        """The views a batch of ``nb`` pages of layers ``a .. a+g-1`` through ``slot`` uses,
+        built once per shape (a transfer's batches repeat a few shapes, and so do transfers)."""
+        key = (id(slot), nb, a, g)
+        plan = self._plans.get(key)
+        if plan is not None:
+            return plan
+        if len(self._plans) >= _PLANS:
+            self._plans.clear()
+        pieces, runs = self._group(a, g)
+        drows = self._rows(slot.dev, nb, a, g)
+        nbytes = nb * g * self.layer_bytes
+        plan = _Batch(dev=[(d, drows[:, :, col:col + n]) for d, col, n in pieces],
+                      alias=[(al, drows[:, :, col:col + n]) for _, al, _, col, n in runs
+                             if al is not None],
+                      dev_flat=slot.dev[:nbytes], host_flat=slot.host[:nbytes])
+        if slot.host.numel():
+            hrows = self._rows(slot.host, nb, a, g)
+            for host, _, _, col, n in runs:
+                cols = hrows[:, :, col:col + n]
+                plan.gather += _gather_steps(host, cols, nb)
+                plan.scatter.append(_scatter_pair(host, cols))
+        self._plans[key] = plan
+        return plan
 
     def _load_group(self, a: int, g: int, h_idx: np.ndarray, d_idx: torch.Tensor,
                     handle: LayerwiseHandle, pending: list) -> None:
         if self._dm is None:               # CPU device pool: host rows straight to its rows
             self._direct(a, g, h_idx, d_idx.numpy(), to_device=True)
-            self._signal(handle, a, g)
+            handle._land(a, g)
             return
-        pieces, runs = self._group(a, g)
-        nbytes = g * self.layer_bytes
+        ev = None
         for s, e in self._batches(len(h_idx), g):
-            nb = e - s
             slot = self._slot()
-            rows = self._rows(slot.dev, nb, a, g)
+            plan = self._plan(slot, e - s, a, g)
             if self.zero_copy:               # the device reads the host rows itself
-                for _, alias, _, col, n in runs:
-                    torch.index_select(alias, 0, h_idx[s:e],  # type: ignore[arg-type]
-                                       out=rows[:, :, col:col + n])
+                for alias, cols in plan.alias:
+                    torch.index_select(alias, 0, h_idx[s:e], out=cols)  # type: ignore
             else:
-                self._host_rows(a, g, slot.host, h_idx[s:e], gather=True)
-                slot.dev[:nb * nbytes].copy_(slot.host[:nb * nbytes], non_blocking=True)
-                slot.free = self._record()
-            for dev, col, n in pieces:
-                dev.index_copy_(0, d_idx[s:e], rows[:, :, col:col + n])
-        self._signal(handle, a, g, self._record())
+                self._host_rows(plan, h_idx[s:e], gather=True)
+                plan.dev_flat.copy_(plan.host_flat, non_blocking=True)
+            d = d_idx[s:e]
+            for dev, cols in plan.dev:
+                dev.index_copy_(0, d, cols)
+            ev = self._record()            # this batch's layers are in; its slot is free
+            if not self.zero_copy:
+                slot.free = ev
+        handle._land(a, g, ev)
 
     def _backup_group(self, a: int, g: int, h_idx: np.ndarray, d_idx: torch.Tensor,
                       handle: LayerwiseHandle, pending: list) -> None:
         if self._dm is None:
             self._direct(a, g, h_idx, d_idx.numpy(), to_device=False)
-            self._signal(handle, a, g)
+            handle._land(a, g)
             return
-        pieces, runs = self._group(a, g)
-        nbytes = g * self.layer_bytes
         batches = list(self._batches(len(h_idx), g))
         for s, e in batches:
             while len(pending) >= len(self._slots):   # its slot's bytes are still unread
                 self._finish_backup(pending.pop(0), handle)
-            nb = e - s
             slot = self._slot()
-            rows = self._rows(slot.dev, nb, a, g)
-            for dev, col, n in pieces:
-                torch.index_select(dev, 0, d_idx[s:e], out=rows[:, :, col:col + n])
+            plan = self._plan(slot, e - s, a, g)
+            d = d_idx[s:e]
+            for dev, cols in plan.dev:
+                torch.index_select(dev, 0, d, out=cols)
             if self.zero_copy:               # the device writes the host rows itself
-                for _, alias, _, col, n in runs:
-                    alias.index_copy_(0, h_idx[s:e],  # type: ignore[arg-type]
-                                      rows[:, :, col:col + n])
+                for alias, cols in plan.alias:
+                    alias.index_copy_(0, h_idx[s:e], cols)  # type: ignore[arg-type]
                 if e == len(h_idx):
-                    self._signal(handle, a, g, self._record())
+                    handle._land(a, g, self._record())
                 continue
-            slot.host[:nb * nbytes].copy_(slot.dev[:nb * nbytes], non_blocking=True)
+            plan.host_flat.copy_(plan.dev_flat, non_blocking=True)
             slot.free = self._record()
-            pending.append((a, g, slot, slot.free, h_idx[s:e], e == len(h_idx)))
+            pending.append((a, g, plan, slot.free, h_idx[s:e], e == len(h_idx)))
 
     def _finish_backup(self, item: tuple, handle: LayerwiseHandle) -> None:
-        a, g, slot, ev, h_part, last = item
+        a, g, plan, ev, h_part, last = item
         ev.synchronize()                   # the worker waits, never the caller
-        self._host_rows(a, g, slot.host, h_part, gather=False)
+        self._host_rows(plan, h_part, gather=False)
         if last:
-            self._signal(handle, a, g)
+            handle._land(a, g)
 
     # ----- host-side copies -------------------------------------------------------------------
-    def _host_rows(self, a: int, g: int, staging: torch.Tensor, h: np.ndarray, gather: bool
-                   ) -> None:
-        """Gather the host rows of layers ``a .. a+g-1`` of pages ``h`` into ``staging``
-        (page-major rows), or scatter them back: one torch index op per host run, which torch
-        runs on its CPU threads (gathers of long rows through its advanced-index kernel, which
-        splits them over every thread)."""
-        rows = self._rows(staging, len(h), a, g)
+    def _host_rows(self, plan: "_Batch", h: np.ndarray, gather: bool) -> None:
+        """Gather a batch's host rows (pages ``h``) into its pinned staging rows, or scatter
+        them back: torch index ops per host run, which torch runs on its CPU threads (long
+        rows cut into parts, see ``_cpu_gather``)."""
         idx = torch.from_numpy(h)
-        for host, _, _, col, n in self._group(a, g)[1]:
-            cols = rows[:, :, col:col + n]
-            if gather:
-                _cpu_gather(host, idx, cols)
-            else:
+        if gather:
+            _run_gather(plan.gather, idx)
+        else:
+            for host, cols in plan.scatter:
                 host.index_copy_(0, idx, cols)
 
     def _direct(self, a: int, g: int, h: np.ndarray, d: np.ndarray, to_device: bool) -> None:
@@ -571,20 +625,85 @@ class TorchTransferEngine(TransferEngine):
         hi, di = torch.from_numpy(h), torch.from_numpy(d)
         for host, _, dev, _, _ in self._group(a, g)[1]:
             if to_device:
-                dev.index_copy_(0, di, _cpu_gather(host, hi))
+                _cpu_scatter(dev, di, _cpu_gather(host, hi))
             else:
-                host.index_copy_(0, hi, _cpu_gather(dev, di))
+                _cpu_scatter(host, hi, _cpu_gather(dev, di))
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """``[rows, g, e]`` as ``[rows, g * e]`` (a view) where each row's elements are one
+    contiguous run (a group of layers of a page_first host pool, page-major staging rows);
+    else ``t`` itself."""
+    if t.dim() == 3 and t.stride(2) == 1 and (t.shape[1] == 1 or t.stride(1) == t.shape[2]):
+        return t.as_strided((t.shape[0], t.shape[1] * t.shape[2]), (t.stride(0), 1),
+                            t.storage_offset())
+    return t
+
+
+def _row_parts(src: torch.Tensor, out: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``src`` and ``out`` as pairs of ``[rows, cols]`` views with rows of fewer elements than
+    torch's CPU select grain (each row contiguous where ``src``'s and ``out``'s are)."""
+    s, o = _flat(src), _flat(out)
+    if s.dim() == 2 and o.dim() == 2:
+        pairs = [(s, o)]
+    else:
+        pairs = [(src[:, j], out[:, j]) for j in range(src.shape[1])]
+    parts = []
+    for a, b in pairs:
+        n = a.shape[1]
+        step = -(-n // -(-n // (_CPU_SELECT_ROW_LIMIT - 1)))   # equal parts under the grain
+        parts += [(a[:, c:c + step], b[:, c:c + step]) for c in range(0, n, step)]
+    return parts
+
+
+def _scatter_pair(dst: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``dst`` and ``src`` as 2-D views where both sides have them (torch's index-copy kernel
+    then walks one dimension less per element), else as they are."""
+    d, s = _flat(dst), _flat(src)
+    return (d, s) if d.dim() == 2 and s.dim() == 2 else (dst, src)
+
+
+def _cpu_scatter(dst: torch.Tensor, idx: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst[idx] = src`` along dim 0 on the CPU."""
+    d, s = _scatter_pair(dst, src)
+    d.index_copy_(0, idx, s)
+
+
+def _gather_steps(src: torch.Tensor, out: torch.Tensor, rows: int
+                  ) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """The ops that gather ``rows`` rows of ``src`` into ``out`` (see ``_cpu_gather``)."""
+    op = _gather_op(math.prod(src.shape[1:]), rows)
+    if op == "parts":
+        return [("select", a, b) for a, b in _row_parts(src, out)]
+    return [(op, src, out)]
+
+
+def _run_gather(steps: list[tuple[str, torch.Tensor, torch.Tensor]], idx: torch.Tensor) -> None:
+    for op, src, out in steps:
+        if op == "select":
+            torch.index_select(src, 0, idx, out=out)
+        else:
+            torch.ops.aten.index.Tensor_out(src, [idx], out=out)
 
 
 def _cpu_gather(src: torch.Tensor, idx: torch.Tensor, out: torch.Tensor | None = None
                 ) -> torch.Tensor:
-    """``src[idx]`` along dim 0 on the CPU (into ``out`` when given): ``index_select`` for rows
-    under torch's grain, and for longer ones where its per-row copy already spreads over every
-    thread; else torch's advanced-index kernel (see ``_CPU_SELECT_ROW_LIMIT``)."""
-    row = math.prod(src.shape[1:])
-    if row < _CPU_SELECT_ROW_LIMIT or _threads() <= -(-row // _CPU_SELECT_ROW_LIMIT):
-        return torch.index_select(src, 0, idx, out=out) if out is not None \
-            else src.index_select(0, idx)
+    """``src[idx]`` along dim 0 on the CPU (into ``out`` when given). Rows under torch's grain
+    go through one ``index_select`` (it copies them with memcpy over every thread), as do rows
+    whose own copy already spreads over every thread; longer rows, with at least a row per
+    thread, are cut into parts under the grain, one ``index_select`` each; with fewer rows,
+    torch's advanced-index kernel (see ``_CPU_SELECT_ROW_LIMIT``)."""
     if out is None:
-        return src[idx]
-    return torch.ops.aten.index.Tensor_out(src, [idx], out=out)
+        out = src.new_empty((idx.numel(), *src.shape[1:]))
+    _run_gather(_gather_steps(src, out, idx.numel()), idx)
+    return out
+
+
+def _gather_op(row: int, rows: int) -> str:
+    """How ``_cpu_gather`` copies ``rows`` rows of ``row`` elements: ``select`` (one
+    ``index_select``), ``parts`` (one per part of the rows under the grain) or ``index``
+    (torch's advanced-index kernel)."""
+    threads = _threads()
+    if row < _CPU_SELECT_ROW_LIMIT or threads <= -(-row // _CPU_SELECT_ROW_LIMIT):
+        return "select"
+    return "parts" if rows >= threads else "index"
