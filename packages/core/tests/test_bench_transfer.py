@@ -79,6 +79,29 @@ def test_plot_has_one_panel_per_direction(tmp_path):
     assert path.stat().st_size > 0
 
 
+def test_plot_splits_a_swept_key_into_lines(tmp_path, monkeypatch):
+    """--plot-split draws one line per value of a swept config key (labelled), where the
+    default draws each engine's best setting."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.figure
+    rows = [{"case": c, "chunk_bytes": b, "engine": "torch", "config": {"zero_copy": z},
+             "mode": "layer", "direction": "h2d", "ctas": None, "gbps": 40.0,
+             "ratio": 0.8 if z else 0.5} for c, b in (("a", 1024), ("b", 65536))
+            for z in (True, False)]
+    data = {"env": {"gpu": "G"}, "ceiling": {"h2d": 50.0}, "results": rows}
+    labels = []
+    real = matplotlib.figure.Figure.legend
+    monkeypatch.setattr(matplotlib.figure.Figure, "legend",
+                        lambda self, h, lab, **k: labels.append(list(lab)) or real(self, h, lab,
+                                                                                   **k))
+    transfer.plot(data, str(tmp_path / "best.png"))
+    transfer.plot(data, str(tmp_path / "split.png"), split="zero_copy")
+    assert labels[0] == ["torch (per-layer)"]
+    assert sorted(labels[1]) == ["torch (per-layer, zero_copy=False)",
+                                 "torch (per-layer, zero_copy=True)"]
+    assert (tmp_path / "split.png").stat().st_size > 0
+
+
 def test_host_copies_measure_both_ways_and_render():
     """The staged path's CPU side is measured (positive rates, torch's thread count) and
     named in the report."""

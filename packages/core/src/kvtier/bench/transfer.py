@@ -85,6 +85,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", help="save a PNG of GB/s vs chunk size here")
     p.add_argument("--replot", help="read results from this JSON instead of running")
     p.add_argument("--plot-engines", help="comma-separated engines to draw (default: all)")
+    p.add_argument("--plot-split", metavar="KEY",
+                   help="one line per value of this engine config key (a --sweep key) instead "
+                        "of each engine's best setting")
 
 
 def parse_value(v: str) -> Any:
@@ -250,7 +253,7 @@ def run(args: argparse.Namespace) -> int:
             data = json.load(f)
         print(render(data))
         if args.plot:
-            plot(data, args.plot, engines=args.plot_engines)
+            plot(data, args.plot, engines=args.plot_engines, split=args.plot_split)
         return 0
     import torch
     if not torch.cuda.is_available():
@@ -356,7 +359,7 @@ def _run(args: argparse.Namespace, torch) -> int:
     _save(data, args.json)
     print(render(data))
     if args.plot:
-        plot(data, args.plot, engines=args.plot_engines)
+        plot(data, args.plot, engines=args.plot_engines, split=args.plot_split)
     return 0
 
 
@@ -547,10 +550,11 @@ def render(data: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot(data: dict[str, Any], path: str, max_series: int = 8, engines: str | None = None
-         ) -> None:
+def plot(data: dict[str, Any], path: str, max_series: int = 8, engines: str | None = None,
+         split: str | None = None) -> None:
     """% of the same-run ceiling vs chunk size: one panel per direction, one line per engine
-    and launch mode (its best setting at each size), the legend below the panels."""
+    and launch mode (its best setting at each size; with ``split``, one per value of that
+    config key), the legend below the panels."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -564,19 +568,27 @@ def plot(data: dict[str, Any], path: str, max_series: int = 8, engines: str | No
     fig, axes = plt.subplots(1, len(dirs), figsize=(5.2 * len(dirs), 4.4), squeeze=False,
                              sharey=True)
     handles: dict[str, Any] = {}
+    colors: dict[tuple[str, str], int] = {}
     for ax, d in zip(axes[0], dirs):
-        series: dict[tuple[str, str], dict[int, float]] = {}
+        series: dict[tuple[str, str, str], dict[int, float]] = {}
         for r in data["results"]:
             if r["direction"] != d or r["engine"] not in order:
                 continue
-            cur = series.setdefault((r["engine"], r["mode"]), {})
+            value = f"{split}={r['config'][split]}" \
+                if split and split in r.get("config", {}) else ""
+            cur = series.setdefault((r["engine"], r["mode"], value), {})
             cur[r["chunk_bytes"]] = max(cur.get(r["chunk_bytes"], 0), 100 * r["ratio"])
-        keys = sorted(series, key=lambda k: (order.index(k[0]), k[1] != "all"))[:max_series]
+        keys = sorted(series, key=lambda k: (order.index(k[0]), k[2], k[1] != "all")
+                      )[:max_series]
         for key in keys:
             pts = series[key]
             xs = sorted(pts)
-            label = f"{key[0]} ({'per-layer' if key[1] == 'layer' else 'all-layer'})"
-            color = plt.cm.tab10(order.index(key[0]) % 10)
+            label = f"{key[0]} ({'per-layer' if key[1] == 'layer' else 'all-layer'}" \
+                    + (f", {key[2]})" if key[2] else ")")
+            if not split:
+                color = plt.cm.tab10(order.index(key[0]) % 10)
+            else:                           # a colour per engine and split value
+                color = plt.cm.tab10(colors.setdefault(key[::2], len(colors)) % 10)
             (line,) = ax.plot(xs, [pts[x] for x in xs], marker="o", ms=3, color=color,
                               ls="--" if key[1] == "layer" else "-", lw=1.2)
             handles.setdefault(label, line)
