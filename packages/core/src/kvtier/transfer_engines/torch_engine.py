@@ -52,10 +52,10 @@ _WIDTHS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8
 #: torch's CPU ``index_select`` copies rows of fewer elements than its grain (32768) with
 #: memcpy over all its threads (61-84 GB/s on the H200's 16-core host), but larger rows one
 #: after another, each over at most a few threads (8-19 GB/s for 504 KiB rows). Longer rows are
-#: therefore cut into parts under the grain, one ``index_select`` each (44-86 GB/s on the
-#: engine's views), where there is a row per thread; with fewer rows, torch's advanced-index
-#: kernel splits every element over the threads (28-45 GB/s). With few threads (a 2-core box)
-#: one ``index_select`` stays the fastest at every row size.
+#: therefore cut into parts under the grain, one ``index_select`` each (61-96 GB/s on the
+#: engine's views, ``bench/torch_staged_ops.py``), where there is a row per thread; with fewer
+#: rows, torch's advanced-index kernel splits every element over the threads (24-54 GB/s). With
+#: few threads (a 2-core box) one ``index_select`` stays the fastest at every row size.
 _CPU_SELECT_ROW_LIMIT = 32768
 _threads = torch.get_num_threads
 
