@@ -469,6 +469,28 @@ def test_host_register_large_pool_and_transfer():
     assert _driver.host_device_pointer(ptr) is None, "still registered after close"
 
 
+def test_host_register_buffers_dropped_without_close_are_unregistered():
+    """Buffers dropped without close() are unregistered when their last view goes, so the
+    address can be mapped and registered again (it failed with ALREADY_REGISTERED)."""
+    import gc
+    cls = _available("cuda-host-register", "kvtier.host_allocators")
+    from kvtier_nvidia_tma import _driver
+    alloc = cls({"chunk_bytes": 32 << 20})
+    ptrs = []
+    for _ in range(6):
+        buf = alloc.allocate(64 << 20)
+        buf.tensor[::4096] = 1
+        ptrs.append(buf.ptr)
+        del buf
+        gc.collect()
+        assert _driver.host_device_pointer(ptrs[-1]) is None, "dropped but still registered"
+    keep = alloc.allocate(64 << 20)
+    try:
+        assert _driver.host_device_pointer(keep.ptr) == keep.ptr
+    finally:
+        keep.close()
+
+
 # ----- device layouts (pool.chunks) and the chunk-size router --------------------------------
 @pytest.mark.parametrize("layout", ["flashinfer_nhd", "flashinfer_hnd", "vllm_cpu", "mla"])
 def test_kernel_engines_refuse_untyped_layouts_copy_engine_takes_them(layout):

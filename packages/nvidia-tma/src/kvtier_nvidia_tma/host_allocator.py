@@ -11,8 +11,12 @@ coverage is measured after registration has faulted the pages in.
 
 from __future__ import annotations
 
+import ctypes
+import weakref
 from dataclasses import dataclass
 from typing import Any, Literal
+
+import torch
 
 from kvtier import Availability, HostAllocator, HostBuffer
 from kvtier.errors import AllocationError, ConfigError
@@ -89,10 +93,19 @@ class CudaHostRegisterAllocator(HostAllocator):
                 raise AllocationError(f"{self.name}: cuMemHostUnregister failed: {errors[0]}",
                                       backend=self.name, nbytes=nbytes)
 
-        return HostBuffer(ptr=inner.ptr, nbytes=nbytes, tensor=inner.tensor, backing=backing,
+        # The buffer's own view of the memory: when it is dropped without close(), its last
+        # view going unregisters the memory before unmapping it (the inner mapping, held by
+        # the finalizer until then, would otherwise be unmapped while still registered: its
+        # pages stay pinned, and a later mapping at that address cannot be registered).
+        arr = (ctypes.c_uint8 * nbytes).from_address(inner.ptr)
+        tensor = torch.frombuffer(arr, dtype=torch.uint8)
+        fin = weakref.finalize(arr, release)
+        fin.atexit = False                  # the process's end releases it all
+        return HostBuffer(ptr=inner.ptr, nbytes=nbytes, tensor=tensor, backing=backing,
                           numa_node=inner.numa_node, device_addressable=True,
                           page_size_bytes=inner.page_size_bytes if backing != "anonymous"
-                          else 4096, details=details, _release=release)
+                          else 4096, details=details,
+                          _release=fin)
 
 
 def _unregister(ptrs: list[int]) -> list[str]:
