@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import threading
-import time
 
 import torch
+from _staged import median_s
 
 ROWS = (8 << 10, 72 << 10, 126 << 10, 504 << 10, 2 << 20)
 
@@ -37,13 +36,7 @@ def methods(src: torch.Tensor, idx: torch.Tensor, st: torch.Tensor) -> dict:
 
 
 def gbps(fn, nbytes: int, repeat: int = 5) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return nbytes / statistics.median(times) / 1e9
+    return nbytes / median_s(fn, repeat) / 1e9
 
 
 def run(buf: torch.Tensor, stage: torch.Tensor, where: str, out: dict) -> None:

@@ -11,18 +11,14 @@ the engine's own choice. Needs CUDA (the staging buffers are pinned).
 
 from __future__ import annotations
 
-import argparse
 import json
-import statistics
-import time
 from functools import partial
 
 import torch
+from _staged import host_copies, median_s, parse, pinned_allocator
 
-from kvtier import registry
 from kvtier.bench.transfer import CASES
 from kvtier.device_pool import DeviceKVPool
-from kvtier.errors import KVTierError
 from kvtier.host_pool import HostKVPool
 from kvtier.testing.data import fill_random
 from kvtier.transfer_engines import torch_engine
@@ -31,36 +27,9 @@ from kvtier.transfer_engines.torch_engine import TorchTransferEngine
 OPS = ("default", "select", "parts", "index")
 
 
-def median_s(fn, repeat: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
-def host_copies(eng: TorchTransferEngine, h, gather: bool) -> None:
-    L, g = eng.spec.num_layers, eng._group_size(len(h))
-    slot = eng._slots[0]
-    for a in range(0, L, g):
-        k = min(g, L - a)
-        for s, e in eng._batches(len(h), k):
-            eng._host_rows(eng._plan(slot, e - s, a, k), h[s:e], gather)
-
-
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--mib", type=int, default=256)
-    p.add_argument("--cases", default="mla-p16,mla-p64,mha-32k,mha-128k")
-    p.add_argument("--repeat", type=int, default=5)
-    p.add_argument("--json")
-    args = p.parse_args()
-    try:
-        alloc = registry.create_host_allocator("cuda-host-register")
-    except KVTierError:
-        alloc = registry.create_host_allocator("torch-pinned")
+    args = parse(__doc__, repeat=5)
+    alloc = pinned_allocator()
     real_op = torch_engine._gather_op
     out = []
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; GB/s")

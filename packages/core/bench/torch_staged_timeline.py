@@ -10,17 +10,15 @@ Needs CUDA (the staged path's other half is a device copy) and kvtier-nvidia-tma
 
 from __future__ import annotations
 
-import argparse
 import json
-import statistics
 import time
+from functools import partial
 
 import torch
+from _staged import host_copies, median_s, parse, pinned_allocator
 
-from kvtier import registry
 from kvtier.bench.transfer import CASES
 from kvtier.device_pool import DeviceKVPool
-from kvtier.errors import KVTierError
 from kvtier.host_pool import HostKVPool
 from kvtier.testing.data import fill_random
 from kvtier.transfer_engines.torch_engine import TorchTransferEngine
@@ -56,44 +54,23 @@ def timeline(eng: TorchTransferEngine, direction: str, h, d, repeat: int) -> dic
     eng._host_rows, eng._slot = real_rows, real_slot   # type: ignore[method-assign]
     mid = sorted(runs, key=lambda r: r["s"])[len(runs) // 2]
     # the same CPU copies with nothing else running: the transfer's groups, one slot
-    L, g = eng.spec.num_layers, eng._group_size(len(h))
-    hn, slot = h.numpy(), eng._slots[0]
-    times = []
-    for _ in range(repeat + 1):
-        t = time.perf_counter()
-        for a in range(0, L, g):
-            for s, e in eng._batches(len(hn), min(g, L - a)):
-                real_rows(eng._plan(slot, e - s, a, min(g, L - a)), hn[s:e], direction == "h2d")
-        times.append(time.perf_counter() - t)
-    mid["cpu_alone_s"] = statistics.median(times[1:])
+    mid["cpu_alone_s"] = median_s(partial(host_copies, eng, h.numpy(), direction == "h2d"),
+                                  repeat)
     return mid
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--mib", type=int, default=256)
-    p.add_argument("--cases", default="mla-p16,mla-p64,mha-32k,mha-128k")
-    p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--json")
-    args = p.parse_args()
-    try:
-        alloc = registry.create_host_allocator("cuda-host-register")
-    except KVTierError:
-        alloc = registry.create_host_allocator("torch-pinned")
+    args = parse(__doc__, repeat=3)
+    alloc = pinned_allocator()
     nbytes = args.mib << 20
     link = {}
     probe_h = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     probe_d = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     for direction, (dst, src) in (("h2d", (probe_d, probe_h)), ("d2h", (probe_h, probe_d))):
-        dst.copy_(src)
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(args.repeat):
-            t = time.perf_counter()
+        def copy(dst=dst, src=src) -> None:
             dst.copy_(src, non_blocking=True)
             torch.cuda.synchronize()
-            times.append(time.perf_counter() - t)
-        link[direction] = statistics.median(times)
+        link[direction] = median_s(copy, args.repeat)
     del probe_h, probe_d
     out = []
     print("| case | dir | transfer ms | GB/s | CPU copies ms | the same copies alone ms "
