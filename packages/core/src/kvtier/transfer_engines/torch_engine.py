@@ -204,7 +204,7 @@ class TorchTransferEngine(TransferEngine):
         #: Run copies on a dedicated stream (accelerators only).
         side_stream: bool = True
         #: Bytes of each staging buffer (device memory, plus pinned host memory when staged;
-        #: capped at one layer of the whole device pool).
+        #: capped at what one op can move: a group of layers of the whole device pool).
         staging_bytes: int = 32 << 20
         #: CUDA with a pinned host pool: the device's index kernels read and write the host
         #: pool in place (no CPU copies, no pinned staging); False: always stage.
