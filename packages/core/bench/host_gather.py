@@ -22,6 +22,7 @@ ROWS = (8 << 10, 72 << 10, 126 << 10, 504 << 10, 2 << 20)
 
 def methods(src: torch.Tensor, idx: torch.Tensor, st: torch.Tensor) -> dict:
     rows = idx.tolist()
+    src16, st16 = src.view(torch.complex128), st.view(torch.complex128)   # 16-byte words
 
     def row_loop() -> None:
         for i, j in enumerate(rows):
@@ -31,6 +32,7 @@ def methods(src: torch.Tensor, idx: torch.Tensor, st: torch.Tensor) -> dict:
         "aten_index": lambda: torch.ops.aten.index.Tensor_out(src, [idx], out=st),
         "row_loop": row_loop,
         "index_copy (scatter)": lambda: src.index_copy_(0, idx, st),
+        "index_copy 16 B (scatter)": lambda: src16.index_copy_(0, idx, st16),
         "index_put (scatter)": lambda: src.index_put_((idx,), st),
     }
 
@@ -70,8 +72,8 @@ def main() -> None:
     t = threading.Thread(target=run, args=(buf, stage, "worker thread", out))
     t.start()
     t.join()
-    names = list(methods(buf[:8].view(torch.int64).view(1, 1), torch.zeros(1, dtype=torch.long),
-                         torch.empty(1, 1, dtype=torch.int64)))
+    names = list(methods(buf[:16].view(torch.int64).view(1, 2), torch.zeros(1, dtype=torch.long),
+                         torch.empty(1, 2, dtype=torch.int64)))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; GB/s")
     print("| thread | row | " + " | ".join(names) + " |")
     print("|---" * (len(names) + 2) + "|")

@@ -409,6 +409,34 @@ def test_row_parts_cover_every_column_once_in_parts_under_the_grain(monkeypatch)
         torch_engine._flat(base[:, :, 2:17]).dim() == 3
 
 
+def test_cpu_scatters_move_16_byte_words_bit_for_bit():
+    """Host scatters run in 16-byte elements where both sides' layout allows it, else in the
+    views' own: every bit pattern lands unchanged either way (NaNs of every payload and sign,
+    signalling ones included, infinities, subnormals, random words)."""
+    from kvtier.transfer_engines import torch_engine
+    words = [0x7FF0000000000001, 0x7FF7FFFFFFFFFFFF, 0xFFF0000000000001, 0x7FF8000000000001,
+             0xFFFFFFFFFFFFFFFF, 0x7FF0000000000000, 0x0000000000000001, 0x8000000000000000]
+    g = torch.Generator().manual_seed(5)
+    base = torch.randint(-2**62, 2**62, (9, 3, 12), dtype=torch.int64, generator=g)
+    base.view(-1)[:len(words)] = torch.tensor([w - (1 << 64) if w >= 1 << 63 else w
+                                               for w in words])
+    idx = torch.tensor([7, 0, 4, 2])
+    cases = {"flat": (slice(None), slice(None), slice(None), True),
+             "3-D": (slice(None), slice(0, 2), slice(0, 6), True),       # not one run per row
+             "odd width": (slice(None), slice(None), slice(0, 5), False),   # 40 B rows
+             "odd start": (slice(None), slice(None), slice(1, 5), False)}   # 8 B off 16
+    for name, (a, b, c, wide) in cases.items():
+        src = base[a, b, c]
+        dst = torch.randint(-2**62, 2**62, (11, *src.shape[1:]), dtype=torch.int64,
+                            generator=g)
+        want = dst.clone()
+        want[idx] = src[:4]
+        d, s = torch_engine._scatter_pair(dst, src[:4])
+        assert (d.dtype == torch.complex128) == wide, name
+        torch_engine._cpu_scatter(dst, idx, src[:4])
+        assert torch.equal(dst, want), name
+
+
 def test_fp8_moves_as_bytes():
     """fp8 (no CPU index_copy_ for it in torch) moves as bytes, NaN patterns included."""
     spec = KVSpec.mha(num_layers=2, num_kv_heads=1, head_dim=16, page_size=4,

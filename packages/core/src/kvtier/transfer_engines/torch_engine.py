@@ -3,7 +3,9 @@
 Works for the CPU and for any torch accelerator with streams and events (CUDA, ROCm, and
 devices such as Ascend's whose torch module mirrors ``torch.cuda``). It moves bytes, never
 typed elements, so every dtype (fp8 included) and every device layout moves the same way: each
-layer of a page is the device pool's byte chunks (``pool.chunks``) in order.
+layer of a page is the device pool's byte chunks (``pool.chunks``) in order, copied as 1-, 2-,
+4- or 8-byte integers (host scatters as 16-byte words where aligned: ``complex128`` moved by
+assignment, bit for bit).
 
 Per group of layers, in batches of pages, through a device staging buffer of page-major rows.
 Where the device pool's layers sit at one stride (one allocation, as ``DeviceKVPool.empty``
@@ -660,9 +662,25 @@ def _row_parts(src: torch.Tensor, out: torch.Tensor) -> list[tuple[torch.Tensor,
 
 def _scatter_pair(dst: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``dst`` and ``src`` as 2-D views where both sides have them (torch's index-copy kernel
-    then walks one dimension less per element), else as they are."""
+    then walks one dimension less per element), and in 16-byte elements where both sides'
+    sizes, strides and addresses allow (it copies element by element: 80-92 GB/s in 16-byte
+    elements on the H200's host against 56-65 in 8-byte ones). The 16-byte element is
+    ``complex128``, copied by assignment: a move of its bits, no arithmetic."""
     d, s = _flat(dst), _flat(src)
-    return (d, s) if d.dim() == 2 and s.dim() == 2 else (dst, src)
+    if d.dim() != 2 or s.dim() != 2:
+        d, s = dst, src
+    wd, ws = _wide(d), _wide(s)
+    return (wd, ws) if wd is not None and ws is not None else (d, s)
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor | None:
+    """``t`` seen in 16-byte elements (same bytes), or None where its layout does not allow it."""
+    w = t.element_size()
+    if w >= 16 or t.dim() == 0 or t.stride(-1) != 1 or t.data_ptr() % 16 \
+            or (t.storage_offset() * w) % 16 or (t.shape[-1] * w) % 16 \
+            or any((st * w) % 16 for st in t.stride()[:-1]):
+        return None
+    return t.view(torch.complex128)
 
 
 def _cpu_scatter(dst: torch.Tensor, idx: torch.Tensor, src: torch.Tensor) -> None:
