@@ -100,9 +100,6 @@ class LayerwiseHandle(TransferHandle):
             self._upto = a + g
             self._cond.notify_all()
 
-    def _signal(self, layer: int, event: Any = None) -> None:
-        self._land(layer, 1, event)
-
     def _fail(self, exc: BaseException) -> None:
         with self._cond:
             self._error = exc
@@ -575,10 +572,9 @@ class TorchTransferEngine(TransferEngine):
             d = d_idx[s:e]
             for dev, cols in plan.dev:
                 dev.index_copy_(0, d, cols)
-            ev = self._record()            # this batch's layers are in; its slot is free
-            if not self.zero_copy:
-                slot.free = ev
-        handle._land(a, g, ev)
+            if not self.zero_copy:         # this batch's layers are in; its slot is free
+                ev = slot.free = self._record()
+        handle._land(a, g, ev if ev is not None else self._record())
 
     def _backup_group(self, a: int, g: int, h_idx: np.ndarray, d_idx: torch.Tensor,
                       handle: LayerwiseHandle, pending: list) -> None:
