@@ -322,6 +322,54 @@ def test_tma_per_layer_loads_are_one_launch_with_signals(monkeypatch, layer_sign
         hpool.close()
 
 
+@pytest.mark.parametrize("small_ctas, grid", [(4, 4), (0, 2)])
+@pytest.mark.parametrize("d2h", [False, True], ids=["load", "backup"])
+def test_tma_small_segments_run_on_more_ctas_and_stay_bitwise(monkeypatch, small_ctas, grid,
+                                                              d2h):
+    """Per-layer transfers of 512-byte segments (256-byte K and V rows of one page) launch on
+    small_ctas CTAs, and land every layer bitwise, the counters of loads (GPU-scope release)
+    and of backups (system scope) ordering a read of each layer after wait_layer. 293 pages
+    make groups whose pieces the pipelines do not divide."""
+    _available("nvidia-tma")
+    from kvtier_nvidia_tma import _driver
+    spec = KVSpec.mha(num_layers=9, num_kv_heads=1, head_dim=128, page_size=1)
+    dpool = DeviceKVPool.empty(spec, 400, "cuda")
+    hpool = HostKVPool(spec, 400)
+    eng = _engine("nvidia-tma", dpool, hpool, small_ctas=small_ctas, small_bytes=1024,
+                  layerwise_backup=True)
+    grids = []
+    real = _driver.launch
+    monkeypatch.setattr(_driver, "launch", lambda k, g, *a: (grids.append(g), real(k, g, *a))[1])
+    rng = random.Random(11 + small_ctas + d2h)
+    try:
+        assert eng.ctas == grid and eng.describe()["load_ctas"] == grid
+        fill_random(hpool.raw)
+        _poison(dpool)
+        host, dev = rng.sample(range(400), 293), rng.sample(range(400), 293)
+        compute = torch.cuda.Stream()
+        with torch.cuda.stream(torch.cuda.Stream()):
+            handle = eng.backup(dev, host) if d2h else eng.load(host, dev)
+        assert grids == [grid]
+        d = torch.tensor(dev, device="cuda")
+        with torch.cuda.stream(compute):
+            seen = []
+            for layer in range(spec.num_layers):
+                handle.wait_layer(layer)
+                seen.append(dpool.pages_view(0, layer).index_select(0, d).clone())
+        compute.synchronize()
+        handle.synchronize()
+        if d2h:
+            assert_host_has(dpool, hpool, dev, host)
+        else:
+            for layer, got in enumerate(seen):
+                want = hpool.view[:, layer, 0].index_select(0, torch.tensor(host)).to("cuda")
+                assert torch.equal(_u8(got), _u8(want)), f"layer {layer}"
+            assert_device_has(dpool, hpool, host, dev)
+    finally:
+        eng.close()
+        hpool.close()
+
+
 # ----------------------------------------------------------------------------------------------
 # bad input
 # ----------------------------------------------------------------------------------------------

@@ -6,11 +6,12 @@ import random
 
 import numpy as np
 import pytest
-from kvtier.errors import ConfigError, LayoutError
+from kvtier.errors import ConfigError, InvalidArgumentError, LayoutError
 
-from kvtier_nvidia_tma._plan import (Geometry, KvtParams, TmaPlan, check_alignment,
-                                     host_strides, layer_signal_target, plan_register,
-                                     plan_tma, simulate, tensor_map_geometry, uniform_strides)
+from kvtier_nvidia_tma._plan import (MAX_PIECES, Geometry, KvtParams, TmaPlan, check_alignment,
+                                     host_strides, layer_signal_target, pipeline_items,
+                                     plan_register, plan_tma, simulate, tensor_map_geometry,
+                                     uniform_strides)
 from kvtier_nvidia_tma.transfer_engine import merge_runs
 
 DEV_BASE = 0x7F0000000000
@@ -177,6 +178,71 @@ def test_layer_signalled_launch_moves_every_layer_and_counts_each(case, layout, 
             else:
                 assert dev_chunk(geo, dev, table, didx[i], g) == \
                     host_chunk(geo, host0, hidx[i], g)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_signalled_items_are_dealt_evenly_over_the_whole_launch(seed):
+    """Every (group, piece) item goes to exactly one pipeline, each pipeline's items are in
+    group order, no pipeline holds more than one item over another across the whole launch
+    (groups whose piece count the pipelines do not divide included), and the pipelines that
+    hold pieces of a group are as many as the group's counter waits for."""
+    rng = random.Random(seed)
+    p = KvtParams()
+    p.num_pieces, p.loops, p.layer_flags = rng.randint(1, 300), rng.randint(1, 9), 1
+    pipes = rng.choice([1, 2, 3, 7, 32, 64, 500])
+    items = [pipeline_items(p, pipe, pipes) for pipe in range(pipes)]
+    every = sorted(x for mine in items for x in mine)
+    assert every == [(g, k) for g in range(p.loops) for k in range(p.num_pieces)]
+    assert all(mine == sorted(mine) for mine in items)
+    counts = [len(mine) for mine in items]
+    assert max(counts) - min(counts) <= 1
+    for g in range(p.loops):
+        holders = sum(1 for mine in items if any(lay == g for lay, _ in mine))
+        assert holders == layer_signal_target(p, pipes)
+
+
+def test_dealing_each_group_afresh_would_not_balance():
+    """The case the launch-wide deal is for: 1190 pieces per layer over 32 pipelines, 61
+    layers. Dealt per layer, 6 pipelines would move 38 pieces of every layer (2318) against
+    an even share of 2268.4; dealt over the launch, none moves more than 2269."""
+    p = KvtParams()
+    p.num_pieces, p.loops, p.layer_flags = 1190, 61, 1
+    assert max(len(pipeline_items(p, pipe, 32)) for pipe in range(32)) == 2269
+
+
+def test_small_segments_get_more_ctas():
+    """Launches whose host segments are at most small_bytes run on small_ctas CTAs (never
+    fewer than ctas); 0 turns it off."""
+    mha = Geometry(256, 2, 32, 32 * 2 * 256, 256, 100, 100)     # 512-byte segments per layer
+    args = dict(ctas=2, warps=16, stages=3, stage_bytes=4096, tmap_ok=True)
+    assert plan_tma(mha, 10, 1, **args, small_ctas=4, small_bytes=1024).grid == 4
+    assert plan_tma(mha, 10, 2, **args, small_ctas=4, small_bytes=1024).grid == 4   # 1 KiB
+    assert plan_tma(mha, 10, 2, **args, small_ctas=4, small_bytes=1023).grid == 2
+    assert plan_tma(mha, 10, 32, **args, small_ctas=4, small_bytes=1024).grid == 2
+    assert plan_tma(mha, 10, 1, **args, small_ctas=0, small_bytes=1024).grid == 2
+    assert plan_tma(mha, 10, 1, **{**args, "ctas": 6}, small_ctas=4, small_bytes=1024).grid == 6
+    layer_first = Geometry(256, 2, 32, 256, 100 * 256, 100, 100)  # every segment one chunk
+    assert plan_tma(layer_first, 10, 32, **args, small_ctas=4, small_bytes=1024).grid == 4
+
+
+@pytest.mark.parametrize("key,value", [("small_ctas", -1), ("small_bytes", -5),
+                                       ("small_ctas", 2.5), ("small_bytes", True)])
+def test_small_cta_settings_are_checked(key, value):
+    geo = Geometry(256, 2, 4, 4 * 2 * 256, 256, 10, 10)
+    with pytest.raises(ConfigError) as ei:
+        plan_tma(geo, 3, 1, ctas=2, warps=2, stages=3, stage_bytes=4096, tmap_ok=False,
+                 **{key: value})
+    assert ei.value.key == key
+
+
+def test_a_launch_past_the_kernels_32_bit_piece_count_is_refused():
+    geo = Geometry(1152, 1, 61, 61 * 1152, 1152, 10, 10)
+    args = dict(ctas=2, warps=16, stages=3, stage_bytes=4096, tmap_ok=False)
+    plan = plan_tma(geo, 3000, 1, **args)
+    loops = MAX_PIECES // plan.num_pieces
+    plan_tma(geo, 3000, 1, **args, loops=loops)
+    with pytest.raises(InvalidArgumentError, match="smaller transfers"):
+        plan_tma(geo, 3000, 1, **args, loops=loops + 1)
 
 
 def test_plan_modes_and_tensor_map_choice():

@@ -15,7 +15,7 @@ import ctypes
 from dataclasses import dataclass
 from typing import Sequence
 
-from kvtier.errors import ConfigError, LayoutError
+from kvtier.errors import ConfigError, InvalidArgumentError, LayoutError
 
 #: The tensor map moves 8-byte elements; a box row holds at most 256 of them.
 TMAP_ELEM = 8
@@ -23,6 +23,8 @@ TMAP_MAX_BOX = 256
 SMEM_ALIGN = 128
 #: Register-kernel vector index space is 32-bit; launches are split to stay under this.
 MAX_VECTORS = 1 << 30
+#: Pieces one TMA launch may hold (the kernel deals them with 32-bit counters).
+MAX_PIECES = 1 << 31
 
 
 class KvtParams(ctypes.Structure):
@@ -176,8 +178,13 @@ def tma_smem_bytes(warps: int, stages: int, stage_bytes: int) -> int:
 
 def plan_tma(geo: Geometry, n: int, layers: int, *, ctas: int, warps: int, stages: int,
              stage_bytes: int, tmap_ok: bool, max_smem: int = 227 * 1024,
-             stores_in_flight: int = 1) -> TmaPlan:
-    """Cut ``n`` pairs x ``layers`` layers into pieces for ``ctas`` x ``warps`` pipelines.
+             stores_in_flight: int = 1, small_ctas: int = 0, small_bytes: int = 0,
+             loops: int = 1) -> TmaPlan:
+    """Cut ``n`` pairs x ``layers`` layers into pieces for ``ctas`` x ``warps`` pipelines
+    (``small_ctas`` x ``warps`` where host segments are at most ``small_bytes``: such launches
+    issue two bulk operations per segment, more than the bulk-copy units of ``ctas`` SMs issue
+    at the link's rate). ``loops``: groups of ``layers`` layers the launch moves in turn (per-layer
+    signals); the kernel counts the launch's pieces in 32 bits.
 
     ``tmap_ok`` says the device pool allows a tensor map (uniform strides); it is used when the
     host side is page_first (a segment spans whole layers) and chunks are <= 2 KiB.
@@ -195,6 +202,9 @@ def plan_tma(geo: Geometry, n: int, layers: int, *, ctas: int, warps: int, stage
         raise ConfigError(f"warps must be in [1, 32], got {warps}", key="warps", value=warps)
     if ctas < 1:
         raise ConfigError(f"ctas must be >= 1, got {ctas}", key="ctas", value=ctas)
+    for key, val in (("small_ctas", small_ctas), ("small_bytes", small_bytes)):
+        if not isinstance(val, int) or isinstance(val, bool) or val < 0:
+            raise ConfigError(f"{key} must be an int >= 0, got {val!r}", key=key, value=val)
     smem = tma_smem_bytes(warps, stages, stage_bytes)
     if smem > max_smem:
         raise ConfigError(f"warps x stages x stage_bytes needs {smem} B of shared memory, the "
@@ -228,10 +238,15 @@ def plan_tma(geo: Geometry, n: int, layers: int, *, ctas: int, warps: int, stage
         per_piece = stage_bytes
         pps = K * ceil_div(cb, stage_bytes)
         num_pieces = nsegs * pps
+    if num_pieces * loops >= MAX_PIECES:
+        raise InvalidArgumentError(
+            f"a launch of {num_pieces * loops} pieces of at most {stage_bytes} B; the TMA kernel "
+            f"counts at most {MAX_PIECES - 1}: move the pages in smaller transfers")
+    grid = max(ctas, small_ctas) if seg_bytes <= small_bytes else ctas
     return TmaPlan(seg_chunks=K, mode=mode, per_piece=per_piece, pieces_per_seg=pps,
                    num_pieces=num_pieces, slot_bytes=slot, stages=stages,
                    stage_bytes=stage_bytes, use_tmap=use_tmap, box_layers=box_layers,
-                   grid=ctas, threads=32 * warps, smem_bytes=smem)
+                   grid=grid, threads=32 * warps, smem_bytes=smem)
 
 
 @dataclass(frozen=True)
@@ -272,7 +287,8 @@ def segment(p: KvtParams, s: int, loop: int = 0) -> tuple[int, int]:
 
 def layer_signal_target(p: KvtParams, pipes: int) -> int:
     """What each layer group's counter of a launch with ``layer_flags`` reaches: one count per
-    pipeline that holds pieces."""
+    pipeline that holds pieces of the group (its pieces are consecutive items of the
+    round-robin, see ``pipeline_items``, so that many pipelines hold them)."""
     return min(pipes, p.num_pieces)
 
 
@@ -344,10 +360,8 @@ def simulate(p: KvtParams, host: bytearray, dev: dict[int, bytearray], host_idx:
 
     done = 0
     slot = p.slot_bytes if p.mode == 0 else 0
-    loops = p.loops if p.layer_flags else 1
     for pipe in range(pipes):
-        mine = list(range(pipe, p.num_pieces, pipes))
-        for lay, k in [(lay, k) for lay in range(loops) for k in mine]:
+        for lay, k in pipeline_items(p, pipe, pipes):
             pc = decode_piece(p, k)
             stage = bytearray(p.stage_bytes)
             written = bytearray(p.stage_bytes)       # which stage bytes a load filled
@@ -387,10 +401,18 @@ def simulate(p: KvtParams, host: bytearray, dev: dict[int, bytearray], host_idx:
                                 assert all(written[s0:s0 + pc.bytes]), "store of unloaded bytes"
                                 buf[o:o + pc.bytes] = stage[s0:s0 + pc.bytes]
             done += 1
-            if p.layer_flags and k == mine[-1]:
+            if p.layer_flags and k + pipes >= p.num_pieces:    # its last piece of the group
                 assert signals is not None, "a launch with layer_flags needs signals"
                 signals[lay] += 1
     return done
+
+
+def pipeline_items(p: KvtParams, pipe: int, pipes: int) -> list[tuple[int, int]]:
+    """The (layer group, piece) items pipeline ``pipe`` of ``pipes`` moves, in its order:
+    the launch's items (every piece of group 0, then of group 1, ...) dealt round-robin over
+    the pipelines as one sequence, as the kernel deals them."""
+    loops = p.loops if p.layer_flags else 1
+    return [divmod(q, p.num_pieces) for q in range(pipe, p.num_pieces * loops, pipes)]
 
 
 def _tmap_box(t: TensorMapGeometry, page: int, layer: int, stage: bytearray, written: bytearray,

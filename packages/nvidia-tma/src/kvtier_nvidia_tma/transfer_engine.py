@@ -382,6 +382,14 @@ class TmaTransferEngine(_NvidiaEngine):
     class Config:
         #: CTAs (SMs) the kernel occupies.
         ctas: int = 2
+        #: CTAs for launches whose host-contiguous segments (the rows of a page one launch
+        #: moves) are at most ``small_bytes``: each segment is two bulk operations, and 2 SMs
+        #: do not issue them at the link's rate. 0 (the default): always ``ctas``. On the
+        #: H200, per-layer transfers of 512-byte segments ran at 82% (loads) and 57% (backups)
+        #: of the link on 2 CTAs and at 91-92% on 4, but a GEMM beside them slowed by 30-50%
+        #: instead of 10-15%: worth it only where transfers, not compute, are the bottleneck.
+        small_ctas: int = 0
+        small_bytes: int = 1024
         #: Pipelines (warps) per CTA; each has its own shared-memory stages. Many small
         #: pipelines keep many bulk operations in flight (measured best on the H200).
         warps: int = 16
@@ -424,15 +432,24 @@ class TmaTransferEngine(_NvidiaEngine):
         # check the configuration once (raises ConfigError naming the key)
         plan_tma(self._geo, 1, self._geo.num_layers, ctas=c.ctas, warps=c.warps,
                  stages=c.stages, stage_bytes=c.stage_bytes, tmap_ok=False,
-                 max_smem=self._dev.max_smem_optin, stores_in_flight=c.stores_in_flight)
+                 max_smem=self._dev.max_smem_optin, stores_in_flight=c.stores_in_flight,
+                 small_ctas=c.small_ctas, small_bytes=c.small_bytes)
         self._kernel = _driver.load_kernel(self._dev, "tma_copy.cu", "kvt_tma_copy",
                                            {"KVT_STORES_IN_FLIGHT": c.stores_in_flight})
         self._null_map = _driver.TensorMap()
         self._maps: dict[tuple[int, int, int], Any] = {}
         self._plans: dict[tuple, Any] = {}
-        self.ctas = c.ctas
         _check_int(self.name, "signal_layers", c.signal_layers, 1)
         self._signals = bool(c.layer_signals) and self._stream_waits_work()
+        L = self._geo.num_layers
+        # CTAs of this engine's loads: launches of a signal group, of one layer, or of all
+        per_launch = (min(c.signal_layers, L) if self._signals else 1) \
+            if c.layerwise_load else L
+        self.ctas = plan_tma(self._geo, 1, per_launch, ctas=c.ctas, warps=c.warps,
+                             stages=c.stages, stage_bytes=c.stage_bytes, tmap_ok=False,
+                             max_smem=self._dev.max_smem_optin,
+                             stores_in_flight=c.stores_in_flight, small_ctas=c.small_ctas,
+                             small_bytes=c.small_bytes).grid
 
     def _stream_waits_work(self) -> bool:
         """Whether this driver runs ``cuStreamWaitValue32`` on device memory (tried once on a
@@ -452,7 +469,7 @@ class TmaTransferEngine(_NvidiaEngine):
             return False
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "layer_signals": self._signals}
+        return {**super().describe(), "layer_signals": self._signals, "load_ctas": self.ctas}
 
     def plan(self, n: int, layer0: int, layers: int, map_layers: int = 0):
         """The launch plan and tensor map for ``n`` pairs over the given layers (the map
@@ -460,14 +477,16 @@ class TmaTransferEngine(_NvidiaEngine):
         launch that loops over every layer)."""
         from . import _driver
         c = self.config
-        key = (n, layers)
+        loops = map_layers // layers if map_layers else 1
+        key = (n, layers, loops)
         plan = self._plans.get(key)
         if plan is None:
             plan = plan_tma(self._geo, n, layers, ctas=c.ctas, warps=c.warps, stages=c.stages,
                             stage_bytes=c.stage_bytes,
                             tmap_ok=c.tensor_map and self._uniform is not None,
                             max_smem=self._dev.max_smem_optin,
-                            stores_in_flight=c.stores_in_flight)
+                            stores_in_flight=c.stores_in_flight, small_ctas=c.small_ctas,
+                            small_bytes=c.small_bytes, loops=loops)
             if len(self._plans) > 256:
                 self._plans.clear()
             self._plans[key] = plan
@@ -483,12 +502,13 @@ class TmaTransferEngine(_NvidiaEngine):
                 self._maps[mkey] = _driver.TensorMap(geo) if geo is not None else None
             tmap = self._maps[mkey]
             if tmap is None:
-                plain = self._plans.get((n, layers, False))
+                plain = self._plans.get((n, layers, loops, False))
                 if plain is None:
-                    plain = self._plans[(n, layers, False)] = plan_tma(
+                    plain = self._plans[(n, layers, loops, False)] = plan_tma(
                         self._geo, n, layers, ctas=c.ctas, warps=c.warps, stages=c.stages,
                         stage_bytes=c.stage_bytes, tmap_ok=False,
-                        max_smem=self._dev.max_smem_optin, stores_in_flight=c.stores_in_flight)
+                        max_smem=self._dev.max_smem_optin, stores_in_flight=c.stores_in_flight,
+                        small_ctas=c.small_ctas, small_bytes=c.small_bytes, loops=loops)
                 plan, tmap = plain, self._null_map
         return plan, tmap
 
@@ -966,8 +986,11 @@ class RoutedTransferEngine(TransferEngine):
         #: MiB moved per calibration transfer (32 MiB transfers undersell the copy engine:
         #: 56-65% of the link at 64-256 KiB chunks where 256 MiB ones reach ~90%).
         calibrate_mib: int = 128
-        #: CTAs of the SM kernel (where chunks are small).
+        #: CTAs of the SM kernel (where chunks are small), and of its launches whose host
+        #: segments are at most ``small_bytes`` (see ``nvidia-tma``; 0: ``ctas``).
         ctas: int = 2
+        small_ctas: int = 0
+        small_bytes: int = 1024
         #: Copies per cuMemcpyBatchAsync call on the copy-engine path, and in a transfer's
         #: first call (see ``nvidia-copy-engine``).
         max_batch: int = 256
@@ -1019,7 +1042,8 @@ class RoutedTransferEngine(TransferEngine):
             else RegisterTransferEngine
         sm_cfg = {**common, "ctas": c.ctas}
         if sm_cls is TmaTransferEngine:
-            sm_cfg.update(layer_signals=c.layer_signals, signal_layers=c.signal_layers)
+            sm_cfg.update(layer_signals=c.layer_signals, signal_layers=c.signal_layers,
+                          small_ctas=c.small_ctas, small_bytes=c.small_bytes)
         self.sm = sm_cls(device_pool, host_pool, sm_cfg)
         self._sm_cfg = sm_cfg
         self.device = self.sm.device
