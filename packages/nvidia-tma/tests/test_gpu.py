@@ -327,9 +327,9 @@ def test_tma_per_layer_loads_are_one_launch_with_signals(monkeypatch, layer_sign
 def test_tma_small_segments_run_on_more_ctas_and_stay_bitwise(monkeypatch, small_ctas, grid,
                                                               d2h):
     """Per-layer transfers of 512-byte segments (256-byte K and V rows of one page) launch on
-    small_ctas CTAs, and land every layer bitwise, the counters of loads (GPU-scope release)
-    and of backups (system scope) ordering a read of each layer after wait_layer. 293 pages
-    make groups whose pieces the pipelines do not divide."""
+    small_ctas CTAs and land every layer bitwise (backups: system-scope counters; loads:
+    GPU-scope counters that order a read of each layer after wait_layer). 293 pages make
+    groups whose pieces the pipelines do not divide."""
     _available("nvidia-tma")
     from kvtier_nvidia_tma import _driver
     spec = KVSpec.mha(num_layers=9, num_kv_heads=1, head_dim=128, page_size=1)
@@ -350,6 +350,10 @@ def test_tma_small_segments_run_on_more_ctas_and_stay_bitwise(monkeypatch, small
         with torch.cuda.stream(torch.cuda.Stream()):
             handle = eng.backup(dev, host) if d2h else eng.load(host, dev)
         assert grids == [grid]
+        if d2h:
+            handle.synchronize()
+            assert_host_has(dpool, hpool, dev, host)
+            return
         d = torch.tensor(dev, device="cuda")
         with torch.cuda.stream(compute):
             seen = []
@@ -357,14 +361,11 @@ def test_tma_small_segments_run_on_more_ctas_and_stay_bitwise(monkeypatch, small
                 handle.wait_layer(layer)
                 seen.append(dpool.pages_view(0, layer).index_select(0, d).clone())
         compute.synchronize()
+        for layer, got in enumerate(seen):
+            want = hpool.view[:, layer, 0].index_select(0, torch.tensor(host)).to("cuda")
+            assert torch.equal(_u8(got), _u8(want)), f"layer {layer}"
         handle.synchronize()
-        if d2h:
-            assert_host_has(dpool, hpool, dev, host)
-        else:
-            for layer, got in enumerate(seen):
-                want = hpool.view[:, layer, 0].index_select(0, torch.tensor(host)).to("cuda")
-                assert torch.equal(_u8(got), _u8(want)), f"layer {layer}"
-            assert_device_has(dpool, hpool, host, dev)
+        assert_device_has(dpool, hpool, host, dev)
     finally:
         eng.close()
         hpool.close()

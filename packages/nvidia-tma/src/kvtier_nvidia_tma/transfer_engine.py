@@ -429,27 +429,27 @@ class TmaTransferEngine(_NvidiaEngine):
         from . import _driver
         c = self.config
         self._uniform = uniform_strides(self._table, self._geo.comps, self._geo.num_layers)
-        # check the configuration once (raises ConfigError naming the key)
-        plan_tma(self._geo, 1, self._geo.num_layers, ctas=c.ctas, warps=c.warps,
-                 stages=c.stages, stage_bytes=c.stage_bytes, tmap_ok=False,
-                 max_smem=self._dev.max_smem_optin, stores_in_flight=c.stores_in_flight,
-                 small_ctas=c.small_ctas, small_bytes=c.small_bytes)
+        _check_int(self.name, "signal_layers", c.signal_layers, 1)
+        self._signals = bool(c.layer_signals) and self._stream_waits_work()
+        L = self._geo.num_layers
+        # CTAs of this engine's loads (launches of a signal group, of one layer, or of all);
+        # cutting one also checks the configuration (raises ConfigError naming the key)
+        per_launch = (min(c.signal_layers, L) if self._signals else 1) \
+            if c.layerwise_load else L
+        self.ctas = self._cut(1, per_launch, tmap_ok=False).grid
         self._kernel = _driver.load_kernel(self._dev, "tma_copy.cu", "kvt_tma_copy",
                                            {"KVT_STORES_IN_FLIGHT": c.stores_in_flight})
         self._null_map = _driver.TensorMap()
         self._maps: dict[tuple[int, int, int], Any] = {}
         self._plans: dict[tuple, Any] = {}
-        _check_int(self.name, "signal_layers", c.signal_layers, 1)
-        self._signals = bool(c.layer_signals) and self._stream_waits_work()
-        L = self._geo.num_layers
-        # CTAs of this engine's loads: launches of a signal group, of one layer, or of all
-        per_launch = (min(c.signal_layers, L) if self._signals else 1) \
-            if c.layerwise_load else L
-        self.ctas = plan_tma(self._geo, 1, per_launch, ctas=c.ctas, warps=c.warps,
-                             stages=c.stages, stage_bytes=c.stage_bytes, tmap_ok=False,
-                             max_smem=self._dev.max_smem_optin,
-                             stores_in_flight=c.stores_in_flight, small_ctas=c.small_ctas,
-                             small_bytes=c.small_bytes).grid
+
+    def _cut(self, n: int, layers: int, *, tmap_ok: bool, loops: int = 1):
+        """``plan_tma`` with this engine's settings."""
+        c = self.config
+        return plan_tma(self._geo, n, layers, ctas=c.ctas, warps=c.warps, stages=c.stages,
+                        stage_bytes=c.stage_bytes, tmap_ok=tmap_ok,
+                        max_smem=self._dev.max_smem_optin, stores_in_flight=c.stores_in_flight,
+                        small_ctas=c.small_ctas, small_bytes=c.small_bytes, loops=loops)
 
     def _stream_waits_work(self) -> bool:
         """Whether this driver runs ``cuStreamWaitValue32`` on device memory (tried once on a
@@ -481,12 +481,8 @@ class TmaTransferEngine(_NvidiaEngine):
         key = (n, layers, loops)
         plan = self._plans.get(key)
         if plan is None:
-            plan = plan_tma(self._geo, n, layers, ctas=c.ctas, warps=c.warps, stages=c.stages,
-                            stage_bytes=c.stage_bytes,
-                            tmap_ok=c.tensor_map and self._uniform is not None,
-                            max_smem=self._dev.max_smem_optin,
-                            stores_in_flight=c.stores_in_flight, small_ctas=c.small_ctas,
-                            small_bytes=c.small_bytes, loops=loops)
+            plan = self._cut(n, layers, tmap_ok=c.tensor_map and self._uniform is not None,
+                             loops=loops)
             if len(self._plans) > 256:
                 self._plans.clear()
             self._plans[key] = plan
@@ -504,11 +500,8 @@ class TmaTransferEngine(_NvidiaEngine):
             if tmap is None:
                 plain = self._plans.get((n, layers, loops, False))
                 if plain is None:
-                    plain = self._plans[(n, layers, loops, False)] = plan_tma(
-                        self._geo, n, layers, ctas=c.ctas, warps=c.warps, stages=c.stages,
-                        stage_bytes=c.stage_bytes, tmap_ok=False,
-                        max_smem=self._dev.max_smem_optin, stores_in_flight=c.stores_in_flight,
-                        small_ctas=c.small_ctas, small_bytes=c.small_bytes, loops=loops)
+                    plain = self._plans[(n, layers, loops, False)] = self._cut(
+                        n, layers, tmap_ok=False, loops=loops)
                 plan, tmap = plain, self._null_map
         return plan, tmap
 
