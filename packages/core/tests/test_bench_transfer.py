@@ -40,6 +40,26 @@ def test_render_names_the_order_and_mixed_rows():
     assert "| a+b " in out and "60.0%" in out
 
 
+def test_ratios_use_the_higher_of_the_start_and_end_ceilings():
+    """A ceiling measured low at the start (a link slow for a while) must not inflate the
+    ratios: each direction takes the higher figure, both are kept and rendered, and the
+    largest difference is returned so the run can report it."""
+    rows = [{"case": "mla-p1", "chunk_bytes": 1152, "engine": "e", "config": {},
+             "mode": "all", "direction": d, "ctas": 2, "gbps": g, "ratio": g / c}
+            for d, g, c in (("h2d", 50.0, 55.0), ("d2h", 45.0, 50.0), ("both", 90.0, 68.6))]
+    data = {"env": {"gpu": "G"}, "ceiling": {"h2d": 55.0, "d2h": 50.0, "both": 68.6},
+            "mib": 256, "results": rows}
+    moved = transfer.settle_ceilings(data, {"h2d": 54.0, "d2h": 50.0, "both": 98.0})
+    assert data["ceiling"] == {"h2d": 55.0, "d2h": 50.0, "both": 98.0}
+    assert data["ceiling_start"]["both"] == 68.6 and data["ceiling_end"]["h2d"] == 54.0
+    assert [round(r["ratio"], 4) for r in rows] == [round(50 / 55, 4), 0.9, round(90 / 98, 4)]
+    assert moved == pytest.approx(1 - 68.6 / 98.0) and moved > transfer.CEILING_DRIFT
+    out = transfer.render(data)
+    assert "both 98.0 GB/s" in out and "start: h2d 55.0 GB/s" in out and "91.8%" in out
+    steady = {"env": {}, "ceiling": {"h2d": 55.0}, "mib": 1, "results": []}
+    assert transfer.settle_ceilings(steady, {"h2d": 54.5}) < transfer.CEILING_DRIFT
+
+
 def test_engine_modes_and_indices_follow_declared_capabilities():
     """Engines without layerwise switches run their one (per-layer) mode; index tensors stay
     on the device unless the engine declares host_indices -- no engine named anywhere."""

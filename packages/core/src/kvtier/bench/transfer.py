@@ -6,9 +6,11 @@ For each case (a KV geometry: MLA 1152 B rows, MHA chunks from 256 B to 128 KiB,
 ``DeviceKVPool`` (layer_first) and a page_first ``HostKVPool``: loads (H2D), backups (D2H) and
 both at once, with per-layer or all-layer launches, over a sweep of engine settings (e.g.
 ``--sweep ctas=1,2,4``). The ceilings are one pinned ``cudaMemcpyAsync`` of the same size in
-each direction and both directions at once. ``--gemm`` also times a bf16 8192^3 matmul alone
-and while transfers run. Results print as a table of GB/s and ratios; ``--json`` keeps them and
-``--plot`` draws GB/s against chunk size per engine (``--replot`` redraws from a JSON file).
+each direction and both directions at once, measured at the start and again at the end of the
+run; ratios use the higher of the two, and a difference over 5% is reported. ``--gemm``
+also times a bf16 8192^3 matmul alone and while transfers run. Results print as a table of
+GB/s and ratios; ``--json`` keeps them and ``--plot`` draws GB/s against chunk size per engine
+(``--replot`` redraws from a JSON file).
 
 Two controls separate the engines' own limits from the access pattern's: ``--order
 sequential`` moves pages 0..n-1 in order (the host side becomes one contiguous run per layer
@@ -148,6 +150,30 @@ def ceilings(torch, host_raw, nbytes: int, repeat: int) -> dict[str, float]:
         cur.wait_stream(s1)
     out["both"] = 2 * nbytes / median_ms(torch, both, repeat) / 1e6
     return out
+
+
+#: A ceiling that differs by more than this between the start and the end of a run is
+#: reported (the link, or what shares it, changed while the engines were measured).
+CEILING_DRIFT = 0.05
+
+
+def settle_ceilings(data: dict[str, Any], end: dict[str, float]) -> float:
+    """Take the ceilings measured again at the end of a run: each direction's ceiling becomes
+    the higher of the start and end figures (a ratio is never taken against a link that ran
+    slow for a while), every result's ratio follows it, and both measurements are kept
+    (``ceiling_start``, ``ceiling_end``). Returns the largest relative difference between
+    them."""
+    start = data["ceiling"]
+    data["ceiling_start"], data["ceiling_end"] = dict(start), dict(end)
+    data["ceiling"] = {k: max(v, end.get(k, 0.0)) for k, v in start.items()}
+    for r in data["results"]:
+        r["ratio"] = r["gbps"] / data["ceiling"][r["direction"]]
+    return max((abs(v - end[k]) / max(v, end[k]) for k, v in start.items()
+                if k in end and max(v, end[k]) > 0), default=0.0)
+
+
+def _gbps_text(ce: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:.1f} GB/s" for k, v in ce.items())
 
 
 def host_copies(torch, host_raw, nbytes: int, repeat: int, row: int = 128 << 10,
@@ -299,8 +325,8 @@ def _run(args: argparse.Namespace, torch) -> int:
                             "host_backing": host_buf.backing, "mib": args.mib,
                             "repeat": args.repeat, "results": [], "gemm": []}
     data["ceiling"] = ceilings(torch, host_buf.tensor, nbytes, args.repeat)
-    print(f"ceiling (pinned cudaMemcpyAsync, {args.mib} MiB): "
-          + ", ".join(f"{k} {v:.1f} GB/s" for k, v in data["ceiling"].items()), file=sys.stderr)
+    print(f"ceiling (pinned cudaMemcpyAsync, {args.mib} MiB; measured again at the end): "
+          + _gbps_text(data["ceiling"]), file=sys.stderr)
     data["host_copies"] = host_copies(torch, host_buf.tensor[3 * nbytes:4 * nbytes], nbytes,
                                       args.repeat)
     print(_host_copies_text(data["host_copies"]), file=sys.stderr)
@@ -356,6 +382,12 @@ def _run(args: argparse.Namespace, torch) -> int:
     _save(data, args.json)
     if args.gemm:
         data["gemm"] = gemm_slowdown(torch, engines, sweeps, fixed, args, host_buf, pools)
+    end = ceilings(torch, host_buf.tensor, nbytes, args.repeat)
+    moved_by = settle_ceilings(data, end)
+    if moved_by > CEILING_DRIFT:
+        print("the link's ceiling moved during the run by up to "
+              f"{100 * moved_by:.0f}% (start: " + _gbps_text(data["ceiling_start"]) + "; end: "
+              + _gbps_text(end) + "): ratios use the higher of the two", file=sys.stderr)
     _save(data, args.json)
     print(render(data))
     if args.plot:
@@ -530,8 +562,10 @@ def render(data: dict[str, Any]) -> str:
     lines = [f"{env.get('gpu', '?')}  driver {env.get('driver', '?')}  {env.get('pcie', '')}  "
              f"host memory: {data.get('host_backing', '?')}  {data.get('mib')} MiB per transfer  "
              f"pages in {data.get('order', 'random')} order",
-             "ceiling (one pinned cudaMemcpyAsync): " + ", ".join(
-                 f"{k} {v:.1f} GB/s" for k, v in ce.items())]
+             "ceiling (one pinned cudaMemcpyAsync): " + _gbps_text(ce)]
+    if data.get("ceiling_end"):
+        lines[-1] += (" (the higher of the run's start: " + _gbps_text(data["ceiling_start"])
+                      + "; and end: " + _gbps_text(data["ceiling_end"]) + ")")
     if data.get("host_copies"):
         lines.append(_host_copies_text(data["host_copies"]))
     rows = [[r["case"], r["chunk_bytes"], r["engine"], _cfg_text(r["config"]), r["mode"],
