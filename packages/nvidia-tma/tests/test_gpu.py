@@ -392,8 +392,9 @@ def test_misaligned_rows_are_typed_error(name):
     *(("nvidia-copy-engine", "first_batch", b) for b in (-1, 2.5, True)),
     *(("nvidia-routed", "first_batch", b) for b in (-1, 2.5)),
     *(("nvidia-tma", "signal_layers", b) for b in (0, -2, 1.5, True)),
+    *(("nvidia-routed", "verify_margin", b) for b in (-0.1, 1.0, True, "0.1")),
 ])
-def test_integer_settings_are_checked(name, key, bad):
+def test_numeric_settings_are_checked(name, key, bad):
     _available(name)
     spec = KVSpec.mla(num_layers=2, kv_lora_rank=512, rope_dim=64, page_size=1)
     dpool = DeviceKVPool.empty(spec, 4, "cuda")
@@ -656,7 +657,7 @@ def test_routed_copy_engine_route_that_is_slow_in_use_moves_to_the_sm_kernel(tmp
                 assert_device_has(dpool, hpool, pages, pages)
             st = eng.stats()
         assert st["route"]["h2d"] == "sm" and st["rerouted"]["h2d"]["copy_engine_gbps"] < \
-            0.9 * st["rerouted"]["h2d"]["sm_calibrated_gbps"]
+            (1 - eng.config.verify_margin) * st["rerouted"]["h2d"]["sm_calibrated_gbps"]
         assert len(st["copy_engine_gbps_in_use"]["h2d"]) == 3
         assert "moved to nvidia-tma" in caplog.text or "moved to nvidia-register" in caplog.text
         assert st["transfers"]["sm"] >= 1 and st["route"]["d2h"] == "copy_engine"

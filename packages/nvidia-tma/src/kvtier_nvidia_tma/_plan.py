@@ -477,7 +477,7 @@ def calibrated_rate(table: dict[int, tuple[float, float]], chunk_bytes: int, pat
 
 
 def copy_engine_falls_short(measured_gbps: Sequence[float], sm_gbps: float | None,
-                            prefer_copy_within: float, need: int) -> bool | None:
+                            margin: float, need: int) -> bool | None:
     """Whether the copy engine, routed to on the calibration's word, delivers less in use than
     the margin allows against the SM path's calibrated rate: None until ``need`` transfers are
     measured (their median decides), False when no SM rate is known."""
@@ -486,4 +486,4 @@ def copy_engine_falls_short(measured_gbps: Sequence[float], sm_gbps: float | Non
     if not sm_gbps:
         return False
     med = sorted(measured_gbps)[len(measured_gbps) // 2]
-    return med < (1 - prefer_copy_within) * sm_gbps
+    return med < (1 - margin) * sm_gbps
