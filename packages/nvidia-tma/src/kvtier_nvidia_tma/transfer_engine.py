@@ -53,6 +53,13 @@ def _check_int(engine: str, key: str, value: Any, lo: int) -> None:
                           key=key, value=value)
 
 
+def _check_fraction(engine: str, key: str, value: Any) -> None:
+    """A setting that must be a number (not a bool) in [0, 1): ConfigError."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise ConfigError(f"{engine}: {key} must be a number in [0, 1), got {value!r}",
+                          key=key, value=value)
+
+
 class CudaEventHandle(TransferHandle):
     """Per-layer CUDA events of one transfer. ``wait_layer(i)`` makes the caller's current
     stream wait for layer ``i`` (no host sync); ``synchronize()`` blocks the host."""
@@ -1031,10 +1038,7 @@ class RoutedTransferEngine(TransferEngine):
                         ("max_batch", 0), ("first_batch", 0), ("verify_mib", 0),
                         ("verify_count", 1)):
             _check_int(self.name, key, getattr(c, key), lo)
-        if isinstance(c.verify_margin, bool) or not isinstance(c.verify_margin, (int, float)) \
-                or not 0 <= c.verify_margin < 1:
-            raise ConfigError(f"{self.name}: verify_margin must be a number in [0, 1), got "
-                              f"{c.verify_margin!r}", key="verify_margin", value=c.verify_margin)
+        _check_fraction(self.name, "verify_margin", c.verify_margin)
         common = {"layerwise_load": c.layerwise_load, "layerwise_backup": c.layerwise_backup,
                   "debug": c.debug, "device": c.device}
         self.copy = CopyEngineTransferEngine(device_pool, host_pool,
