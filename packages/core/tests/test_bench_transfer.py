@@ -15,6 +15,8 @@ def test_bad_arguments_are_refused_before_anything_runs(capsys):
     assert cli.main(["bench", "transfer", "--mib", "0"]) == 2
     with pytest.raises(SystemExit):
         cli.main(["bench", "transfer", "--order", "backwards"])
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "transfer", "--host-layout", "token_major"])
 
 
 @pytest.mark.parametrize("case", [c for c in transfer.CASES if c.startswith("flat-")])
@@ -30,13 +32,16 @@ def test_parse_value():
     assert transfer.parse_value("False") is False and transfer.parse_value("x") == "x"
 
 
-def test_render_names_the_order_and_mixed_rows():
+def test_render_names_the_order_the_host_layout_and_mixed_rows():
     row = {"case": "mla-p1", "chunk_bytes": 1152, "engine": "a+b", "config": {},
            "mode": "all", "direction": "both", "ctas": 4, "gbps": 60.0, "ratio": 0.6}
     data = {"env": {"gpu": "G"}, "ceiling": {"h2d": 50.0, "d2h": 50.0, "both": 100.0},
-            "host_backing": "thp", "mib": 256, "order": "sequential", "results": [row]}
+            "host_backing": "thp", "mib": 256, "order": "sequential",
+            "host_layout": "layer_first", "results": [row]}
     out = transfer.render(data)
-    assert "pages in sequential order" in out
+    assert "pages in sequential order, host pool layer_first" in out
+    del data["host_layout"]             # a record from before the option: page_first
+    assert "host pool page_first" in transfer.render(data)
     assert "| a+b " in out and "60.0%" in out
 
 

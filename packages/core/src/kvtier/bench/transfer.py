@@ -17,7 +17,10 @@ sequential`` moves pages 0..n-1 in order (the host side becomes one contiguous r
 instead of scattered pages), and the ``flat-*`` cases are one layer of one component, so in
 sequential order both sides are a single contiguous block (what the ceiling copies).
 ``--mixed LOAD+BACKUP`` runs loads on one engine and backups on another at the same time (e.g.
-``nvidia-tma+nvidia-copy-engine``), against the bidirectional ceiling.
+``nvidia-tma+nvidia-copy-engine``), against the bidirectional ceiling. ``--host-layout
+layer_first`` puts the host pool in layer_first order (one layer of every page together), the
+layout whose per-layer transfers read one compact region per layer instead of a slice of every
+page.
 """
 
 from __future__ import annotations
@@ -63,6 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"{','.join(c for c in CASES if c not in DEFAULT_CASES)})")
     p.add_argument("--order", choices=["random", "sequential"], default="random",
                    help="page indices: randomly scattered (default) or 0..n-1 in order")
+    p.add_argument("--host-layout", choices=["page_first", "layer_first"], default="page_first",
+                   help="the host pool's layout (default page_first: a page's layers together)")
     p.add_argument("--mixed", action="append", default=[], metavar="LOAD+BACKUP",
                    help="also run loads on engine LOAD and backups on engine BACKUP at once")
     p.add_argument("--mib", type=int, default=512, help="MiB moved per timed transfer")
@@ -238,7 +243,7 @@ def _check_args(args: argparse.Namespace) -> str | None:
 
 
 def make_pools(torch, pools: dict[str, Any], case: str, nbytes: int, host_buf,
-                order: str) -> None:
+               order: str, host_layout: str = "page_first") -> None:
     """Device and host pools for ``case`` and four index sets of ``n`` pages each: loads
     read ``host`` into ``dev``, backups write ``dev2`` to ``host2`` (disjoint, so a load and a
     backup at once never touch the same page)."""
@@ -255,7 +260,7 @@ def make_pools(torch, pools: dict[str, Any], case: str, nbytes: int, host_buf,
     for comp in dpool.require_layers("bench transfer"):
         for t in comp:
             fill_random(t)
-    hpool = HostKVPool(spec, hp, buffer=host_buf)
+    hpool = HostKVPool(spec, hp, buffer=host_buf, layout=host_layout)
     if order == "sequential":
         seq = torch.arange(2 * n)
         dev, dev2, host, host2 = seq[:n], seq[n:], seq[:n], seq[n:]
@@ -334,6 +339,7 @@ def _run(args: argparse.Namespace, torch) -> int:
     modes = [m for m in args.modes.split(",") if m]
     cases = [c for c in args.cases.split(",") if c]
     data["order"] = args.order
+    data["host_layout"] = args.host_layout
     work = [(c, e, cfg) for c in cases for e in engines
             for cfg in _configs(e[1], sweeps, fixed.get(e[0], {}), explicit.get(e[0]))]
     bar = progress(work, desc="transfer cases")
@@ -342,7 +348,7 @@ def _run(args: argparse.Namespace, torch) -> int:
         spec = CASES[case]
         if pools.get("case") != case:
             _save(data, args.json)         # keep what is measured if the run is cut short
-            make_pools(torch, pools, case, nbytes, host_buf, args.order)
+            make_pools(torch, pools, case, nbytes, host_buf, args.order, args.host_layout)
         n, dpool, hpool = pools["n"], pools["dpool"], pools["hpool"]
         moved = n * spec.page_bytes
         first_cfg = cfg == _configs(cls, sweeps, fixed.get(name, {}), explicit.get(name))[0]
@@ -447,7 +453,7 @@ def _mixed(torch, data, pair, cases, modes, fixed, nbytes, host_buf, pools, args
     for case in progress(cases, desc=f"mixed {pair}"):
         spec = CASES[case]
         if pools.get("case") != case:
-            make_pools(torch, pools, case, nbytes, host_buf, args.order)
+            make_pools(torch, pools, case, nbytes, host_buf, args.order, args.host_layout)
         moved = 2 * pools["n"] * spec.page_bytes
         for mode in modes:
             engs = []
@@ -510,7 +516,8 @@ def gemm_slowdown(torch, engines, sweeps, fixed, args, host_buf, pools) -> list[
         torch.cuda.empty_cache()
         n = max(1, nbytes // spec.page_bytes)
         dpool = DeviceKVPool.empty(spec, 2 * n, "cuda")
-        hpool = HostKVPool(spec, min(2 * n, 4 * nbytes // spec.page_bytes), buffer=host_buf)
+        hpool = HostKVPool(spec, min(2 * n, 4 * nbytes // spec.page_bytes), buffer=host_buf,
+                           layout=args.host_layout)
         idx = torch.arange(n, device="cuda")
         idx2 = idx + n
         for name, cls in engines:
@@ -561,7 +568,8 @@ def render(data: dict[str, Any]) -> str:
     ce = data["ceiling"]
     lines = [f"{env.get('gpu', '?')}  driver {env.get('driver', '?')}  {env.get('pcie', '')}  "
              f"host memory: {data.get('host_backing', '?')}  {data.get('mib')} MiB per transfer  "
-             f"pages in {data.get('order', 'random')} order",
+             f"pages in {data.get('order', 'random')} order, host pool "
+             f"{data.get('host_layout', 'page_first')}",
              "ceiling (one pinned cudaMemcpyAsync): " + _gbps_text(ce)]
     if data.get("ceiling_end"):
         lines[-1] += (" (the higher of the run's start: " + _gbps_text(data["ceiling_start"])
