@@ -17,6 +17,8 @@ def test_bad_arguments_are_refused_before_anything_runs(capsys):
         cli.main(["bench", "transfer", "--order", "backwards"])
     with pytest.raises(SystemExit):
         cli.main(["bench", "transfer", "--host-layout", "token_major"])
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "transfer", "--indices", "pinned"])
 
 
 @pytest.mark.parametrize("case", [c for c in transfer.CASES if c.startswith("flat-")])
@@ -41,7 +43,9 @@ def test_render_names_the_order_the_host_layout_and_mixed_rows():
     out = transfer.render(data)
     assert "pages in sequential order, host pool layer_first" in out
     del data["host_layout"]             # a record from before the option: page_first
-    assert "host pool page_first" in transfer.render(data)
+    out = transfer.render(data)
+    assert "host pool page_first, page indices where each engine reads them" in out
+    assert "page indices on the host" in transfer.render({**data, "indices": "host"})
     assert "| a+b " in out and "60.0%" in out
 
 
@@ -67,8 +71,11 @@ def test_ratios_use_the_higher_of_the_start_and_end_ceilings():
 
 def test_engine_modes_and_indices_follow_declared_capabilities():
     """Engines without layerwise switches run their one (per-layer) mode; index tensors stay
-    on the device unless the engine declares host_indices -- no engine named anywhere."""
-    import torch
+    on the device unless the engine reads them on the host for that direction (its
+    ``indices_on_host``), or ``--indices`` puts them on one side for every engine -- no engine
+    named anywhere."""
+    from kvtier.errors import InvalidArgumentError
+    from kvtier.interfaces import Capabilities, TransferEngine
     from kvtier.transfer_engines.torch_engine import TorchTransferEngine
     assert transfer._modes(TorchTransferEngine, ["layer", "all"]) == ["layer"]
     assert transfer._with_mode(TorchTransferEngine, {"zero_copy": False}, "all") == \
@@ -80,15 +87,38 @@ def test_engine_modes_and_indices_follow_declared_capabilities():
 
         @classmethod
         def capabilities(cls):
-            from kvtier.interfaces import Capabilities
             return Capabilities(host_indices=True)
+
+        indices_on_host = TransferEngine.indices_on_host     # the default: the declaration
     assert transfer._modes(Switches, ["layer", "all"]) == ["layer", "all"]
     assert transfer._with_mode(Switches, {}, "all") == {"layerwise_load": False,
                                                          "layerwise_backup": False}
-    pools = {k: torch.arange(3) for k in ("host", "dev", "host2", "dev2")}
-    h, d = transfer.indices(pools, Switches, "load")
-    assert h.device.type == "cpu" and d.device.type == "cpu"
-    assert transfer.indices(pools, TorchTransferEngine, "backup")[0] is pools["host2"]
+
+    class Idx:
+        """Stands in for a device tensor: .cpu() says where the bench moved it."""
+        def __init__(self, side="device"):
+            self.side = side
+
+        def cpu(self):
+            return Idx("host")
+
+    class Routed:                      # loads read on the host, backups on the device
+        def indices_on_host(self, direction):
+            return direction == "h2d"
+
+    pools = {k: Idx() for k in ("host", "dev", "host2", "dev2")}
+
+    def sides(eng, op, where="engine"):
+        return tuple(t.side for t in transfer.indices(pools, eng, op, where))
+    assert sides(Switches(), "load") == sides(Switches(), "backup") == ("host", "host")
+    assert sides(Routed(), "load") == ("host", "host")
+    assert sides(Routed(), "backup") == ("device", "device")
+    assert sides(Routed(), "backup", "host") == ("host", "host")
+    assert sides(Switches(), "load", "device") == ("device", "device")
+    torch_eng = TorchTransferEngine.__new__(TorchTransferEngine)
+    assert torch_eng.indices_on_host("d2h") is TorchTransferEngine.capabilities().host_indices
+    with pytest.raises(InvalidArgumentError, match="direction"):
+        torch_eng.indices_on_host("both")
 
 
 def test_plot_has_one_panel_per_direction(tmp_path):

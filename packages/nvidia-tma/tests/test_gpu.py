@@ -572,6 +572,11 @@ def test_routed_paths_bitwise_and_counted(spec, crossover, path):
     try:
         assert eng.route == {"h2d": path, "d2h": path}
         assert eng.crossover_source == "configured"
+        # indices where the route reads them: the copy engine on the host, the kernel on the GPU
+        assert eng.indices_on_host("h2d") is eng.indices_on_host("d2h") is (path ==
+                                                                            "copy_engine")
+        with pytest.raises(InvalidArgumentError):
+            eng.indices_on_host("both")
         moved = 0
         for n, form in [(1, "list"), (9, "cuda"), (33, "cpu")]:
             wrap = {"list": lambda x: x, "cpu": lambda x: torch.tensor(x),
@@ -661,6 +666,7 @@ def test_routed_copy_engine_route_that_is_slow_in_use_moves_to_the_sm_kernel(tmp
         assert len(st["copy_engine_gbps_in_use"]["h2d"]) == 3
         assert "moved to nvidia-tma" in caplog.text or "moved to nvidia-register" in caplog.text
         assert st["transfers"]["sm"] >= 1 and st["route"]["d2h"] == "copy_engine"
+        assert not eng.indices_on_host("h2d") and eng.indices_on_host("d2h")
         _poison(dpool)
         eng.load(pages, pages).wait()
         torch.cuda.synchronize()

@@ -388,5 +388,17 @@ class TransferEngine(Backend):
                host_pages: "Sequence[int] | torch.Tensor") -> TransferHandle:
         """Copy device pages into host pages (D2H)."""
 
+    def indices_on_host(self, direction: str) -> bool:
+        """Whether this engine reads the page indices of a transfer in ``direction`` ("h2d" or
+        "d2h") on the host, so that callers holding both kinds pass Python lists or CPU
+        tensors there (device tensors cost a sync) and device tensors otherwise. Default: the
+        class's ``capabilities().host_indices``; an engine that routes each direction to an
+        engine of its own answers per direction."""
+        if direction not in ("h2d", "d2h"):
+            from .errors import InvalidArgumentError
+            raise InvalidArgumentError(f"direction must be 'h2d' or 'd2h', got {direction!r}",
+                                       argument="direction", value=direction)
+        return type(self).capabilities().host_indices
+
     def close(self) -> None:
         """Release resources; idempotent."""

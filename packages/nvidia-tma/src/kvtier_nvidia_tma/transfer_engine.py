@@ -1090,6 +1090,13 @@ class RoutedTransferEngine(TransferEngine):
     def backup(self, device_pages, host_pages) -> TransferHandle:
         return self._go("d2h", lambda e: e.backup(device_pages, host_pages), host_pages)
 
+    def indices_on_host(self, direction: str) -> bool:
+        """Host indices where ``direction`` goes to the copy engine (it builds its copies'
+        addresses on the host: device tensors cost it a sync per transfer), device indices
+        where it goes to the SM kernel (it reads them on the device)."""
+        super().indices_on_host(direction)
+        return self.route[direction] == "copy_engine"
+
     def stats(self) -> dict[str, Any]:
         """Which path moved how many bytes (and transfers), the routes and the crossover."""
         for d in list(self._verify):

@@ -20,7 +20,9 @@ sequential order both sides are a single contiguous block (what the ceiling copi
 ``nvidia-tma+nvidia-copy-engine``), against the bidirectional ceiling. ``--host-layout
 layer_first`` puts the host pool in layer_first order (one layer of every page together), the
 layout whose per-layer transfers read one compact region per layer instead of a slice of every
-page.
+page. Page indices are handed over where each engine reads them (``indices_on_host``: on the
+host for engines that build copy addresses there, else on the device); ``--indices host`` or
+``--indices device`` puts them on one side for every engine.
 """
 
 from __future__ import annotations
@@ -68,6 +70,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="page indices: randomly scattered (default) or 0..n-1 in order")
     p.add_argument("--host-layout", choices=["page_first", "layer_first"], default="page_first",
                    help="the host pool's layout (default page_first: a page's layers together)")
+    p.add_argument("--indices", choices=["engine", "host", "device"], default="engine",
+                   help="where page indices are handed over: where each engine reads them "
+                        "(default; engine.indices_on_host), or on the host / on the device "
+                        "for every engine (what the other placement costs)")
     p.add_argument("--mixed", action="append", default=[], metavar="LOAD+BACKUP",
                    help="also run loads on engine LOAD and backups on engine BACKUP at once")
     p.add_argument("--mib", type=int, default=512, help="MiB moved per timed transfer")
@@ -340,6 +346,7 @@ def _run(args: argparse.Namespace, torch) -> int:
     cases = [c for c in args.cases.split(",") if c]
     data["order"] = args.order
     data["host_layout"] = args.host_layout
+    data["indices"] = args.indices
     work = [(c, e, cfg) for c in cases for e in engines
             for cfg in _configs(e[1], sweeps, fixed.get(e[0], {}), explicit.get(e[0]))]
     bar = progress(work, desc="transfer cases")
@@ -360,8 +367,8 @@ def _run(args: argparse.Namespace, torch) -> int:
                 print(f"{name} {case} {full}: {exc}", file=sys.stderr)
                 continue
             side = torch.cuda.Stream()
-            h, d = indices(pools, cls, "load")
-            h2, d2 = indices(pools, cls, "backup")
+            h, d = indices(pools, eng, "load", args.indices)
+            h2, d2 = indices(pools, eng, "backup", args.indices)
             fns = {"h2d": lambda eng=eng, h=h, d=d: eng.load(h, d).wait(),
                    "d2h": lambda eng=eng, h=h, d=d: eng.backup(d, h).wait(),
                    "both": lambda eng=eng, side=side, h=h, h2=h2, d=d, d2=d2: _both(
@@ -401,11 +408,14 @@ def _run(args: argparse.Namespace, torch) -> int:
     return 0
 
 
-def indices(pools: dict[str, Any], cls: type[Any], op: str) -> tuple[Any, Any]:
-    """(host, device) indices for a load or a backup, where the engine wants them (on the host
-    for engines that declare ``host_indices``, else on the device)."""
+def indices(pools: dict[str, Any], eng: Any, op: str, where: str = "engine") -> tuple[Any, Any]:
+    """(host, device) indices for a load or a backup, where the engine reads them (on the host
+    where ``eng.indices_on_host`` says so for the direction, else on the device), or where
+    ``where`` ("host" or "device") puts them for every engine."""
     h, d = (pools["host"], pools["dev"]) if op == "load" else (pools["host2"], pools["dev2"])
-    if cls.capabilities().host_indices:
+    on_host = where == "host" if where != "engine" \
+        else eng.indices_on_host("h2d" if op == "load" else "d2h")
+    if on_host:
         h, d = h.cpu(), d.cpu()
     return h, d
 
@@ -466,8 +476,8 @@ def _mixed(torch, data, pair, cases, modes, fixed, nbytes, host_buf, pools, args
                 for e in engs:
                     e.close()
                 continue
-            h, d = indices(pools, classes[0], "load")
-            h2, d2 = indices(pools, classes[1], "backup")
+            h, d = indices(pools, engs[0], "load", args.indices)
+            h2, d2 = indices(pools, engs[1], "backup", args.indices)
             side = torch.cuda.Stream()
             run_both = functools.partial(_both, torch, engs[0], engs[1], side, h, d, h2, d2)
             ms = median_ms(torch, run_both, args.repeat)
@@ -523,7 +533,9 @@ def gemm_slowdown(torch, engines, sweeps, fixed, args, host_buf, pools) -> list[
         for name, cls in engines:
             cfg = _configs(cls, {}, fixed.get(name, {}))[0]
             eng = cls(dpool, hpool, cfg)
-            hi, hi2 = (idx.cpu(), idx2.cpu()) if cls.capabilities().host_indices else (idx, idx2)
+            gp = {"host": idx, "dev": idx, "host2": idx2, "dev2": idx2}
+            hi, di = indices(gp, eng, "load", args.indices)
+            hi2, di2 = indices(gp, eng, "backup", args.indices)
             for prio in streams:
                 load_s, back_s = torch.cuda.Stream(), torch.cuda.Stream()
                 # enough transfers to cover the GEMM window, on their own streams
@@ -534,10 +546,10 @@ def gemm_slowdown(torch, engines, sweeps, fixed, args, host_buf, pools) -> list[
                 with torch.cuda.stream(load_s):
                     t0.record()
                     for _ in range(k):
-                        eng.load(hi, idx).wait()
+                        eng.load(hi, di).wait()
                 with torch.cuda.stream(back_s):
                     for _ in range(k):
-                        eng.backup(idx2, hi2).wait()
+                        eng.backup(di2, hi2).wait()
                 g = timed(prio)
                 with torch.cuda.stream(load_s):
                     load_s.wait_stream(back_s)
@@ -566,10 +578,12 @@ def _host_copies_text(h: dict[str, float]) -> str:
 def render(data: dict[str, Any]) -> str:
     env = data.get("env", {})
     ce = data["ceiling"]
+    where = data.get("indices", "engine")
+    where = "where each engine reads them" if where == "engine" else f"on the {where}"
     lines = [f"{env.get('gpu', '?')}  driver {env.get('driver', '?')}  {env.get('pcie', '')}  "
              f"host memory: {data.get('host_backing', '?')}  {data.get('mib')} MiB per transfer  "
              f"pages in {data.get('order', 'random')} order, host pool "
-             f"{data.get('host_layout', 'page_first')}",
+             f"{data.get('host_layout', 'page_first')}, page indices {where}",
              "ceiling (one pinned cudaMemcpyAsync): " + _gbps_text(ce)]
     if data.get("ceiling_end"):
         lines[-1] += (" (the higher of the run's start: " + _gbps_text(data["ceiling_start"])
