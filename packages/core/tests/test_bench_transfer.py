@@ -13,6 +13,10 @@ def test_bad_arguments_are_refused_before_anything_runs(capsys):
     assert "LOAD_ENGINE+BACKUP_ENGINE" in capsys.readouterr().err
     assert cli.main(["bench", "transfer", "--mixed", "a+"]) == 2
     assert cli.main(["bench", "transfer", "--mib", "0"]) == 2
+    assert cli.main(["bench", "transfer", "--modes", "layer,layr"]) == 2
+    assert "--modes: unknown layr" in capsys.readouterr().err
+    assert cli.main(["bench", "transfer", "--directions", "h2d,up"]) == 2
+    assert "--directions: unknown up" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.main(["bench", "transfer", "--order", "backwards"])
     with pytest.raises(SystemExit):
@@ -93,6 +97,11 @@ def test_engine_modes_and_indices_follow_declared_capabilities():
     assert transfer._modes(Switches, ["layer", "all"]) == ["layer", "all"]
     assert transfer._with_mode(Switches, {}, "all") == {"layerwise_load": False,
                                                          "layerwise_backup": False}
+    # "default": the engine's own switches, or the sweep's where it sets them
+    assert transfer._with_mode(Switches, {"ctas": 2}, "default") == {"ctas": 2}
+    assert transfer._with_mode(Switches, {"layerwise_backup": True}, "default") == \
+        {"layerwise_backup": True}
+    assert transfer._modes(TorchTransferEngine, ["default"]) == ["layer"]
 
     class Idx:
         """Stands in for a device tensor: .cpu() says where the bench moved it."""
@@ -143,6 +152,7 @@ def test_plot_splits_a_swept_key_into_lines(tmp_path, monkeypatch):
              "mode": "layer", "direction": "h2d", "ctas": None, "gbps": 40.0,
              "ratio": 0.8 if z else 0.5} for c, b in (("a", 1024), ("b", 65536))
             for z in (True, False)]
+    rows.append({**rows[0], "engine": "x", "mode": "default", "config": {}})
     data = {"env": {"gpu": "G"}, "ceiling": {"h2d": 50.0}, "results": rows}
     labels = []
     real = matplotlib.figure.Figure.legend
@@ -151,9 +161,9 @@ def test_plot_splits_a_swept_key_into_lines(tmp_path, monkeypatch):
                                                                                    **k))
     transfer.plot(data, str(tmp_path / "best.png"))
     transfer.plot(data, str(tmp_path / "split.png"), split="zero_copy")
-    assert labels[0] == ["torch (per-layer)"]
+    assert labels[0] == ["torch (per-layer)", "x (engine's defaults)"]
     assert sorted(labels[1]) == ["torch (per-layer, zero_copy=False)",
-                                 "torch (per-layer, zero_copy=True)"]
+                                 "torch (per-layer, zero_copy=True)", "x (engine's defaults)"]
     assert (tmp_path / "split.png").stat().st_size > 0
 
 

@@ -58,6 +58,9 @@ CASES: dict[str, KVSpec] = {
 }
 #: Cases run by default (the flat controls only when named).
 DEFAULT_CASES = [c for c in CASES if not c.startswith("flat-")]
+MODES = ("layer", "all", "default")
+DIRECTIONS = ("h2d", "d2h", "both")
+MODE_LABELS = {"layer": "per-layer", "all": "all-layer", "default": "engine's defaults"}
 DEFAULT_ENGINES = "torch,nvidia-routed,nvidia-tma,nvidia-register,nvidia-copy-engine"
 
 
@@ -80,7 +83,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat", type=int, default=5, help="timed repetitions (median)")
     p.add_argument("--directions", default="h2d,d2h,both", help="h2d, d2h, both")
     p.add_argument("--modes", default="layer,all",
-                   help="layer: one launch + event per layer; all: one launch")
+                   help="layer: loads and backups per layer; all: one launch each; default: "
+                        "the engine's own (per-layer loads, all-layer backups for most: what "
+                        "both directions at once are in use)")
     p.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2",
                    help="engine config values to sweep (engines without KEY ignore it)")
     p.add_argument("--set", action="append", default=[], metavar="ENGINE.KEY=V",
@@ -245,6 +250,11 @@ def _check_args(args: argparse.Namespace) -> str | None:
             return f"--mixed {m!r}: expected LOAD_ENGINE+BACKUP_ENGINE"
     if args.mib <= 0 or args.repeat <= 0:
         return "--mib and --repeat must be positive"
+    for flag, given, known in (("--modes", args.modes, MODES),
+                               ("--directions", args.directions, DIRECTIONS)):
+        bad = [x for x in given.split(",") if x and x not in known]
+        if bad:
+            return f"{flag}: unknown {', '.join(bad)}; have {', '.join(known)}"
     return None
 
 
@@ -429,11 +439,13 @@ def _modes(cls: type, modes: list[str]) -> list[str]:
     """Launch modes an engine has: engines without the layerwise switches run per layer."""
     if _layer_keys(cls):
         return modes
-    return ["layer"] if "layer" in modes or "all" in modes else []
+    return ["layer"] if modes else []
 
 
 def _with_mode(cls: type, cfg: dict[str, Any], mode: str) -> dict[str, Any]:
-    if not _layer_keys(cls):
+    """``cfg`` with the mode's layerwise switches ("default": the engine's own, or the
+    sweep's)."""
+    if not _layer_keys(cls) or mode == "default":
         return dict(cfg)
     lw = mode == "layer"
     return {**cfg, "layerwise_load": lw, "layerwise_backup": lw}
@@ -639,14 +651,14 @@ def plot(data: dict[str, Any], path: str, max_series: int = 8, engines: str | No
         for key in keys:
             pts = series[key]
             xs = sorted(pts)
-            label = f"{key[0]} ({'per-layer' if key[1] == 'layer' else 'all-layer'}" \
+            label = f"{key[0]} ({MODE_LABELS.get(key[1], key[1])}" \
                     + (f", {key[2]})" if key[2] else ")")
             if not split:
                 color = plt.cm.tab10(order.index(key[0]) % 10)
             else:                           # a colour per engine and split value
                 color = plt.cm.tab10(colors.setdefault(key[::2], len(colors)) % 10)
             (line,) = ax.plot(xs, [pts[x] for x in xs], marker="o", ms=3, color=color,
-                              ls="--" if key[1] == "layer" else "-", lw=1.2)
+                              ls={"layer": "--", "default": ":"}.get(key[1], "-"), lw=1.2)
             handles.setdefault(label, line)
         for y, style in ((92, ":"), (50, "-.")):
             ax.axhline(y, color="gray", ls=style, lw=0.8)
