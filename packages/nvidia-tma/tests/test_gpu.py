@@ -191,8 +191,11 @@ def test_scattered_device_layers(name):
         hpool.close()
 
 
-@pytest.mark.parametrize("name", ["nvidia-tma", "nvidia-register", "nvidia-copy-engine"])
-def test_layer_events_really_gate(name):
+@pytest.mark.parametrize("name, cfg", [
+    ("nvidia-tma", {}), ("nvidia-register", {}), ("nvidia-copy-engine", {}),
+    ("nvidia-copy-engine", {"issue_thread": True}),    # the issuer's per-layer batches
+], ids=lambda x: x if isinstance(x, str) else ",".join(f"{k}={v}" for k, v in x.items()))
+def test_layer_events_really_gate(name, cfg):
     """A layer read after wait_layer(i) on another stream sees the data; read without waiting
     (the load held back by a spin kernel) it sees the poison -- so the test can fail."""
     _available(name)
@@ -201,7 +204,7 @@ def test_layer_events_really_gate(name):
     hpool = HostKVPool(spec, 300)
     fill_random(hpool.raw)
     _poison(dpool)
-    eng = _engine(name, dpool, hpool)
+    eng = _engine(name, dpool, hpool, **cfg)
     load_stream, compute = torch.cuda.Stream(), torch.cuda.Stream()
     pages = list(range(300))
     before = [dpool.pages_view(0, layer).clone() for layer in range(spec.num_layers)]

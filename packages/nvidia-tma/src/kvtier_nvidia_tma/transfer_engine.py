@@ -116,7 +116,12 @@ class _Issuer:
                 eng._dev.make_current()
                 self.stream.wait_event(start)         # after the caller's work at the call
                 events = []
-                for layer0, layers in ranges:
+                # per layer: every layer's copies built in one pass, as on the caller's thread
+                per_layer = eng._launch_per_layer(h, d, d2h, self.stream) \
+                    if len(ranges) > 1 else None
+                if per_layer is not None:
+                    events = [(layer, 1, ev) for layer, ev in enumerate(per_layer)]
+                for layer0, layers in ranges if per_layer is None else ():
                     eng._launch(h, d, d2h, layer0, layers, self.stream.cuda_stream)
                     ev = torch.cuda.Event()
                     ev.record(self.stream)

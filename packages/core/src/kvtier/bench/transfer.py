@@ -118,18 +118,28 @@ def parse_value(v: str) -> Any:
 
 
 def median_ms(torch, fn, repeat: int, warmup: int = 1) -> float:
-    times = []
+    return timed_ms(torch, fn, repeat, warmup)[0]
+
+
+def timed_ms(torch, fn, repeat: int, warmup: int = 1) -> tuple[float, float]:
+    """Medians over ``repeat`` runs after ``warmup``: the GPU's time from before ``fn`` is
+    called to after all it queued (CUDA events), and the calling thread's time in ``fn``
+    (queueing its work, and any wait that blocks the thread)."""
+    times, calls = [], []
     for i in range(warmup + repeat):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
+        t0 = time.perf_counter()
         fn()
+        t1 = time.perf_counter()
         end.record()
         end.synchronize()
         if i >= warmup:
             times.append(start.elapsed_time(end))
+            calls.append(1e3 * (t1 - t0))
         elif start.elapsed_time(end) > 500 and repeat > 1:
             repeat = 1          # very slow configurations: one timed run is enough
-    return statistics.median(times)
+    return statistics.median(times), statistics.median(calls)
 
 
 def environment(torch) -> dict[str, Any]:
@@ -386,14 +396,14 @@ def _run(args: argparse.Namespace, torch) -> int:
             for direction in directions:
                 if direction == "both" and not (first_cfg or args.both_sweep):
                     continue
-                ms = median_ms(torch, fns[direction], args.repeat)
+                ms, call_ms = timed_ms(torch, fns[direction], args.repeat)
                 total = moved * (2 if direction == "both" else 1)
                 gbps = total / ms / 1e6
                 data["results"].append({
                     "case": case, "kind": spec.kind, "chunk_bytes": spec.chunk_bytes,
                     "page_size": spec.page_size, "layers": spec.num_layers,
                     "engine": name, "config": cfg, "mode": mode, "direction": direction,
-                    "bytes": total, "ms": ms, "gbps": gbps,
+                    "bytes": total, "ms": ms, "call_ms": call_ms, "gbps": gbps,
                     "ratio": gbps / data["ceiling"][direction],
                     "info": eng.describe() if hasattr(eng, "describe") else {},
                     "ctas": getattr(eng, "ctas", None) if direction != "both"
@@ -492,13 +502,13 @@ def _mixed(torch, data, pair, cases, modes, fixed, nbytes, host_buf, pools, args
             h2, d2 = indices(pools, engs[1], "backup", args.indices)
             side = torch.cuda.Stream()
             run_both = functools.partial(_both, torch, engs[0], engs[1], side, h, d, h2, d2)
-            ms = median_ms(torch, run_both, args.repeat)
+            ms, call_ms = timed_ms(torch, run_both, args.repeat)
             gbps = moved / ms / 1e6
             data["results"].append({
                 "case": case, "kind": spec.kind, "chunk_bytes": spec.chunk_bytes,
                 "page_size": spec.page_size, "layers": spec.num_layers, "engine": pair,
                 "config": {}, "mode": mode, "direction": "both", "bytes": moved, "ms": ms,
-                "gbps": gbps, "ratio": gbps / data["ceiling"]["both"],
+                "call_ms": call_ms, "gbps": gbps, "ratio": gbps / data["ceiling"]["both"],
                 "info": {}, "ctas": sum(getattr(e, "ctas", 0) or 0 for e in engs) or None})
             for e in engs:
                 e.close()
@@ -603,10 +613,11 @@ def render(data: dict[str, Any]) -> str:
     if data.get("host_copies"):
         lines.append(_host_copies_text(data["host_copies"]))
     rows = [[r["case"], r["chunk_bytes"], r["engine"], _cfg_text(r["config"]), r["mode"],
-             r["direction"], r.get("ctas") or "-", f"{r['gbps']:.1f}", f"{100 * r['ratio']:.1f}%"]
+             r["direction"], r.get("ctas") or "-", f"{r['gbps']:.1f}", f"{100 * r['ratio']:.1f}%",
+             f"{r['call_ms']:.2f} / {r['ms']:.2f}" if "call_ms" in r else "-"]
             for r in data["results"]]
     lines.append(table(["case", "chunk B", "engine", "config", "launch", "dir", "CTAs", "GB/s",
-                        "of ceiling"], rows))
+                        "of ceiling", "call / GPU ms"], rows))
     if data.get("gemm"):
         g = [[x["engine"], x["case"] or "-", x.get("priority", "normal"), f"{x['gemm_ms']:.3f}",
               f"{100 * x['slowdown']:+.1f}%" if "slowdown" in x else "-",
