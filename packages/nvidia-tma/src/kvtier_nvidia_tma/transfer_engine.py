@@ -641,10 +641,11 @@ class CopyEngineTransferEngine(_NvidiaEngine):
         strided: bool = True
         #: Queue each direction's copies from a thread of its own, on a stream of its own,
         #: ordered after the caller's work at the call: the caller returns at once and a load
-        #: and a backup called together are queued side by side. On the H200 that raised both
-        #: directions at once at 72-128 KiB from 57-74% to 74-84% of the ceiling, but cost
-        #: one direction alone 2-8 points all-layer and MLA at 18 KiB per layer 11-19
-        #: (docs/perf/nvidia-h200-copy-engine-queue.md), so it is off by default. False:
+        #: and a backup called together are queued side by side. On the H200, per-layer loads
+        #: beside all-layer backups at 72-128 KiB ran at 75-83% of the ceiling with it and
+        #: 55-63% without (a per-layer load holds the caller's thread for ~55% of its transfer
+        #: time), but it cost one direction alone 0.5-6 points
+        #: (docs/perf/nvidia-h200-transfer-both-default.md), so it is off by default. False:
         #: queued on the caller's thread.
         issue_thread: bool = False
 

@@ -644,8 +644,10 @@ def plot(data: dict[str, Any], path: str, max_series: int = 8, engines: str | No
     for r in data["results"]:
         if r["engine"] not in order and (keep is None or r["engine"] in keep):
             order.append(r["engine"])
-    fig, axes = plt.subplots(1, len(dirs), figsize=(5.2 * len(dirs), 4.4), squeeze=False,
-                             sharey=True)
+    # one panel still gets room for a legend of two columns of engine names
+    fig, axes = plt.subplots(1, len(dirs), figsize=(max(5.2 * len(dirs), 8.0), 4.4),
+                             squeeze=False, sharey=True)
+    ncol = 4 if len(dirs) > 1 else 2
     handles: dict[str, Any] = {}
     colors: dict[tuple[str, str], int] = {}
     for ax, d in zip(axes[0], dirs):
@@ -680,9 +682,9 @@ def plot(data: dict[str, Any], path: str, max_series: int = 8, engines: str | No
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("% of the same-run ceiling (dotted 92%, dash-dot 50%)")
     fig.legend(list(handles.values()), list(handles), loc="lower center",
-               ncol=min(4, len(handles)), fontsize=8, frameon=False)
+               ncol=min(ncol, len(handles)), fontsize=8, frameon=False)
     env = data.get("env", {})
     fig.suptitle(f"kvtier page transfers, {env.get('gpu', '')}, driver {env.get('driver', '')},"
                  f" {env.get('date', '')}", fontsize=9)
-    fig.tight_layout(rect=(0, 0.06 + 0.035 * ((len(handles) - 1) // 4), 1, 1))
+    fig.tight_layout(rect=(0, 0.06 + 0.035 * ((len(handles) - 1) // ncol), 1, 1))
     fig.savefig(path, dpi=130)
