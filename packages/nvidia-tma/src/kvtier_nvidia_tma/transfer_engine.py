@@ -111,21 +111,11 @@ class _Issuer:
             job = self.jobs.get()
             if job is None:
                 return
-            h, d, d2h, ranges, handle, start = job
+            h, d, d2h, layerwise, handle, start = job
             try:
                 eng._dev.make_current()
                 self.stream.wait_event(start)         # after the caller's work at the call
-                events = []
-                # per layer: every layer's copies built in one pass, as on the caller's thread
-                per_layer = eng._launch_per_layer(h, d, d2h, self.stream) \
-                    if len(ranges) > 1 else None
-                if per_layer is not None:
-                    events = [(layer, 1, ev) for layer, ev in enumerate(per_layer)]
-                for layer0, layers in ranges if per_layer is None else ():
-                    eng._launch(h, d, d2h, layer0, layers, self.stream.cuda_stream)
-                    ev = torch.cuda.Event()
-                    ev.record(self.stream)
-                    events.append((layer0, layers, ev))
+                events = eng._queue(h, d, d2h, layerwise, self.stream)
                 # the caller wakes once, when the whole transfer is queued (a wake-up per
                 # layer made it and this thread take turns at the interpreter); the device
                 # still orders each layer's readers after that layer's copies only
@@ -337,22 +327,29 @@ class _NvidiaEngine(TransferEngine):
             for t in (h, d):
                 if t.is_cuda:
                     t.record_stream(stream)
-        events = []
         with torch.cuda.device(self.device):
             self._dev.make_current()
-            handle = stream.cuda_stream
             if layerwise and L > 1 and self._signals:
                 return self._launch_signalled(h, d, d2h, stream)
-            if layerwise and L > 1:
-                per_layer = self._launch_per_layer(h, d, d2h, stream)
-                if per_layer is not None:
-                    return CudaEventHandle(per_layer, self.device, keep=(h, d))
-            for layer0, layers in self._ranges(layerwise):
-                self._launch(h, d, d2h, layer0, layers, handle)
-                ev = torch.cuda.Event()
-                ev.record(stream)
-                events.extend([ev] * layers)
+            events = [ev for _, layers, ev in self._queue(h, d, d2h, layerwise, stream)
+                      for _ in range(layers)]
         return CudaEventHandle(events, self.device, keep=(h, d))
+
+    def _queue(self, h, d, d2h: bool, layerwise: bool, stream) -> list[tuple[int, int, Any]]:
+        """Queue a transfer's copies on ``stream`` (from the caller's thread or an issue
+        thread): (first layer, layers, the event after them) per launch. Per-layer transfers
+        go in one go where the engine can (:meth:`_launch_per_layer`), else launch by launch."""
+        if layerwise and self.spec.num_layers > 1:
+            per_layer = self._launch_per_layer(h, d, d2h, stream)
+            if per_layer is not None:
+                return [(layer, 1, ev) for layer, ev in enumerate(per_layer)]
+        out = []
+        for layer0, layers in self._ranges(layerwise):
+            self._launch(h, d, d2h, layer0, layers, stream.cuda_stream)
+            ev = self._torch.cuda.Event()
+            ev.record(stream)
+            out.append((layer0, layers, ev))
+        return out
 
     def _ranges(self, layerwise: bool) -> list[tuple[int, int]]:
         """(first layer, layers) of each launch: one per layer, or one for all."""
@@ -715,7 +712,7 @@ class CopyEngineTransferEngine(_NvidiaEngine):
         # layer i's event exists once its copies are queued: wait_layer(i) blocks the calling
         # thread only until then (not until landed), then orders the caller's stream after it
         handle = LayerwiseHandle(L, self.name, torch.cuda)
-        iss.jobs.put((h, d, d2h, self._ranges(layerwise), handle, start))
+        iss.jobs.put((h, d, d2h, layerwise, handle, start))
         return handle
 
     def close(self) -> None:
