@@ -23,6 +23,10 @@ def test_bad_arguments_are_refused_before_anything_runs(capsys):
         cli.main(["bench", "transfer", "--host-layout", "token_major"])
     with pytest.raises(SystemExit):
         cli.main(["bench", "transfer", "--indices", "pinned"])
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "transfer", "--both-order", "together"])
+    for bad in ("-1", "nan", "20000"):
+        assert cli.main(["bench", "transfer", "--behind-ms", bad]) == 2
 
 
 @pytest.mark.parametrize("case", [c for c in transfer.CASES if c.startswith("flat-")])
@@ -51,6 +55,77 @@ def test_render_names_the_order_the_host_layout_and_mixed_rows():
     assert "host pool page_first, page indices where each engine reads them" in out
     assert "page indices on the host" in transfer.render({**data, "indices": "host"})
     assert "| a+b " in out and "60.0%" in out
+
+
+def test_render_says_how_transfers_were_timed():
+    data = {"env": {"gpu": "G"}, "ceiling": {"h2d": 50.0}, "mib": 1, "results": []}
+    assert "timed from an idle GPU" in transfer.render(data)
+    assert "both directions called load-first" in transfer.render(data)
+    out = transfer.render({**data, "behind_ms": 10.0, "both_order": "backup-first"})
+    assert "the end of 10 ms of GPU work" in out and "called backup-first" in out
+
+
+class _Stream:
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def wait_stream(self, other):
+        self.log.append(f"{self.name} waits {other.name}")
+
+
+class _Cuda:
+    """The slice of torch.cuda ``_both`` uses, recording which stream each call ran on."""
+    def __init__(self, log):
+        self.log, self.cur = log, _Stream("cur", log)
+
+    def current_stream(self):
+        return self.cur
+
+    def stream(self, s):
+        cuda = self
+
+        class Ctx:
+            def __enter__(self):
+                cuda.cur, self.prev = s, cuda.cur
+
+            def __exit__(self, *exc):
+                cuda.cur = self.prev
+        return Ctx()
+
+
+def test_both_directions_are_called_in_the_order_asked():
+    """load-first calls the load on the caller's stream, then the backup on the side stream;
+    backup-first the other way round; either way both are waited for on their own streams and
+    the caller's stream ends after the side stream."""
+    for order, first in (("load-first", "load"), ("backup-first", "backup")):
+        log: list[str] = []
+        cuda = _Cuda(log)
+        torch = type("T", (), {"cuda": cuda})
+
+        class Handle:
+            def __init__(self, what):
+                self.what = what
+
+            def wait(self):
+                log.append(f"{self.what} waited on {cuda.cur.name}")
+
+        class Eng:
+            def load(self, h, d):
+                log.append(f"load on {cuda.cur.name}")
+                return Handle("load")
+
+            def backup(self, d, h):
+                log.append(f"backup on {cuda.cur.name}")
+                return Handle("backup")
+        side = _Stream("side", log)
+        transfer._both(torch, Eng(), Eng(), side, 1, 2, 3, 4, order)
+        calls = [x for x in log if " on " in x and "waited" not in x]
+        assert calls[0].startswith(first) and len(calls) == 2
+        assert "load on cur" in log and "backup on side" in log
+        assert "backup waited on side" in log and "load waited on cur" in log
+        assert log[0] == "side waits cur" and log[-1] == "cur waits side"
+    with pytest.raises(ValueError, match="order"):
+        transfer._both(torch, Eng(), Eng(), side, 1, 2, 3, 4, "together")
 
 
 def test_ratios_use_the_higher_of_the_start_and_end_ceilings():

@@ -61,6 +61,7 @@ DEFAULT_CASES = [c for c in CASES if not c.startswith("flat-")]
 MODES = ("layer", "all", "default")
 DIRECTIONS = ("h2d", "d2h", "both")
 MODE_LABELS = {"layer": "per-layer", "all": "all-layer", "default": "engine's defaults"}
+BOTH_ORDERS = ("load-first", "backup-first")
 DEFAULT_ENGINES = "torch,nvidia-routed,nvidia-tma,nvidia-register,nvidia-copy-engine"
 
 
@@ -92,6 +93,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="fixed engine config value")
     p.add_argument("--config", action="append", default=[], metavar="ENGINE:K=V,K=V",
                    help="an explicit engine configuration (repeatable; crossed with --sweep)")
+    p.add_argument("--both-order", choices=BOTH_ORDERS, default="load-first",
+                   help="both directions at once: the load called first, then the backup "
+                        "(default), or the backup first (an engine backing up at the end of "
+                        "one step and loading at the start of the next)")
+    p.add_argument("--behind-ms", type=float, default=0.0, metavar="MS",
+                   help="queue each timed transfer (and the ceilings' copies) behind MS of GPU "
+                        "work on its stream, timed from when that work ends: the host's "
+                        "queuing and launch overlap the GPU's work, as in an engine whose "
+                        "stream is busy when it calls (default 0: timed from an idle GPU, the "
+                        "host's part included)")
     p.add_argument("--both-sweep", action="store_true",
                    help="sweep settings for bidirectional runs too (default: first values)")
     p.add_argument("--host-allocator", default="cuda-host-register",
@@ -117,17 +128,38 @@ def parse_value(v: str) -> Any:
     return {"true": True, "false": False}.get(v.lower(), v)
 
 
-def median_ms(torch, fn, repeat: int, warmup: int = 1) -> float:
-    return timed_ms(torch, fn, repeat, warmup)[0]
+def median_ms(torch, fn, repeat: int, warmup: int = 1, behind_ms: float = 0.0) -> float:
+    return timed_ms(torch, fn, repeat, warmup, behind_ms)[0]
 
 
-def timed_ms(torch, fn, repeat: int, warmup: int = 1) -> tuple[float, float]:
+_CYCLES_PER_MS: list[float] = []
+
+
+def gpu_busy(torch, ms: float) -> None:
+    """Queue ``ms`` of GPU work (a spin kernel, no memory traffic) on the current stream."""
+    if not _CYCLES_PER_MS:          # the spin kernel counts clock cycles: measure them once
+        probe = 2_000_000
+        torch.cuda._sleep(probe // 10)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(probe)
+        end.record()
+        end.synchronize()
+        _CYCLES_PER_MS.append(probe / max(start.elapsed_time(end), 1e-3))
+    torch.cuda._sleep(max(1, int(ms * _CYCLES_PER_MS[0])))
+
+
+def timed_ms(torch, fn, repeat: int, warmup: int = 1,
+             behind_ms: float = 0.0) -> tuple[float, float]:
     """Medians over ``repeat`` runs after ``warmup``: the GPU's time from before ``fn`` is
-    called to after all it queued (CUDA events), and the calling thread's time in ``fn``
-    (queueing its work, and any wait that blocks the thread)."""
+    called (with ``behind_ms``: from the end of that much GPU work queued before it) to after
+    all it queued (CUDA events), and the calling thread's time in ``fn`` (queueing its work,
+    and any wait that blocks the thread)."""
     times, calls = [], []
     for i in range(warmup + repeat):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if behind_ms > 0:
+            gpu_busy(torch, behind_ms)
         start.record()
         t0 = time.perf_counter()
         fn()
@@ -156,16 +188,17 @@ def environment(torch) -> dict[str, Any]:
     return env
 
 
-def ceilings(torch, host_raw, nbytes: int, repeat: int) -> dict[str, float]:
+def ceilings(torch, host_raw, nbytes: int, repeat: int,
+             behind_ms: float = 0.0) -> dict[str, float]:
     """GB/s of one pinned block copy each way and of both directions at once."""
     dev_a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dev_b = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     h_a, h_b = host_raw[:nbytes], host_raw[nbytes:2 * nbytes]
     s1 = torch.cuda.Stream()
     out = {"h2d": nbytes / median_ms(torch, lambda: dev_a.copy_(h_a, non_blocking=True),
-                                      repeat) / 1e6,
+                                      repeat, behind_ms=behind_ms) / 1e6,
            "d2h": nbytes / median_ms(torch, lambda: h_b.copy_(dev_b, non_blocking=True),
-                                      repeat) / 1e6}
+                                      repeat, behind_ms=behind_ms) / 1e6}
 
     def both() -> None:
         cur = torch.cuda.current_stream()
@@ -174,7 +207,7 @@ def ceilings(torch, host_raw, nbytes: int, repeat: int) -> dict[str, float]:
         with torch.cuda.stream(s1):
             h_b.copy_(dev_b, non_blocking=True)
         cur.wait_stream(s1)
-    out["both"] = 2 * nbytes / median_ms(torch, both, repeat) / 1e6
+    out["both"] = 2 * nbytes / median_ms(torch, both, repeat, behind_ms=behind_ms) / 1e6
     return out
 
 
@@ -260,6 +293,8 @@ def _check_args(args: argparse.Namespace) -> str | None:
             return f"--mixed {m!r}: expected LOAD_ENGINE+BACKUP_ENGINE"
     if args.mib <= 0 or args.repeat <= 0:
         return "--mib and --repeat must be positive"
+    if not 0 <= args.behind_ms <= 10_000:      # NaN fails both comparisons
+        return f"--behind-ms {args.behind_ms}: expected 0 to 10000 (milliseconds)"
     for flag, given, known in (("--modes", args.modes, MODES),
                                ("--directions", args.directions, DIRECTIONS)):
         bad = [x for x in given.split(",") if x and x not in known]
@@ -355,7 +390,9 @@ def _run(args: argparse.Namespace, torch) -> int:
     data: dict[str, Any] = {"env": environment(torch), "command": " ".join(sys.argv),
                             "host_backing": host_buf.backing, "mib": args.mib,
                             "repeat": args.repeat, "results": [], "gemm": []}
-    data["ceiling"] = ceilings(torch, host_buf.tensor, nbytes, args.repeat)
+    data.update(order=args.order, host_layout=args.host_layout, indices=args.indices,
+                both_order=args.both_order, behind_ms=args.behind_ms)
+    data["ceiling"] = ceilings(torch, host_buf.tensor, nbytes, args.repeat, args.behind_ms)
     print(f"ceiling (pinned cudaMemcpyAsync, {args.mib} MiB; measured again at the end): "
           + _gbps_text(data["ceiling"]), file=sys.stderr)
     data["host_copies"] = host_copies(torch, host_buf.tensor[3 * nbytes:4 * nbytes], nbytes,
@@ -364,9 +401,6 @@ def _run(args: argparse.Namespace, torch) -> int:
     directions = [d for d in args.directions.split(",") if d]
     modes = [m for m in args.modes.split(",") if m]
     cases = [c for c in args.cases.split(",") if c]
-    data["order"] = args.order
-    data["host_layout"] = args.host_layout
-    data["indices"] = args.indices
     work = [(c, e, cfg) for c in cases for e in engines
             for cfg in _configs(e[1], sweeps, fixed.get(e[0], {}), explicit.get(e[0]))]
     bar = progress(work, desc="transfer cases")
@@ -392,11 +426,12 @@ def _run(args: argparse.Namespace, torch) -> int:
             fns = {"h2d": lambda eng=eng, h=h, d=d: eng.load(h, d).wait(),
                    "d2h": lambda eng=eng, h=h, d=d: eng.backup(d, h).wait(),
                    "both": lambda eng=eng, side=side, h=h, h2=h2, d=d, d2=d2: _both(
-                       torch, eng, eng, side, h, d, h2, d2)}
+                       torch, eng, eng, side, h, d, h2, d2, args.both_order)}
             for direction in directions:
                 if direction == "both" and not (first_cfg or args.both_sweep):
                     continue
-                ms, call_ms = timed_ms(torch, fns[direction], args.repeat)
+                ms, call_ms = timed_ms(torch, fns[direction], args.repeat,
+                                       behind_ms=args.behind_ms)
                 total = moved * (2 if direction == "both" else 1)
                 gbps = total / ms / 1e6
                 data["results"].append({
@@ -415,7 +450,7 @@ def _run(args: argparse.Namespace, torch) -> int:
     _save(data, args.json)
     if args.gemm:
         data["gemm"] = gemm_slowdown(torch, engines, sweeps, fixed, args, host_buf, pools)
-    end = ceilings(torch, host_buf.tensor, nbytes, args.repeat)
+    end = ceilings(torch, host_buf.tensor, nbytes, args.repeat, args.behind_ms)
     moved_by = settle_ceilings(data, end)
     if moved_by > CEILING_DRIFT:
         print("the link's ceiling moved during the run by up to "
@@ -461,13 +496,23 @@ def _with_mode(cls: type, cfg: dict[str, Any], mode: str) -> dict[str, Any]:
     return {**cfg, "layerwise_load": lw, "layerwise_backup": lw}
 
 
-def _both(torch, load_eng, backup_eng, side, h, d, h2, d2) -> None:
-    """A load on the current stream and a backup on ``side`` at the same time."""
+def _both(torch, load_eng, backup_eng, side, h, d, h2, d2, order: str = "load-first") -> None:
+    """A load on the current stream and a backup on ``side`` at the same time, called in
+    ``order`` (see ``BOTH_ORDERS``)."""
+    if order not in BOTH_ORDERS:
+        raise ValueError(f"order must be one of {BOTH_ORDERS}, got {order!r}")
     cur = torch.cuda.current_stream()
     side.wait_stream(cur)
-    a = load_eng.load(h, d)
+    if order == "backup-first":
+        with torch.cuda.stream(side):
+            b = backup_eng.backup(d2, h2)
+        a = load_eng.load(h, d)
+    else:
+        a = load_eng.load(h, d)
+        with torch.cuda.stream(side):
+            b = backup_eng.backup(d2, h2)
     with torch.cuda.stream(side):
-        backup_eng.backup(d2, h2).wait()
+        b.wait()
     a.wait()
     cur.wait_stream(side)
 
@@ -501,8 +546,9 @@ def _mixed(torch, data, pair, cases, modes, fixed, nbytes, host_buf, pools, args
             h, d = indices(pools, engs[0], "load", args.indices)
             h2, d2 = indices(pools, engs[1], "backup", args.indices)
             side = torch.cuda.Stream()
-            run_both = functools.partial(_both, torch, engs[0], engs[1], side, h, d, h2, d2)
-            ms, call_ms = timed_ms(torch, run_both, args.repeat)
+            run_both = functools.partial(_both, torch, engs[0], engs[1], side, h, d, h2, d2,
+                                         args.both_order)
+            ms, call_ms = timed_ms(torch, run_both, args.repeat, behind_ms=args.behind_ms)
             gbps = moved / ms / 1e6
             data["results"].append({
                 "case": case, "kind": spec.kind, "chunk_bytes": spec.chunk_bytes,
@@ -597,6 +643,14 @@ def _host_copies_text(h: dict[str, float]) -> str:
             f"{h['scatter']:.1f} GB/s")
 
 
+def _timing_text(data: dict[str, Any]) -> str:
+    behind = data.get("behind_ms") or 0
+    when = (f"timed from the end of {behind:g} ms of GPU work queued before each call "
+            "(the host's queuing overlaps it)" if behind else
+            "timed from an idle GPU (the host's queuing and launch included)")
+    return f"{when}; both directions called {data.get('both_order', 'load-first')}"
+
+
 def render(data: dict[str, Any]) -> str:
     env = data.get("env", {})
     ce = data["ceiling"]
@@ -606,6 +660,7 @@ def render(data: dict[str, Any]) -> str:
              f"host memory: {data.get('host_backing', '?')}  {data.get('mib')} MiB per transfer  "
              f"pages in {data.get('order', 'random')} order, host pool "
              f"{data.get('host_layout', 'page_first')}, page indices {where}",
+             _timing_text(data),
              "ceiling (one pinned cudaMemcpyAsync): " + _gbps_text(ce)]
     if data.get("ceiling_end"):
         lines[-1] += (" (the higher of the run's start: " + _gbps_text(data["ceiling_start"])
