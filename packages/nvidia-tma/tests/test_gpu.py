@@ -127,6 +127,8 @@ def test_roundtrip_bitwise(engine_name, spec, layout, layerwise):
     {"warps": 4, "stages": 3, "stage_bytes": 16384},
     {"tensor_map": False},
     {"layer_signals": False}, {"layer_signals": True, "ctas": 8, "warps": 8},
+    {"layer_signals": True, "ctas": 3, "warps": 31, "stage_bytes": 1024},
+    {"layer_signals": True, "ctas": 5, "warps": 3},
     {"signal_layers": 2}, {"signal_layers": 3, "tensor_map": False}, {"signal_layers": 64},
     {"side_stream": True}, {"issue_thread": True}, {"issue_thread": False, "side_stream": True},
     {"strided": False}, {"strided": True, "max_batch": 2, "first_batch": 1},
@@ -322,6 +324,29 @@ def test_tma_per_layer_loads_are_one_launch_with_signals(monkeypatch, layer_sign
             handle.wait_layer(spec.num_layers)
     finally:
         eng.close()
+        hpool.close()
+
+
+def test_tma_per_layer_signals_need_a_warp_to_spare():
+    """A signalled launch adds a publishing warp to each CTA: 32 copy warps plus it would pass
+    the 1024-thread block limit, so that configuration is refused when the engine is built,
+    naming the key; without per-layer launches or without signals 32 warps still run."""
+    _available("nvidia-tma")
+    spec = KVSpec.mla(num_layers=3, kv_lora_rank=512, rope_dim=64, page_size=2)
+    dpool = DeviceKVPool.empty(spec, 16, "cuda")
+    hpool = HostKVPool(spec, 16)
+    try:
+        with pytest.raises(ConfigError, match="warps") as ei:
+            _engine("nvidia-tma", dpool, hpool, warps=32, stage_bytes=1024)
+        assert ei.value.key == "warps"
+        for cfg in ({"layer_signals": False}, {"layerwise_load": False}):
+            eng = _engine("nvidia-tma", dpool, hpool, warps=32, stage_bytes=1024, **cfg)
+            fill_random(hpool.raw)
+            eng.load([1, 5, 2], [0, 3, 9]).wait()
+            torch.cuda.synchronize()
+            assert_device_has(dpool, hpool, [1, 5, 2], [0, 3, 9])
+            eng.close()
+    finally:
         hpool.close()
 
 

@@ -9,7 +9,8 @@ import pytest
 from kvtier.errors import ConfigError, InvalidArgumentError, LayoutError
 
 from kvtier_nvidia_tma._plan import (MAX_PIECES, Geometry, KvtParams, TmaPlan, check_alignment,
-                                     host_strides, layer_signal_target, pipeline_items,
+                                     group_holders_in_cta, host_strides, layer_signal_target,
+                                     pipeline_items,
                                      plan_register, plan_tma, simulate, tensor_map_geometry,
                                      uniform_strides)
 from kvtier_nvidia_tma.transfer_engine import merge_runs
@@ -131,16 +132,16 @@ def test_plan_moves_every_chunk_exactly(case, layout, uniform, d2h):
 @pytest.mark.parametrize("layout", ["page_first", "layer_first"])
 @pytest.mark.parametrize("uniform", [True, False], ids=["uniform", "scattered"])
 @pytest.mark.parametrize("d2h", [False, True], ids=["h2d", "d2h"])
-@pytest.mark.parametrize("pipes", [1, 3, 40])
+@pytest.mark.parametrize("pipes,warps", [(1, 1), (3, 1), (40, 1), (6, 3), (40, 8)])
 @pytest.mark.parametrize("group", [1, 2, 3])
 def test_layer_signalled_launch_moves_every_layer_and_counts_each(case, layout, uniform, d2h,
-                                                                   pipes, group):
+                                                                   pipes, warps, group):
     """Launches looping over groups of layers, each group cut as a launch of it would be
     (nvidia-tma's per-layer signals; a second launch for a shorter last group), move exactly
     what an all-layer launch moves, and every group's counter ends at the target the waiting
     stream uses, also with more pipelines than pieces."""
     chunk, comps, layers, stage = case
-    rng = random.Random(hash((case, layout, uniform, d2h, pipes, group)) & 0xFFFF)
+    rng = random.Random(hash((case, layout, uniform, d2h, pipes, warps, group)) & 0xFFFF)
     geo, host, dev, table = make_case(rng, chunk=chunk, comps=comps, layers=layers,
                                       host_pages=11, dev_pages=13, layout=layout,
                                       uniform=uniform)
@@ -166,7 +167,7 @@ def test_layer_signalled_launch_moves_every_layer_and_counts_each(case, layout, 
         first = layer0 // G
         part = signals[first:first + loops]
         assert simulate(p, host, dev, hidx, didx, table, tmap, pipes=pipes,
-                        signals=part) == plan.num_pieces * loops
+                        signals=part, warps=warps) == plan.num_pieces * loops
         signals[first:first + loops] = part
         want += [layer_signal_target(p, pipes)] * loops
     assert signals == want and all(want)
@@ -199,6 +200,51 @@ def test_signalled_items_are_dealt_evenly_over_the_whole_launch(seed):
     for g in range(p.loops):
         holders = sum(1 for mine in items if any(lay == g for lay, _ in mine))
         assert holders == layer_signal_target(p, pipes)
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_each_ctas_publisher_counts_exactly_its_pipelines_that_hold_a_group(seed):
+    """The kernel's publishing warp (one per CTA) waits for, and adds, the number of its CTA's
+    pipelines that hold pieces of each group, computed from the deal alone: for every group
+    that equals the pipelines whose items include the group, and over the CTAs it adds up to
+    the target the waiting stream uses -- with fewer pieces than pipelines, groups that start
+    mid-CTA, and one CTA."""
+    rng = random.Random(seed)
+    p = KvtParams()
+    p.num_pieces, p.loops, p.layer_flags = rng.randint(1, 200), rng.randint(1, 9), 1
+    warps = rng.choice([1, 2, 3, 16, 31])
+    ctas = rng.choice([1, 2, 3, 5])
+    pipes = warps * ctas
+    items = [pipeline_items(p, pipe, pipes) for pipe in range(pipes)]
+    for g in range(p.loops):
+        total = 0
+        for cta in range(ctas):
+            mine = sum(1 for w in range(warps)
+                       if any(lay == g for lay, _ in items[cta * warps + w]))
+            got = group_holders_in_cta(p.num_pieces, pipes, warps, cta, g)
+            assert got == mine
+            total += got
+        assert total == layer_signal_target(p, pipes)
+
+
+def test_a_signalled_launch_has_a_publishing_warp_and_group_counters():
+    geo = Geometry(1152, 1, 61, 61 * 1152, 1152, 100, 100)
+    args = dict(ctas=2, stages=3, stage_bytes=4096, tmap_ok=False)
+    plain = plan_tma(geo, 100, 1, warps=16, **args)
+    signalled = plan_tma(geo, 100, 1, warps=16, **args, loops=61, signals=True)
+    assert plain.threads == 512 and signalled.threads == 544
+    assert plain.pipes == signalled.pipes == 32 and signalled.signals and not plain.signals
+    assert signalled.smem_bytes == plain.smem_bytes + 256       # 61 counters, 16-byte padded
+    small = {**args, "stage_bytes": 1024}
+    assert plan_tma(geo, 100, 1, warps=32, **small).threads == 1024
+    assert plan_tma(geo, 100, 1, warps=31, **small, loops=61, signals=True).threads == 1024
+    with pytest.raises(ConfigError, match="publishes") as ei:
+        plan_tma(geo, 100, 1, warps=32, **small, loops=61, signals=True)
+    assert ei.value.key == "warps"
+    tight = plain.smem_bytes + 16                 # room for 4 counters, not for 61
+    plan_tma(geo, 100, 1, warps=16, **args, loops=4, signals=True, max_smem=tight)
+    with pytest.raises(ConfigError, match="61 layer-group counters"):
+        plan_tma(geo, 100, 1, warps=16, **args, loops=61, signals=True, max_smem=tight)
 
 
 def test_dealing_each_group_afresh_would_not_balance():

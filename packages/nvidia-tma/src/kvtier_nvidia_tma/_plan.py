@@ -163,6 +163,15 @@ class TmaPlan:
     grid: int
     threads: int
     smem_bytes: int
+    #: Copy pipelines (warps) per CTA; a launch with per-layer signals has one more warp, which
+    #: publishes each finished layer group (``threads`` counts it).
+    warps: int = 0
+    signals: bool = False
+
+    @property
+    def pipes(self) -> int:
+        """Copy pipelines in the launch."""
+        return self.grid * self.warps
 
     def fill(self, p: KvtParams) -> KvtParams:
         for name in ("seg_chunks", "mode", "per_piece", "pieces_per_seg", "num_pieces",
@@ -172,19 +181,24 @@ class TmaPlan:
         return p
 
 
-def tma_smem_bytes(warps: int, stages: int, stage_bytes: int) -> int:
-    return round_up(warps * stages * 8, SMEM_ALIGN) + warps * stages * stage_bytes
+def tma_smem_bytes(warps: int, stages: int, stage_bytes: int, groups: int = 0) -> int:
+    """Shared memory of a TMA launch: each pipeline's stage barriers (padded to 128 bytes),
+    its stages, and with per-layer signals one 32-bit arrival counter per layer group."""
+    counters = round_up(4 * groups, 16) if groups else 0
+    return round_up(warps * stages * 8, SMEM_ALIGN) + warps * stages * stage_bytes + counters
 
 
 def plan_tma(geo: Geometry, n: int, layers: int, *, ctas: int, warps: int, stages: int,
              stage_bytes: int, tmap_ok: bool, max_smem: int = 227 * 1024,
              stores_in_flight: int = 1, small_ctas: int = 0, small_bytes: int = 0,
-             loops: int = 1) -> TmaPlan:
+             loops: int = 1, signals: bool = False) -> TmaPlan:
     """Cut ``n`` pairs x ``layers`` layers into pieces for ``ctas`` x ``warps`` pipelines
     (``small_ctas`` x ``warps`` where host segments are at most ``small_bytes``: such launches
     issue two bulk operations per segment, more than the bulk-copy units of ``ctas`` SMs issue
     at the link's rate). ``loops``: groups of ``layers`` layers the launch moves in turn (per-layer
-    signals); the kernel counts the launch's pieces in 32 bits.
+    signals); the kernel counts the launch's pieces in 32 bits. ``signals``: the launch counts
+    each finished group (``layer_flags``): one more warp per CTA publishes the counts, and the
+    CTA keeps an arrival counter per group in shared memory.
 
     ``tmap_ok`` says the device pool allows a tensor map (uniform strides); it is used when the
     host side is page_first (a segment spans whole layers) and chunks are <= 2 KiB.
@@ -198,16 +212,20 @@ def plan_tma(geo: Geometry, n: int, layers: int, *, ctas: int, warps: int, stage
     if stages < max(2, stores_in_flight + 1):
         raise ConfigError(f"stages must be >= {max(2, stores_in_flight + 1)} (stores_in_flight "
                           f"{stores_in_flight}), got {stages}", key="stages", value=stages)
-    if not 1 <= warps <= 32:
-        raise ConfigError(f"warps must be in [1, 32], got {warps}", key="warps", value=warps)
+    top = 31 if signals else 32       # a signalled launch adds its publishing warp
+    if not 1 <= warps <= top:
+        raise ConfigError(f"warps must be in [1, {top}]" + (" with per-layer signals (one more "
+                          "warp publishes them)" if signals else "") + f", got {warps}",
+                          key="warps", value=warps)
     if ctas < 1:
         raise ConfigError(f"ctas must be >= 1, got {ctas}", key="ctas", value=ctas)
     for key, val in (("small_ctas", small_ctas), ("small_bytes", small_bytes)):
         if not isinstance(val, int) or isinstance(val, bool) or val < 0:
             raise ConfigError(f"{key} must be an int >= 0, got {val!r}", key=key, value=val)
-    smem = tma_smem_bytes(warps, stages, stage_bytes)
+    smem = tma_smem_bytes(warps, stages, stage_bytes, loops if signals else 0)
     if smem > max_smem:
-        raise ConfigError(f"warps x stages x stage_bytes needs {smem} B of shared memory, the "
+        raise ConfigError(f"warps x stages x stage_bytes needs {smem} B of shared memory (with "
+                          f"{loops if signals else 0} layer-group counters), the "
                           f"device allows {max_smem} B per block", key="stage_bytes",
                           value=stage_bytes)
     cb, C = geo.chunk_bytes, geo.comps
@@ -246,7 +264,8 @@ def plan_tma(geo: Geometry, n: int, layers: int, *, ctas: int, warps: int, stage
     return TmaPlan(seg_chunks=K, mode=mode, per_piece=per_piece, pieces_per_seg=pps,
                    num_pieces=num_pieces, slot_bytes=slot, stages=stages,
                    stage_bytes=stage_bytes, use_tmap=use_tmap, box_layers=box_layers,
-                   grid=grid, threads=32 * warps, smem_bytes=smem)
+                   grid=grid, threads=32 * (warps + int(signals)), smem_bytes=smem,
+                   warps=warps, signals=signals)
 
 
 @dataclass(frozen=True)
@@ -288,8 +307,19 @@ def segment(p: KvtParams, s: int, loop: int = 0) -> tuple[int, int]:
 def layer_signal_target(p: KvtParams, pipes: int) -> int:
     """What each layer group's counter of a launch with ``layer_flags`` reaches: one count per
     pipeline that holds pieces of the group (its pieces are consecutive items of the
-    round-robin, see ``pipeline_items``, so that many pipelines hold them)."""
+    round-robin, see ``pipeline_items``, so that many pipelines hold them). Each CTA's
+    publishing warp adds its own holders at once (:func:`group_holders_in_cta`)."""
     return min(pipes, p.num_pieces)
+
+
+def group_holders_in_cta(num_pieces: int, pipes: int, warps: int, cta: int, group: int) -> int:
+    """How many of CTA ``cta``'s ``warps`` pipelines hold pieces of layer group ``group``
+    (mirrors the kernel's publishing warp): group ``g``'s items ``g * P .. g * P + P - 1`` go
+    round-robin to pipelines ``(g * P) % pipes`` onwards, so pipeline ``q`` holds some iff
+    ``(q - g * P) mod pipes < P``."""
+    first = (group * num_pieces) % pipes
+    return sum(1 for w in range(warps)
+               if (cta * warps + w - first) % pipes < num_pieces)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -328,13 +358,15 @@ def plan_register(geo: Geometry, n: int, layers: int, *, ctas: int, threads: int
 def simulate(p: KvtParams, host: bytearray, dev: dict[int, bytearray], host_idx: Sequence[int],
              dev_idx: Sequence[int], table: Sequence[int],
              tmap: TensorMapGeometry | None = None, *, pipes: int = 3,
-             signals: list[int] | None = None) -> int:
+             signals: list[int] | None = None, warps: int = 1) -> int:
     """Run the TMA kernel's piece loop on byte buffers, as ``pipes`` pipelines would.
 
     With ``p.layer_flags`` set the launch loops over ``p.loops`` groups of ``p.layers`` layers
-    as the kernel does, and each pipeline adds 1 to ``signals[group]`` after its last piece of
-    that group (the bytes of which are all in place by then, as the kernel's wait for the bulk
-    group ensures).
+    as the kernel does: each pipeline counts itself in its CTA's arrival counter for a group
+    after its last piece of that group (the bytes of which are all in place by then, as the
+    kernel's wait for the bulk group ensures), and each CTA of ``warps`` pipelines adds the
+    holders :func:`group_holders_in_cta` names to ``signals[group]`` -- checked to be exactly
+    the pipelines that arrived.
 
     ``host`` stands for the host pool (address ``p.host_base`` = offset 0); ``dev`` maps each
     device buffer base address to its bytes (a single block keyed by its base works too: an
@@ -360,6 +392,7 @@ def simulate(p: KvtParams, host: bytearray, dev: dict[int, bytearray], host_idx:
 
     done = 0
     slot = p.slot_bytes if p.mode == 0 else 0
+    arrived: dict[tuple[int, int], int] = {}         # (CTA, group) -> pipelines counted
     for pipe in range(pipes):
         for lay, k in pipeline_items(p, pipe, pipes):
             pc = decode_piece(p, k)
@@ -402,8 +435,16 @@ def simulate(p: KvtParams, host: bytearray, dev: dict[int, bytearray], host_idx:
                                 buf[o:o + pc.bytes] = stage[s0:s0 + pc.bytes]
             done += 1
             if p.layer_flags and k + pipes >= p.num_pieces:    # its last piece of the group
-                assert signals is not None, "a launch with layer_flags needs signals"
-                signals[lay] += 1
+                key = (pipe // warps, lay)
+                arrived[key] = arrived.get(key, 0) + 1
+    if p.layer_flags:
+        assert signals is not None, "a launch with layer_flags needs signals"
+        assert pipes % warps == 0, "pipelines come in CTAs of `warps`"
+        for cta in range(pipes // warps):
+            for g in range(p.loops):
+                holders = group_holders_in_cta(p.num_pieces, pipes, warps, cta, g)
+                assert holders == arrived.get((cta, g), 0), "publisher and pipelines disagree"
+                signals[g] += holders
     return done
 
 

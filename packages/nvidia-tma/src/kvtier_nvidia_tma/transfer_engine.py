@@ -400,7 +400,9 @@ class TmaTransferEngine(_NvidiaEngine):
         small_ctas: int = 0
         small_bytes: int = 1024
         #: Pipelines (warps) per CTA; each has its own shared-memory stages. Many small
-        #: pipelines keep many bulk operations in flight (measured best on the H200).
+        #: pipelines keep many bulk operations in flight (measured best on the H200). At most
+        #: 31 with ``layer_signals``: a signalled launch adds a warp per CTA that publishes
+        #: each finished layer group.
         warps: int = 16
         #: Shared-memory stages per pipeline.
         stages: int = 3
@@ -417,7 +419,9 @@ class TmaTransferEngine(_NvidiaEngine):
         #: How per-layer transfers run: one launch for every layer that counts each finished
         #: layer in device memory, the caller's stream waiting on the count (True), or one
         #: launch and one CUDA event per layer (False; also used where the driver has no
-        #: stream memory operations).
+        #: stream memory operations). The count is published by a warp of each CTA that
+        #: copies nothing, so the copies never wait on it (docs/perf/nvidia-h200-layer-
+        #: publisher.md).
         layer_signals: bool = True
         #: Layers counted together with ``layer_signals`` (each group's pieces are cut as a
         #: launch of that many layers would be: longer host runs per page, coarser waits).
@@ -445,20 +449,24 @@ class TmaTransferEngine(_NvidiaEngine):
         # cutting one also checks the configuration (raises ConfigError naming the key)
         per_launch = (min(c.signal_layers, L) if self._signals else 1) \
             if c.layerwise_load else L
-        self.ctas = self._cut(1, per_launch, tmap_ok=False).grid
+        signalled = self._signals and (c.layerwise_load or c.layerwise_backup) and L > 1
+        self.ctas = self._cut(1, per_launch, tmap_ok=False, loops=L // per_launch,
+                              signals=signalled).grid
         self._kernel = _driver.load_kernel(self._dev, "tma_copy.cu", "kvt_tma_copy",
                                            {"KVT_STORES_IN_FLIGHT": c.stores_in_flight})
         self._null_map = _driver.TensorMap()
         self._maps: dict[tuple[int, int, int], Any] = {}
         self._plans: dict[tuple, Any] = {}
 
-    def _cut(self, n: int, layers: int, *, tmap_ok: bool, loops: int = 1):
+    def _cut(self, n: int, layers: int, *, tmap_ok: bool, loops: int = 1,
+             signals: bool = False):
         """``plan_tma`` with this engine's settings."""
         c = self.config
         return plan_tma(self._geo, n, layers, ctas=c.ctas, warps=c.warps, stages=c.stages,
                         stage_bytes=c.stage_bytes, tmap_ok=tmap_ok,
                         max_smem=self._dev.max_smem_optin, stores_in_flight=c.stores_in_flight,
-                        small_ctas=c.small_ctas, small_bytes=c.small_bytes, loops=loops)
+                        small_ctas=c.small_ctas, small_bytes=c.small_bytes, loops=loops,
+                        signals=signals)
 
     def _stream_waits_work(self) -> bool:
         """Whether this driver runs ``cuStreamWaitValue32`` on device memory (tried once on a
@@ -487,11 +495,12 @@ class TmaTransferEngine(_NvidiaEngine):
         from . import _driver
         c = self.config
         loops = map_layers // layers if map_layers else 1
-        key = (n, layers, loops)
+        signals = bool(map_layers)
+        key = (n, layers, loops, signals)
         plan = self._plans.get(key)
         if plan is None:
             plan = self._cut(n, layers, tmap_ok=c.tensor_map and self._uniform is not None,
-                             loops=loops)
+                             loops=loops, signals=signals)
             if len(self._plans) > 256:
                 self._plans.clear()
             self._plans[key] = plan
@@ -507,10 +516,10 @@ class TmaTransferEngine(_NvidiaEngine):
                 self._maps[mkey] = _driver.TensorMap(geo) if geo is not None else None
             tmap = self._maps[mkey]
             if tmap is None:
-                plain = self._plans.get((n, layers, loops, False))
+                plain = self._plans.get((n, layers, loops, signals, False))
                 if plain is None:
-                    plain = self._plans[(n, layers, loops, False)] = self._cut(
-                        n, layers, tmap_ok=False, loops=loops)
+                    plain = self._plans[(n, layers, loops, signals, False)] = self._cut(
+                        n, layers, tmap_ok=False, loops=loops, signals=signals)
                 plan, tmap = plain, self._null_map
         return plan, tmap
 
@@ -544,7 +553,7 @@ class TmaTransferEngine(_NvidiaEngine):
             _driver.set_dynamic_smem(self._kernel, plan.smem_bytes)
             _driver.launch(self._kernel, plan.grid, plan.threads, plan.smem_bytes,
                            stream.cuda_stream, p, tmap.arg)
-            targets += [layer_signal_target(p, plan.grid * (plan.threads // 32))] * loops
+            targets += [layer_signal_target(p, plan.pipes)] * loops
         done = torch.cuda.Event()
         done.record(stream)
         return LayerSignalHandle(flags, targets, G, L, done, self._dev, self.device,

@@ -15,9 +15,15 @@
 // order, each cut exactly as a launch of that group would be, through one continuous pipeline
 // (no drain between groups). Once the bulk group holding a pipeline's last store of layer
 // group j has completed (its writes are done, `cp.async.bulk.wait_group`), the pipeline fences
-// and adds 1 to layer_flags[j]; a stream waiting for the counter to reach the number of
+// and counts itself in its CTA's shared arrival counter for j (a release at CTA scope). One
+// more warp per CTA, which copies nothing, waits for the CTA's pipelines that hold pieces of j
+// (acquire at CTA scope) and adds their number to layer_flags[j] with one release at GPU scope
+// (system scope for backups); a stream waiting for the counter to reach the number of
 // pipelines that hold pieces (cuStreamWaitValue32, GEQ) then sees all of those layers. The wait
 // lags one bulk group behind the newest store, so the loads running ahead keep the link busy.
+// The GPU-scope release is left to the warp with no bulk loads in flight: issued by a copy
+// pipeline it stalled that pipeline about 2 us per group (on the H200, per-layer loads of
+// 64 MiB ran at 83-88% of the link that way and at all-layer rates, 92%, without it).
 #include "kvt_common.cuh"
 
 #ifndef KVT_STORES_IN_FLIGHT
@@ -223,18 +229,47 @@ __device__ __forceinline__ u32 kvt_load_bytes(const KvtParams& p, const Consts& 
 
 // This pipeline's part of layer group `group` is written: every lane waited for its bulk
 // groups (`cp.async.bulk.wait_group`: the writes are done). Each lane orders its async-proxy
-// writes before its generic accesses, the warp synchronises, and lane 0 publishes with one
-// release add: GPU scope for loads (the data is in device memory and the waiter is this GPU's
-// stream), system scope for backups (the data is in host memory). A full system fence per
-// lane instead (__threadfence_system) stalled each pipeline at every layer: per-layer loads
-// measured 1-5 points of the link lower on the H200.
-__device__ __forceinline__ void kvt_signal_layer(const KvtParams& p, u32 group, int lane) {
+// writes before its generic accesses, the warp synchronises, and lane 0 counts the pipeline in
+// the CTA's arrival counter for the group with a release at CTA scope; the CTA's publishing
+// warp takes it from there (kvt_publish_groups).
+__device__ __forceinline__ void kvt_signal_layer(u32* arrivals, u32 group, int lane) {
     asm volatile("fence.proxy.async.global;" ::: "memory");
     __syncwarp();
-    if (lane == 0) {
-        u32* f = reinterpret_cast<u32*>(p.layer_flags) + group;
-        if (p.d2h) asm volatile("red.release.sys.global.add.u32 [%0], 1;" :: "l"(f) : "memory");
-        else asm volatile("red.release.gpu.global.add.u32 [%0], 1;" :: "l"(f) : "memory");
+    if (lane == 0)
+        asm volatile("red.release.cta.shared::cta.add.u32 [%0], 1;"
+                     :: "r"(kvt_smem(arrivals + group)) : "memory");
+}
+
+// The publishing warp of a CTA: for each layer group in order, the number of this CTA's
+// pipelines that hold pieces of it (group g's items g*P .. g*P+P-1 go round-robin to pipelines
+// (g*P) mod pipes onwards; mirrored by _plan.group_holders_in_cta), a wait until that many have
+// arrived (acquire at CTA scope), then one add of that number to layer_flags[g]: a release at
+// GPU scope for loads (the data is in device memory and the waiter is this GPU's stream),
+// system scope for backups (the data is in host memory). This warp has no memory operations in
+// flight, so the release does not hold up the copies.
+__device__ __forceinline__ void kvt_publish_groups(const KvtParams& p, u32* arrivals, u32 warps,
+                                                   u32 pipes, u32 P, u32 groups, int lane) {
+    for (u32 g = 0; g < groups; ++g) {
+        const u32 first = (g * P) % pipes;
+        const u32 q = blockIdx.x * warps + (u32)lane;
+        const bool holds = (u32)lane < warps && (q + pipes - first) % pipes < P;
+        const u32 holders = __popc(__ballot_sync(0xffffffffu, holds));
+        if (lane == 0 && holders) {
+            const u32 a = kvt_smem(arrivals + g);
+            u32 seen;
+            for (;;) {
+                asm volatile("ld.acquire.cta.shared::cta.u32 %0, [%1];"
+                             : "=r"(seen) : "r"(a) : "memory");
+                if (seen >= holders) break;
+                __nanosleep(64);
+            }
+            u32* f = reinterpret_cast<u32*>(p.layer_flags) + g;
+            if (p.d2h) asm volatile("red.release.sys.global.add.u32 [%0], %1;"
+                                    :: "l"(f), "r"(holders) : "memory");
+            else asm volatile("red.release.gpu.global.add.u32 [%0], %1;"
+                              :: "l"(f), "r"(holders) : "memory");
+        }
+        __syncwarp();
     }
 }
 
@@ -242,24 +277,35 @@ extern "C" __global__ void __launch_bounds__(1024)
 kvt_tma_copy(const KvtParams p, const __grid_constant__ KvtTensorMap tmap) {
     extern __shared__ __align__(128) unsigned char smem[];
     kvt_count_bad_pairs(p);
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const bool flags = p.layer_flags != 0;
+    // copy pipelines: every warp, or all but the last (the publishing warp) with layer_flags
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int warps = (blockDim.x >> 5) - (flags ? 1 : 0);
     const u32 S = (u32)p.stages, stage_bytes = (u32)p.stage_bytes;
-    // layout: [warps * S barriers, padded to 128 B][warps * S stages]
+    const u32 groups = flags ? (u32)p.loops : 0u;
+    // layout: [warps * S barriers, padded to 128 B][warps * S stages][groups arrival counters]
     const u32 bar_bytes = (warps * S * 8 + 127) & ~127u;
+    u32* arrivals = reinterpret_cast<u32*>(smem + bar_bytes + warps * S * stage_bytes);
     const u32 bars = kvt_smem(smem) + warp * S * 8;
     const u32 stages = kvt_smem(smem) + bar_bytes + warp * S * stage_bytes;
-    if (lane == 0) {
+    if (warp < warps && lane == 0) {
         for (u32 s = 0; s < S; ++s) mbar_init(bars + s * 8, 1);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         fence_async_smem();
     }
+    if (warp == warps)
+        for (u32 g = lane; g < groups; g += 32) arrivals[g] = 0;
     __syncthreads();
 
     const bool src_host = p.d2h == 0;   // loads read the source side
     const Consts c0 = kvt_consts(p);
-    const u32 pipe = blockIdx.x * warps + warp, pipes = gridDim.x * warps;
+    const u32 pipes = gridDim.x * warps;
     const u32 P = (u32)p.num_pieces;
-    const bool flags = p.layer_flags != 0;
+    if (warp == warps) {                // the publishing warp (layer_flags only)
+        kvt_publish_groups(p, arrivals, (u32)warps, pipes, P, groups, lane);
+        return;
+    }
+    const u32 pipe = blockIdx.x * warps + warp;
     // Items are (group, piece) pairs in group order, dealt round-robin over the pipelines as
     // one sequence, so no pipeline holds more than one item over another in the whole launch
     // (dealing each group afresh would give the same pipelines a group's extra pieces every
@@ -301,7 +347,7 @@ kvt_tma_copy(const KvtParams p, const __grid_constant__ KvtTensorMap tmap) {
             if (flags) {
                 if (pending != NONE) {               // its group is now the second newest
                     bulk_wait_all_but_one();
-                    kvt_signal_layer(p, pending, lane);
+                    kvt_signal_layer(arrivals, pending, lane);
                     pending = NONE;
                 }
                 if (last) pending = lay;
@@ -309,5 +355,5 @@ kvt_tma_copy(const KvtParams p, const __grid_constant__ KvtTensorMap tmap) {
         }
     }
     bulk_wait_all();
-    if (flags && pending != NONE) kvt_signal_layer(p, pending, lane);
+    if (flags && pending != NONE) kvt_signal_layer(arrivals, pending, lane);
 }
