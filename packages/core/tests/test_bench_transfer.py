@@ -234,8 +234,15 @@ def test_plot_splits_a_swept_key_into_lines(tmp_path, monkeypatch):
     monkeypatch.setattr(matplotlib.figure.Figure, "legend",
                         lambda self, h, lab, **k: labels.append(list(lab)) or real(self, h, lab,
                                                                                    **k))
+    titles = []
+    real_title = matplotlib.figure.Figure.suptitle
+    monkeypatch.setattr(matplotlib.figure.Figure, "suptitle",
+                        lambda self, t, **k: titles.append(t) or real_title(self, t, **k))
     transfer.plot(data, str(tmp_path / "best.png"))
-    transfer.plot(data, str(tmp_path / "split.png"), split="zero_copy")
+    transfer.plot({**data, "behind_ms": 10.0, "both_order": "backup-first"},
+                  str(tmp_path / "split.png"), split="zero_copy")
+    assert "from an idle GPU" in titles[0] and "load-first" in titles[0]
+    assert "behind 10 ms of GPU work" in titles[1] and "backup-first" in titles[1]
     assert labels[0] == ["torch (per-layer)", "x (engine's defaults)"]
     assert sorted(labels[1]) == ["torch (per-layer, zero_copy=False)",
                                  "torch (per-layer, zero_copy=True)", "x (engine's defaults)"]

@@ -739,7 +739,10 @@ def plot(data: dict[str, Any], path: str, max_series: int = 8, engines: str | No
     fig.legend(list(handles.values()), list(handles), loc="lower center",
                ncol=min(ncol, len(handles)), fontsize=8, frameon=False)
     env = data.get("env", {})
+    behind = data.get("behind_ms") or 0
+    when = f"queued behind {behind:g} ms of GPU work" if behind else "from an idle GPU"
     fig.suptitle(f"kvtier page transfers, {env.get('gpu', '')}, driver {env.get('driver', '')},"
-                 f" {env.get('date', '')}", fontsize=9)
+                 f" {env.get('date', '')}; timed {when}, both ways called "
+                 f"{data.get('both_order', 'load-first')}", fontsize=9)
     fig.tight_layout(rect=(0, 0.06 + 0.035 * ((len(handles) - 1) // ncol), 1, 1))
     fig.savefig(path, dpi=130)
