@@ -93,39 +93,44 @@ class _Cuda:
         return Ctx()
 
 
+def _both_calls(order: str) -> list[str]:
+    """What ``_both`` does, in order, with engines and streams that log each call."""
+    log: list[str] = []
+    cuda = _Cuda(log)
+    torch = type("T", (), {"cuda": cuda})
+
+    class Handle:
+        def __init__(self, what):
+            self.what = what
+
+        def wait(self):
+            log.append(f"{self.what} waited on {cuda.cur.name}")
+
+    class Eng:
+        def load(self, h, d):
+            log.append(f"load on {cuda.cur.name}")
+            return Handle("load")
+
+        def backup(self, d, h):
+            log.append(f"backup on {cuda.cur.name}")
+            return Handle("backup")
+    transfer._both(torch, Eng(), Eng(), _Stream("side", log), 1, 2, 3, 4, order)
+    return log
+
+
 def test_both_directions_are_called_in_the_order_asked():
     """load-first calls the load on the caller's stream, then the backup on the side stream;
     backup-first the other way round; either way both are waited for on their own streams and
     the caller's stream ends after the side stream."""
     for order, first in (("load-first", "load"), ("backup-first", "backup")):
-        log: list[str] = []
-        cuda = _Cuda(log)
-        torch = type("T", (), {"cuda": cuda})
-
-        class Handle:
-            def __init__(self, what):
-                self.what = what
-
-            def wait(self):
-                log.append(f"{self.what} waited on {cuda.cur.name}")
-
-        class Eng:
-            def load(self, h, d):
-                log.append(f"load on {cuda.cur.name}")
-                return Handle("load")
-
-            def backup(self, d, h):
-                log.append(f"backup on {cuda.cur.name}")
-                return Handle("backup")
-        side = _Stream("side", log)
-        transfer._both(torch, Eng(), Eng(), side, 1, 2, 3, 4, order)
+        log = _both_calls(order)
         calls = [x for x in log if " on " in x and "waited" not in x]
         assert calls[0].startswith(first) and len(calls) == 2
         assert "load on cur" in log and "backup on side" in log
         assert "backup waited on side" in log and "load waited on cur" in log
         assert log[0] == "side waits cur" and log[-1] == "cur waits side"
     with pytest.raises(ValueError, match="order"):
-        transfer._both(torch, Eng(), Eng(), side, 1, 2, 3, 4, "together")
+        _both_calls("together")
 
 
 def test_ratios_use_the_higher_of_the_start_and_end_ceilings():
