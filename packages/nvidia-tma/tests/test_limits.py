@@ -53,6 +53,9 @@ def test_parse_ncu_csv_skips_tool_chatter():
     (["gemm", "--cases", "nope"], "unknown case(s) nope"),
     (["gemm", "--ops", "loads,sideways"], "--ops: sideways"),
     (["gemm", "--config", "ctas"], "expected KEY=VALUE"),
+    (["routes", "--config", "idle_shortfall"], "expected KEY=VALUE"),
+    (["routes", "--repeat", "0"], "--repeat must be at least 1"),
+    (["routes", "--cases", "mla-p64,nope"], "unknown case(s) nope"),
 ])
 def test_bad_arguments_exit_2(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -148,3 +151,36 @@ def test_limits_sh_commands_parse():
         assert callable(args._run), words
         runs.append(words[:2])
     assert ["bench", "limits"] in runs and ["bench", "transfer"] in runs
+
+
+def _run(case, route, table, within=0.05, shortfall=0.3):
+    cal = {d: {"table": {str(k): v for k, v in table.items()}, "crossover": None}
+           for d in ("h2d", "d2h")}
+    return {"case": case, "run": 0, "route": {"h2d": route, "d2h": route}, "calibration": cal,
+            "prefer_copy_within": within, "idle_shortfall": shortfall}
+
+
+def test_routes_table_marks_the_sizes_the_copy_engine_takes():
+    """Per calibrated size: CE/SM idle / behind work / call share, starred where the rule
+    takes it (device rates within the margin, idle rate within the shortfall); sizes a
+    calibration skipped are dashes."""
+    rates = {
+        32768: {"sm": 50.0, "copy": 25.0, "sm_device": 50.0, "copy_device": 51.0,
+                "copy_call_share": 1.9},
+        65536: {"sm": 50.0, "copy": 40.0, "sm_device": 50.0, "copy_device": 51.0,
+                "copy_call_share": 1.1},
+        131072: {"sm": 50.0, "copy": 49.0, "sm_device": 50.0, "copy_device": 46.0,
+                 "copy_call_share": 0.5}}
+    out = limits.routes_table([_run("mla-p64", "copy_engine", rates)]).splitlines()
+    assert "1 KiB" in out[1] and "256 KiB" in out[1]
+    rows = [r for r in out if r.startswith("| mla-p64")]
+    assert len(rows) == 2
+    cells = [c.strip() for c in rows[0].split("|")[1:-1]]
+    assert cells[:3] == ["mla-p64", "1", "h2d"] and cells[-1] == "copy_engine"
+    by_size = dict(zip(["1", "4", "8", "16", "32", "64", "128", "256"], cells[3:-1]))
+    assert by_size["1"] == "-" and by_size["256"] == "-"
+    assert by_size["32"] == "0.50 / 1.02 / 1.90"                  # idle 50% under: not taken
+    assert by_size["64"] == "0.80 / 1.02 / 1.10 *"
+    assert by_size["128"] == "0.98 / 0.92 / 0.50"                 # device 8% under: not taken
+    wide = limits.routes_table([_run("mla-p64", "sm", rates, shortfall=0.6)])
+    assert "0.50 / 1.02 / 1.90 *" in wide

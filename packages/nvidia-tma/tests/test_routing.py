@@ -4,7 +4,9 @@ the copy lists are replayed with memmove between CPU pools, bitwise, for every d
 from __future__ import annotations
 
 import ctypes
+import json
 import random
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -13,7 +15,8 @@ from kvtier.errors import ConfigError
 from kvtier.testing.contracts import DEVICE_LAYOUTS, layout_specs, make_layout_pool
 from kvtier.testing.data import make_host_pool
 
-from kvtier_nvidia_tma._plan import calibrated_rate, choose_crossover, copy_engine_falls_short
+from kvtier_nvidia_tma._plan import (PathRates, calibrated_rate, choose_crossover,
+                                     copy_engine_falls_short)
 from kvtier_nvidia_tma._driver import OP3D
 from kvtier_nvidia_tma.transfer_engine import (chunk_runs, copy_list, layer_copy_lists,
                                                strided_ops, strided_runs)
@@ -183,38 +186,153 @@ def test_contiguous_runs_merge():
         hpool.close()
 
 
+def _rates(sm, ce, share=0.5, sm_idle=None, ce_idle=None):
+    """A calibrated size: device rates ``sm`` and ``ce``, idle rates (default: the same)."""
+    return PathRates(sm if sm_idle is None else sm_idle, ce if ce_idle is None else ce_idle,
+                     sm, ce, share)
+
+
 @pytest.mark.parametrize("table, within, want", [
-    ({4096: (50, 5), 65536: (50, 51), 131072: (50, 52)}, 0.02, 65536),
-    ({4096: (50, 5), 65536: (50, 48), 131072: (50, 52)}, 0.02, 131072),
-    ({4096: (50, 5), 65536: (50, 48), 131072: (50, 52)}, 0.05, 65536),
-    ({4096: (50, 5), 65536: (50, 30)}, 0.02, None),
+    ({4096: _rates(50, 5), 65536: _rates(50, 51), 131072: _rates(50, 52)}, 0.02, 65536),
+    ({4096: _rates(50, 5), 65536: _rates(50, 48), 131072: _rates(50, 52)}, 0.02, 131072),
+    ({4096: _rates(50, 5), 65536: _rates(50, 48), 131072: _rates(50, 52)}, 0.05, 65536),
+    ({4096: _rates(50, 5), 65536: _rates(50, 30)}, 0.02, None),
     # a dip above a good size: only sizes from which on the copy engine always keeps up
-    ({4096: (50, 50), 8192: (50, 20), 65536: (50, 51)}, 0.02, 65536),
+    ({4096: _rates(50, 50), 8192: _rates(50, 20), 65536: _rates(50, 51)}, 0.02, 65536),
+    # device rates decide within the margin: an idle GPU waiting on the calls' host time
+    # (0.77 of the SM path here) does not, up to the idle shortfall
+    ({32768: _rates(50, 30), 65536: _rates(50, 51, ce_idle=38.5, share=1.2),
+      131072: _rates(50, 52, ce_idle=43)}, 0.05, 65536),
+    ({65536: _rates(50, 40, ce_idle=52)}, 0.05, None),
+    # calls that leave an idle GPU waiting far longer: the SM kernel keeps those sizes
+    ({16384: _rates(50, 52, ce_idle=14, share=3.5), 32768: _rates(50, 51, ce_idle=30.5),
+      65536: _rates(50, 51, ce_idle=40)}, 0.05, 65536),
+    ({16384: _rates(50, 52, ce_idle=14, share=3.5), 65536: _rates(50, 51, ce_idle=35)},
+     0.05, 65536),
 ])
 def test_crossover_is_where_the_copy_engine_keeps_up(table, within, want):
-    assert choose_crossover(table, within) == want
+    assert choose_crossover(table, within, 0.3) == want
+    # the table as the cache holds it: a mapping per size
+    assert choose_crossover({k: v._asdict() for k, v in table.items()}, within, 0.3) == want
 
 
-def test_crossover_margin_is_checked():
+def test_idle_shortfall_is_the_callers_setting():
+    table = {16384: _rates(50, 52, ce_idle=14), 65536: _rates(50, 51, ce_idle=40)}
+    assert choose_crossover(table, 0.05, 0.75) == 16384
+    assert choose_crossover(table, 0.05, 0.1) is None
+
+
+@pytest.mark.parametrize("within, shortfall", [(1.0, 0.3), (-0.1, 0.3), (0.05, 1.0),
+                                               (0.05, -0.1)])
+def test_crossover_settings_are_checked(within, shortfall):
     with pytest.raises(ConfigError):
-        choose_crossover({4096: (1, 1)}, 1.0)
+        choose_crossover({4096: _rates(1, 1)}, within, shortfall)
+
+
+def test_path_rates_read_from_a_mapping_or_in_order():
+    r = _rates(50, 49, 0.3, 48, 47)
+    assert PathRates.of(r._asdict()) == r == PathRates.of(list(r))
+    with pytest.raises(KeyError):
+        PathRates.of({"sm": 1.0})
+    with pytest.raises(TypeError):
+        PathRates.of([1.0, 2.0])
 
 
 def test_calibrated_rate_takes_the_largest_measured_size_not_above_the_chunk():
-    table = {4096: (50.0, 4.0), 65536: (49.0, 47.0), 131072: (48.0, 49.0)}
-    assert calibrated_rate(table, 100_000, 0) == 49.0
-    assert calibrated_rate(table, 131072, 1) == 49.0
-    assert calibrated_rate(table, 1024, 0) == 50.0          # below every size: the smallest
-    assert calibrated_rate({}, 4096, 0) is None
+    table = {4096: _rates(50.0, 4.0, ce_idle=3.0), 65536: _rates(49.0, 47.0, ce_idle=45.0),
+             131072: _rates(48.0, 49.0, ce_idle=46.0)}
+    assert calibrated_rate(table, 100_000, "sm") == 49.0
+    assert calibrated_rate(table, 131072, "copy") == 46.0
+    assert calibrated_rate(table, 131072, "copy_device") == 49.0
+    assert calibrated_rate(table, 1024, "sm") == 50.0          # below every size: the smallest
+    assert calibrated_rate({}, 4096, "sm") is None
 
 
-@pytest.mark.parametrize("measured, sm, need, want", [
+@pytest.mark.parametrize("measured, expected, need, want", [
     ([30.0, 31.0], 50.0, 3, None),                  # not enough transfers yet
     ([30.0, 52.0, 31.0], 50.0, 3, True),            # median 31 < 0.9 x 50
     ([46.0, 20.0, 47.0], 50.0, 3, False),           # one slow transfer does not decide
     ([44.0, 44.5, 46.0], 50.0, 3, True),
     ([45.5, 45.5, 45.5], 50.0, 3, False),           # within the 10% margin
-    ([1.0, 1.0, 1.0], None, 3, False),              # no SM rate known: keep the route
+    ([1.0, 1.0, 1.0], None, 3, False),              # no calibrated rate: keep the route
 ])
-def test_copy_engine_route_is_kept_only_if_it_holds_up_in_use(measured, sm, need, want):
-    assert copy_engine_falls_short(measured, sm, 0.10, need) is want
+def test_copy_engine_route_is_kept_only_if_it_holds_up_in_use(measured, expected, need, want):
+    assert copy_engine_falls_short(measured, expected, 0.10, need) is want
+
+
+def _entry(table):
+    return {d: {"table": {str(k): v._asdict() for k, v in table.items()}, "crossover": 1024}
+            for d in ("h2d", "d2h")}
+
+
+class _Router:
+    """What RoutedTransferEngine's cache handling reads of itself, without a GPU."""
+
+    name = "nvidia-routed"
+
+    def __init__(self, path):
+        from kvtier_nvidia_tma.transfer_engine import RoutedTransferEngine as R
+        self.config = R.Config(cache_file=str(path))
+        self.sm = SimpleNamespace(_dev=SimpleNamespace(ordinal=0))
+        self.spec = SimpleNamespace(num_layers=3)
+        self._sm_cfg = {}
+        for m in ("_calibration", "_from_cache", "_cache_path"):
+            setattr(self, m, getattr(R, m).__get__(self))
+
+    def _cache_key(self):
+        return "this-gpu"
+
+    def _copy_cfg(self):
+        return {}
+
+
+GOOD = {32768: _rates(50, 51, ce_idle=20, share=2.5), 65536: _rates(50, 51)}
+
+
+def test_cached_calibration_chooses_its_crossover_again():
+    """A cached table's crossover is chosen again with the engine's settings, not read."""
+    got = _Router("none")._from_cache(_entry(GOOD))
+    assert got["h2d"]["crossover"] == got["d2h"]["crossover"] == 65536
+    assert PathRates.of(got["d2h"]["table"]["32768"]) == GOOD[32768]
+
+
+@pytest.mark.parametrize("entry", [
+    [], "x", {"h2d": {"table": {}}},                            # not a calibration
+    {d: {"table": {}} for d in ("h2d", "d2h")},                 # no sizes
+    {d: {"table": {"4096": [1.0, 2.0]}} for d in ("h2d", "d2h")},   # the old two-rate rows
+    {d: {"table": {"4096": {**GOOD[65536]._asdict(), "sm": "fast"}}} for d in ("h2d", "d2h")},
+    {d: {"table": {"4096": {**GOOD[65536]._asdict(), "copy": -3.0}}} for d in ("h2d", "d2h")},
+    {d: {"table": {"4096": {**GOOD[65536]._asdict(), "copy_device": float("nan")}}}
+     for d in ("h2d", "d2h")},
+    {d: {"table": {"4 KiB": GOOD[65536]._asdict()}} for d in ("h2d", "d2h")},
+])
+def test_a_cached_calibration_that_is_not_one_is_refused(entry):
+    with pytest.raises(ValueError):
+        _Router("none")._from_cache(entry)
+
+
+@pytest.mark.parametrize("content", ["{not json", "[1, 2]", json.dumps({"this-gpu": [3]}),
+                                     json.dumps({"this-gpu": {"h2d": 1}, "other-gpu": 7})])
+def test_a_hostile_calibration_cache_costs_a_new_calibration(tmp_path, monkeypatch, content,
+                                                             caplog):
+    """A cache file that is not what this version writes is measured again (with a warning)
+    and rewritten; other machines' entries in it are kept."""
+    import logging
+
+    from kvtier_nvidia_tma import transfer_engine
+    measured = []
+
+    def fake_calibrate(*args, **kwargs):
+        measured.append(1)
+        return _entry(GOOD)
+    monkeypatch.setattr(transfer_engine, "calibrate", fake_calibrate)
+    path = tmp_path / "routes.json"
+    path.write_text(content)
+    with caplog.at_level(logging.WARNING):
+        got, source = _Router(path)._calibration()
+    assert source == "calibrated" and measured == [1] and "not used" in caplog.text
+    assert got == _entry(GOOD)
+    saved = json.loads(path.read_text())
+    assert "this-gpu" in saved and (saved.get("other-gpu") == 7) == ("other-gpu" in content)
+    again, source = _Router(path)._calibration()
+    assert source == "cached" and measured == [1] and again["h2d"]["crossover"] == 65536

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, NamedTuple, Sequence
 
 from kvtier.errors import ConfigError, InvalidArgumentError, LayoutError
 
@@ -485,46 +485,83 @@ def _tmap_box(t: TensorMapGeometry, page: int, layer: int, stage: bytearray, wri
 
 # --------------------------------------------------------------------------------------------
 # Chunk-size routing (nvidia-routed): where the copy engine takes over from the SM kernel
-def choose_crossover(table: dict[int, tuple[float, float]], prefer_copy_within: float
-                     ) -> int | None:
-    """The smallest measured chunk size from which on the copy engine is never slower than
-    ``(1 - prefer_copy_within)`` x the SM path, given ``{chunk_bytes: (sm_gbps, copy_gbps)}``;
-    None when the copy engine never catches up (every size goes to the SMs).
+class PathRates(NamedTuple):
+    """One calibrated chunk size of one direction: each path's GB/s timed from an idle GPU
+    (the call's host time counts: the GPU waits on it), the same timed behind GPU work (the
+    device's own rate: the call is queued while the GPU is busy), and the share of the copy
+    engine's device time that its call holds the host (near or over 1, an idle GPU waits on
+    the host: per-layer copy-engine transfers queue one copy per page and layer)."""
 
-    Ties go to the copy engine on purpose: it leaves the SMs to the model."""
-    if not 0 <= prefer_copy_within < 1:
-        raise ConfigError(f"prefer_copy_within must be in [0, 1), got {prefer_copy_within!r}",
-                          key="prefer_copy_within", value=prefer_copy_within)
-    sizes = sorted(table)
+    sm: float
+    copy: float
+    sm_device: float
+    copy_device: float
+    copy_call_share: float
+
+    @classmethod
+    def of(cls, value: Any) -> "PathRates":
+        """From a calibration table's entry: a mapping of the fields (what the cache holds)
+        or the fields in order."""
+        if isinstance(value, dict):
+            return cls(**{k: float(value[k]) for k in cls._fields})
+        return cls(*(float(v) for v in value))
+
+
+def copy_engine_keeps_up(rates: PathRates, prefer_copy_within: float,
+                         idle_shortfall: float) -> bool:
+    """Whether the copy engine takes a chunk size: its device rate within
+    ``prefer_copy_within`` of the SM path's, and from an idle GPU (where its calls' host time
+    counts) at most ``idle_shortfall`` under the SM path."""
+    return rates.copy_device >= (1 - prefer_copy_within) * rates.sm_device \
+        and rates.copy >= (1 - idle_shortfall) * rates.sm
+
+
+def choose_crossover(table: dict[int, Any], prefer_copy_within: float,
+                     idle_shortfall: float = 0.3) -> int | None:
+    """The smallest measured chunk size from which on the copy engine always keeps up
+    (:func:`copy_engine_keeps_up`), given ``{chunk_bytes: PathRates}``; None when it never
+    does (every size goes to the SMs).
+
+    Device rates decide within the tight margin, not rates timed from an idle GPU: from idle a
+    call's host time counts, and on the H200 it put the copy engine at 0.91-0.98 of the SM
+    kernel at 64-256 KiB on one start and 0.77-0.86 on another, across a 5% margin, where
+    behind GPU work it ran at 1.00-1.07 of it on every start. The idle rates only keep the copy
+    engine from sizes where its calls leave an idle GPU waiting far longer (per-layer loads of
+    16-32 KiB chunks: 25-55% of the link against the SM kernel's 89%). Ties go to the copy
+    engine on purpose: it leaves the SMs to the model (a GEMM beside the SM kernel's
+    transfers slowed by 50%, beside the copy engine's by under 2%)."""
+    for key, v in (("prefer_copy_within", prefer_copy_within),
+                   ("idle_shortfall", idle_shortfall)):
+        if not 0 <= v < 1:
+            raise ConfigError(f"{key} must be in [0, 1), got {v!r}", key=key, value=v)
     cross = None
-    for c in reversed(sizes):
-        sm, ce = table[c]
-        if ce >= (1 - prefer_copy_within) * sm:
+    for c in sorted(table, reverse=True):
+        if copy_engine_keeps_up(PathRates.of(table[c]), prefer_copy_within, idle_shortfall):
             cross = c
         else:
             break
     return cross
 
 
-def calibrated_rate(table: dict[int, tuple[float, float]], chunk_bytes: int, path: int
-                    ) -> float | None:
-    """The calibration's GB/s of ``path`` (0: SM kernel, 1: copy engine) at the largest
-    measured chunk size not above ``chunk_bytes`` (the smallest one if all are above)."""
+def calibrated_rate(table: dict[int, Any], chunk_bytes: int, field: str) -> float | None:
+    """The calibration's ``field`` of :class:`PathRates` at the largest measured chunk size not
+    above ``chunk_bytes`` (the smallest one if all are above)."""
     if not table:
         return None
     sizes = sorted(table)
     below = [c for c in sizes if c <= chunk_bytes]
-    return float(table[below[-1] if below else sizes[0]][path])
+    return float(getattr(PathRates.of(table[below[-1] if below else sizes[0]]), field))
 
 
-def copy_engine_falls_short(measured_gbps: Sequence[float], sm_gbps: float | None,
+def copy_engine_falls_short(measured_gbps: Sequence[float], expected_gbps: float | None,
                             margin: float, need: int) -> bool | None:
     """Whether the copy engine, routed to on the calibration's word, delivers less in use than
-    the margin allows against the SM path's calibrated rate: None until ``need`` transfers are
-    measured (their median decides), False when no SM rate is known."""
+    the margin allows against ``expected_gbps`` (its own calibrated rate from an idle GPU):
+    None until ``need`` transfers are measured (their median decides), False when no rate is
+    known."""
     if len(measured_gbps) < need:
         return None
-    if not sm_gbps:
+    if not expected_gbps:
         return False
     med = sorted(measured_gbps)[len(measured_gbps) // 2]
-    return med < (1 - margin) * sm_gbps
+    return med < (1 - margin) * expected_gbps

@@ -25,6 +25,12 @@ probes say why it is not faster. Each prints a table and, with ``--json``, keeps
     The copy engine's copies: host microseconds to queue one (``cuMemcpyBatchAsync``), and
     both directions at once queued one after the other from one thread, from a thread each,
     and queued before either starts.
+``routes``
+    ``nvidia-routed``'s calibration, measured again ``--repeat`` times per case (no cache):
+    per direction and chunk size, the copy engine's rate against the SM kernel's from an idle
+    GPU and behind GPU work, the share of its device time its call holds the host, whether it
+    takes that size, and the route the case's chunks get. Routes that differ between runs are
+    routes a machine's starts would not agree on.
 ``ncu``
     Runs Nsight Compute (where installed) over a few transfer launches and reports the
     kernels' system-memory requests at L2 (requests, sectors, bytes per request) and any
@@ -708,6 +714,72 @@ def probe_queue(args) -> dict[str, Any]:
     return {"ceiling": ceil, "rows": rows, "max_batch": args.max_batch, "mib": args.mib}
 
 
+def probe_routes(args) -> dict[str, Any]:
+    """``nvidia-routed`` calibrated ``args.repeat`` times over each case's pools (no cache):
+    its tables, crossovers and routes, and a table of CE/SM ratios per chunk size."""
+    import torch
+    from kvtier import DeviceKVPool, HostKVPool
+    from kvtier.bench.transfer import CASES
+    from .transfer_engine import RoutedTransferEngine
+    if not torch.cuda.is_available():
+        raise SystemExit("kvtier_nvidia_tma.limits: no CUDA device here")
+    cfg = {**args.engine_config, "cache_file": "none", "calibrate_mib": args.mib}
+    runs: list[dict[str, Any]] = []
+    cases = [c for c in args.cases.split(",") if c]
+    for case in cases:
+        spec = CASES[case]
+        dpool = DeviceKVPool.empty(spec, 4, "cuda")
+        hpool = HostKVPool(spec, 4)
+        try:
+            for r in range(args.repeat):
+                t0 = time.perf_counter()
+                eng = RoutedTransferEngine(dpool, hpool, cfg)
+                c = eng.config
+                runs.append({"case": case, "run": r, "chunk_bytes": spec.chunk_bytes,
+                             "layers": spec.num_layers, "route": dict(eng.route),
+                             "crossover": dict(eng.crossover),
+                             "calibration": eng.calibration,
+                             "prefer_copy_within": c.prefer_copy_within,
+                             "idle_shortfall": c.idle_shortfall,
+                             "seconds": time.perf_counter() - t0})
+                eng.close()
+                print(f"routes: {case} run {r + 1}/{args.repeat}: loads -> {eng.route['h2d']}, "
+                      f"backups -> {eng.route['d2h']} ({time.perf_counter() - t0:.1f} s)",
+                      file=sys.stderr, flush=True)
+        finally:
+            hpool.close()
+    print(routes_table(runs))
+    return {"runs": runs, "config": cfg}
+
+
+def routes_table(runs: list[dict[str, Any]]) -> str:
+    """The routes probe's table: per case, run and direction, each calibrated chunk size's
+    CE/SM ratio from an idle GPU and behind GPU work and the copy engine's call share, marked
+    where the copy engine takes the size; and the route the case's chunks got."""
+    from ._plan import PathRates, copy_engine_keeps_up
+    from .transfer_engine import CALIBRATION_CHUNKS
+    lines = ["CE/SM from an idle GPU / behind GPU work / the copy engine's call time over its "
+             "device time; * where the copy engine takes the size",
+             "| case | run | dir | " + " | ".join(f"{k // 1024 or k} {'KiB' if k >= 1024 else 'B'}"
+                                                for k in CALIBRATION_CHUNKS) + " | route |",
+             "|---|---|---|" + "---|" * (len(CALIBRATION_CHUNKS) + 1)]
+    for run in runs:
+        for d in ("h2d", "d2h"):
+            table = run["calibration"][d]["table"]
+            cells = []
+            for k in CALIBRATION_CHUNKS:
+                if str(k) not in table:
+                    cells.append("-")
+                    continue
+                v = PathRates.of(table[str(k)])
+                take = copy_engine_keeps_up(v, run["prefer_copy_within"], run["idle_shortfall"])
+                cells.append(f"{v.copy / v.sm:.2f} / {v.copy_device / v.sm_device:.2f} / "
+                             f"{v.copy_call_share:.2f}{' *' if take else ''}")
+            lines.append(f"| {run['case']} | {run['run'] + 1} | {d} | " + " | ".join(cells)
+                         + f" | {run['route'][d]} |")
+    return "\n".join(lines)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The probes as sub-commands of ``p`` (``kvtier bench limits`` or ``python -m``)."""
     sub = p.add_subparsers(dest="probe", metavar="PROBE", required=True)
@@ -723,10 +795,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
              "the transfers the ncu probe profiles (run under Nsight Compute)"),
             ("queue", "mha-32k,mla-p64,mha-128k", "nvidia-copy-engine",
              "copy-engine copies: host cost of queuing, both directions queued in turn, "
-             "side by side, or before they start")):
+             "side by side, or before they start"),
+            ("routes", "mla-p64,mha-32k,mha-128k", "nvidia-routed",
+             "nvidia-routed's calibration measured again per case: CE/SM rates idle and "
+             "behind GPU work, call time, routes")):
         s = sub.add_parser(name, help=help_, description=help_,
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-        s.add_argument("--mib", type=int, default=256, help="MiB per transfer")
+        s.add_argument("--mib", type=int, default=128 if name == "routes" else 256,
+                       help="MiB per transfer")
         s.add_argument("--cases", default=cases, help="transfer cases (kvtier bench transfer's)")
         s.add_argument("--engines", default=engines, help="engines to measure")
         s.add_argument("--json", help="write the results here")
@@ -735,8 +811,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                            help="transfers beside the GEMM: loads, backups, both")
             s.add_argument("--hold-ctas", default="1,2,4,8",
                            help="SMs held by kvt_hold (no traffic), one run each ('' for none)")
+        if name in ("gemm", "routes"):
             s.add_argument("--config", dest="engine_config", default="", metavar="K=V,K=V",
                            help="engine settings (each engine takes the keys it has)")
+        if name == "routes":
+            s.add_argument("--repeat", type=int, default=3, help="calibrations per case")
         if name == "latency":
             s.add_argument("--reads", type=int, default=2048, help="dependent reads per launch")
             s.add_argument("--repeat", type=int, default=9, help="launches per background")
@@ -761,6 +840,10 @@ def check_arguments(args: argparse.Namespace) -> None:
         if bad:
             raise InvalidArgumentError(f"--ops: {', '.join(bad)}: expected loads, backups or "
                                        "both", argument="ops")
+    if args.probe == "routes" and args.repeat < 1:
+        raise InvalidArgumentError(f"--repeat must be at least 1, got {args.repeat}",
+                                   argument="repeat")
+    if args.probe in ("gemm", "routes"):
         if isinstance(args.engine_config, str):
             pairs = [x.partition("=") for x in args.engine_config.split(",") if x]
             if any(not k or not sep for k, sep, _ in pairs):
@@ -775,7 +858,8 @@ def run(args: argparse.Namespace) -> int:
         workload(args)
         return 0
     out = {"gemm": probe_gemm, "pcie": probe_pcie, "ncu": probe_ncu,
-           "latency": probe_latency, "queue": probe_queue}[args.probe](args)
+           "latency": probe_latency, "queue": probe_queue,
+           "routes": probe_routes}[args.probe](args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1, default=str)

@@ -964,6 +964,9 @@ class RoutedHandle(TransferHandle):
 
 #: Chunk sizes the calibration measures (bytes); the crossover is one of them.
 CALIBRATION_CHUNKS = (1024, 4096, 8192, 16384, 32768, 65536, 131072, 262144)
+#: What a cached calibration holds; a cache of another version is measured again.
+#: 2: each path timed from an idle GPU and behind GPU work, and the copy engine's call time.
+CALIBRATION_VERSION = 2
 
 
 class RoutedTransferEngine(TransferEngine):
@@ -972,13 +975,18 @@ class RoutedTransferEngine(TransferEngine):
     else ``nvidia-register``) where they are small. The crossover, per direction, is measured on
     this machine the first time (both paths timed over scratch pools at the chunk sizes of
     ``CALIBRATION_CHUNKS``) and cached in a file keyed by GPU, driver and settings, or set with
-    ``crossover_bytes``. ``stats()`` says which path moved how many bytes.
+    ``crossover_bytes``. The copy engine takes the chunk sizes from which its device rate (timed
+    behind GPU work) stays within ``prefer_copy_within`` of the SM path's and its rate from an
+    idle GPU (the calls' host time counts) at most ``idle_shortfall`` under the SM path's. The
+    cache holds the measured rates; the crossover is chosen from them with the engine's
+    settings. ``stats()`` says which path moved how many bytes.
 
     A calibrated route to the copy engine is then checked in use: the first ``verify_count``
     transfers of at least ``verify_mib`` in a direction (with no transfer of the engine running
     the other way) are timed with CUDA events, off the caller's streams; if their median falls
-    below the SM path's calibrated rate by more than ``verify_margin``, that direction moves to
-    the SM kernel from then on, with a warning and ``stats()["rerouted"]``."""
+    below the copy engine's own calibrated rate from an idle GPU by more than ``verify_margin``,
+    that direction moves to the SM kernel from then on, with a warning and
+    ``stats()["rerouted"]``."""
 
     name = "nvidia-routed"
     interface_version = KVTIER_INTERFACE_VERSION
@@ -988,11 +996,18 @@ class RoutedTransferEngine(TransferEngine):
         #: Chunk size (bytes) from which the copy engine takes a transfer, both directions
         #: (0: measured on this machine, per direction, and cached).
         crossover_bytes: int = 0
-        #: Prefer the copy engine where it is within this fraction of the SM path (it leaves
-        #: the SMs to the model: a GEMM beside it is not slowed). 0.05: on the H200, strided
-        #: copies of 32 KiB chunks calibrated at 92% of the TMA kernel and ran at 80-84% of the
-        #: link in use where the kernel ran at 90-91%; from 64 KiB they match it.
+        #: Prefer the copy engine where its device rate (timed behind GPU work) is within this
+        #: fraction of the SM path's (it leaves the SMs to the model: a GEMM beside it is not
+        #: slowed). 0.05: on the H200, strided copies of 32 KiB chunks calibrated at 92% of the
+        #: TMA kernel and ran at 80-84% of the link in use where the kernel ran at 90-91%; from
+        #: 64 KiB they match it.
         prefer_copy_within: float = 0.05
+        #: ... and where, timed from an idle GPU (its calls' host time counts there), it runs
+        #: at most this fraction under the SM path: the SMs are left to the model at that cost
+        #: to a transfer that finds the GPU idle. 0.3: on the H200, per-layer copy-engine loads
+        #: of a 61-layer pool ran at 0.77-0.92 of the SM kernel from idle at 64 KiB chunks
+        #: (1.00-1.07 behind GPU work), and at 0.28-0.61 at 18-32 KiB.
+        idle_shortfall: float = 0.3
         #: Calibration cache file ("": ~/.cache/kvtier/nvidia-routed.json; "none": no cache).
         cache_file: str = ""
         #: MiB moved per calibration transfer (32 MiB transfers undersell the copy engine:
@@ -1024,12 +1039,13 @@ class RoutedTransferEngine(TransferEngine):
         verify_mib: int = 32
         #: Transfers timed per direction before the check decides (their median).
         verify_count: int = 3
-        #: How far under the SM path's calibrated rate the copy engine may run in use before
-        #: the direction moves to the SM kernel. A calibrated rate is not a rate in use: on the
-        #: H200 the check fired at 6% under with 128 KiB chunks, then the SM kernel moved those
-        #: loads at 85.5% of the link where the copy engine moved them at 87.4%, and a GEMM
-        #: beside them slowed by 47-51% instead of 0. Shortfalls it must catch were 17% and more
-        #: (a copy engine at 35-48 GB/s against 49.9).
+        #: How far under its own calibrated rate (timed from an idle GPU, as the slowest use
+        #: sees it) the copy engine may run in use before the direction moves to the SM kernel.
+        #: A calibrated rate is not a rate in use: on the H200 a check against the SM path's
+        #: rate fired at 6% under with 128 KiB chunks, then the SM kernel moved those loads at
+        #: 85.5% of the link where the copy engine moved them at 87.4%, and a GEMM beside them
+        #: slowed by 47-51% instead of 0. Shortfalls it must catch were 17% and more (a copy
+        #: engine at 35-48 GB/s against 49.9).
         verify_margin: float = 0.10
         debug: bool = False
         device: int | None = None
@@ -1051,6 +1067,8 @@ class RoutedTransferEngine(TransferEngine):
                         ("verify_count", 1)):
             _check_int(self.name, key, getattr(c, key), lo)
         _check_fraction(self.name, "verify_margin", c.verify_margin)
+        _check_fraction(self.name, "prefer_copy_within", c.prefer_copy_within)
+        _check_fraction(self.name, "idle_shortfall", c.idle_shortfall)
         common = {"layerwise_load": c.layerwise_load, "layerwise_backup": c.layerwise_backup,
                   "debug": c.debug, "device": c.device}
         self.copy = CopyEngineTransferEngine(device_pool, host_pool,
@@ -1177,10 +1195,10 @@ class RoutedTransferEngine(TransferEngine):
             else:
                 pending.append((start, end, nbytes))
         self._timed[direction] = pending
-        table = {int(k): tuple(v) for k, v in
+        table = {int(k): v for k, v in
                  self.calibration.get(direction, {}).get("table", {}).items()}
-        sm = calibrated_rate(table, self.chunk_bytes, 0)
-        verdict = copy_engine_falls_short(self._measured[direction], sm,
+        expected = calibrated_rate(table, self.chunk_bytes, "copy")
+        verdict = copy_engine_falls_short(self._measured[direction], expected,
                                           self.config.verify_margin,
                                           self.config.verify_count)
         if verdict is None:
@@ -1192,20 +1210,22 @@ class RoutedTransferEngine(TransferEngine):
             self.route[direction] = "sm"
             if "sm" in self.route.values():
                 self.ctas = self.sm.ctas
-            self.rerouted[direction] = {"copy_engine_gbps": got, "sm_calibrated_gbps": sm,
-                                        "chunk_bytes": self.chunk_bytes}
-            log.warning("%s: %s on the copy engine ran at %.1f GB/s in use, under the SM "
-                        "path's calibrated %.1f GB/s by more than %.0f%% (%d-byte chunks): "
-                        "moved to %s", self.name, direction, got, sm,
-                        100 * self.config.verify_margin, self.chunk_bytes, self.sm.name)
+            self.rerouted[direction] = {
+                "copy_engine_gbps": got, "copy_engine_calibrated_gbps": expected,
+                "sm_calibrated_gbps": calibrated_rate(table, self.chunk_bytes, "sm"),
+                "chunk_bytes": self.chunk_bytes}
+            log.warning("%s: %s on the copy engine ran at %.1f GB/s in use, under its "
+                        "calibrated %.1f GB/s by more than %.0f%% (%d-byte chunks): moved to %s",
+                        self.name, direction, got, expected, 100 * self.config.verify_margin,
+                        self.chunk_bytes, self.sm.name)
 
     # ----- calibration --------------------------------------------------------------------
     def _cache_key(self) -> str:
         import torch
         dev = self.sm._dev
         return "|".join(str(x) for x in (
-            dev.name, f"sm_{dev.cc}", _driver_version(), torch.version.cuda, self.sm.name,
-            self.config.ctas, self.config.max_batch, self.config.prefer_copy_within,
+            CALIBRATION_VERSION, dev.name, f"sm_{dev.cc}", _driver_version(),
+            torch.version.cuda, self.sm.name, self.config.ctas, self.config.max_batch,
             self.config.calibrate_mib, self.host_pool.buffer.backing,
             f"L{self.spec.num_layers}", self._copy_cfg(), sorted(self._sm_cfg.items())))
 
@@ -1236,10 +1256,15 @@ class RoutedTransferEngine(TransferEngine):
             try:
                 with open(path) as f:
                     cache = json.load(f)
+                if not isinstance(cache, dict):
+                    raise ValueError("not a JSON object")
                 if key in cache:
-                    return cache[key], "cached"
-            except (OSError, ValueError):
-                cache = {}
+                    return self._from_cache(cache[key]), "cached"
+            except (OSError, ValueError) as exc:
+                log.warning("%s: calibration cache %s not used (%s): measuring again",
+                            self.name, path, exc)
+                cache = cache if isinstance(cache, dict) else {}
+                cache.pop(key, None)
         result = calibrate(self.sm._dev.ordinal, type(self.sm), self.config,
                            sm_cfg={k: v for k, v in self._sm_cfg.items()
                                    if k not in ("debug", "device")},
@@ -1257,6 +1282,26 @@ class RoutedTransferEngine(TransferEngine):
                             exc)
         return result, "calibrated"
 
+    def _from_cache(self, entry: Any) -> dict[str, Any]:
+        """A cached calibration, checked (every rate a positive finite number) and its
+        crossover chosen again from its table with this engine's settings; ValueError when the
+        entry is not one this version wrote."""
+        import math
+        from ._plan import PathRates, choose_crossover
+        out: dict[str, Any] = {}
+        try:
+            for d in ("h2d", "d2h"):
+                table = {int(k): PathRates.of(v) for k, v in entry[d]["table"].items()}
+                if not table or not all(math.isfinite(x) and x > 0 for r in table.values()
+                                        for x in r):
+                    raise ValueError(f"{d}: rates must be positive numbers")
+                out[d] = {"table": {str(k): v._asdict() for k, v in table.items()},
+                          "crossover": choose_crossover(table, self.config.prefer_copy_within,
+                                                        self.config.idle_shortfall)}
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"not a calibration: {exc!r}") from None
+        return out
+
 
 def _driver_version() -> str:
     try:
@@ -1269,29 +1314,32 @@ def _driver_version() -> str:
 def calibrate(ordinal: int, sm_cls: type, config: Any, sm_cfg: dict[str, Any],
               copy_cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
     """Time the SM kernel and the copy engine at each of ``CALIBRATION_CHUNKS`` over scratch
-    pools of ``num_layers`` layers (random pages, median of 3 after a warm-up), each engine
+    pools of ``num_layers`` layers (random pages, medians of 3 after a warm-up), each engine
     with the settings it runs with (per-layer or all-layer transfers per direction, strided
-    copies where the real pool allows them); returns per direction the table
-    ``{chunk: [sm GB/s, copy GB/s]}`` and the crossover."""
+    copies where the real pool allows them). Each transfer is timed from an idle GPU and
+    queued behind GPU work (a spin kernel longer than the call), and the call's host time is
+    taken; returns per direction the table ``{chunk: PathRates fields}`` and the crossover."""
     import torch
     from kvtier import DeviceKVPool, HostKVPool, KVSpec
     from kvtier.interfaces import HostBuffer
-    from ._plan import choose_crossover
+    from ._plan import PathRates, choose_crossover
     nbytes = config.calibrate_mib << 20
     dev = torch.device("cuda", ordinal)
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     host.random_(1, 255)
     buf = HostBuffer(host.data_ptr(), nbytes, host, "cuda-pinned", device_addressable=True)
-    tables: dict[str, dict[int, list[float]]] = {"h2d": {}, "d2h": {}}
+    tables: dict[str, dict[int, PathRates]] = {"h2d": {}, "d2h": {}}
     stream = torch.cuda.Stream(dev)
     g = torch.Generator().manual_seed(5)
     with torch.cuda.device(dev), torch.cuda.stream(stream):
+        spin = _Spin(torch)
         for chunk in CALIBRATION_CHUNKS:
             spec = KVSpec.mha(num_layers=num_layers, num_kv_heads=1, head_dim=128,
                               page_size=chunk // 256)
             pages = nbytes // spec.page_bytes
             if pages < 2:
                 continue
+            moved = pages * spec.page_bytes
             dpool = DeviceKVPool.empty(spec, pages, dev)
             hpool = HostKVPool(spec, pages, buffer=buf)
             perm_h = torch.randperm(pages, generator=g)
@@ -1304,31 +1352,65 @@ def calibrate(ordinal: int, sm_cls: type, config: Any, sm_cfg: dict[str, Any],
                     host_idx = eng.capabilities().host_indices
                     h = perm_h if host_idx else perm_h.to(dev)
                     dd = perm_d if host_idx else perm_d.to(dev)
-                    fn = (lambda e=eng, h=h, dd=dd: e.load(h, dd).wait()) if d == "h2d" \
-                        else (lambda e=eng, h=h, dd=dd: e.backup(dd, h).wait())
-                    row.append(pages * spec.page_bytes / _median_ms(torch, fn) / 1e6)
-                tables[d][chunk] = row
+                    call = (lambda e=eng, h=h, dd=dd: e.load(h, dd)) if d == "h2d" \
+                        else (lambda e=eng, h=h, dd=dd: e.backup(dd, h))
+                    idle_ms, call_ms = _timed(torch, call)
+                    device_ms, _ = _timed(torch, call, spin, behind_ms=2 * call_ms + 1.0)
+                    row.append((moved / idle_ms / 1e6, moved / device_ms / 1e6,
+                                call_ms / device_ms))
+                (sm, sm_dev, _), (ce, ce_dev, ce_share) = row
+                tables[d][chunk] = PathRates(sm, ce, sm_dev, ce_dev, ce_share)
             for eng in engines:
                 eng.close()
             del dpool, hpool
     torch.cuda.synchronize(dev)
     out: dict[str, Any] = {}
     for d, table in tables.items():
-        out[d] = {"table": {str(k): v for k, v in table.items()},
-                  "crossover": choose_crossover({k: (v[0], v[1]) for k, v in table.items()},
-                                                config.prefer_copy_within)}
+        out[d] = {"table": {str(k): v._asdict() for k, v in table.items()},
+                  "crossover": choose_crossover(table, config.prefer_copy_within,
+                                                config.idle_shortfall)}
     return out
 
 
-def _median_ms(torch, fn, repeat: int = 3) -> float:
-    times = []
-    for i in range(repeat + 1):
+class _Spin:
+    """GPU work of a given length on the current stream (a spin kernel, no memory traffic);
+    its clock is measured once."""
+
+    def __init__(self, torch):
+        self.torch = torch
+        probe = 2_000_000
+        torch.cuda._sleep(probe // 10)
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        fn()
+        torch.cuda._sleep(probe)
+        b.record()
+        b.synchronize()
+        self.cycles_per_ms = probe / max(a.elapsed_time(b), 1e-3)
+
+    def __call__(self, ms: float) -> None:
+        self.torch.cuda._sleep(max(1, int(ms * self.cycles_per_ms)))
+
+
+def _timed(torch, call, spin: _Spin | None = None, behind_ms: float = 0.0,
+           repeat: int = 3) -> tuple[float, float]:
+    """Medians after a warm-up: the GPU's time from before ``call`` (behind ``behind_ms`` of
+    GPU work: from its end) to the end of what it queued, and the host's time in ``call``."""
+    import time
+    times, calls = [], []
+    for i in range(repeat + 1):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if spin is not None:
+            spin(behind_ms)
+        a.record()
+        t0 = time.perf_counter()
+        handle = call()
+        t1 = time.perf_counter()
+        handle.wait()
         b.record()
         b.synchronize()
         if i:
             times.append(a.elapsed_time(b))
+            calls.append((t1 - t0) * 1e3)
     times.sort()
-    return times[len(times) // 2]
+    calls.sort()
+    return max(times[len(times) // 2], 1e-6), calls[len(calls) // 2]
