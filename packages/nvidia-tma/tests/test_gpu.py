@@ -720,6 +720,38 @@ def test_routed_copy_engine_route_that_is_slow_in_use_moves_to_the_sm_kernel(tmp
         hpool.close()
 
 
+def test_routed_in_use_check_does_not_count_a_transfer_the_other_way_overlapped(tmp_path):
+    """A timed load still running when a backup is called shares the link with it and would
+    read low: it is not counted. A load that ran alone is."""
+    _available("nvidia-routed")
+    spec = KVSpec.mha(num_layers=2, num_kv_heads=8, head_dim=128, page_size=64)   # 128 KiB
+    dpool = DeviceKVPool.empty(spec, 96, "cuda")
+    hpool = HostKVPool(spec, 96)
+    try:
+        eng = _engine("nvidia-routed", dpool, hpool, crossover_bytes=1, verify_mib=1,
+                      verify_count=3)
+        eng._verify = {"h2d", "d2h"}        # a configured route is never checked: check this one
+        fill_random(hpool.raw)
+        load = list(range(48))
+        back = list(range(48, 96))
+        torch.cuda._sleep(50_000_000)       # the load cannot have finished when the backup comes
+        eng.load(load, load)
+        assert len(eng._timed["h2d"]) == 1
+        eng.backup(back, back)
+        assert eng._timed["h2d"] == []      # overlapped: dropped
+        torch.cuda.synchronize()
+        eng.stats()
+        # the backup was not timed either: it started while the load ran
+        assert eng._measured["h2d"] == [] and eng._measured["d2h"] == []
+        eng.load(load, load).wait()
+        torch.cuda.synchronize()
+        eng.stats()
+        assert len(eng._measured["h2d"]) == 1 and eng._measured["h2d"][0] > 0
+        eng.close()
+    finally:
+        hpool.close()
+
+
 def test_auto_picks_the_router_on_cuda_and_reports_it(caplog):
     import logging
     _available("nvidia-routed")

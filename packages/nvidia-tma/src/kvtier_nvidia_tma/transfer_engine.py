@@ -983,10 +983,10 @@ class RoutedTransferEngine(TransferEngine):
 
     A calibrated route to the copy engine is then checked in use: the first ``verify_count``
     transfers of at least ``verify_mib`` in a direction (with no transfer of the engine running
-    the other way) are timed with CUDA events, off the caller's streams; if their median falls
-    below the copy engine's own calibrated rate from an idle GPU by more than ``verify_margin``,
-    that direction moves to the SM kernel from then on, with a warning and
-    ``stats()["rerouted"]``."""
+    the other way, from their start to their end) are timed with CUDA events, off the caller's
+    streams; if their median falls below the copy engine's own calibrated rate from an idle GPU
+    by more than ``verify_margin``, that direction moves to the SM kernel from then on, with a
+    warning and ``stats()["rerouted"]``."""
 
     name = "nvidia-routed"
     interface_version = KVTIER_INTERFACE_VERSION
@@ -1002,13 +1002,13 @@ class RoutedTransferEngine(TransferEngine):
         #: TMA kernel and ran at 80-84% of the link in use where the kernel ran at 90-91%; from
         #: 64 KiB they match it.
         prefer_copy_within: float = 0.05
-        #: ... and where, timed from an idle GPU (its calls' host time counts there), it runs
-        #: at most this fraction under the SM path: the SMs are left to the model at that cost
-        #: to a transfer that finds the GPU idle. 0.5: on the H200, per-layer copy-engine loads
-        #: of a 61-layer pool calibrated at 0.54-0.93 of the SM kernel from idle at 64 KiB
-        #: chunks (1.00-1.01 behind GPU work), and at 0.12-0.37 at 16 KiB; the host's time per
-        #: copy varied up to 2x between calibrations.
-        idle_shortfall: float = 0.5
+        #: ... and where, timed from an idle GPU (its calls' host time counts there; the best
+        #: of the calibration's runs), it runs at most this fraction under the SM path: the SMs
+        #: are left to the model at that cost to a transfer that finds the GPU idle. 0.25: on
+        #: the H200, per-layer copy-engine loads calibrated at 0.92-0.99 of the SM kernel from
+        #: idle at 32-256 KiB chunks (1.01-1.05 behind GPU work) and at 0.42-0.59 at 16 KiB,
+        #: where their calls held the host about twice as long as the copies ran.
+        idle_shortfall: float = 0.25
         #: Calibration cache file ("": ~/.cache/kvtier/nvidia-routed.json; "none": no cache).
         cache_file: str = ""
         #: MiB moved per calibration transfer (32 MiB transfers undersell the copy engine:
@@ -1153,7 +1153,12 @@ class RoutedTransferEngine(TransferEngine):
             self._check_route(direction)
         path = self.route[direction]
         nbytes = len(host_pages) * self.spec.page_bytes
-        other = self._last["d2h" if direction == "h2d" else "h2d"]
+        back = "d2h" if direction == "h2d" else "h2d"
+        if self._timed[back]:
+            # a timed transfer the other way that may still run overlaps this one: it would
+            # read low (the link is shared), so it does not count
+            self._timed[back] = [t for t in self._timed[back] if t[1].query()]
+        other = self._last[back]
         start = None
         if path == "copy_engine" and direction in self._verify \
                 and nbytes >= self.config.verify_mib << 20 \

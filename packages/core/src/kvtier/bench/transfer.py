@@ -627,7 +627,8 @@ def gemm_slowdown(torch, engines, sweeps, fixed, args, host_buf, pools) -> list[
                 out.append({"engine": name, "case": case, "priority": prio, "gemm_ms": g,
                             "slowdown": g / base[prio] - 1,
                             "transfer_gbps": moved / t0.elapsed_time(t1) / 1e6,
-                            "config": cfg})
+                            "config": cfg,
+                            "info": eng.describe() if hasattr(eng, "describe") else {}})
             eng.close()
         del dpool, hpool
     return out
