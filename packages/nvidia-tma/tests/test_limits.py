@@ -161,15 +161,15 @@ def _run(case, route, table, within=0.05, shortfall=0.3):
 
 
 def test_routes_table_marks_the_sizes_the_copy_engine_takes():
-    """Per calibrated size: CE/SM idle / behind work / call share, starred where the rule
-    takes it (device rates within the margin, idle rate within the shortfall); sizes a
+    """Per calibrated size: CE/SM idle / behind work / call share, starred from the crossover
+    the rule picks (device rates within the margin, idle rate within the shortfall); sizes a
     calibration skipped are dashes."""
     rates = {
         32768: {"sm": 50.0, "copy": 25.0, "sm_device": 50.0, "copy_device": 51.0,
                 "copy_call_share": 1.9},
         65536: {"sm": 50.0, "copy": 40.0, "sm_device": 50.0, "copy_device": 51.0,
                 "copy_call_share": 1.1},
-        131072: {"sm": 50.0, "copy": 49.0, "sm_device": 50.0, "copy_device": 46.0,
+        131072: {"sm": 50.0, "copy": 49.0, "sm_device": 50.0, "copy_device": 50.0,
                  "copy_call_share": 0.5}}
     out = limits.routes_table([_run("mla-p64", "copy_engine", rates)]).splitlines()
     assert "1 KiB" in out[1] and "256 KiB" in out[1]
@@ -181,6 +181,9 @@ def test_routes_table_marks_the_sizes_the_copy_engine_takes():
     assert by_size["1"] == "-" and by_size["256"] == "-"
     assert by_size["32"] == "0.50 / 1.02 / 1.90"                  # idle 50% under: not taken
     assert by_size["64"] == "0.80 / 1.02 / 1.10 *"
-    assert by_size["128"] == "0.98 / 0.92 / 0.50"                 # device 8% under: not taken
+    assert by_size["128"] == "0.98 / 1.00 / 0.50 *"
     wide = limits.routes_table([_run("mla-p64", "sm", rates, shortfall=0.6)])
     assert "0.50 / 1.02 / 1.90 *" in wide
+    slow = {**rates, 131072: {**rates[131072], "copy_device": 46.0}}   # device 8% under
+    none = limits.routes_table([_run("mla-p64", "sm", slow)])
+    assert "*" not in none.split("\n", 1)[1]

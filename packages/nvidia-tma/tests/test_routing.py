@@ -209,6 +209,12 @@ def _rates(sm, ce, share=0.5, sm_idle=None, ce_idle=None):
       65536: _rates(50, 51, ce_idle=40)}, 0.05, 65536),
     ({16384: _rates(50, 52, ce_idle=14, share=3.5), 65536: _rates(50, 51, ce_idle=35)},
      0.05, 65536),
+    # host time per byte only falls with larger chunks: a dip in the idle rate at one size
+    # above a size that kept up is noise, not a limit (a dip in the device rate is not)
+    ({16384: _rates(50, 52, ce_idle=24), 32768: _rates(50, 51, ce_idle=45),
+      65536: _rates(50, 51, ce_idle=38.5), 131072: _rates(50, 51, ce_idle=47.5)}, 0.05, 32768),
+    ({32768: _rates(50, 51, ce_idle=45), 65536: _rates(50, 45, ce_idle=45),
+      131072: _rates(50, 51)}, 0.05, 131072),
 ])
 def test_crossover_is_where_the_copy_engine_keeps_up(table, within, want):
     assert choose_crossover(table, within, 0.3) == want

@@ -755,8 +755,9 @@ def probe_routes(args) -> dict[str, Any]:
 def routes_table(runs: list[dict[str, Any]]) -> str:
     """The routes probe's table: per case, run and direction, each calibrated chunk size's
     CE/SM ratio from an idle GPU and behind GPU work and the copy engine's call share, marked
-    where the copy engine takes the size; and the route the case's chunks got."""
-    from ._plan import PathRates, copy_engine_keeps_up
+    where the copy engine takes the size (from the crossover the rule picks); and the route
+    the case's chunks got."""
+    from ._plan import PathRates, choose_crossover
     from .transfer_engine import CALIBRATION_CHUNKS
     lines = ["CE/SM from an idle GPU / behind GPU work / the copy engine's call time over its "
              "device time; * where the copy engine takes the size",
@@ -766,13 +767,15 @@ def routes_table(runs: list[dict[str, Any]]) -> str:
     for run in runs:
         for d in ("h2d", "d2h"):
             table = run["calibration"][d]["table"]
+            cross = choose_crossover({int(k): v for k, v in table.items()},
+                                     run["prefer_copy_within"], run["idle_shortfall"])
             cells = []
             for k in CALIBRATION_CHUNKS:
                 if str(k) not in table:
                     cells.append("-")
                     continue
                 v = PathRates.of(table[str(k)])
-                take = copy_engine_keeps_up(v, run["prefer_copy_within"], run["idle_shortfall"])
+                take = cross is not None and k >= cross
                 cells.append(f"{v.copy / v.sm:.2f} / {v.copy_device / v.sm_device:.2f} / "
                              f"{v.copy_call_share:.2f}{' *' if take else ''}")
             lines.append(f"| {run['case']} | {run['run'] + 1} | {d} | " + " | ".join(cells)

@@ -387,7 +387,8 @@ def _run(args: argparse.Namespace, torch) -> int:
         alloc = registry.create_host_allocator("torch-pinned")
     host_buf = alloc.allocate(4 * nbytes + (64 << 20))
     fill_random(host_buf.tensor[:4 * nbytes])
-    data: dict[str, Any] = {"env": environment(torch), "command": " ".join(sys.argv),
+    data: dict[str, Any] = {"env": environment(torch),
+                            "command": " ".join(["kvtier", *sys.argv[1:]]),
                             "host_backing": host_buf.backing, "mib": args.mib,
                             "repeat": args.repeat, "results": [], "gemm": []}
     data.update(order=args.order, host_layout=args.host_layout, indices=args.indices,
