@@ -25,4 +25,5 @@ done
 "$py" -m kvtier bench limits gemm --json "$out/gemm.json" 2>&1 | tee "$out/gemm.txt"
 "$py" -m kvtier bench limits pcie --json "$out/pcie.json" 2>&1 | tee "$out/pcie.txt"
 "$py" -m kvtier bench limits latency --json "$out/latency.json" 2>&1 | tee "$out/latency.txt"
+"$py" -m kvtier bench limits routes --json "$out/routes.json" 2>&1 | tee "$out/routes.txt"
 timeout 240 "$py" -m kvtier bench limits ncu --mib 64 --json "$out/ncu.json" 2>&1 | tee "$out/ncu.txt"
