@@ -517,7 +517,7 @@ def copy_engine_keeps_up(rates: PathRates, prefer_copy_within: float,
 
 
 def choose_crossover(table: dict[int, Any], prefer_copy_within: float,
-                     idle_shortfall: float = 0.25) -> int | None:
+                     idle_shortfall: float = 0.5) -> int | None:
     """The smallest measured chunk size from which on the copy engine always keeps up
     (:func:`copy_engine_keeps_up`), given ``{chunk_bytes: PathRates}``; None when it never
     does (every size goes to the SMs).
@@ -526,8 +526,8 @@ def choose_crossover(table: dict[int, Any], prefer_copy_within: float,
     call's host time counts, and on the H200 it put the copy engine at 0.91-0.98 of the SM
     kernel at 64-256 KiB on one start and 0.77-0.86 on another, across a 5% margin, where
     behind GPU work it ran at 1.00-1.07 of it on every start. The idle rates only keep the copy
-    engine from sizes where its calls leave an idle GPU waiting far longer (per-layer loads at
-    16 KiB chunks: 0.42-0.59 of the SM kernel, the best of three runs). Ties go to the copy
+    engine from sizes where its calls leave an idle GPU waiting far longer (per-layer loads of
+    a 61-layer pool at 1-8 KiB chunks: 0.02-0.30 of the SM kernel). Ties go to the copy
     engine on purpose: it leaves the SMs to the model (a GEMM beside the SM kernel's
     transfers slowed by 50%, beside the copy engine's by under 2%)."""
     for key, v in (("prefer_copy_within", prefer_copy_within),

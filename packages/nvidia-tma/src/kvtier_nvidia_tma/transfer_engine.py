@@ -1004,11 +1004,12 @@ class RoutedTransferEngine(TransferEngine):
         prefer_copy_within: float = 0.05
         #: ... and where, timed from an idle GPU (its calls' host time counts there; the best
         #: of the calibration's runs), it runs at most this fraction under the SM path: the SMs
-        #: are left to the model at that cost to a transfer that finds the GPU idle. 0.25: on
-        #: the H200, per-layer copy-engine loads calibrated at 0.92-0.99 of the SM kernel from
-        #: idle at 32-256 KiB chunks (1.01-1.05 behind GPU work) and at 0.42-0.59 at 16 KiB,
-        #: where their calls held the host about twice as long as the copies ran.
-        idle_shortfall: float = 0.25
+        #: are left to the model at that cost to a transfer that finds the GPU idle. 0.5: on
+        #: the H200, per-layer copy-engine loads of a 61-layer pool calibrated at 0.61-0.96 of
+        #: the SM kernel from idle at 64 KiB chunks over four starts (the host's time per copy
+        #: differs between starts; 1.01 behind GPU work on all), and at 0.21-0.59 at 16 KiB.
+        #: Where 64 KiB went to the SM kernel, a GEMM beside the loads lost half its speed.
+        idle_shortfall: float = 0.5
         #: Calibration cache file ("": ~/.cache/kvtier/nvidia-routed.json; "none": no cache).
         cache_file: str = ""
         #: MiB moved per calibration transfer (32 MiB transfers undersell the copy engine:
