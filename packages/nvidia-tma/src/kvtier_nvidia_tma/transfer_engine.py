@@ -1339,7 +1339,6 @@ def calibrate(ordinal: int, sm_cls: type, config: Any, sm_cfg: dict[str, Any],
     stream = torch.cuda.Stream(dev)
     g = torch.Generator().manual_seed(5)
     with torch.cuda.device(dev), torch.cuda.stream(stream):
-        spin = _Spin(torch)
         for chunk in CALIBRATION_CHUNKS:
             spec = KVSpec.mha(num_layers=num_layers, num_kv_heads=1, head_dim=128,
                               page_size=chunk // 256)
@@ -1364,7 +1363,7 @@ def calibrate(ordinal: int, sm_cls: type, config: Any, sm_cfg: dict[str, Any],
                     # the host's time varies between runs (up to 2x on the H200); what it
                     # adds only slows a run, so the idle rate and call time are the best runs'
                     idle_ms, call_ms = _timed(torch, call, best=True)
-                    device_ms, _ = _timed(torch, call, spin, behind_ms=2 * call_ms + 1.0)
+                    device_ms, _ = _timed(torch, call, behind_ms=2 * call_ms + 1.0)
                     row.append((moved / idle_ms / 1e6, moved / device_ms / 1e6,
                                 call_ms / device_ms))
                 (sm, sm_dev, _), (ce, ce_dev, ce_share) = row
@@ -1381,36 +1380,19 @@ def calibrate(ordinal: int, sm_cls: type, config: Any, sm_cfg: dict[str, Any],
     return out
 
 
-class _Spin:
-    """GPU work of a given length on the current stream (a spin kernel, no memory traffic);
-    its clock is measured once."""
-
-    def __init__(self, torch):
-        self.torch = torch
-        probe = 2_000_000
-        torch.cuda._sleep(probe // 10)
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        torch.cuda._sleep(probe)
-        b.record()
-        b.synchronize()
-        self.cycles_per_ms = probe / max(a.elapsed_time(b), 1e-3)
-
-    def __call__(self, ms: float) -> None:
-        self.torch.cuda._sleep(max(1, int(ms * self.cycles_per_ms)))
-
-
-def _timed(torch, call, spin: _Spin | None = None, behind_ms: float = 0.0,
-           repeat: int = 3, best: bool = False) -> tuple[float, float]:
+def _timed(torch, call, behind_ms: float = 0.0, repeat: int = 3,
+           best: bool = False) -> tuple[float, float]:
     """After a warm-up, the GPU's time from before ``call`` (behind ``behind_ms`` of GPU work:
     from its end) to the end of what it queued (the median, or with ``best`` the shortest),
     and the host's shortest time in ``call``."""
     import time
+
+    from kvtier.bench.transfer import gpu_busy
     times, calls = [], []
     for i in range(repeat + 1):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        if spin is not None:
-            spin(behind_ms)
+        if behind_ms > 0:
+            gpu_busy(torch, behind_ms)
         a.record()
         t0 = time.perf_counter()
         handle = call()
