@@ -65,6 +65,27 @@ def test_render_says_how_transfers_were_timed():
     assert "the end of 10 ms of GPU work" in out and "called backup-first" in out
 
 
+def test_render_shows_a_routing_engines_routes_only_where_there_is_one():
+    """A router's rows (and GEMM rows) say where loads and backups went, and which direction
+    its in-use check moved; tables of other engines keep their columns."""
+    row = {"case": "mla-p64", "chunk_bytes": 73728, "engine": "e", "config": {}, "mode": "all",
+           "direction": "h2d", "ctas": None, "gbps": 50.0, "ratio": 0.9, "info": {}}
+    data = {"env": {"gpu": "G"}, "ceiling": {"h2d": 55.0}, "mib": 1, "results": [row]}
+    assert "routes" not in transfer.render(data)
+    routed = {**row, "engine": "r", "info": {"route": {"h2d": "sm", "d2h": "copy_engine"},
+                                             "rerouted": {"h2d": {"copy_engine_gbps": 20.0}}}}
+    gemm = {"engine": "r", "case": "mla-p64", "priority": "high", "gemm_ms": 1.7,
+            "slowdown": 0.05, "transfer_gbps": 45.0,
+            "info": {"route": {"h2d": "copy_engine", "d2h": "copy_engine"}}}
+    out = transfer.render({**data, "results": [row, routed], "gemm": [gemm]})
+    assert "| SM / CE (moved: h2d) |" in out and "| CE / CE" in out
+    assert "routes: where a routing engine sent loads / backups" in out
+    lines = [ln for ln in out.splitlines() if ln.startswith("| mla-p64")]
+    assert lines[0].split("|")[-2].strip() == "-"      # the other engine's row: no route
+    assert transfer._route_text({"route": {"h2d": "sm"}}) == "-"
+    assert transfer._route_text(None) == "-"
+
+
 class _Stream:
     def __init__(self, name, log):
         self.name, self.log = name, log

@@ -669,21 +669,42 @@ def render(data: dict[str, Any]) -> str:
                       + "; and end: " + _gbps_text(data["ceiling_end"]) + ")")
     if data.get("host_copies"):
         lines.append(_host_copies_text(data["host_copies"]))
+    routed = any(_route_text(r.get("info")) != "-"
+                 for r in [*data["results"], *data.get("gemm", [])])
     rows = [[r["case"], r["chunk_bytes"], r["engine"], _cfg_text(r["config"]), r["mode"],
              r["direction"], r.get("ctas") or "-", f"{r['gbps']:.1f}", f"{100 * r['ratio']:.1f}%",
-             f"{r['call_ms']:.2f} / {r['ms']:.2f}" if "call_ms" in r else "-"]
+             f"{r['call_ms']:.2f} / {r['ms']:.2f}" if "call_ms" in r else "-",
+             *([_route_text(r.get("info"))] if routed else [])]
             for r in data["results"]]
     lines.append(table(["case", "chunk B", "engine", "config", "launch", "dir", "CTAs", "GB/s",
-                        "of ceiling", "call / GPU ms"], rows))
+                        "of ceiling", "call / GPU ms", *(["routes"] if routed else [])], rows))
+    if routed:
+        lines.append("routes: where a routing engine sent loads / backups (CE: copy engine, "
+                     "SM: SM kernel; 'moved': a direction its in-use check moved)")
     if data.get("gemm"):
         g = [[x["engine"], x["case"] or "-", x.get("priority", "normal"), f"{x['gemm_ms']:.3f}",
               f"{100 * x['slowdown']:+.1f}%" if "slowdown" in x else "-",
-              f"{x['transfer_gbps']:.1f}" if x.get("transfer_gbps") else "-"]
+              f"{x['transfer_gbps']:.1f}" if x.get("transfer_gbps") else "-",
+              *([_route_text(x.get("info"))] if routed else [])]
              for x in data["gemm"]]
         lines.append("bf16 8192^3 GEMM while loads and backups run on other streams")
         lines.append(table(["engine", "case", "GEMM stream", "GEMM ms", "slowdown",
-                            "transfer GB/s"], g))
+                            "transfer GB/s", *(["routes"] if routed else [])], g))
     return "\n".join(lines)
+
+
+def _route_text(info: Any) -> str:
+    """A routing engine's routes as its describe() gave them: "CE / SM" (loads / backups),
+    with the directions its in-use check moved; "-" for other engines."""
+    route = info.get("route") if isinstance(info, dict) else None
+    if not isinstance(route, dict) or not {"h2d", "d2h"} <= set(route):
+        return "-"
+    short = {"copy_engine": "CE", "sm": "SM"}
+    text = " / ".join(short.get(route[d], str(route[d])) for d in ("h2d", "d2h"))
+    moved = info.get("rerouted") or {}
+    if moved:
+        text += " (moved: " + ", ".join(sorted(moved)) + ")"
+    return text
 
 
 def plot(data: dict[str, Any], path: str, max_series: int = 8, engines: str | None = None,
