@@ -1000,7 +1000,9 @@ class RoutedTransferEngine(TransferEngine):
         #: fraction of the SM path's (it leaves the SMs to the model: a GEMM beside it is not
         #: slowed). 0.05: on the H200, strided copies of 32 KiB chunks calibrated at 92% of the
         #: TMA kernel and ran at 80-84% of the link in use where the kernel ran at 90-91%; from
-        #: 64 KiB they match it.
+        #: 64 KiB they match it. On one machine whose DMA path ran slower (pinned memcpy at 52.5
+        #: GB/s host to device), per-layer copy-engine loads ran at 0.90-0.94 of the kernel and
+        #: went to it; 0.1 keeps them on the copy engine there.
         prefer_copy_within: float = 0.05
         #: ... and where, timed from an idle GPU (its calls' host time counts there; the best
         #: of the calibration's runs), it runs at most this fraction under the SM path: the SMs
