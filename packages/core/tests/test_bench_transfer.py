@@ -86,6 +86,47 @@ def test_render_shows_a_routing_engines_routes_only_where_there_is_one():
     assert transfer._route_text(None) == "-"
 
 
+class _FakeCuda:
+    """torch.cuda's events for timed_ms on the CPU: each start/end pair reads the next GPU
+    time of a script."""
+
+    def __init__(self, gpu_ms):
+        self.gpu_ms = list(gpu_ms)
+        cuda = self
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                pass
+
+            def record(self, stream=None):
+                pass
+
+            def synchronize(self):
+                pass
+
+            def elapsed_time(self, end):
+                return cuda.gpu_ms.pop(0)
+        self.Event = Event
+
+
+def test_timed_ms_takes_medians_or_with_best_the_shortest(monkeypatch):
+    """The first run is the warm-up; then medians, or with ``best`` the shortest GPU and
+    call times (a noisy host only slows a run)."""
+    import types
+    calls = iter([0.001, 0.004, 0.003, 0.009, 0.001, 0.004, 0.003, 0.009])
+    clock = [0.0]
+
+    def fn():
+        clock[0] += next(calls)
+    monkeypatch.setattr(transfer.time, "perf_counter", lambda: clock[0])
+    gpu = [9.0, 5.0, 2.0, 7.0]
+    torch = types.SimpleNamespace(cuda=_FakeCuda(gpu + gpu))
+    ms, call = transfer.timed_ms(torch, fn, 3)
+    assert ms == 5.0 and call == pytest.approx(4.0)
+    ms, call = transfer.timed_ms(torch, fn, 3, best=True)
+    assert ms == 2.0 and call == pytest.approx(3.0)
+
+
 class _Stream:
     def __init__(self, name, log):
         self.name, self.log = name, log

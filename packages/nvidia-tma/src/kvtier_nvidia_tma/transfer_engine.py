@@ -1330,6 +1330,7 @@ def calibrate(ordinal: int, sm_cls: type, config: Any, sm_cfg: dict[str, Any],
     taken; returns per direction the table ``{chunk: PathRates fields}`` and the crossover."""
     import torch
     from kvtier import DeviceKVPool, HostKVPool, KVSpec
+    from kvtier.bench.transfer import timed_ms
     from kvtier.interfaces import HostBuffer
     from ._plan import PathRates, choose_crossover
     nbytes = config.calibrate_mib << 20
@@ -1360,12 +1361,13 @@ def calibrate(ordinal: int, sm_cls: type, config: Any, sm_cfg: dict[str, Any],
                     host_idx = eng.capabilities().host_indices
                     h = perm_h if host_idx else perm_h.to(dev)
                     dd = perm_d if host_idx else perm_d.to(dev)
-                    call = (lambda e=eng, h=h, dd=dd: e.load(h, dd)) if d == "h2d" \
-                        else (lambda e=eng, h=h, dd=dd: e.backup(dd, h))
+                    fn = (lambda e=eng, h=h, dd=dd: e.load(h, dd).wait()) if d == "h2d" \
+                        else (lambda e=eng, h=h, dd=dd: e.backup(dd, h).wait())
                     # the host's time varies between runs (up to 2x on the H200); what it
                     # adds only slows a run, so the idle rate and call time are the best runs'
-                    idle_ms, call_ms = _timed(torch, call, best=True)
-                    device_ms, _ = _timed(torch, call, behind_ms=2 * call_ms + 1.0)
+                    idle_ms, call_ms = timed_ms(torch, fn, 3, best=True)
+                    device_ms = timed_ms(torch, fn, 3, behind_ms=2 * call_ms + 1.0)[0]
+                    idle_ms, device_ms = max(idle_ms, 1e-6), max(device_ms, 1e-6)
                     row.append((moved / idle_ms / 1e6, moved / device_ms / 1e6,
                                 call_ms / device_ms))
                 (sm, sm_dev, _), (ce, ce_dev, ce_share) = row
@@ -1380,30 +1382,3 @@ def calibrate(ordinal: int, sm_cls: type, config: Any, sm_cfg: dict[str, Any],
                   "crossover": choose_crossover(table, config.prefer_copy_within,
                                                 config.idle_shortfall)}
     return out
-
-
-def _timed(torch, call, behind_ms: float = 0.0, repeat: int = 3,
-           best: bool = False) -> tuple[float, float]:
-    """After a warm-up, the GPU's time from before ``call`` (behind ``behind_ms`` of GPU work:
-    from its end) to the end of what it queued (the median, or with ``best`` the shortest),
-    and the host's shortest time in ``call``."""
-    import time
-
-    from kvtier.bench.transfer import gpu_busy
-    times, calls = [], []
-    for i in range(repeat + 1):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        if behind_ms > 0:
-            gpu_busy(torch, behind_ms)
-        a.record()
-        t0 = time.perf_counter()
-        handle = call()
-        t1 = time.perf_counter()
-        handle.wait()
-        b.record()
-        b.synchronize()
-        if i:
-            times.append(a.elapsed_time(b))
-            calls.append((t1 - t0) * 1e3)
-    times.sort()
-    return max(times[0] if best else times[len(times) // 2], 1e-6), min(calls)

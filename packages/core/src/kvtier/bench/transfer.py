@@ -149,12 +149,12 @@ def gpu_busy(torch, ms: float) -> None:
     torch.cuda._sleep(max(1, int(ms * _CYCLES_PER_MS[0])))
 
 
-def timed_ms(torch, fn, repeat: int, warmup: int = 1,
-             behind_ms: float = 0.0) -> tuple[float, float]:
-    """Medians over ``repeat`` runs after ``warmup``: the GPU's time from before ``fn`` is
-    called (with ``behind_ms``: from the end of that much GPU work queued before it) to after
-    all it queued (CUDA events), and the calling thread's time in ``fn`` (queueing its work,
-    and any wait that blocks the thread)."""
+def timed_ms(torch, fn, repeat: int, warmup: int = 1, behind_ms: float = 0.0,
+             best: bool = False) -> tuple[float, float]:
+    """Medians over ``repeat`` runs after ``warmup`` (with ``best``: the shortest of each):
+    the GPU's time from before ``fn`` is called (with ``behind_ms``: from the end of that much
+    GPU work queued before it) to after all it queued (CUDA events), and the calling thread's
+    time in ``fn`` (queueing its work, and any wait that blocks the thread)."""
     times, calls = [], []
     for i in range(warmup + repeat):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -171,7 +171,8 @@ def timed_ms(torch, fn, repeat: int, warmup: int = 1,
             calls.append(1e3 * (t1 - t0))
         elif start.elapsed_time(end) > 500 and repeat > 1:
             repeat = 1          # very slow configurations: one timed run is enough
-    return statistics.median(times), statistics.median(calls)
+    pick = min if best else statistics.median
+    return pick(times), pick(calls)
 
 
 def environment(torch) -> dict[str, Any]:
