@@ -56,6 +56,8 @@ def test_parse_ncu_csv_skips_tool_chatter():
     (["routes", "--config", "idle_shortfall"], "expected KEY=VALUE"),
     (["routes", "--repeat", "0"], "--repeat must be at least 1"),
     (["routes", "--cases", "mla-p64,nope"], "unknown case(s) nope"),
+    (["queue", "--issue-threads", "1,two"], "--issue-threads: expected thread counts"),
+    (["queue", "--issue-threads", "0,2"], "--issue-threads: expected thread counts"),
 ])
 def test_bad_arguments_exit_2(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -158,6 +160,17 @@ def _run(case, route, table, within=0.05, shortfall=0.3):
            for d in ("h2d", "d2h")}
     return {"case": case, "run": 0, "route": {"h2d": route, "d2h": route}, "calibration": cal,
             "prefer_copy_within": within, "idle_shortfall": shortfall}
+
+
+def test_queue_issue_threads_parse():
+    args = limits.argparse.ArgumentParser()
+    limits.add_arguments(args)
+    ns = args.parse_args(["queue", "--issue-threads", "1, 2,8"])
+    limits.check_arguments(ns)
+    assert ns.issue_threads == [1, 2, 8]
+    ns = args.parse_args(["queue", "--issue-threads", ""])
+    limits.check_arguments(ns)
+    assert ns.issue_threads == []
 
 
 def test_routes_table_marks_the_sizes_the_copy_engine_takes():

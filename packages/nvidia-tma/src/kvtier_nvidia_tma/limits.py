@@ -24,7 +24,8 @@ probes say why it is not faster. Each prints a table and, with ``--json``, keeps
 ``queue``
     The copy engine's copies: host microseconds to queue one (``cuMemcpyBatchAsync``), and
     both directions at once queued one after the other from one thread, from a thread each,
-    and queued before either starts.
+    and queued before either starts; and one direction queued from several threads at once
+    (``--issue-threads``), a slice of its copies and a stream each.
 ``routes``
     ``nvidia-routed``'s calibration, measured again ``--repeat`` times per case (no cache):
     per direction and chunk size, the copy engine's rate against the SM kernel's from an idle
@@ -615,6 +616,9 @@ def probe_queue(args) -> dict[str, Any]:
     db = torch.empty(total, dtype=torch.uint8, device="cuda")
     sa, sb, sg = torch.cuda.Stream(), torch.cuda.Stream(), torch.cuda.Stream()
     copiers = {id(sa): _driver.BatchCopier(), id(sb): _driver.BatchCopier()}
+    T_max = max(args.issue_threads, default=1)
+    split_streams = [torch.cuda.Stream() for _ in range(T_max)]
+    split_copiers = [_driver.BatchCopier() for _ in range(T_max)]
     rng = np.random.default_rng(1)
 
     def timed(fn, gate_ms: float = 0.0) -> float:
@@ -677,6 +681,22 @@ def probe_queue(args) -> dict[str, Any]:
                 t.start()
             for t in ts:
                 t.join()
+
+        def split(job, T: int) -> None:          # one direction, a slice per thread
+            dst, src, _ = job
+            bar = threading.Barrier(T)
+
+            def run(t: int) -> None:
+                torch.cuda.set_device(0)
+                lo, hi = n * t // T, n * (t + 1) // T
+                bar.wait()
+                split_copiers[t](dst[lo:hi], src[lo:hi], sizes[lo:hi],
+                                 split_streams[t].cuda_stream, args.max_batch)
+            ts = [threading.Thread(target=run, args=(t,)) for t in range(T)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
         t_q = []
         for _ in range(args.repeat):                 # queuing alone: behind a long gate
             torch.cuda.synchronize()
@@ -691,9 +711,25 @@ def probe_queue(args) -> dict[str, Any]:
                 "both, a thread each": 2 * total / timed(threads) / 1e9,
                 "both, queued before they start": 2 * total / timed(
                     in_turn, gate_ms=50 + n * 4e-3) / 1e9}
+        calls: dict[int, float] = {}
+        for T in args.issue_threads:
+            call: list[float] = []
+
+            def job(T=T, call=call) -> None:
+                t0 = time.perf_counter()
+                split(load, T)
+                call.append(time.perf_counter() - t0)
+                for s in split_streams[:T]:             # timed() waits for sa and sb
+                    ev = torch.cuda.Event()
+                    ev.record(s)
+                    sa.wait_event(ev)
+            gbps[f"h2d, {T} threads"] = total / timed(job) / 1e9
+            calls[T] = 1e3 * statistics.median(call)
         row = {"chunk_bytes": chunk, "copies": n,
+               "issue_threads_call_ms": {str(T): v for T, v in calls.items()},
                "queue_us_per_copy": 1e6 * statistics.median(t_q) / n,
-               **{k: {"gbps": v, "of_ceiling": v / ceil[k if k in ceil else "both"]}
+               **{k: {"gbps": v, "of_ceiling": v / ceil[k.split(",")[0] if k.split(",")[0]
+                                                          in ceil else "both"]}
                   for k, v in gbps.items()}}
         return row
 
@@ -703,7 +739,7 @@ def probe_queue(args) -> dict[str, Any]:
         rows.append(row)
         print(f"{chunk // 1024} KiB chunks done", file=sys.stderr, flush=True)
     names = ["h2d", "d2h", "both, one after the other", "both, a thread each",
-             "both, queued before they start"]
+             "both, queued before they start"] + [f"h2d, {T} threads" for T in args.issue_threads]
     print(f"ceiling (pinned memcpy, {args.mib} MiB): h2d {ceil['h2d']:.1f} GB/s, d2h "
           f"{ceil['d2h']:.1f}, both {ceil['both']:.1f}; batches of {args.max_batch} copies")
     print("| chunk | queue us/copy | " + " | ".join(names) + " |")
@@ -711,7 +747,13 @@ def probe_queue(args) -> dict[str, Any]:
     for r in rows:
         print(f"| {r['chunk_bytes'] // 1024} KiB | {r['queue_us_per_copy']:.2f} | " + " | ".join(
             f"{r[k]['gbps']:.1f} ({100 * r[k]['of_ceiling']:.1f}%)" for k in names) + " |")
-    return {"ceiling": ceil, "rows": rows, "max_batch": args.max_batch, "mib": args.mib}
+    if args.issue_threads:
+        print("\nhost ms to queue the load from T threads: " + "; ".join(
+            f"{r['chunk_bytes'] // 1024} KiB " + ", ".join(
+                f"{T}: {ms:.2f}" for T, ms in r["issue_threads_call_ms"].items())
+            for r in rows))
+    return {"ceiling": ceil, "rows": rows, "max_batch": args.max_batch, "mib": args.mib,
+            "issue_threads": args.issue_threads}
 
 
 def probe_routes(args) -> dict[str, Any]:
@@ -825,6 +867,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         if name == "queue":
             s.add_argument("--repeat", type=int, default=5, help="timed runs (median)")
             s.add_argument("--max-batch", type=int, default=256, help="copies per batch call")
+            s.add_argument("--issue-threads", default="1,2,4", metavar="T,T",
+                           help="also time a load queued from T threads at once, a slice of "
+                                "its copies and a stream each ('' for none)")
         if name == "pcie":
             s.add_argument("--seconds", type=float, default=1.5, help="time per measurement")
             s.add_argument("--order", choices=["random", "sequential"], default="random")
@@ -843,6 +888,14 @@ def check_arguments(args: argparse.Namespace) -> None:
         if bad:
             raise InvalidArgumentError(f"--ops: {', '.join(bad)}: expected loads, backups or "
                                        "both", argument="ops")
+    if args.probe == "queue" and isinstance(args.issue_threads, str):
+        try:
+            args.issue_threads = [int(x) for x in args.issue_threads.split(",") if x.strip()]
+        except ValueError:
+            args.issue_threads = [0]
+        if any(t < 1 or t > 64 for t in args.issue_threads):
+            raise InvalidArgumentError(f"--issue-threads: expected thread counts in 1-64, "
+                                       f"got {args.issue_threads!r}", argument="issue-threads")
     if args.probe == "routes" and args.repeat < 1:
         raise InvalidArgumentError(f"--repeat must be at least 1, got {args.repeat}",
                                    argument="repeat")
