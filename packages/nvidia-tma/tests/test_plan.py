@@ -409,3 +409,85 @@ def test_batch_copier_splits_batches(n, max_batch, first, expect):
     assert [len(b[0]) for b in seen] == expect
     assert sum((b[1] for b in seen), []) == src.tolist()          # every copy once, in order
     assert sum((b[0] for b in seen), []) == dst.tolist()
+
+
+def _fake_batch_copier(kind: str, rc: int = 0):
+    """A BatchCopier whose driver entry points are fakes that record what they are given:
+    ``cuMemcpyBatchAsync_v2(dsts, srcs, sizes, count, attrs, attrsIdxs, numAttrs, hStream)``
+    (CUDA 13) or, for kind "batch", ``cuMemcpyBatchAsync`` with ``failIdx`` before the stream
+    (CUDA 12.8); ``cuMemcpyAsync(dst, src, bytes, hStream)`` for the per-copy loop."""
+    import ctypes
+
+    from kvtier_nvidia_tma import _driver
+    copier = object.__new__(_driver.BatchCopier)
+    log: list = []
+
+    def read(ptr, k):
+        return np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_uint64)),
+                                     (k,)).tolist() if k else []
+
+    def batch(*args):
+        assert len(args) == (9 if kind == "batch" else 8)
+        k = args[3].value
+        assert args[6].value == 1                    # one attribute for every copy
+        log.append(("batch", read(args[0], k), read(args[1], k), read(args[2], k),
+                    args[-1].value))
+        return rc
+
+    def copy(d, s, n, stream):
+        log.append(("copy", d.value, s.value, n.value, stream.value))
+        return 0
+    copier._fn, copier.kind, copier._copy = batch, kind, copy
+    copier._attr = _driver._MemcpyAttributes(_driver.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+                                             0, 0, 0, 0, 0)
+    return copier, log
+
+
+@pytest.mark.parametrize("kind", ["batch-v2", "batch"])
+@pytest.mark.parametrize("max_batch, first", [(0, 0), (4, 0), (256, 0), (5, 2), (3, 16)])
+def test_queue_layers_queues_each_layer_then_marks_it(kind, max_batch, first):
+    from kvtier_nvidia_tma._driver import batch_sizes
+    rng = np.random.default_rng(max_batch * 31 + first)
+    counts = [int(x) for x in rng.integers(0, 12, size=7)] + [0, 9]   # empty layers too
+    bounds = np.concatenate([[0], np.cumsum(counts)]).tolist()
+    n = bounds[-1]
+    src = rng.integers(1 << 20, 1 << 40, size=n, dtype=np.uint64)
+    dst = rng.integers(1 << 20, 1 << 40, size=n, dtype=np.uint64)
+    sizes = rng.integers(1, 1 << 17, size=n, dtype=np.uint64)
+    copier, log = _fake_batch_copier(kind)
+    copier.queue_layers(dst, src, sizes, bounds, stream=0x5A, max_batch=max_batch, first=first,
+                        after=lambda layer: log.append(("after", layer)))
+    want = []
+    for layer in range(len(counts)):
+        a = bounds[layer]
+        for k in batch_sizes(counts[layer], max_batch, first):
+            want.append(("batch", dst[a:a + k].tolist(), src[a:a + k].tolist(),
+                          sizes[a:a + k].tolist(), 0x5A))
+            a += k
+        want.append(("after", layer))
+    assert log == want
+
+
+def test_queue_layers_falls_back_to_one_copy_at_a_time():
+    copier, log = _fake_batch_copier("batch-v2", rc=801)     # CUDA_ERROR_NOT_SUPPORTED
+    src = np.array([10, 20, 30], dtype=np.uint64)
+    dst = np.array([7, 8, 9], dtype=np.uint64)
+    sizes = np.array([1, 2, 3], dtype=np.uint64)
+    copier.queue_layers(dst, src, sizes, [0, 2, 3], stream=3,
+                        after=lambda layer: log.append(("after", layer)))
+    copies = [e for e in log if e[0] != "batch"]
+    assert copies == [("copy", 7, 10, 1, 3), ("copy", 8, 20, 2, 3), ("after", 0),
+                      ("copy", 9, 30, 3, 3), ("after", 1)]
+    assert copier._fn is None and copier.kind == "loop"
+    assert sum(e[0] == "batch" for e in log) <= 2       # not asked again for later layers
+
+
+def test_queue_layers_names_a_driver_error():
+    from kvtier.errors import TransferError
+    copier, log = _fake_batch_copier("batch-v2", rc=1)       # CUDA_ERROR_INVALID_VALUE
+    marks = []
+    with pytest.raises(TransferError, match=r"cuMemcpyBatchAsync failed \(CUresult 1\)"):
+        copier.queue_layers(np.arange(4, dtype=np.uint64), np.arange(4, dtype=np.uint64),
+                            np.ones(4, dtype=np.uint64), [0, 2, 4], stream=0,
+                            after=marks.append)
+    assert marks == []                  # no layer is marked queued after a refused call

@@ -11,7 +11,7 @@ from __future__ import annotations
 import ctypes
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import numpy as np
 from kvtier.errors import TransferError
@@ -373,6 +373,40 @@ class BatchCopier:
         for k in batch_sizes(n, max_batch, first):
             self._batch(dst[i:i + k], src[i:i + k], sizes[i:i + k], stream)
             i += k
+
+    def queue_layers(self, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray,
+                     bounds: Sequence[int], stream: int, max_batch: int = 0, first: int = 0,
+                     after: Callable[[int], None] | None = None) -> None:
+        """Copies ``bounds[l]:bounds[l + 1]`` of the arrays, layer by layer, each layer as
+        :meth:`__call__` queues it, with ``after(l)`` once layer ``l``'s copies are queued (an
+        event per layer). The arrays are made contiguous once and each batch call gets its
+        addresses by offset, not from NumPy slices and ctypes casts of its own: a per-layer
+        transfer makes a call per layer, and its host time is what bounds it on an idle
+        GPU."""
+        dst = np.ascontiguousarray(dst, dtype=np.uint64)
+        src = np.ascontiguousarray(src, dtype=np.uint64)
+        sizes = np.ascontiguousarray(sizes, dtype=np.uint64)
+        pd, ps, pz = dst.ctypes.data, src.ctypes.data, sizes.ctypes.data
+        idx0, fail = ctypes.c_size_t(0), ctypes.c_size_t(0)
+        attr, idx, one = ctypes.byref(self._attr), ctypes.byref(idx0), ctypes.c_size_t(1)
+        st = ctypes.c_void_p(stream)
+        step = np.dtype(np.uint64).itemsize
+        for layer in range(len(bounds) - 1):
+            a, b = int(bounds[layer]), int(bounds[layer + 1])
+            for k in batch_sizes(b - a, max_batch, first):
+                rc = 801 if self._fn is None else self._fn(
+                    *([ctypes.c_void_p(pd + step * a), ctypes.c_void_p(ps + step * a),
+                       ctypes.c_void_p(pz + step * a), ctypes.c_size_t(k), attr, idx, one]
+                      + ([ctypes.byref(fail)] if self.kind == "batch" else []) + [st]))
+                if rc == 801:          # no batch API: the loop (and its errors) in _batch
+                    self._batch(dst[a:a + k], src[a:a + k], sizes[a:a + k], stream)
+                elif rc != 0:
+                    raise TransferError(f"nvidia-copy-engine: cuMemcpyBatchAsync failed "
+                                        f"(CUresult {rc})", backend="nvidia-copy-engine",
+                                        code=rc)
+                a += k
+            if after is not None:
+                after(layer)
 
     def _batch(self, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, stream: int) -> None:
         n = int(sizes.size)

@@ -747,15 +747,15 @@ class CopyEngineTransferEngine(_NvidiaEngine):
         if lists is None:
             return None
         src, dst, sizes, bounds = lists
-        torch = self._torch
-        events = []
-        for layer in range(self.spec.num_layers):
-            a, b = int(bounds[layer]), int(bounds[layer + 1])
-            self._copier(dst[a:b], src[a:b], sizes[a:b], stream.cuda_stream, c.max_batch,
-                         c.first_batch)
-            ev = torch.cuda.Event()
+        Event = self._torch.cuda.Event
+        events: list[Any] = []
+
+        def after(layer: int) -> None:
+            ev = Event()
             ev.record(stream)
             events.append(ev)
+        self._copier.queue_layers(dst, src, sizes, bounds.tolist(), stream.cuda_stream,
+                                  c.max_batch, c.first_batch, after)
         return events
 
     def _launch(self, h, d, d2h, layer0, layers, stream) -> None:
