@@ -200,3 +200,20 @@ def test_routes_table_marks_the_sizes_the_copy_engine_takes():
     slow = {**rates, 131072: {**rates[131072], "copy_device": 46.0}}   # device 8% under
     none = limits.routes_table([_run("mla-p64", "sm", slow)])
     assert "*" not in none.split("\n", 1)[1]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--cases", "mla-p64,nope"], "unknown case(s) nope"),
+    (["--repeat", "0"], "--mib and --repeat must be >= 1"),
+])
+def test_queue_layers_bench_refuses_bad_arguments(argv, message, capsys):
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).parents[1] / "bench" / "queue_layers.py"
+    spec = importlib.util.spec_from_file_location("queue_layers_bench", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    with pytest.raises(SystemExit) as exc:
+        mod.main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
