@@ -1,7 +1,8 @@
 """Host time to queue a per-layer copy-engine transfer: a batch call per layer given NumPy
-slices (``BatchCopier.__call__``, as `nvidia-copy-engine` queued per-layer transfers before)
-against ``BatchCopier.queue_layers`` (one pass, addresses by offset), with an event recorded
-after each layer either way. The two alternate in one process, so both see the same host;
+slices (``BatchCopier.__call__``, as `nvidia-copy-engine` queued per-layer transfers before;
+both ways now share the driver call itself, so only the slicing differs) against
+``BatchCopier.queue_layers`` (one pass, addresses by offset), with an event recorded after
+each layer either way. The two alternate in one process, so both see the same host;
 the ratio is the median of the paired runs. Needs CUDA.
 
     python packages/nvidia-tma/bench/queue_layers.py [--cases mla-p16,mha-32k,mla-p64,mha-128k]

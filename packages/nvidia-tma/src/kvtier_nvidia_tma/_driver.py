@@ -240,6 +240,9 @@ class _MemcpyAttributes(ctypes.Structure):
 
 
 CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 1
+#: ``attrsIdxs`` of every batch call: one attribute, from the first copy on (read only by the
+#: driver, so one object serves every call).
+_ATTR_INDEX = ctypes.c_size_t(0)
 
 
 def batch_sizes(n: int, max_batch: int = 0, first: int = 0) -> list[int]:
@@ -345,7 +348,7 @@ class BatchCopier:
     def __init__(self) -> None:
         lib = libcuda()
         self.kind = "loop"
-        self._fn = None
+        self._fn: Any = None
         for sym, kind in (("cuMemcpyBatchAsync_v2", "batch-v2"), ("cuMemcpyBatchAsync", "batch")):
             try:
                 fn = getattr(lib, sym)
@@ -387,45 +390,40 @@ class BatchCopier:
         src = np.ascontiguousarray(src, dtype=np.uint64)
         sizes = np.ascontiguousarray(sizes, dtype=np.uint64)
         pd, ps, pz = dst.ctypes.data, src.ctypes.data, sizes.ctypes.data
-        idx0, fail = ctypes.c_size_t(0), ctypes.c_size_t(0)
-        attr, idx, one = ctypes.byref(self._attr), ctypes.byref(idx0), ctypes.c_size_t(1)
-        st = ctypes.c_void_p(stream)
         step = np.dtype(np.uint64).itemsize
         for layer in range(len(bounds) - 1):
             a, b = int(bounds[layer]), int(bounds[layer + 1])
             for k in batch_sizes(b - a, max_batch, first):
-                rc = 801 if self._fn is None else self._fn(
-                    *([ctypes.c_void_p(pd + step * a), ctypes.c_void_p(ps + step * a),
-                       ctypes.c_void_p(pz + step * a), ctypes.c_size_t(k), attr, idx, one]
-                      + ([ctypes.byref(fail)] if self.kind == "batch" else []) + [st]))
-                if rc == 801:          # no batch API: the loop (and its errors) in _batch
+                o = step * a
+                if self._fn is None or not self._call(pd + o, ps + o, pz + o, k, stream):
                     self._batch(dst[a:a + k], src[a:a + k], sizes[a:a + k], stream)
-                elif rc != 0:
-                    raise TransferError(f"nvidia-copy-engine: cuMemcpyBatchAsync failed "
-                                        f"(CUresult {rc})", backend="nvidia-copy-engine",
-                                        code=rc)
                 a += k
             if after is not None:
                 after(layer)
 
-    def _batch(self, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, stream: int) -> None:
-        n = int(sizes.size)
-        if self._fn is not None:
-            idx = ctypes.c_size_t(0)
-            args = [dst.ctypes.data_as(ctypes.c_void_p), src.ctypes.data_as(ctypes.c_void_p),
-                    sizes.ctypes.data_as(ctypes.c_void_p), ctypes.c_size_t(n),
-                    ctypes.byref(self._attr), ctypes.byref(idx), ctypes.c_size_t(1)]
-            if self.kind == "batch":
-                fail = ctypes.c_size_t(0)
-                args.append(ctypes.byref(fail))
-            args.append(ctypes.c_void_p(stream))
-            rc = self._fn(*args)
-            if rc == 0:
-                return
-            if rc != 801:      # CUDA_ERROR_NOT_SUPPORTED: fall back to the loop below
-                raise TransferError(f"nvidia-copy-engine: cuMemcpyBatchAsync failed "
-                                    f"(CUresult {rc})", backend="nvidia-copy-engine", code=rc)
+    def _call(self, dst: int, src: int, sizes: int, n: int, stream: int) -> bool:
+        """One batch call over ``n`` copies whose address and size arrays start at these
+        addresses. False where the driver does not support it (``CUDA_ERROR_NOT_SUPPORTED``):
+        the per-copy loop is used from then on."""
+        args: list[Any] = [ctypes.c_void_p(dst), ctypes.c_void_p(src), ctypes.c_void_p(sizes),
+                           ctypes.c_size_t(n), ctypes.byref(self._attr),
+                           ctypes.byref(_ATTR_INDEX), ctypes.c_size_t(1)]
+        if self.kind == "batch":
+            args.append(ctypes.byref(ctypes.c_size_t(0)))     # failIdx (CUDA 12.8 form)
+        args.append(ctypes.c_void_p(stream))
+        rc = self._fn(*args)
+        if rc == 801:
             self._fn, self.kind = None, "loop"
+            return False
+        if rc != 0:
+            raise TransferError(f"nvidia-copy-engine: cuMemcpyBatchAsync failed "
+                                f"(CUresult {rc})", backend="nvidia-copy-engine", code=rc)
+        return True
+
+    def _batch(self, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, stream: int) -> None:
+        if self._fn is not None and self._call(dst.ctypes.data, src.ctypes.data,
+                                               sizes.ctypes.data, int(sizes.size), stream):
+            return
         for a, b, s in zip(dst.tolist(), src.tolist(), sizes.tolist()):
             rc = self._copy(ctypes.c_uint64(a), ctypes.c_uint64(b), ctypes.c_size_t(s),
                             ctypes.c_void_p(stream))
