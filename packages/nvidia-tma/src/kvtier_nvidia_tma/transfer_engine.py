@@ -1296,7 +1296,7 @@ class RoutedTransferEngine(TransferEngine):
         crossover chosen again from its table with this engine's settings; ValueError when the
         entry is not one this version wrote."""
         import math
-        from ._plan import PathRates, choose_crossover
+        from ._plan import PathRates
         out: dict[str, Any] = {}
         try:
             for d in ("h2d", "d2h"):
@@ -1304,9 +1304,7 @@ class RoutedTransferEngine(TransferEngine):
                 if not table or not all(math.isfinite(x) and x > 0 for r in table.values()
                                         for x in r):
                     raise ValueError(f"{d}: rates must be positive numbers")
-                out[d] = {"table": {str(k): v._asdict() for k, v in table.items()},
-                          "crossover": choose_crossover(table, self.config.prefer_copy_within,
-                                                        self.config.idle_shortfall)}
+                out[d] = calibration_entry(table, self.config)
         except (KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"not a calibration: {exc!r}") from None
         return out
@@ -1332,7 +1330,7 @@ def calibrate(ordinal: int, sm_cls: type, config: Any, sm_cfg: dict[str, Any],
     from kvtier import DeviceKVPool, HostKVPool, KVSpec
     from kvtier.bench.transfer import timed_ms
     from kvtier.interfaces import HostBuffer
-    from ._plan import PathRates, choose_crossover
+    from ._plan import PathRates
     nbytes = config.calibrate_mib << 20
     dev = torch.device("cuda", ordinal)
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -1376,9 +1374,13 @@ def calibrate(ordinal: int, sm_cls: type, config: Any, sm_cfg: dict[str, Any],
                 eng.close()
             del dpool, hpool
     torch.cuda.synchronize(dev)
-    out: dict[str, Any] = {}
-    for d, table in tables.items():
-        out[d] = {"table": {str(k): v._asdict() for k, v in table.items()},
-                  "crossover": choose_crossover(table, config.prefer_copy_within,
-                                                config.idle_shortfall)}
-    return out
+    return {d: calibration_entry(table, config) for d, table in tables.items()}
+
+
+def calibration_entry(table: dict[int, Any], config: Any) -> dict[str, Any]:
+    """One direction of a calibration as it is kept and cached: the table of
+    :class:`PathRates` by chunk size, and the crossover ``config``'s rule picks from it."""
+    from ._plan import choose_crossover
+    return {"table": {str(k): v._asdict() for k, v in table.items()},
+            "crossover": choose_crossover(table, config.prefer_copy_within,
+                                          config.idle_shortfall)}
