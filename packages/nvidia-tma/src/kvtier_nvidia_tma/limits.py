@@ -669,34 +669,30 @@ def probe_queue(args) -> dict[str, Any]:
             queue(load)
             queue(back)
 
-        def threads() -> None:
-            bar = threading.Barrier(2)
+        def together(fns) -> None:               # each on a thread of its own, at once
+            bar = threading.Barrier(len(fns))
 
-            def run(job) -> None:
+            def run(fn) -> None:
                 torch.cuda.set_device(0)
                 bar.wait()
-                queue(job)
-            ts = [threading.Thread(target=run, args=(j,)) for j in (load, back)]
+                fn()
+            ts = [threading.Thread(target=run, args=(fn,)) for fn in fns]
             for t in ts:
                 t.start()
             for t in ts:
                 t.join()
+
+        def threads() -> None:
+            together([lambda: queue(load), lambda: queue(back)])
 
         def split(job, T: int) -> None:          # one direction, a slice per thread
             dst, src, _ = job
-            bar = threading.Barrier(T)
 
-            def run(t: int) -> None:
-                torch.cuda.set_device(0)
+            def part(t: int) -> None:
                 lo, hi = n * t // T, n * (t + 1) // T
-                bar.wait()
                 split_copiers[t](dst[lo:hi], src[lo:hi], sizes[lo:hi],
                                  split_streams[t].cuda_stream, args.max_batch)
-            ts = [threading.Thread(target=run, args=(t,)) for t in range(T)]
-            for t in ts:
-                t.start()
-            for t in ts:
-                t.join()
+            together([lambda t=t: part(t) for t in range(T)])
         t_q = []
         for _ in range(args.repeat):                 # queuing alone: behind a long gate
             torch.cuda.synchronize()
