@@ -13,7 +13,7 @@ import torch
 from kvtier import KVSpec
 from kvtier.cache import TieredKVCache
 from kvtier.device_pool import DeviceKVPool
-from kvtier.errors import InvalidArgumentError
+from kvtier.errors import ConfigError, InvalidArgumentError
 from kvtier.l3_stores.memory import MemoryStore
 from kvtier.metrics import Metrics
 from kvtier.prometheus import Source, families, register, render, serve
@@ -123,6 +123,57 @@ def test_bad_exporter_arguments_are_typed_errors() -> None:
         render([42])  # type: ignore[list-item]
     with serve(Metrics()) as a, pytest.raises(InvalidArgumentError, match="cannot listen"):
         serve(Metrics(), port=a.port)
+
+
+@pytest.mark.parametrize("name", ["tp-rank", "0rank", "rank 0", "", "__rank", "r\u00e4nk", 3,
+                                  "tier", "le"])
+def test_bad_constant_label_names_are_config_errors_at_construction(name) -> None:
+    """A name Prometheus cannot parse (or kvtier's own label) is refused when the Source is
+    built: before anything is registered or served."""
+    m = Metrics()
+    m.add("l1_hit_pages", 1)
+    with pytest.raises(ConfigError, match="label name") as exc:
+        Source(m, {"setup": "a", name: "0"})
+    assert "\n" not in str(exc.value)
+    with pytest.raises(ConfigError):
+        Source(m, ["tp_rank"])  # type: ignore[arg-type]
+
+
+def _nasty(rng: random.Random) -> str:
+    alphabet = 'ab\\"\n{},=# \u00e9\u2603'
+    return "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 12)))
+
+
+def test_label_values_and_states_of_any_text_render_parseably() -> None:
+    """Constant label values and text states with backslashes, quotes, newlines and braces
+    come back unchanged through Prometheus's own parser, from render, the exporter and the
+    registry; so do a text state whose stem starts with a digit and a stem with a newline."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    rng = random.Random(11)
+    for _ in range(6):
+        labels = {"setup": _nasty(rng), "tp_rank": _nasty(rng), "_x9": _nasty(rng)}
+        state = _nasty(rng)
+        m = Metrics()
+        m.add_many({"l1_hit_pages": rng.randint(1, 99), "odd\nname": 2})
+        m.gauge("l3_state", lambda state=state: state)
+        m.gauge("l3_2pc_state", lambda: "ok")
+        m.observe("fetch", 1e-3)
+        src = Source(m, labels)
+        const = tuple(sorted(labels.items()))
+        reg = CollectorRegistry()
+        register(src, registry=reg)
+        with serve(src) as srv:
+            body = urllib.request.urlopen(srv.url, timeout=10).read().decode()
+        for text in (render(src), body, generate_latest(reg).decode()):
+            got = _parse(text)
+            assert got[("kvtier_hit_pages_total",
+                        tuple(sorted(const + (("tier", "l1"),))))] == m.get("l1_hit_pages")
+            assert got[("kvtier_state_info",
+                        tuple(sorted(const + (("state", state), ("tier", "l3")))))] == 1
+            assert got[("kvtier_2pc_state_info",
+                        tuple(sorted(const + (("_2pc_state", "ok"), ("tier", "l3")))))] == 1
+            assert got[("kvtier_op_duration_seconds_count",
+                        tuple(sorted(const + (("op", "fetch"),))))] == 1
 
 
 def test_mirror_counts_deltas_into_prometheus_client_objects() -> None:

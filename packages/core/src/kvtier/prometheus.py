@@ -13,7 +13,10 @@ scrape time, latency histograms). This module turns one or more of them into met
   per decade from 1 us to 1000 s: exact, since they are bounds of kvtier's own histograms).
 
 Every source may carry constant labels (``{"setup": "l1+l2", "tp_rank": "0"}``) so several
-caches or ranks aggregate. Two ways out:
+caches or ranks aggregate. Their names are checked when the `Source` is built (Prometheus's
+``[a-zA-Z_][a-zA-Z0-9_]*``, not ``__``-prefixed, none of kvtier's own ``tier``/``direction``/
+``op``/``le``): one bad name would make the whole scrape unparseable, and a Prometheus server
+drops every sample of it. Values may be any text; they are escaped. Ways out:
 
 * `register(sources, registry=None)`: a collector in ``prometheus_client``'s registry (the
   default one, which vLLM's and SGLang's ``/metrics`` already serve; needs the optional
@@ -36,7 +39,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Iterable, Mapping, Sequence, Union
 
-from .errors import InvalidArgumentError
+from .errors import ConfigError, InvalidArgumentError
 from .metrics import Metrics
 
 __all__ = ["Source", "Family", "families", "render", "register", "serve", "MetricsServer",
@@ -50,6 +53,26 @@ _TIER = re.compile(r"^(l1|l2|l3)_(.+)$")
 _BYTES = re.compile(r"^bytes_(.+)$")
 _CALLS = re.compile(r"^(.+)_calls$")
 _NAME_OK = re.compile(r"[^a-zA-Z0-9_]")
+_LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
+#: Label names kvtier's families set themselves; a constant label may not take them.
+RESERVED_LABELS = frozenset({"tier", "direction", "op", "le"})
+
+
+def check_label_name(name: object) -> str:
+    """``name`` if it is a label name Prometheus accepts and kvtier does not use itself, else
+    a one-line `ConfigError`."""
+    if not isinstance(name, str) or not _LABEL_NAME.fullmatch(name):
+        raise ConfigError(f"prometheus label name {name!r} is invalid: it must match "
+                          f"[a-zA-Z_][a-zA-Z0-9_]* (e.g. 'tp_rank', not 'tp-rank')",
+                          key="labels", value=name)
+    if name.startswith("__"):
+        raise ConfigError(f"prometheus label name {name!r} is invalid: names starting with "
+                          f"'__' are reserved by Prometheus", key="labels", value=name)
+    if name in RESERVED_LABELS:
+        raise ConfigError(f"prometheus label name {name!r} is kvtier's own (one of "
+                          f"{sorted(RESERVED_LABELS)}): pick another name",
+                          key="labels", value=name)
+    return name
 
 
 @dataclass(frozen=True)
@@ -59,6 +82,13 @@ class Source:
 
     metrics: Union[Metrics, Callable[[], "Metrics | None"]]
     labels: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.labels, Mapping):
+            raise ConfigError(f"prometheus labels must be a mapping of name to value, got "
+                              f"{type(self.labels).__name__}", key="labels")
+        for name in self.labels:
+            check_label_name(name)
 
     def get(self) -> Metrics | None:
         m = self.metrics
@@ -91,6 +121,12 @@ def _split(name: str) -> tuple[str, dict[str, str]]:
 
 def _clean(stem: str) -> str:
     return _NAME_OK.sub("_", stem)
+
+
+def _label_key(stem: str) -> str:
+    """A metric stem as a label name (a text gauge's value label): valid whatever the stem."""
+    key = _clean(stem).lstrip("_") or "value"
+    return "_" + key if key[0].isdigit() else key
 
 
 def _as_sources(sources: Any) -> list[Source]:
@@ -135,9 +171,9 @@ def families(sources: Metrics | Source | Iterable[Metrics | Source]) -> list[Fam
                 f = fam(f"{PREFIX}_{_clean(stem)}", "gauge", f"kvtier gauge {stem}")
                 f.samples.append(("", {**const, **labels}, float(value)))
             else:                              # a state as text: one info-style sample
-                key = _clean(stem)
-                f = fam(f"{PREFIX}_{key}_info", "gauge", f"kvtier state {stem} (value label)")
-                f.samples.append(("", {**const, **labels, key: str(value)}, 1.0))
+                f = fam(f"{PREFIX}_{_clean(stem)}_info", "gauge",
+                        f"kvtier state {stem} (value label)")
+                f.samples.append(("", {**const, **labels, _label_key(stem): str(value)}, 1.0))
         for name, (bounds, counts, total, count) in sorted(hists.items()):
             f = fam(f"{PREFIX}_op_duration_seconds", "histogram",
                     "duration of kvtier operations")
@@ -165,14 +201,20 @@ def _fmt(x: float) -> str:
 
 
 def _escape(v: str) -> str:
+    """A label value in the text format: backslash, double quote and newline escaped."""
     return v.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _escape_help(v: str) -> str:
+    """HELP text: backslash and newline escaped (a quote is literal there)."""
+    return v.replace("\\", "\\\\").replace("\n", "\\n")
 
 
 def render(sources: Metrics | Source | Iterable[Metrics | Source]) -> str:
     """The Prometheus text exposition format (0.0.4) of ``families(sources)``."""
     lines: list[str] = []
     for f in families(sources):
-        lines.append(f"# HELP {f.name} {f.help}")
+        lines.append(f"# HELP {f.name} {_escape_help(f.help)}")
         lines.append(f"# TYPE {f.name} {f.type}")
         for suffix, labels, value in f.samples:
             lab = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
