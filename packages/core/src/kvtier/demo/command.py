@@ -16,6 +16,16 @@ def _json_object(text: str) -> dict:
     return v
 
 
+def _port(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is in [0, 65535], got {v}")
+    return v
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The demo's flags (each maps onto a `kvtier.demo.run.DemoConfig` field)."""
     from .model import MODEL_SIZES
@@ -105,9 +115,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="directory for results.json, tables.md and demo.png")
     g.add_argument("--no-plot", action="store_true", help="skip the PNG")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
-    g.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+    g.add_argument("--metrics-port", type=_port, default=None, metavar="PORT",
                    help="serve every setup's kvtier metrics (Prometheus text format) at "
-                   "http://127.0.0.1:PORT/metrics while the demo runs; 0 picks a free port")
+                   "http://127.0.0.1:PORT/metrics while the demo runs; 0 picks a free port "
+                   "(bound before the model is built: a port in use fails at once)")
     g.add_argument("--metrics-host", default="127.0.0.1",
                    help="address the metrics exporter binds to (loopback unless told)")
     g.add_argument("--corrupt-restore", action="store_true",

@@ -120,6 +120,11 @@ class DemoConfig:
         if self.workload == "trace" and not self.trace:
             raise ConfigError("--workload trace needs --trace PATH (a Mooncake-format JSONL "
                               "file)", key="trace")
+        port = self.metrics_port
+        if port is not None and (isinstance(port, bool) or not isinstance(port, int)
+                                 or not 0 <= port <= 65535):
+            raise ConfigError(f"metrics_port must be an int in [0, 65535], got {port!r}",
+                              key="metrics_port", value=port)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "DemoConfig":
@@ -486,23 +491,52 @@ def _digest_failed(name: str, req: Any, res: RequestResult) -> CheckFailedError:
         request=req.index)
 
 
+class SetupExporter:
+    """The demo's metrics exporter. It binds when built, before the model is (a port in use
+    fails the run at once, not after minutes of building), and serves each setup's cache
+    from the moment `run_setups` adds it until it is taken away again."""
+
+    def __init__(self, names: list[str], port: int, host: str = "127.0.0.1"):
+        from ..prometheus import Source, serve
+        #: setup name -> its cache while the setup's engine lives
+        self.caches: dict[str, Any] = {}
+        self._server = serve([Source(lambda n=n: self._metrics(n), {"setup": n})
+                              for n in names], port=port, host=host)
+
+    def _metrics(self, name: str) -> Any:
+        cache = self.caches.get(name)
+        return None if cache is None else cache.metrics_registry
+
+    @property
+    def url(self) -> str:
+        return self._server.url
+
+    def close(self) -> None:
+        self.caches.clear()
+        self._server.close()
+
+
 def run_setups(names: list[str], model: DemoModel, workload: Workload,
                cache_cfgs: dict[str, dict[str, Any]], l1_pages: int,
                checks: dict[str, CheckPolicy], *, progress: bool = True,
                corrupt_restore: bool = False, metrics_port: int | None = None,
                prefill_mode: str = "fast",
                metrics_host: str = "127.0.0.1",
-               on_metrics: Callable[[str], None] | None = None) -> list[SetupRun]:
+               on_metrics: Callable[[str], None] | None = None,
+               exporter: SetupExporter | None = None) -> list[SetupRun]:
     """Serve every request on every setup, interleaved request by request (in a rotating
     order), so that all setups see the same machine load; after each request the setup's
     background work (backups, L3 writes) is drained, untimed, so that it never runs during
-    another setup's request."""
+    another setup's request. Metrics are served by ``exporter`` (the caller's, bound
+    already) or, given ``metrics_port``, by one this call starts and closes."""
     from ..report import progress as bar
     engines: dict[str, DemoEngine] = {}
     results: dict[str, list[RequestResult]] = {n: [] for n in names}
     passed = dict.fromkeys(names, 0)
     busy = dict.fromkeys(names, 0.0)
-    exporter = None
+    own = None
+    if exporter is None and metrics_port is not None:
+        exporter = own = SetupExporter(names, metrics_port, metrics_host)
     try:
         for name in names:
             engines[name] = eng = DemoEngine(model, cache_cfgs[name], l1_pages=l1_pages,
@@ -510,10 +544,8 @@ def run_setups(names: list[str], model: DemoModel, workload: Workload,
                                              prefill_mode=prefill_mode)
             eng.corrupt_restore = corrupt_restore
             eng.warm_up(model.vocab_size)
-        if metrics_port is not None:
-            from ..prometheus import Source, serve
-            exporter = serve([Source(engines[n].cache.metrics_registry, {"setup": n})
-                              for n in names], port=metrics_port, host=metrics_host)
+        if exporter is not None:
+            exporter.caches.update({n: engines[n].cache for n in names})
             if on_metrics is not None:
                 on_metrics(exporter.url)
         steps = bar(range(len(workload) * len(names)), total=len(workload) * len(names),
@@ -548,7 +580,9 @@ def run_setups(names: list[str], model: DemoModel, workload: Workload,
         return runs
     finally:
         if exporter is not None:
-            exporter.close()
+            exporter.caches.clear()          # no scrape of a cache being closed
+        if own is not None:
+            own.close()
         for eng in engines.values():
             eng.close()
 
@@ -567,6 +601,22 @@ def run_demo(cfg: DemoConfig, *, corrupt_restore: bool = False,
         threads = 1
     if threads is not None:
         torch.set_num_threads(threads)
+    names = [s for s in SETUPS if s in cfg.setups]
+    # Bound first: a port in use is a one-line error now, not after the model is built.
+    exporter = (SetupExporter(names, cfg.metrics_port, cfg.metrics_host)
+                if cfg.metrics_port is not None else None)
+    try:
+        return _run_demo(cfg, names, exporter, corrupt_restore=corrupt_restore, log=log,
+                         on_metrics=on_metrics)
+    finally:
+        if exporter is not None:
+            exporter.close()
+
+
+def _run_demo(cfg: DemoConfig, names: list[str], exporter: SetupExporter | None, *,
+              corrupt_restore: bool, log: Callable[..., None],
+              on_metrics: Callable[[str], None] | None) -> DemoReport:
+    import torch
     model = DemoModel(cfg.model_size, page_size=cfg.page_size, device=cfg.device,
                       dtype=cfg.dtype, seed=cfg.seed, max_forward_tokens=cfg.max_forward_tokens)
     workload = build_workload(cfg, model.vocab_size)
@@ -584,14 +634,13 @@ def run_demo(cfg: DemoConfig, *, corrupt_restore: bool = False,
         f"distinct pages of {model.spec.page_size} tokens ({model.spec.page_bytes} B each); "
         f"L1 {l1} pages, L2 {l2} pages ({host_allocator(cfg)}), L3 {cfg.l3_store} "
         f"({'no limit' if cfg.l3_bytes is None else f'{cfg.l3_bytes} B'})")
-    names = [s for s in SETUPS if s in cfg.setups]
     with tempfile.TemporaryDirectory(prefix="kvtier-demo-l3-") as tmp:
         root = tmp if "L1+L2+L3" in names and _store_takes_root(cfg.l3_store) else None
         cfgs = {n: cache_config(cfg, n, model, l2, root) for n in names}
         checks = {n: CheckPolicy(cfg.check, cfg.check_rate, cfg.seed * 1000 + i)
                   for i, n in enumerate(names)}
         runs = run_setups(names, model, workload, cfgs, l1, checks, progress=cfg.progress,
-                          corrupt_restore=corrupt_restore, metrics_port=cfg.metrics_port,
+                          corrupt_restore=corrupt_restore, exporter=exporter,
                           prefill_mode="paged" if cfg.check_mode == "bitwise" else "fast",
                           metrics_host=cfg.metrics_host,
                           on_metrics=on_metrics or (lambda url: log(
