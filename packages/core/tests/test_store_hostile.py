@@ -4,6 +4,8 @@ write to, and a host page named twice in one ``batch_get``."""
 
 from __future__ import annotations
 
+import errno
+import json
 import os
 import shutil
 import stat
@@ -33,6 +35,7 @@ OBJECTS_ONLY = {
     "test_symlinked_fanout_directory_is_never_followed",
     "test_clear_and_eviction_remove_only_the_stores_own_objects",
     "test_group_file_mode_is_applied_whatever_the_umask",
+    "test_fanout_directory_that_cannot_be_made_is_a_counted_failed_write",
 }
 pytest_generate_tests = formats(OBJECTS_ONLY)
 
@@ -388,3 +391,136 @@ def test_close_during_a_call_defers_closing_the_directory(tmp_path, pool, monkey
     assert s._dfd == -1
     with pytest.raises(StoreError):
         s.batch_get(k, [3, 4, 5])
+
+
+# --------------------------------------------------------------------------------------------
+# names carrying a pid no process can have; a deeply nested manifest; an unmakeable directory
+# --------------------------------------------------------------------------------------------
+#: pids no process can have: os.kill raises OverflowError beyond pid_t, and pid 0 would
+#: signal the caller's own process group (so its files looked alive forever)
+IMPOSSIBLE_PIDS = [2**31, 9_999_999_999, 0]
+
+
+def _plant_impossible_writer(store: FileStore, pid: int, tag: str) -> list[str]:
+    """Files named for a writer of this host with ``pid``: a segment no record names and its
+    empty log (segments format), a temporary object (objects format)."""
+    host = store._host
+    if store.config.format == "segments":
+        d = os.path.join(store.dir, "segments")
+        os.makedirs(d, exist_ok=True)
+        names = [f"{host}-{pid}-{tag}.00000001.kvs", f"{host}-{pid}-{tag}.00000001.kvl"]
+    else:
+        d = os.path.join(store.dir, "00")
+        os.makedirs(d, exist_ok=True)
+        names = [f".00.kvp.{host}-{pid}.{tag}.tmp"]
+    paths = [os.path.join(d, n) for n in names]
+    for p in paths:
+        with open(p, "wb") as f:
+            f.write(bytes(4096))
+    return paths
+
+
+@pytest.mark.parametrize("pid", IMPOSSIBLE_PIDS)
+def test_files_of_a_writer_that_cannot_exist_are_garbage_never_an_error(tmp_path, pool, pid):
+    """A name with this host and an impossible pid is a dead writer's file: removed as
+    garbage at open (and by a rescan), never an OverflowError at open or in any call."""
+    root = str(tmp_path / "store")
+    s = FileStore({"root": root}, spec=SPEC)
+    s.attach(pool)
+    k = keys(3)
+    assert s.batch_set(k[:2], [0, 1]) == [True, True]
+    want = [page_bytes(pool, p) for p in (0, 1)]
+    s.close()
+    planted = _plant_impossible_writer(s, pid, "0000abcd")
+    s2 = FileStore({"root": root}, spec=SPEC)              # opening cleans them
+    s2.attach(pool)
+    assert [p for p in planted if os.path.exists(p)] == []
+    assert s2.stats()["tmp_cleaned"] == len(planted)
+    # planted while the store is open: every call still answers
+    planted = _plant_impossible_writer(s2, pid, "0000abce")
+    assert s2.batch_exists(k) == 2
+    assert s2.batch_get(k, [4, 5, 6]) == [True, True, False]
+    assert torch.equal(page_bytes(pool, 4), want[0]) and torch.equal(page_bytes(pool, 5), want[1])
+    assert s2.batch_set(k[2:], [2]) == [True]
+    s2.rescan()
+    s2.close()
+    s3 = FileStore({"root": root}, spec=SPEC)
+    assert [p for p in planted if os.path.exists(p)] == []
+    s3.close()
+
+
+def test_a_live_writers_files_are_kept_whatever_the_pid_check(tmp_path, pool):
+    """The other side of the same check: this host's live process (the test's parent) keeps
+    its files (a live writer's data is never deleted)."""
+    root = str(tmp_path / "store")
+    s = FileStore({"root": root}, spec=SPEC)
+    s.attach(pool)
+    s.close()
+    planted = _plant_impossible_writer(s, os.getppid(), "0000abcd")
+    s2 = FileStore({"root": root}, spec=SPEC)
+    s2.rescan()
+    assert all(os.path.exists(p) for p in planted)
+    s2.close()
+
+
+def test_deeply_nested_manifest_is_damaged_and_rewritten(tmp_path, pool):
+    """JSON nested deeper than the parser recurses, under the manifest's size limit: damaged,
+    rewritten, never a RecursionError at open."""
+    root = str(tmp_path / "store")
+    s = FileStore({"root": root}, spec=SPEC)
+    s.attach(pool)
+    k = keys(2)
+    assert s.batch_set(k, [0, 1]) == [True, True]
+    s.close()
+    path = os.path.join(s.dir, "manifest.json")
+    depth = 30_000                  # 60 KB: under the 64 KiB limit, far over the recursion limit
+    for blob in ("[" * depth + "]" * depth, '{"a":' * depth + "1" + "}" * depth):
+        with open(path, "w") as f:
+            f.write(blob)
+        s2 = _bounded(lambda: FileStore({"root": root}, spec=SPEC))
+        s2.attach(pool)
+        assert s2.stats()["manifest"] == "rewritten"
+        assert s2.batch_get(k, [2, 3]) == [True, True]
+        s2.close()
+        with open(path) as f:
+            assert json.load(f)["identity"] == s2.identity
+    # nested just within what the parser takes: a manifest of another identity, reported
+    with open(path, "w") as f:
+        f.write('{"identity":' + "[" * 900 + "]" * 900 + "}")
+    s2 = _bounded(lambda: FileStore({"root": root}, spec=SPEC))
+    assert s2.stats()["manifest"] == "other identity"
+    s2.close()
+
+
+@pytest.mark.parametrize("err", [errno.ENOSPC, errno.EIO, errno.EDQUOT])
+def test_fanout_directory_that_cannot_be_made_is_a_counted_failed_write(tmp_path, pool,
+                                                                        monkeypatch, err):
+    """Objects format: mkdir of a fan-out directory refused (inodes exhausted, an I/O error):
+    False for those pages and counted, never an exception; pages in existing directories are
+    still written."""
+    s = FileStore({"root": str(tmp_path / "store"), "format": "objects", "io_threads": 2},
+                  spec=SPEC)
+    s.attach(pool)
+    k = keys(6)
+    made = {key_filename(x)[0] for x in k[:3]}
+    assert s.batch_set(k[:3], [0, 1, 2]) == [True] * 3
+    real_mkdir = os.mkdir
+
+    def mkdir(path, *args, **kwargs):
+        if kwargs.get("dir_fd") is not None:
+            raise OSError(err, os.strerror(err))
+        return real_mkdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "mkdir", mkdir)
+    want = [key_filename(x)[0] in made for x in k]
+    before = s.stats()
+    got = s.batch_set(k, list(range(6)))
+    assert got == want, (got, want)
+    after = s.stats()
+    failed = want.count(False)
+    assert failed and after["errors"] - before["errors"] == failed
+    assert after.get("write_errors", 0) - before.get("write_errors", 0) == failed
+    assert after["set_ok"] - before["set_ok"] == 6 - failed
+    monkeypatch.undo()
+    assert s.batch_set(k, list(range(6))) == [True] * 6
+    s.close()

@@ -37,7 +37,9 @@ Writes are atomic: a temporary file in the object's directory (``fsync`` if conf
 ``rename`` over the final name, so a reader sees the old object, the new one or none -- never a
 torn one, even if the writer is killed. Failed writes (a full disk, a quota) remove the
 temporary file and are a miss plus a counted error. Temporary files of dead writers are cleaned
-when a store opens the directory.
+when a store opens the directory (a name whose pid no process can have is a dead writer's:
+``kvtier.l3_stores._files``). A damaged manifest (not JSON, not an object, nested deeper than
+the parser goes) is rewritten.
 
 Capacity is enforced by evicting the least recently used objects; "use" is the file's mtime,
 refreshed on every read hit, so several processes sharing one directory share one LRU order.
@@ -59,7 +61,7 @@ import logging
 import mmap
 import os
 import re
-import socket
+import reprlib
 import stat
 import struct
 import threading
@@ -75,6 +77,7 @@ from ..errors import ConfigError, StoreError
 from ..logutil import warn_once
 from ..interfaces import INTERFACE_VERSION, Availability, L3Store
 from ..layout import PAGE_FIRST, page_ranges
+from . import _files
 
 log = logging.getLogger(__name__)
 _R = TypeVar("_R")
@@ -271,18 +274,8 @@ def _current_umask() -> int:
     return 0o777
 
 
-def _host_id() -> str:
-    return hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+_host_id = _files.host_id
+_pid_alive = _files.pid_alive
 
 
 def _in_use(fn):
@@ -604,6 +597,8 @@ class FileStore(L3Store):
             return rec if isinstance(rec, dict) else {"unreadable": "not a JSON object"}
         except ValueError:
             return {"unreadable": "not JSON"}
+        except RecursionError:        # nested deeper than the parser goes: damaged too
+            return {"unreadable": "nested too deeply"}
 
     def _write_manifest(self) -> None:
         rec = {"kvtier_file_store": True, "identity": self.identity,
@@ -637,7 +632,8 @@ class FileStore(L3Store):
             if rec.get("identity") == self.identity:
                 return "ok"
             _warn_once("manifest", f"file: {self.dir} holds objects of another identity "
-                       f"({rec.get('identity')!r}, this store is {self.identity!r}); they "
+                       f"({reprlib.repr(rec.get('identity'))}, this store is "
+                       f"{self.identity!r}); they "
                        "are misses")
             return "other identity"
         try:
@@ -1053,8 +1049,8 @@ class FileStore(L3Store):
         parts = name.split(".")        # .<object>.<host>-<pid>.<rand>.tmp
         if len(parts) >= 4:
             host, _, pid = parts[-3].partition("-")
-            if host == _host_id() and pid.isdigit() and int(pid) != os.getpid():
-                return not _pid_alive(int(pid))
+            if host == self._host and pid.isdigit():
+                return not _files.pid_alive(pid)
         return False
 
     def _make_room(self, need: int, keep: set[str]) -> None:

@@ -86,6 +86,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
+from . import _files
 from . import file as _f
 
 if TYPE_CHECKING:
@@ -162,13 +163,6 @@ def _log_segment(log: str) -> str:
 
 def _segment_log(seg: str) -> str:
     return seg[:-len(SEG_SUFFIX)] + LOG_SUFFIX
-
-
-def _pid_alive_here(host: str, pid: str, my_host: str) -> bool | None:
-    """True/False for a writer of this host; None when it is another host's (unknown)."""
-    if host != my_host:
-        return None
-    return int(pid) == os.getpid() or _f._pid_alive(int(pid))
 
 
 class SegmentFormat:
@@ -520,7 +514,7 @@ class SegmentFormat:
             return True
         if writer in self._sealed:
             return False
-        return _pid_alive_here(host, pid, self.s._host)
+        return _files.writer_alive(host, pid, self.s._host)
 
     def _clean_dead(self, now_ns: int) -> None:
         """Remove dead (or sealed) writers' segments no record names, with their logs, and

@@ -1,0 +1,54 @@
+"""Who wrote a file of the `file` store, and whether that writer may still be writing.
+
+Both formats name what a process is writing (temporary objects, segments, index logs) after
+its host and pid, so that a store opening the directory can tell a dead writer's leftovers
+(garbage, removed) from a live writer's files (never touched). Every such check goes through
+``pid_alive`` here: a name is data anyone can plant, so a pid no process can have (0, or beyond
+what the kernel hands out) must not reach ``os.kill`` -- ``os.kill(2**31, 0)`` raises
+``OverflowError`` and ``os.kill(0, 0)`` signals our own process group -- but count as a writer
+that cannot exist: dead, its files garbage.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+
+#: The largest pid any kernel hands out (pid_t is a signed 32-bit integer; Linux's
+#: ``pid_max`` is at most 2**22).
+PID_LIMIT = 2**31 - 1
+
+
+def host_id() -> str:
+    """This host, as it appears in the names of the files its processes write."""
+    return hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+
+
+def pid_alive(pid: int | str) -> bool:
+    """Whether process ``pid`` of this host may be alive. A pid that no process can have is
+    dead; where the answer is unknown (another error) the process may be alive, so that its
+    files are kept."""
+    if isinstance(pid, str):
+        if not pid.isdigit():
+            return False
+        pid = int(pid)
+    if not 0 < pid <= PID_LIMIT:
+        return False
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, OSError):
+        return True       # another user's process (or the kernel would not say): alive
+    return True
+
+
+def writer_alive(host: str, pid: int | str, my_host: str) -> bool | None:
+    """True/False for a writer of this host (``pid_alive``); None for another host's writer,
+    whose liveness cannot be known from here."""
+    if host != my_host:
+        return None
+    return pid_alive(pid)
