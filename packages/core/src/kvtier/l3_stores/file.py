@@ -894,7 +894,8 @@ class FileStore(L3Store):
 
     def _sub_fd(self, sub: str, create: bool = False) -> int:
         """A descriptor of fan-out directory ``sub`` (opened below the store directory's
-        descriptor, never through a link), or -1: missing, or a foreign entry (counted)."""
+        descriptor, never through a link), or -1: missing, a foreign entry, or (``create``)
+        a directory that cannot be made (counted)."""
         try:
             return os.open(sub, _DIR_FLAGS, dir_fd=self._dfd)
         except FileNotFoundError:
@@ -908,6 +909,9 @@ class FileStore(L3Store):
             made = True
         except FileExistsError:
             made = False
+        except OSError as exc:     # no inodes left, a read-only mount: a counted failed write
+            self._io_error("write", os.path.join(self.dir, sub), exc)
+            return -1
         try:
             fd = os.open(sub, _DIR_FLAGS, dir_fd=self._dfd)
         except OSError as exc:

@@ -211,12 +211,7 @@ class SegmentFormat:
     def _open_dir(self) -> int:
         """The segment directory's descriptor (made if missing, as the store makes its fan-out
         directories), or -1: a foreign entry or a directory that cannot be made (counted)."""
-        s = self.s
-        try:
-            return s._sub_fd(SEG_DIR, create=True)
-        except OSError as exc:            # mkdir refused: a full disk, a read-only root
-            s._foreign_dir(SEG_DIR, exc)
-            return -1
+        return self.s._sub_fd(SEG_DIR, create=True)
 
     def _new_writer(self) -> None:
         self._pid = os.getpid()
@@ -774,6 +769,12 @@ class SegmentFormat:
             with self._wlock:
                 self._new_writer()
         n = len(keys)
+        if self._sfd < 0:
+            with self._wlock:               # it could not be made at open: try again
+                if self._sfd < 0:
+                    self._sfd = self._open_dir()
+                    if self._sfd >= 0:
+                        self.refresh(clean=True)
         if self._sfd < 0:
             self.s._write_failed(os.path.join(self.s.dir, SEG_DIR),
                                  OSError(errno.ENOTDIR, "segment directory unusable"), n)
