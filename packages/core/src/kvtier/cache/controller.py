@@ -59,6 +59,7 @@ from .cost import CostModel, TimedStore, load_seconds
 from .handles import CommitResult, FetchHandle, Match
 from .index import Node, PageIndex
 from .l3io import L3IO
+from .unreadable import UnreadableKeys
 
 log = logging.getLogger("kvtier.cache")
 
@@ -128,6 +129,8 @@ class TieredKVCache:
             raise
         self._lock = threading.RLock()
         self._index = PageIndex()
+        #: Keys whose L3 read failed: not offered again until a write replaces them.
+        self.unreadable = UnreadableKeys()
         self._loading: dict[int, FetchHandle] = {}   # device pages of loads in flight
         self._closed = False
         self._closing = False
@@ -186,7 +189,8 @@ class TieredKVCache:
         l3 = 0
         if n - i and self._l3_usable() and \
                 self.prefetch_policy.consult_l3((n - i) * self.spec.page_size):
-            l3 = self._l3.exists(keys[i:])  # type: ignore[union-attr]
+            ok = self.unreadable.readable_prefix(keys[i:])
+            l3 = self._l3.exists(keys[i:i + ok]) if ok else 0  # type: ignore[union-attr]
         m = Match(self, keys, len(tokens), self.spec.page_size, l1, l2, l3)
         ps = self.spec.page_size
         miss = n - i - l3
@@ -388,8 +392,8 @@ class TieredKVCache:
                 l3_hi = l3_lo + match.l3_count
             for j, (key, d) in enumerate(zip(keys, dev)):
                 node = idx.node(key, parent)
-                if l3_lo <= j < l3_hi:
-                    node.in_l3 = True
+                if l3_lo <= j < l3_hi and key not in self.unreadable:
+                    node.in_l3 = True     # (an unreadable one is written again)
                 if node.device_page is None:
                     idx.l1_add(node, d, touch=False)     # touched below, leaf first
                     new += 1
@@ -469,6 +473,17 @@ class TieredKVCache:
         the request's length (the tokens computed were its last ones), so that the cost of
         attention over a long context is fitted too."""
         self.cost.observe_recompute(tokens, seconds, context)
+
+    def forget_l3(self, keys: Sequence[bytes]) -> None:
+        """An L3 read of ``keys`` failed: they are not offered from L3 again, and a page of
+        theirs in L1 or L2 is written to L3 again, until a write replaces them."""
+        n = self.unreadable.add(keys)
+        with self._lock:
+            for k in keys:
+                nd = self._index.get(k)
+                if nd is not None:
+                    nd.in_l3 = False
+        self.metrics_registry.add("l3_unreadable_marked", n)
 
     def metrics(self) -> dict[str, Any]:
         """A snapshot of every counter, gauge and latency summary."""

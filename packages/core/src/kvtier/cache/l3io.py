@@ -12,10 +12,11 @@ late ``batch_get`` may still write into them) until the call returns, and its re
 thrown away. ``batch_exists`` runs on a thread of its own under the same deadline.
 
 Health (``state``): ``"none"`` (no store), ``"ok"``, ``"degraded: ..."`` (calls stuck past
-their deadline; still used), ``"failed: ..."`` (``error_limit`` failed calls in a row,
-``error_limit`` calls stuck at once -- each holds a thread -- or a dead worker). Failed is
-reported once through ``on_failure`` and stays until `restart`; every queued task is aborted
-then.
+their deadline, or reads that returned none of their pages; still used), ``"failed: ..."``
+(``error_limit`` failed calls in a row, ``error_limit`` reads in a row that returned none of
+the pages the store said it had, ``error_limit`` calls stuck at once -- each holds a thread --
+or a dead worker). Failed is reported once through ``on_failure`` and stays until `restart`;
+every queued task is aborted then. Each change of state is logged once.
 """
 
 from __future__ import annotations
@@ -32,7 +33,16 @@ from ..metrics import Metrics
 
 log = logging.getLogger("kvtier.cache")
 
-__all__ = ["L3IO", "TaskQueue"]
+__all__ = ["L3IO", "TaskQueue", "worse_state"]
+
+_RANK = {"ok": 0, "none": 0, "degraded": 1, "failed": 2}
+
+
+def worse_state(a: str | None, b: str | None) -> str | None:
+    """The worse of two `L3IO.state` strings (None: not known)."""
+    if a is None or b is None:
+        return a if b is None else b
+    return a if _RANK.get(a.split(":")[0], 0) >= _RANK.get(b.split(":")[0], 0) else b
 
 
 class TaskQueue:
@@ -144,6 +154,8 @@ class L3IO:
         self._watch_cv = threading.Condition(self._lock)
         self._watchdog: threading.Thread | None = None
         self._streak = 0
+        self._read_streak = 0            # reads in a row that returned none of their pages
+        self._logged_state = "ok"
         self._failed: str | None = None
         self._stopped = False
         self._exists_thread: threading.Thread | None = None
@@ -159,10 +171,41 @@ class L3IO:
             if self._failed is not None:
                 return f"failed: {self._failed}"
             stuck = sum(1 for c in self._calls.values() if c.timed_out)
+            reads = self._read_streak
+        why = []
         if stuck:
-            return (f"degraded: {stuck} store call(s) stuck past the "
-                    f"{self.call_timeout_s:g}s deadline")
-        return "ok"
+            why.append(f"{stuck} store call(s) stuck past the {self.call_timeout_s:g}s "
+                       "deadline")
+        if reads:
+            why.append(f"{reads} read(s) in a row returned none of their pages")
+        return "degraded: " + "; ".join(why) if why else "ok"
+
+    def read_outcome(self, read: int, failed: int) -> None:
+        """Book one ``batch_get`` of pages the store said it had: ``read`` pages came back,
+        ``failed`` did not. A read that returned none of them adds to a streak (degraded);
+        ``error_limit`` in a row fail the tier; any page read ends the streak."""
+        if failed and not read:
+            with self._lock:
+                self._read_streak += 1
+                broken = self._read_streak >= self.error_limit
+            if broken:
+                self.fail(f"store {self.store.name!r}: {self.error_limit} reads in a row "
+                          "returned none of the pages it said it had", None)
+        elif read and self._read_streak:
+            with self._lock:
+                self._read_streak = 0
+        self.log_state()
+
+    def log_state(self) -> None:
+        """One log line per change of `state` (``failed`` logs in `fail`)."""
+        state = self.state
+        kind = state.split(":")[0]
+        with self._lock:
+            was, self._logged_state = self._logged_state, kind
+        if kind == was or kind == "failed":
+            return
+        (log.info if kind == "ok" else log.warning)(
+            "kvtier cache: L3 store %r is %s", self.store.name, state)
 
     def usable(self) -> bool:
         return self._failed is None and not self._stopped
@@ -181,6 +224,7 @@ class L3IO:
             if self._failed is not None:
                 return
             self._failed = message
+            self._logged_state = "failed"
         self.metrics.add("l3_failures")
         log.error("kvtier cache: l3 tier failed: %s", message, exc_info=cause)
         if self._on_failure is not None:
@@ -208,8 +252,10 @@ class L3IO:
         """After a failure: reset the error streak and the state, start missing workers."""
         with self._lock:
             self._streak = 0
+            self._read_streak = 0
             self._failed = None
         self.start_workers()
+        self.log_state()
 
     # ----- workers ----------------------------------------------------------------------------
     def start_workers(self) -> None:

@@ -66,14 +66,19 @@ class ReadTask:
                 nb = len(kb)
                 ok = io.call("batch_get", store.batch_get, kb, pb, task=self,
                              check=lambda r, nb=nb: isinstance(r, list) and len(r) == nb)
-                if ok is None:
+                if ok is None:          # raised, refused or past its deadline: all failed
+                    self.cache.forget_l3(kb)
                     break
                 lead = 0
                 while lead < nb and ok[lead] is True:
                     lead += 1
                 self._land(i, lead)
                 i += lead
+                bad = [k for k, v in zip(kb, ok) if v is not True]
+                io.read_outcome(nb - len(bad), len(bad))
                 if lead < nb:
+                    # the store said it had them: not offered again until rewritten
+                    self.cache.forget_l3(bad)
                     self.cache.metrics_registry.add("l3_read_miss_pages", n - i)
                     break
         finally:
@@ -191,6 +196,8 @@ class WriteTask:
         c = self.cache
         written = sum(1 for v in ok if v)
         failed = sum(1 for v in ok if v is False)
+        if written:
+            c.unreadable.discard(nd.key for nd, v in zip(self.nodes, ok) if v)
         with c._lock:
             freed = after_l3_write(c._index, self.nodes, ok, evict_after=self.evict_after)
             if freed:

@@ -152,6 +152,7 @@ def register_gauges(cache: Any) -> None:
     m.gauge("l3_write_queue_pages", lambda: io.depths()[1] if io else 0)
     m.gauge("transfer_queue", lambda: cache._completer.depth())
     m.gauge("backups_in_flight", lambda: cache._index.backups_inflight)
+    m.gauge("l3_unreadable_keys", lambda: len(cache.unreadable))
     m.gauge("l3_state", lambda: io.state if io else "none")
     m.gauge("page_bytes", lambda: cache.spec.page_bytes)
     m.gauge("page_size", lambda: cache.spec.page_size)

@@ -30,6 +30,7 @@ writes it to L3 only when L2 evicts it). Thread-safe.
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -44,6 +45,7 @@ from .config import CacheConfig
 from .eviction import after_l3_write, select_l2
 from .index import Node, PageIdPool, PageIndex
 from .plans import Lookup, Plan, PlanResult
+from .unreadable import UnreadableKeys
 
 log = logging.getLogger("kvtier.cache")
 
@@ -96,13 +98,22 @@ class CachePlanner:
         self._pending: dict[bytes, int] = {}      # key -> plan reading / backing it up
         self._held: dict[int, tuple[set[int], list[Node]]] = {}   # late store calls
         self._saves: OrderedDict[bytes, int] = OrderedDict()   # selective: saves per key
+        #: Plan ids carry this planner's instance in their high bits, so a result of another
+        #: planner (one before a restart) is refused instead of booked against a new plan.
+        self.instance = secrets.randbits(30) + 1
         self._next_id = 0
+        #: Keys whose L3 read failed: not offered again until a write replaces them.
+        self.unreadable = UnreadableKeys()
+        #: The data path's L3 health as last reported (`set_l3_state`); "failed" stops the
+        #: existence checks (nothing could be read).
+        self.l3_state = "ok" if l3_exists is not None else "none"
         self.metrics_registry = Metrics()
         m = self.metrics_registry
         m.gauge("l2_pages", lambda: self.index.l2_count)
         m.gauge("l2_free_pages", lambda: self.host.free_count)
         m.gauge("l2_capacity_pages", lambda: self.host.num_pages)
         m.gauge("plans_pending", lambda: len(self._plans))
+        m.gauge("l3_unreadable_keys", lambda: len(self.unreadable))
 
     # ----- queries ----------------------------------------------------------------------------
     @property
@@ -122,14 +133,32 @@ class CachePlanner:
         self._check_start(keys, start)
         with self._lock:
             n2 = len(self.index.l2_run(keys, start))
-        rest = len(keys) - start - n2
-        n3 = 0
-        if rest and self._l3_exists is not None and \
-                self.prefetch_policy.consult_l3(rest * self.spec.page_size):
-            n3 = self._exists(list(keys[start + n2:]))
+        rest = list(keys[start + n2:])
+        n3 = cut = 0
+        if rest and self._l3_usable() and \
+                self.prefetch_policy.consult_l3(len(rest) * self.spec.page_size):
+            ok = self.unreadable.readable_prefix(rest)
+            if ok:
+                n3 = self._exists(rest[:ok])
+            cut = int(n3 == ok < len(rest))      # the run went on into an unreadable key
         self.metrics_registry.add_many({"lookup_calls": 1, "lookup_pages": len(keys) - start,
-                                        "l2_matched_pages": n2, "l3_matched_pages": n3})
+                                        "l2_matched_pages": n2, "l3_matched_pages": n3,
+                                        "l3_unreadable_cut_lookups": cut})
         return Lookup(start, n2, n3)
+
+    def set_l3_state(self, state: str) -> None:
+        """The data path's L3 health (`CacheExecutor.l3_state`): while it is ``failed...``
+        no page is offered from L3 (every read would fail); one log line per change."""
+        if not isinstance(state, str):
+            raise InvalidArgumentError(f"l3 state must be a str, got {state!r}",
+                                       argument="state", value=state)
+        if self._l3_exists is None or state == self.l3_state:
+            return
+        was, self.l3_state = self.l3_state, state
+        log.warning("kvtier planner: the data path's L3 tier went from %s to %s", was, state)
+
+    def _l3_usable(self) -> bool:
+        return self._l3_exists is not None and not self.l3_state.startswith("failed")
 
     def pending_plans(self) -> list[int]:
         with self._lock:
@@ -266,6 +295,7 @@ class CachePlanner:
         if not isinstance(result, PlanResult):
             raise InvalidArgumentError(f"complete needs a PlanResult, got "
                                        f"{type(result).__name__}", argument="result")
+        self._check_result(result)
         with self._lock:
             st = self._plans.get(result.plan_id)
             if st is None and result.released_host_pages:
@@ -285,6 +315,16 @@ class CachePlanner:
             for nd in st.pinned:
                 nd.l2_pins -= 1
             landed: list[Node] = []
+            # a read that failed is not offered again; a write that succeeded replaced it
+            bad = [k for (k, _), ok in zip(p.l3_reads, result.l3_reads) if not ok]
+            unreadable = self.unreadable.add(bad)
+            for k in bad:                 # written to L3 again from L2 (write-back)
+                nd = self.index.get(k)
+                if nd is not None:
+                    nd.in_l3 = False
+            written = [k for (_, k), ok in zip(p.l3_writes, result.l3_writes) if ok]
+            if written:
+                self.unreadable.discard(written)
             for (key, hp), parent, ok in zip(p.l3_reads, st.read_parents, result.l3_reads):
                 got = self._register(key, hp, parent) if ok else None
                 if got is None:
@@ -330,6 +370,7 @@ class CachePlanner:
             "backup_failed_pages": len(result.backups) - sum(result.backups),
             "l3_written_pages": wrote,
             "l3_write_failed_pages": len(result.l3_writes) - wrote,
+            "l3_unreadable_marked": unreadable,
             "l2_evictions": len(evicted)})
 
     def fail(self, plan_id: int) -> None:
@@ -377,7 +418,28 @@ class CachePlanner:
 
     def _new_id(self) -> int:
         self._next_id += 1
-        return self._next_id
+        return (self.instance << 32) | (self._next_id & 0xFFFFFFFF)
+
+    def _check_result(self, result: PlanResult) -> None:
+        """Refuse a result this planner cannot have asked for, before anything changes."""
+        pid = result.plan_id
+        if isinstance(pid, bool) or not isinstance(pid, int) or pid >> 32 != self.instance:
+            raise InvalidArgumentError(f"result of plan {pid!r} is not from this planner "
+                                       f"(another planner instance or a restart); dropped",
+                                       argument="result", value=pid)
+        for name in ("l3_reads", "loads", "backups", "l3_writes"):
+            vals = getattr(result, name)
+            if not isinstance(vals, tuple) or not all(v is True or v is False for v in vals):
+                raise InvalidArgumentError(f"result of plan {pid}: {name} must be a tuple of "
+                                           "bools", argument="result", value=pid)
+        for name in ("held_host_pages", "released_host_pages"):
+            vals = getattr(result, name)
+            if not isinstance(vals, tuple) or not all(
+                    isinstance(v, int) and not isinstance(v, bool) and 0 <= v < self.host.num_pages
+                    for v in vals):
+                raise InvalidArgumentError(f"result of plan {pid}: {name} must be host pages "
+                                           f"in [0, {self.host.num_pages})", argument="result",
+                                           value=pid)
 
     def _register(self, key: bytes, hp: int, parent_key: bytes | None) -> Node | None:
         """Put a landed page in L2 under its parent (a root if the parent is not in L2);
@@ -393,8 +455,9 @@ class CachePlanner:
                ) -> list[tuple[bytes, int]]:
         """L3 reads of ``keys[first:first + n]`` into new host pages (fewer if L2 has no
         room; none without L3), their parents recorded in ``st``."""
-        if n <= 0 or self._l3_exists is None:
+        if n <= 0 or not self._l3_usable():
             return []
+        n = self.unreadable.readable_prefix(keys[first:first + n])
         pages = self._alloc(n, st)
         st.read_parents = [keys[first + j - 1] if first + j > 0 else None
                            for j in range(len(pages))]
