@@ -20,10 +20,15 @@ misses or passes its deadline marks its operations False. A call past its deadli
 touch its host pages when it finally returns: the result lists them in ``held_host_pages``
 (the planner keeps them out of use) and a second result for the same plan, with only
 ``released_host_pages``, comes from `poll` once the call has returned. Thread-safe.
+
+A plan runs at most once: its id is refused by this executor ever after, even once its result
+was polled (a replay would load whatever the host pages hold by then). A plan whose host
+pages alias outside the two chains of `kvtier.cache.plans` is refused before it starts.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -43,6 +48,44 @@ from .transfers import Completer
 log = logging.getLogger("kvtier.cache")
 
 __all__ = ["CacheExecutor"]
+
+
+class _PlanIds:
+    """The plan ids an executor has accepted; each is refused ever after.
+
+    Memory stays bounded: past ``limit`` ids, the older half (in submission order) is
+    forgotten into a floor per group, a group being the sign and the bits above the low 32
+    (one `CachePlanner` instance's ids, or its connector's negated sub-plan ids). Every id of a
+    group below its floor in magnitude is refused. So an id is refused without having run only
+    if a larger one of its group was accepted ``limit // 2`` submissions earlier: planners count
+    up, and a plan is submitted soon after it is made, so that is a plan of long ago."""
+
+    def __init__(self, limit: int):
+        self.limit = max(2, limit)
+        self._ids: dict[int, None] = {}           # insertion-ordered: oldest first
+        self._floors: dict[tuple[bool, int], int] = {}
+
+    @staticmethod
+    def _group(pid: int) -> tuple[tuple[bool, int], int]:
+        mag = abs(pid)
+        return (pid < 0, mag >> 32), mag
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def __contains__(self, pid: int) -> bool:
+        if pid in self._ids:
+            return True
+        group, mag = self._group(pid)
+        return mag < self._floors.get(group, 0)
+
+    def add(self, pid: int) -> None:
+        self._ids[pid] = None
+        if len(self._ids) > self.limit:
+            for old in list(itertools.islice(self._ids, len(self._ids) - self.limit // 2)):
+                del self._ids[old]
+                group, mag = self._group(old)
+                self._floors[group] = max(self._floors.get(group, 0), mag + 1)
 
 
 class _Run:
@@ -146,6 +189,9 @@ class _StoreTask:
 class CacheExecutor:
     """Runs plans on the host pool, the transfer engine and the L3 store (module doc)."""
 
+    #: How many submitted plan ids are remembered one by one (`_PlanIds`).
+    PLAN_IDS_REMEMBERED = 1 << 16
+
     def __init__(self, *, host_pool: HostKVPool, engine: TransferEngine,
                  store: L3Store | None = None, l3_io_threads: int = 2,
                  l3_batch_pages: int = 64, l3_error_limit: int = 8,
@@ -165,6 +211,7 @@ class CacheExecutor:
         self._runs: dict[int, _Run] = {}
         self._done: dict[Any, PlanResult] = {}
         self._held: dict[int, list[int]] = {}     # plan id -> host pages still held
+        self._submitted = _PlanIds(self.PLAN_IDS_REMEMBERED)
         self._serial = 0
         self._closed = False
         self._completer = Completer(self._completer_died)
@@ -217,16 +264,18 @@ class CacheExecutor:
 
     # ----- plans ------------------------------------------------------------------------------
     def submit(self, plan: Plan) -> None:
-        """Start ``plan``; a malformed plan raises before anything starts."""
+        """Start ``plan``; a malformed plan, or one whose id was submitted before (running,
+        finished or polled long ago), raises before anything starts."""
         self._validate(plan)
         run = _Run(plan)
         with self._lock:
             if self._closed:
                 raise InvalidArgumentError("the executor is closed", argument="executor")
-            if plan.plan_id in self._runs or plan.plan_id in self._done \
-                    or plan.plan_id in self._held:
-                raise InvalidArgumentError(f"plan {plan.plan_id} was already submitted",
-                                           argument="plan", value=plan.plan_id)
+            if plan.plan_id in self._submitted:
+                raise InvalidArgumentError(f"plan {plan.plan_id} was already submitted to this "
+                                           f"executor: a plan id runs once", argument="plan",
+                                           value=plan.plan_id)
+            self._submitted.add(plan.plan_id)
             self._runs[plan.plan_id] = run
             run.parts = 1                         # this call's own part, ended below
         try:
@@ -425,6 +474,7 @@ class CacheExecutor:
         if not isinstance(plan, Plan):
             raise InvalidArgumentError(f"submit needs a Plan, got {type(plan).__name__}",
                                        argument="plan")
+        plan.check_shape()
         nh, nd = self.host_pool.num_pages, self.engine.device_pool.num_pages
         if (plan.l3_reads or plan.l3_writes) and self.store is None:
             raise InvalidArgumentError("the plan has L3 operations but this executor has no "
@@ -444,15 +494,21 @@ class CacheExecutor:
         pages([d for d, _ in plan.backups], nd, "backup device page")
         pages([hp for _, hp in plan.backups], nh, "backup host page")
         pages([hp for hp, _ in plan.l3_writes], nh, "L3 write host page")
-        for k, _ in plan.l3_reads:
-            if not isinstance(k, bytes):
-                raise InvalidArgumentError(f"plan {plan.plan_id}: key {k!r} is not bytes",
-                                           argument="plan")
-        for _, k in plan.l3_writes:
-            if not isinstance(k, bytes):
-                raise InvalidArgumentError(f"plan {plan.plan_id}: key {k!r} is not bytes",
-                                           argument="plan")
         if set(d for _, d in plan.loads) & set(d for d, _ in plan.backups):
             raise PageIndexError(f"plan {plan.plan_id}: a device page is both loaded and "
                                  "backed up")
+        # Host pages: an L3 read -> load and a backup -> L3 write are ordered (plans module
+        # doc); any other page two operations share would race a fill.
+        read_hp = {hp for _, hp in plan.l3_reads}
+        backup_hp = {hp for _, hp in plan.backups}
+        for a, b, what in ((read_hp, {hp for hp, _ in plan.l3_writes},
+                            "filled by an L3 read and the source of an L3 write"),
+                           (backup_hp, {hp for hp, _ in plan.loads},
+                            "filled by a backup and the source of a load"),
+                           (read_hp, backup_hp, "filled by both an L3 read and a backup")):
+            both = sorted(a & b)
+            if both:
+                raise PageIndexError(f"plan {plan.plan_id}: host page(s) {both} {what} in "
+                                     f"one plan (it would race the fill)", index=both[0],
+                                     limit=nh)
 

@@ -16,11 +16,26 @@ Order inside one plan: backups and L3 reads start at once; a load from a host pa
 L3 read of the same plan fills starts after that read and fails with it; an L3 write of a host
 page that a backup of the same plan fills starts after that backup and fails with it. Other
 loads and writes start at once. A `PlanResult` has one bool per operation, in plan order.
+
+Those two are the only chains, and the only ways one host page may appear twice in a plan: a
+host page that an L3 read or a backup fills is filled by that one operation only, is not the
+source of an L3 write if a read fills it, nor the source of a load if a backup fills it (each
+would race the fill, and the store would keep one key's bytes under another). Within a list
+no page repeats, and no device page is both loaded and backed up. A data path refuses a plan
+that breaks these rules before any of it starts.
+
+A plan id is used once: a data path runs a plan of a given id at most once, and refuses it
+again even after its result came back (a replayed load would copy whatever the host page holds
+by then). Ids are any ints, of either sign (vLLM's connector gives a save's L3 writes
+``-plan_id``); a planner's ids grow in magnitude over time (`CachePlanner` counts up under its
+instance's high bits), which lets a data path forget old ids without accepting them again.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from ..errors import InvalidArgumentError
 
 __all__ = ["Lookup", "Plan", "PlanResult"]
 
@@ -52,6 +67,28 @@ class Plan:
     @property
     def empty(self) -> bool:
         return not (self.l3_reads or self.loads or self.backups or self.l3_writes)
+
+    def check_shape(self) -> None:
+        """Raise a one-line `InvalidArgumentError` unless the plan is well formed: an int id,
+        and each operation list a tuple (or list) of pairs whose keys are bytes. Page numbers,
+        their ranges and aliasing are the data path's to check: it knows its pools."""
+        pid = self.plan_id
+        if isinstance(pid, bool) or not isinstance(pid, int):
+            raise InvalidArgumentError(f"plan id {pid!r} is not an int", argument="plan_id",
+                                       value=pid)
+        for name, key_at in (("l3_reads", 0), ("loads", None), ("backups", None),
+                             ("l3_writes", 1)):
+            ops = getattr(self, name)
+            if not isinstance(ops, (tuple, list)):
+                raise InvalidArgumentError(f"plan {pid}: {name} is a {type(ops).__name__}, "
+                                           f"not a tuple of pairs", argument=name)
+            for op in ops:
+                if not isinstance(op, (tuple, list)) or len(op) != 2:
+                    raise InvalidArgumentError(f"plan {pid}: {name} entry {op!r} is not a "
+                                               f"pair", argument=name, value=op)
+                if key_at is not None and not isinstance(op[key_at], bytes):
+                    raise InvalidArgumentError(f"plan {pid}: {name} key {op[key_at]!r} is not "
+                                               f"bytes", argument=name, value=op[key_at])
 
     @property
     def device_pages(self) -> tuple[int, ...]:
