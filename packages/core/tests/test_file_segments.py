@@ -906,3 +906,31 @@ def test_concurrent_directory_listings_lose_nothing(tmp_path, pool):
         assert s.batch_get([ks[i]], [0]) == [True]
         assert torch.equal(page(pool, 0), want[i])
     s.close()
+
+
+def test_segment_directory_that_cannot_be_made_is_counted_then_retried(tmp_path, pool,
+                                                                       monkeypatch):
+    """mkdir of ``segments/`` refused at open (no inodes left): the store opens, its writes
+    are counted failures (never an exception), and the next write after the disk recovers
+    makes the directory and succeeds."""
+    real_mkdir = os.mkdir
+
+    def mkdir(path, *args, **kwargs):
+        if kwargs.get("dir_fd") is not None and path == seg_mod.SEG_DIR:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_mkdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "mkdir", mkdir)
+    s = open_store(tmp_path)
+    s.attach(pool)
+    k = keys(3)
+    assert s.batch_set(k, [0, 1, 2]) == [False] * 3
+    st_ = s.stats()
+    assert st_["write_errors"] >= 3 and st_["disk_full"] >= 3 and not st_["read_only"]
+    assert s.batch_get(k, [3, 4, 5]) == [False] * 3
+    monkeypatch.undo()
+    assert s.batch_set(k, [0, 1, 2]) == [True] * 3
+    want = [page(pool, p) for p in range(3)]
+    assert s.batch_get(k, [3, 4, 5]) == [True] * 3
+    assert all(torch.equal(page(pool, 3 + i), want[i]) for i in range(3))
+    s.close()

@@ -118,6 +118,8 @@ _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 #: Opening any entry: never follow a link, never wait (a FIFO opens at once, fstat tells).
 _OPEN_FLAGS = os.O_CLOEXEC | _NOFOLLOW | os.O_NONBLOCK
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | _OPEN_FLAGS
+#: A directory the store cannot write (a read-only mount, no permission): read-only.
+_READ_ONLY_ERRNOS = (errno.EROFS, errno.EACCES, errno.EPERM)
 
 
 
@@ -360,6 +362,11 @@ class FileStore(L3Store):
         #: different namespaces live in separate directories and never read each other's
         #: objects. Letters, digits, ``_`` and ``-``.
         namespace: str = ""
+        #: Serve reads only (a shared snapshot, a warm cache shipped with a model): writes,
+        #: deletes and ``clear()`` are refused (False, counted ``writes_refused``) and nothing
+        #: in the directory changes (no eviction, cleaning, mtime refresh or manifest). A store
+        #: that cannot write its directory (a read-only mount) goes read-only by itself.
+        read_only: bool = False
 
     def __init__(self, config: Any = None, *, spec):
         super().__init__(config, spec=spec)
@@ -409,6 +416,15 @@ class FileStore(L3Store):
         self._lock = threading.Lock()          # index and counters below
         self._dfd = -1
         self._dfd = self._open_store_dir(dirname)
+        #: why the store is read-only ("": it writes); see _go_read_only
+        self._ro_reason = ""
+        self._ro_lock = threading.Lock()
+        if c.read_only:
+            self._go_read_only("file.read_only is set", configured=True)
+        else:
+            why = self._probe_writable()
+            if why:
+                self._go_read_only(why)
         self.identity = identity_record(spec.fingerprint, c.namespace)
         self._identity = identity_digest(self.identity)
         self._manifest_state = self._check_manifest()
@@ -429,7 +445,8 @@ class FileStore(L3Store):
         self._local = threading.local()
         self._direct, self._direct_reason = False, "off"
         if c.o_direct != "off":
-            self._direct, self._direct_reason = self._probe_direct()
+            self._direct, self._direct_reason = \
+                self._probe_direct_read() if self.read_only else self._probe_direct()
             if not self._direct:
                 if c.o_direct == "on":
                     raise StoreError(f"file: O_DIRECT is not possible in {self.dir}: "
@@ -437,6 +454,7 @@ class FileStore(L3Store):
                 log.info("file: O_DIRECT unavailable in %s (%s); using the page cache",
                          self.dir, self._direct_reason)
         self._direct_pool = False
+        self._dir_error: OSError | None = None     # why a directory could not be made
         self._seg: Any = None
         if c.format == "segments":
             from .segments import SegmentFormat
@@ -549,16 +567,22 @@ class FileStore(L3Store):
         rfd = self._open_root()
         try:
             created = False
+            refused: OSError | None = None
             try:
                 os.mkdir(name, self._dir_mode, dir_fd=rfd)
                 created = True
             except FileExistsError:
                 pass
             except OSError as exc:
-                raise StoreError(f"file: cannot create store directory {self.dir}: {exc}",
-                                 backend=self.name) from exc
+                if exc.errno not in _READ_ONLY_ERRNOS:
+                    raise StoreError(f"file: cannot create store directory {self.dir}: "
+                                     f"{exc}", backend=self.name) from exc
+                refused = exc          # a read-only root: an existing directory still serves
             try:
                 fd = os.open(name, _DIR_FLAGS, dir_fd=rfd)
+            except FileNotFoundError as exc:
+                raise StoreError(f"file: cannot create store directory {self.dir}: "
+                                 f"{refused or exc}", backend=self.name) from exc
             except OSError as exc:
                 if exc.errno in (errno.ELOOP, errno.ENOTDIR):
                     kind = "a symlink" if os.path.islink(self.dir) else "not a directory"
@@ -636,12 +660,73 @@ class FileStore(L3Store):
                        f"{self.identity!r}); they "
                        "are misses")
             return "other identity"
+        if self.read_only:
+            return "missing (read-only)" if rec is None else "damaged (read-only)"
         try:
             self._write_manifest()
         except OSError as exc:
             log.warning("file: cannot write the manifest of %s: %s", self.dir, exc)
             return f"not written: {exc.strerror}"
         return "ok" if rec is None else "rewritten"
+
+    def _probe_writable(self) -> str:
+        """Why this store cannot write its directory ("" if it can): a read-only mount, or
+        creating a file there refused (EROFS, EACCES, EPERM). Other failures (a full disk)
+        are not read-only: writes then fail and are counted, and may succeed later."""
+        try:
+            if os.fstatvfs(self._dfd).f_flag & getattr(os, "ST_RDONLY", 0):
+                return f"{self.dir} is on a read-only filesystem"
+        except OSError:
+            pass
+        name = f".write-probe.{self._host}-{os.getpid()}.{os.urandom(4).hex()}{TMP_SUFFIX}"
+        try:
+            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS, 0o600,
+                         dir_fd=self._dfd)
+        except OSError as exc:
+            if exc.errno in _READ_ONLY_ERRNOS:
+                return f"cannot write {self.dir} ({exc.strerror}): read-only"
+            return ""
+        os.close(fd)
+        try:
+            os.unlink(name, dir_fd=self._dfd)
+        except OSError:
+            pass
+        return ""
+
+    @property
+    def read_only(self) -> bool:
+        return bool(self._ro_reason)
+
+    def _go_read_only(self, reason: str, configured: bool = False) -> None:
+        """Serve reads only from now on; said once per store."""
+        with self._ro_lock:
+            if self._ro_reason:
+                return
+            self._ro_reason = reason
+        (log.info if configured else log.warning)(
+            "file: store %s is read-only (%s): reads are served, writes refused and counted "
+            "(writes_refused)", self.dir, reason)
+
+    def _refuse_writes(self, n: int) -> None:
+        self._bump("writes_refused", n)
+
+    def _probe_direct_read(self) -> tuple[bool, str]:
+        """O_DIRECT for a read-only store: an aligned read of the manifest, if any."""
+        if not hasattr(os, "O_DIRECT"):
+            return False, "this platform has no O_DIRECT"
+        try:
+            fd = os.open(MANIFEST, os.O_RDONLY | os.O_DIRECT | _OPEN_FLAGS, dir_fd=self._dfd)
+        except OSError as exc:
+            return False, f"no O_DIRECT read of {MANIFEST} to try ({exc.strerror})"
+        blk = mmap.mmap(-1, DIRECT_ALIGN)
+        try:
+            os.preadv(fd, [memoryview(blk)], 0)
+        except OSError as exc:
+            return False, f"O_DIRECT read refused: {exc.strerror}"
+        finally:
+            os.close(fd)
+            blk.close()
+        return True, "available"
 
     def _probe_direct(self) -> tuple[bool, str]:
         """Can this directory's filesystem do O_DIRECT I/O? (ok, reason)."""
@@ -757,6 +842,10 @@ class FileStore(L3Store):
         self._check_open()
         pages = self._check_batch(keys, host_pages)
         n = len(keys)
+        if self.read_only:
+            self._count(sets=n)
+            self._refuse_writes(n)
+            return [False] * n
         cap = self.config.capacity_bytes
         size = self._write_size()
         fits = n if cap is None else min(n, cap // size)
@@ -784,6 +873,9 @@ class FileStore(L3Store):
     def delete(self, keys: Sequence[bytes]) -> int:
         self._check_open()
         self._check_batch(keys)
+        if self.read_only:
+            self._refuse_writes(len(keys))
+            return 0
         if self._seg is not None:
             return self._seg.delete(keys)
         n = 0
@@ -803,8 +895,12 @@ class FileStore(L3Store):
     @_in_use
     def clear(self) -> None:
         """Remove every object (and temporary file) of this store's directory. Entries the
-        store did not make (other names, directories, links, FIFOs) are left and counted."""
+        store did not make (other names, directories, links, FIFOs) are left and counted.
+        A read-only store removes nothing (counted ``writes_refused``)."""
         self._check_open()
+        if self.read_only:
+            self._refuse_writes(1)
+            return
         if self._seg is not None:
             foreign = self._seg.clear()
             if foreign:
@@ -838,7 +934,9 @@ class FileStore(L3Store):
                      o_direct=self._direct and self._direct_pool,
                      o_direct_reason=self._direct_reason, root=self.dir,
                      checksum=f"{self.config.checksum} ({self.checksum_provider})",
-                     manifest=self._manifest_state, identity=self._identity.hex())
+                     manifest=self._manifest_state, identity=self._identity.hex(),
+                     read_only=self.read_only, read_only_reason=self._ro_reason)
+        d.setdefault("writes_refused", 0)
         d["format"] = self.config.format
         if self._seg is not None:
             d.update(self._seg.stats())
@@ -892,10 +990,11 @@ class FileStore(L3Store):
     def _path(self, key: bytes) -> str:
         return os.path.join(self.dir, self._rel(key))
 
-    def _sub_fd(self, sub: str, create: bool = False) -> int:
+    def _sub_fd(self, sub: str, create: bool = False, count: bool = True) -> int:
         """A descriptor of fan-out directory ``sub`` (opened below the store directory's
         descriptor, never through a link), or -1: missing, a foreign entry, or (``create``)
-        a directory that cannot be made (counted)."""
+        a directory that cannot be made (counted unless not ``count``; the error is kept in
+        ``_dir_error``)."""
         try:
             return os.open(sub, _DIR_FLAGS, dir_fd=self._dfd)
         except FileNotFoundError:
@@ -910,7 +1009,9 @@ class FileStore(L3Store):
         except FileExistsError:
             made = False
         except OSError as exc:     # no inodes left, a read-only mount: a counted failed write
-            self._io_error("write", os.path.join(self.dir, sub), exc)
+            self._dir_error = exc
+            if count:
+                self._io_error("write", os.path.join(self.dir, sub), exc)
             return -1
         try:
             fd = os.open(sub, _DIR_FLAGS, dir_fd=self._dfd)
@@ -993,7 +1094,8 @@ class FileStore(L3Store):
                     if _OBJECT_RE.match(e.name):
                         if st.st_size in self._sizes:
                             found[f"{base}/{e.name}"] = (st.st_mtime_ns, st.st_size)
-                    elif _TMP_RE.match(e.name) and self._tmp_is_stale(e.name, st, now):
+                    elif _TMP_RE.match(e.name) and not self.read_only and \
+                            self._tmp_is_stale(e.name, st, now):
                         if self._unlink_own(sfd, e.name, missing_ok=False):
                             self._bump("tmp_cleaned")
             finally:
@@ -1060,7 +1162,7 @@ class FileStore(L3Store):
     def _make_room(self, need: int, keep: set[str]) -> None:
         """Evict least recently used objects until ``need`` more bytes fit in capacity."""
         cap = self.config.capacity_bytes
-        if cap is None:
+        if cap is None or self.read_only:
             return
         with self._lock:
             kept = sum(self._index[k][1] for k in keep if k in self._index)  # overwritten
@@ -1210,7 +1312,8 @@ class FileStore(L3Store):
                                           key, plen, self._identity)
             if _checksum(kind_id, views) != want:
                 raise _Bad("corrupted", "payload checksum mismatch")
-            if self.config.touch_on_read and time.time_ns() - st.st_mtime_ns > _TOUCH_NS:
+            if self.config.touch_on_read and not self.read_only and \
+                    time.time_ns() - st.st_mtime_ns > _TOUCH_NS:
                 try:
                     os.utime(fd)
                 except OSError:
@@ -1331,6 +1434,8 @@ class FileStore(L3Store):
             extra[counter] = extra.get(counter, 0) + n
 
     def _io_error(self, op: str, path: str, exc: OSError) -> None:
+        if op == "write" and exc.errno == errno.EROFS:
+            self._go_read_only(f"writing {path} failed: {exc.strerror}")
         self._count(errors=1)
         self._bump(f"{op}_errors")
         if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
@@ -1340,6 +1445,8 @@ class FileStore(L3Store):
 
     def _write_failed(self, path: str, exc: OSError, pages: int) -> None:
         """A write of ``pages`` pages failed: each is a miss and a counted error."""
+        if exc.errno == errno.EROFS:
+            self._go_read_only(f"writing {path} failed: {exc.strerror}")
         self._count(errors=pages)
         self._bump("write_errors", pages)
         if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
@@ -1350,7 +1457,7 @@ class FileStore(L3Store):
     def _remove_bad(self, sfd: int, name: str, st: os.stat_result | None) -> None:
         """Remove an untrusted object unless another process replaced it meanwhile (or it is
         not a regular file: not the store's to delete)."""
-        if not self.config.remove_corrupted:
+        if not self.config.remove_corrupted or self.read_only:
             return
         try:
             now = os.stat(name, dir_fd=sfd, follow_symlinks=False)

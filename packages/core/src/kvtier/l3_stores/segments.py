@@ -205,13 +205,13 @@ class SegmentFormat:
         self._last_catch_up = 0.0
         self._sfd = self._open_dir()
         self._new_writer()
-        self.refresh(clean=True)
+        self.refresh(clean=not store.read_only)
 
     # ----- directory ----------------------------------------------------------------------
-    def _open_dir(self) -> int:
+    def _open_dir(self, count: bool = True) -> int:
         """The segment directory's descriptor (made if missing, as the store makes its fan-out
         directories), or -1: a foreign entry or a directory that cannot be made (counted)."""
-        return self.s._sub_fd(SEG_DIR, create=True)
+        return self.s._sub_fd(SEG_DIR, create=not self.s.read_only, count=count)
 
     def _new_writer(self) -> None:
         self._pid = os.getpid()
@@ -232,7 +232,8 @@ class SegmentFormat:
                     self._retire(name)
 
     def close(self) -> None:
-        if self._wlogs and self._sfd >= 0 and self._pid == os.getpid():
+        if self._wlogs and self._sfd >= 0 and self._pid == os.getpid() \
+                and not self.s.read_only:
             try:                        # other processes may now evict our last segment
                 self._append([pack_record(_SEAL, 0, 0, time.time_ns(), bytes(32))])
             except OSError:
@@ -330,7 +331,7 @@ class SegmentFormat:
                 del self._logs[name]
         self.tail()
         self._last_list = time.monotonic()
-        if clean:
+        if clean and not self.s.read_only:
             self._clean_dead(now_ns)
 
     def _catch_up(self) -> None:
@@ -627,7 +628,8 @@ class SegmentFormat:
                 e.refs += 1
                 return e
         direct = self.s._direct and self.s._direct_pool
-        fd = self._open_entry(seg, os.O_RDWR | (os.O_DIRECT if direct else 0))
+        mode = os.O_RDONLY if self.s.read_only else os.O_RDWR
+        fd = self._open_entry(seg, mode | (os.O_DIRECT if direct else 0))
         if fd < 0:
             return None
         with self._lock:
@@ -729,7 +731,7 @@ class SegmentFormat:
                       "treated as a miss (further ones are only counted in stats)")
         with self._lock:
             self._forget_if(digest, seg, slot)
-        if s.config.remove_corrupted and bad.kind != "truncated":
+        if s.config.remove_corrupted and bad.kind != "truncated" and not s.read_only:
             self._zero_trailer(fd, slot)
 
     def _zero_trailer(self, fd: int, slot: int) -> None:
@@ -755,7 +757,8 @@ class SegmentFormat:
             if info is None:
                 return
             info.used_ns = max(info.used_ns, now)
-            if not self.s.config.touch_on_read or now - info.touched_ns < _TOUCH_NS:
+            if not self.s.config.touch_on_read or self.s.read_only \
+                    or now - info.touched_ns < _TOUCH_NS:
                 return
             info.touched_ns = now
         try:
@@ -772,11 +775,11 @@ class SegmentFormat:
         if self._sfd < 0:
             with self._wlock:               # it could not be made at open: try again
                 if self._sfd < 0:
-                    self._sfd = self._open_dir()
+                    self._sfd = self._open_dir(count=False)   # each page is counted
                     if self._sfd >= 0:
                         self.refresh(clean=True)
         if self._sfd < 0:
-            self.s._write_failed(os.path.join(self.s.dir, SEG_DIR),
+            self.s._write_failed(os.path.join(self.s.dir, SEG_DIR), self.s._dir_error or
                                  OSError(errno.ENOTDIR, "segment directory unusable"), n)
             return [False] * n
         out = [False] * n
@@ -1107,7 +1110,7 @@ class SegmentFormat:
         """Evict least recently used segments until ``need`` more bytes fit; returns how
         many were removed."""
         cap = self.s.config.capacity_bytes
-        if cap is None:
+        if cap is None or self.s.read_only:
             return 0
         if time.monotonic() - self._last_list >= self.s.config.rescan_interval_s:
             self.refresh()
