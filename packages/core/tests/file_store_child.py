@@ -8,7 +8,8 @@ some generation from anything else.
 
 modes: ``loop`` (write generations forever), ``stall`` (write one generation, then stop half
 way through the next object's write and sleep), ``rlimit`` (write under RLIMIT_FSIZE smaller
-than one object), ``writer GEN0 STEP SECONDS`` and ``reader SECONDS`` (share a directory).
+than one object), ``writer GEN0 STEP SECONDS`` and ``reader SECONDS`` (share a directory),
+``capacity CAPACITY SECONDS WRITER WRITERS`` (write and check reads under a shared capacity).
 """
 
 from __future__ import annotations
@@ -159,8 +160,46 @@ def main(argv: list[str]) -> None:
                         gens.add(gen)
         print(json.dumps({"hits": hits, "wrong": wrong, "generations": len(gens),
                           "stats": store.stats()}), flush=True)
+    elif mode == "capacity":
+        capacity_writer(root, int(argv[2]), float(argv[3]), int(argv[4]), int(argv[5]))
     else:
         raise SystemExit(f"unknown mode {mode}")
+
+
+CAP_KEYS = 40        # keys per writer in ``capacity`` mode
+
+
+def cap_key(writer: int, i: int) -> bytes:
+    return f"cap-{writer}-{i}".encode()
+
+
+def capacity_writer(root: str, capacity: int, seconds: float, writer: int, writers: int) -> None:
+    """Write batches of this writer's keys (new generations) and read random keys of every
+    writer, checking each hit bitwise, for ``seconds``; print what happened as JSON."""
+    import random
+    store, pool = open_store(root, capacity_bytes=capacity)
+    rng = random.Random(writer)
+    print("ready", flush=True)
+    gen = written = hits = wrong = 0
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        idx = rng.sample(range(CAP_KEYS), 4)
+        for j, i in enumerate(idx):
+            pool.page_bytes_view(j).copy_(page_content(writer * 1000 + i, gen))
+        written += sum(store.batch_set([cap_key(writer, i) for i in idx], list(range(4))))
+        gen += 1
+        want = rng.sample([(w, i) for w in range(writers) for i in range(CAP_KEYS)], 4)
+        got = store.batch_get([cap_key(w, i) for w, i in want], list(range(4, 8)))
+        for j, ok in enumerate(got):
+            if ok:
+                hits += 1
+                w, i = want[j]
+                if check_page(pool.page_bytes_view(4 + j), w * 1000 + i) is None:
+                    wrong += 1
+    stats = store.stats()
+    store.close()
+    print(json.dumps({"written": written, "hits": hits, "wrong": wrong,
+                      "errors": stats["errors"], "evictions": stats["evictions"]}), flush=True)
 
 
 if __name__ == "__main__":

@@ -934,3 +934,54 @@ def test_segment_directory_that_cannot_be_made_is_counted_then_retried(tmp_path,
     assert s.batch_get(k, [3, 4, 5]) == [True] * 3
     assert all(torch.equal(page(pool, 3 + i), want[i]) for i in range(3))
     s.close()
+
+
+def _dir_bytes(path: str) -> int:
+    """Bytes of the files in a directory tree now (files removed meanwhile count nothing)."""
+    total = 0
+    for d, _, fs in os.walk(path):
+        for f in fs:
+            try:
+                total += os.lstat(os.path.join(d, f)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def test_capacity_holds_across_live_writer_processes(tmp_path):
+    """Six processes writing (and reading each other's pages) in one directory under one
+    capacity: the files on disk (segments, logs, manifest) stay within 1.25x the capacity at
+    every sample, and every read that hits is bitwise the page written under that key."""
+    root = str(tmp_path)
+    slot = -(-(child.SPEC.page_bytes + TRAILER_BYTES) // 4096) * 4096
+    capacity = 48 * slot
+    writers, seconds = 6, 6.0
+    procs = [subprocess.Popen([sys.executable, CHILD, root, "capacity", str(capacity),
+                               str(seconds), str(w), str(writers)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=_env())
+             for w in range(writers)]
+    peak = samples = 0
+    try:
+        for p in procs:
+            child.wait_for(p, "ready", timeout=120)
+        end = time.monotonic() + seconds + 120
+        while any(p.poll() is None for p in procs) and time.monotonic() < end:
+            peak = max(peak, _dir_bytes(root))
+            samples += 1
+            time.sleep(0.01)
+        results = []
+        for p in procs:
+            out, err = p.communicate(timeout=60)
+            assert p.returncode == 0, err
+            results.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    print(f"peak {peak / capacity:.2f}x capacity over {samples} samples; {results}")
+    assert sum(r["written"] for r in results) > 2 * 48, "the writers overflowed the capacity"
+    assert sum(r["wrong"] for r in results) == 0
+    assert sum(r["hits"] for r in results) > 0
+    assert peak <= 1.25 * capacity, f"{peak / capacity:.2f}x the capacity on disk"
+    assert _dir_bytes(root) <= 1.25 * capacity

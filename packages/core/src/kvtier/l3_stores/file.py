@@ -47,6 +47,13 @@ Each process keeps an in-memory index (built by scanning the directory at open, 
 the background every ``rescan_interval_s`` while writing) and re-checks a victim's mtime before
 deleting it. A page whose read fails after it started (corrupted object) holds unspecified
 bytes; a plain miss leaves the page untouched.
+
+Read-only (``read_only``; chosen by the store itself when its directory is on a read-only
+mount or creating a file there is refused, or when a write fails with ``EROFS``): reads are
+served, ``batch_set``/``delete``/``clear()`` are refused (False or 0, counted
+``writes_refused``, no error) and nothing in the directory changes -- no manifest, eviction,
+cleaning, removal of damaged objects or mtime refresh. One log line says why. A store
+directory that does not exist on a read-only root is still a ``StoreError`` (nothing to serve).
 """
 
 from __future__ import annotations
@@ -1114,7 +1121,7 @@ class FileStore(L3Store):
         self._check_open()
         if self._seg is not None:
             self._seg.refresh()
-            evicted = self._seg.make_room(0)
+            evicted = self._seg.make_room(0, fresh=False)
             if evicted:
                 self._count(evictions=evicted)
             return

@@ -61,10 +61,25 @@ processes sharing the directory share one LRU order; a victim's mtime is re-chec
 it is removed. A segment a live writer may still append to (the newest segment of a writer
 whose process is alive on this host, or of another host's writer, younger than
 ``stale_tmp_s``) is never evicted; segments of dead writers, and of writers whose log ends
-with the seal record ``close()`` appends, are sealed and evictable. With a
-capacity, segments are made no larger than a quarter of it (at least one slot), so eviction
-frees at most a quarter at a time. Segment files of dead (or sealed) writers that no record
-names, and logs whose segment is gone, are removed when a store opens the directory.
+with the seal record ``close()`` appends, are sealed and evictable. Segment files of dead
+(or sealed) writers that no record names, and logs whose segment is gone, are removed when
+a store opens the directory.
+
+The capacity holds across writer processes sharing the directory, although each live
+writer's current segment cannot be evicted: a writer sizes each new segment when it starts
+it, as its share of the capacity -- ``capacity / (2 * live writers)``, no more than a quarter
+of the capacity, at least one slot -- so the live writers' current segments hold at most
+about half of it and sealed segments the rest. Starting a segment: create its file empty (a
+claim every other writer sees), list the directory, evict least recently used sealed segments
+until the new one fits, and make it no larger than the room left; another writer's empty
+segment counts as the largest it may become, so two writers starting segments at once never
+take the same room. The files then stay within the capacity (plus the index logs, 64 bytes
+per slot), except where the live writers outnumber the slots it holds (one slot each at
+least). A segment read within the last second is evicted too if it is still the least
+recently used once its mtime is re-read: a busy store must not outgrow its capacity.
+
+Read-only (``read_only``, or a directory the store cannot write): segments and logs are opened
+``O_RDONLY``; nothing is written, evicted, cleaned, zeroed or touched.
 
 Anything else in ``segments/`` (foreign names, links, FIFOs, directories) is never followed
 or opened blocking; it is counted (``foreign_entries``, ``not_regular``) and left alone.
@@ -304,7 +319,14 @@ class SegmentFormat:
                     foreign += 1
                     continue
                 seen_segs.add(name)
-                if name not in self._segs:
+                known = self._segs.get(name)
+                if known is not None and known.size == 0:    # a claim: its size now
+                    try:
+                        known.size = os.stat(name, dir_fd=self._sfd,
+                                             follow_symlinks=False).st_size
+                    except OSError:
+                        pass
+                elif known is None:
                     try:
                         st = os.stat(name, dir_fd=self._sfd, follow_symlinks=False)
                     except OSError:
@@ -852,12 +874,9 @@ class SegmentFormat:
         self._seq += 1
         name = f"{self._writer}.{self._seq:08d}{SEG_SUFFIX}"
         size = self.seg_slots * self.slot_bytes
-        evicted = self.make_room(size)
-        if evicted:
-            s._count(evictions=evicted)
         direct = s._direct and s._direct_pool
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | _f._NOFOLLOW
-        try:
+        try:      # empty for now: the claim other writers count (see _committed)
             fd = os.open(name, flags | (os.O_DIRECT if direct else 0), s.config.file_mode,
                          dir_fd=self._sfd)
         except OSError as exc:
@@ -866,6 +885,12 @@ class SegmentFormat:
         try:
             if s._fix_mode:
                 os.fchmod(fd, s.config.file_mode)
+            if s.config.capacity_bytes is not None:
+                self._claim = name
+                try:
+                    size = self._fit(size)
+                finally:
+                    self._claim = ""
             while True:
                 try:
                     os.posix_fallocate(fd, 0, size)
@@ -889,7 +914,11 @@ class SegmentFormat:
             return False
         e = _Fd(fd)                     # its one reference: being the current segment
         with self._lock:
-            self._segs[name] = _Seg(self._writer, self._seq, size, time.time_ns())
+            info = self._segs.get(name)
+            if info is None:
+                self._segs[name] = _Seg(self._writer, self._seq, size, time.time_ns())
+            else:                       # listed while it was a claim
+                info.size, info.used_ns = size, time.time_ns()
             self._fds[name] = e
         if self._cur is not None:
             self._release(self._cur[1])
@@ -1090,7 +1119,7 @@ class SegmentFormat:
                    newest: dict[str, int] | None = None) -> bool:
         """A segment its writer may still append to (lock held); ``newest``: each writer's
         highest segment number, if the caller has it."""
-        if self._cur is not None and name == self._cur[0]:
+        if (self._cur is not None and name == self._cur[0]) or name == self._claim:
             return True
         e = self._fds.get(name)
         if e is not None and e.writes:
@@ -1106,21 +1135,55 @@ class SegmentFormat:
             return False
         return alive is True or now_ns - info.used_ns < self.s.config.stale_tmp_s * 1e9
 
-    def make_room(self, need: int) -> int:
-        """Evict least recently used segments until ``need`` more bytes fit; returns how
-        many were removed."""
+    def _fit(self, size: int) -> int:
+        """The size of the segment this writer starts now, with a capacity (wlock held; its
+        file exists, empty, as ``self._claim``): its share of the capacity among the live
+        writers, after evicting what that needs, and no more than the room left."""
+        s = self.s
+        cap = s.config.capacity_bytes
+        assert cap is not None
+        self.refresh()                    # every writer's segments and claims, now
+        with self._lock:
+            live = {i.writer for i in self._segs.values()
+                    if self._writer_state(i.writer) is not False} | {self._writer}
+        share = cap // (2 * len(live)) // self.slot_bytes * self.slot_bytes
+        size = max(self.slot_bytes, min(size, share))
+        evicted = self.make_room(size, fresh=False)
+        if evicted:
+            s._count(evictions=evicted)
+        room = (cap - self._committed()) // self.slot_bytes * self.slot_bytes
+        return max(self.slot_bytes, min(size, room))
+
+    def _committed(self) -> int:
+        """Bytes the segments hold against the capacity: their size; another live writer's
+        empty segment (a claim: its size is being decided) counts as the largest segment it
+        may become, so writers starting segments at once never both take the same room."""
+        with self._lock:
+            total = 0
+            for name, i in self._segs.items():
+                if i.size or name == self._claim or i.writer == self._writer:
+                    total += i.size
+                elif self._writer_state(i.writer) is not False:
+                    total += self.seg_slots * self.slot_bytes
+            return total
+
+    _claim = ""
+
+    def make_room(self, need: int, fresh: bool = True) -> int:
+        """Evict least recently used segments until ``need`` more bytes fit (``fresh``: list
+        the directory first); returns how many were removed."""
         cap = self.s.config.capacity_bytes
         if cap is None or self.s.read_only:
             return 0
-        if time.monotonic() - self._last_list >= self.s.config.rescan_interval_s:
+        if fresh:
             self.refresh()
         evicted = 0
         skip: set[str] = set()
         for _ in range(2 * len(self._segs) + 2):
             now = time.time_ns()
+            if self._committed() + need <= cap:
+                break
             with self._lock:
-                if sum(i.size for i in self._segs.values()) + need <= cap:
-                    break
                 newest: dict[str, int] = {}
                 for i in self._segs.values():
                     newest[i.writer] = max(newest.get(i.writer, -1), i.seq)
@@ -1145,9 +1208,7 @@ class SegmentFormat:
                     info = self._segs.get(victim)
                     if info is not None:
                         info.used_ns = st.st_mtime_ns
-                if st.st_mtime_ns > now - _TOUCH_NS:
-                    skip.add(victim)          # in use right now
-                continue
+                continue                      # (still the least recently used: it goes)
             try:
                 os.unlink(victim, dir_fd=self._sfd)
                 evicted += 1
