@@ -156,3 +156,20 @@ class InputError(KVTierError, ValueError):
         self.source = source
         self.line = line
         self.field = field
+
+
+#: The most characters of a value an error message echoes (`show_value`).
+SHOW_VALUE_CHARS = 80
+
+
+def show_value(value: object, limit: int = SHOW_VALUE_CHARS) -> str:
+    """``repr(value)`` for an error message, cut to ``limit`` characters with an ellipsis and
+    the full length: a 1 MiB string where an int goes must not become a 1 MiB message."""
+    try:
+        text = repr(value)
+    except ValueError:          # an int past the interpreter's digit limit
+        return f"<an int of about {value.bit_length() * 0.30103:.0f} digits>" \
+            if isinstance(value, int) else f"<{type(value).__name__}>"
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} characters)"

@@ -3,19 +3,37 @@
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping
 
-from ..config import build_config, config_fields, config_from_env, read_config_file
-from ..errors import ConfigError
+from ..config import (build_config, check_depth, config_fields, config_from_env, parse_json,
+                      read_config_file)
+from ..errors import ConfigError, show_value
 from .cost import check_rate
 
-__all__ = ["CacheConfig"]
+__all__ = ["CacheConfig", "MAX_HOST_POOL_BYTES", "MAX_COUNT", "MAX_SECONDS"]
 
 _DICT_FIELDS = ("host_allocator_config", "l3_config", "transfer_config")
+
+#: Upper bound of page counts and byte sizes (2**48 B = 256 TiB: more than any one host holds;
+#: a bigger value is a typo, refused before anything is allocated).
+MAX_COUNT = 2**48
+#: Upper bound of the host pool's size in bytes (pages x page bytes), checked before allocating.
+MAX_HOST_POOL_BYTES = 2**48
+#: Upper bound of ``l3_io_threads``: each is an OS thread.
+MAX_IO_THREADS = 1024
+#: Upper bound of every timeout (about 116 days; threads' waits overflow near 292 years).
+MAX_SECONDS = 1e7
+
+#: (field, least, greatest) of every int field; an int is also at most 2**63 - 1 (`_coerce`).
+_INT_RANGES = (("host_pool_pages", 1, MAX_COUNT), ("host_pool_bytes", 1, MAX_COUNT),
+               ("tp_rank", 0, MAX_COUNT), ("tp_size", 1, MAX_COUNT),
+               ("pp_rank", 0, MAX_COUNT), ("pp_size", 1, MAX_COUNT),
+               ("selective_threshold", 1, 2**63 - 1), ("prefetch_min_tokens", 0, MAX_COUNT),
+               ("l3_io_threads", 1, MAX_IO_THREADS), ("l3_batch_pages", 1, MAX_COUNT),
+               ("l3_error_limit", 1, MAX_COUNT), ("l3_max_queued_pages", 1, MAX_COUNT))
 
 
 @dataclass(frozen=True)
@@ -71,7 +89,8 @@ class CacheConfig:
     l3_batch_pages: int = 64
     #: Store calls raising in a row before the store counts as broken.
     l3_error_limit: int = 8
-    #: Seconds a store call may take before it counts as failed (its worker is replaced).
+    #: Seconds (> 0) a store call may take before it counts as failed (its worker is
+    #: replaced).
     l3_call_timeout_s: float = 30.0
     #: Pages queued for L3 writes beyond which new writes are dropped (and counted).
     l3_max_queued_pages: int = 65536
@@ -94,24 +113,21 @@ class CacheConfig:
         for name in _DICT_FIELDS:
             v = getattr(self, name)
             if isinstance(v, str):          # from the environment or a CLI flag: JSON
-                try:
-                    v = json.loads(v) if v.strip() else {}
-                except json.JSONDecodeError as exc:
-                    raise ConfigError(f"{name} must be a JSON object, got {v!r}: {exc}",
-                                      key=name, value=v) from None
+                v = parse_json(v, name) if v.strip() else {}
             if not isinstance(v, Mapping):
-                raise ConfigError(f"{name} must be a mapping, got {v!r}", key=name, value=v)
+                raise ConfigError(f"{name} must be a mapping, got {show_value(v)}", key=name,
+                                  value=v)
+            check_depth(v, name)
             object.__setattr__(self, name, dict(v))
         if self.host_pool_pages is not None and self.host_pool_bytes is not None:
             raise ConfigError("give host_pool_pages or host_pool_bytes, not both",
                               key="host_pool_bytes", value=self.host_pool_bytes)
-        for name, lo in (("host_pool_pages", 1), ("host_pool_bytes", 1), ("tp_size", 1),
-                         ("selective_threshold", 1), ("prefetch_min_tokens", 0),
-                         ("l3_io_threads", 1), ("l3_batch_pages", 1), ("l3_error_limit", 1),
-                         ("l3_max_queued_pages", 1), ("tp_rank", 0)):
+        for name, lo, hi in _INT_RANGES:
             v = getattr(self, name)
-            if v is not None and v < lo:
-                raise ConfigError(f"{name} must be >= {lo}, got {v!r}", key=name, value=v)
+            if v is not None and not lo <= v <= hi:
+                bound = f">= {lo}" if v < lo else f"<= {hi}"
+                raise ConfigError(f"{name} must be {bound}, got {show_value(v)}", key=name,
+                                  value=v)
         for name in ("host_pool_ratio", "prefetch_timeout_base_s",
                      "prefetch_timeout_per_1k_tokens_s", "prefetch_timeout_cap_s",
                      "close_timeout_s", "l3_call_timeout_s"):
@@ -119,6 +135,12 @@ class CacheConfig:
             if not (v >= 0) or math.isinf(v):
                 raise ConfigError(f"{name} must be a finite number >= 0, got {v!r}", key=name,
                                   value=v)
+            hi = MAX_SECONDS if name.endswith("_s") else MAX_COUNT
+            if v > hi:
+                raise ConfigError(f"{name} must be <= {hi:g}, got {v!r}", key=name, value=v)
+        if not self.l3_call_timeout_s > 0:          # 0: every store call would time out
+            raise ConfigError(f"l3_call_timeout_s must be > 0, got {self.l3_call_timeout_s!r}",
+                              key="l3_call_timeout_s", value=self.l3_call_timeout_s)
         if self.recompute_tokens_per_s is not None:
             check_rate("recompute_tokens_per_s", self.recompute_tokens_per_s)
         if not (0 < self.cost_ewma_alpha <= 1):
@@ -162,6 +184,27 @@ class CacheConfig:
         return config_from_env(cls, prefix, env, data)
 
     @classmethod
+    def file_settings(cls, path: str | None = None, *,
+                      environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+        """The ``[cache]`` table of the config file (``path``, else ``$KVTIER_CONFIG``, which
+        ``kvtier --config FILE`` sets), every key a field (else a ConfigError naming it); {}
+        without a file. For a command that lays the file's settings under its own: its
+        flags win where both set a field. Values are checked when the command builds its
+        config from the merged dict."""
+        env = os.environ if environ is None else environ
+        path = path or env.get("KVTIER_CONFIG") or None
+        if not path:
+            return {}
+        data = read_config_file(path, "cache")
+        names = {f.name for f in config_fields(cls)}
+        unknown = [k for k in data if k not in names]
+        if unknown:
+            raise ConfigError(f"config file {path}: unknown key cache.{show_value(unknown[0])} "
+                              f"for CacheConfig; known keys: {sorted(names)}",
+                              key=f"cache.{unknown[0]}", value=data[unknown[0]])
+        return dict(data)
+
+    @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser, prefix: str = "") -> None:
         """Add one ``--<prefix><field>`` flag per field (dashes for underscores)."""
         group = parser.add_argument_group("cache configuration")
@@ -191,13 +234,20 @@ class CacheConfig:
     def host_pages_for(self, page_bytes: int, device_pages: int) -> int:
         """How many host pages this config asks for."""
         if self.host_pool_pages is not None:
-            return self.host_pool_pages
-        if self.host_pool_bytes is not None:
+            n, name = self.host_pool_pages, "host_pool_pages"
+        elif self.host_pool_bytes is not None:
             n = self.host_pool_bytes // page_bytes
             if n < 1:
                 raise ConfigError(f"host_pool_bytes={self.host_pool_bytes} holds no page of "
                                   f"{page_bytes} bytes", key="host_pool_bytes",
                                   value=self.host_pool_bytes)
             return n
-        return max(1, int(device_pages * self.host_pool_ratio))
+        else:
+            n, name = max(1, int(device_pages * self.host_pool_ratio)), "host_pool_ratio"
+        if n * page_bytes > MAX_HOST_POOL_BYTES:
+            raise ConfigError(f"{name}: {n} host pages of {page_bytes} bytes is "
+                              f"{n * page_bytes} bytes, more than the {MAX_HOST_POOL_BYTES} "
+                              "(256 TiB) a host pool may have", key=name,
+                              value=getattr(self, name))
+        return n
 
