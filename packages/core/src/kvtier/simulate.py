@@ -21,15 +21,24 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from .errors import ConfigError, InvalidArgumentError
+from .errors import ConfigError, InvalidArgumentError, show_value
 from .page_allocator import PageAllocator
 
 #: Tokens per trace block (the Mooncake format's 512).
 BLOCK_TOKENS = 512
+#: Hash ids are below this: block b's tokens b*512 .. b*512+511 must fit in uint32.
+HASH_ID_LIMIT = 2**32 // BLOCK_TOKENS
+#: Upper bound of page counts (as `kvtier.cache.config.MAX_COUNT`) and of a pool's bytes.
+MAX_PAGES = MAX_POOL_BYTES = 2**48
+#: CacheConfig fields the replay sets itself (the L2 size, the L3 store): a config file's
+#: values for them do not apply; ``host_pool_bytes`` and ``host_pool_ratio`` would size the
+#: L2 that ``l2_pages`` sizes.
+_REPLAY_FIELDS = ("host_pool_pages", "host_pool_bytes", "host_pool_ratio", "l3_store",
+                  "l3_config")
 
 __all__ = ["BLOCK_TOKENS", "PageAllocator", "SimResult", "TraceRequest", "block_tokens",
            "sample_trace",
@@ -52,10 +61,10 @@ class TraceRequest:
 
 
 def block_tokens(hash_ids: Sequence[int], input_length: int) -> np.ndarray:
-    ids = np.asarray(hash_ids, dtype=np.int64)
-    if ids.size and (int(ids.min()) < 0 or (int(ids.max()) + 1) * BLOCK_TOKENS > 2**32):
+    if len(hash_ids) and not (0 <= min(hash_ids) and max(hash_ids) < HASH_ID_LIMIT):
         raise InvalidArgumentError("hash ids must be in [0, 2**23) to map to uint32 tokens",
                                    argument="hash_ids")
+    ids = np.asarray(hash_ids, dtype=np.int64)
     if not 0 <= input_length <= ids.size * BLOCK_TOKENS:
         raise InvalidArgumentError(f"input_length {input_length} does not fit {ids.size} "
                                    f"blocks of {BLOCK_TOKENS} tokens", argument="input_length",
@@ -99,17 +108,30 @@ def sample_trace(num_requests: int = 600, *, seed: int = 0) -> list[TraceRequest
     return out
 
 
-def load_trace(path: str | Path, limit: int | None = None) -> list[TraceRequest]:
-    """Read a Mooncake trace through `kvtier.trace.read_trace` (typed errors naming the file
-    and line; an empty trace warns and gives no request)."""
-    from .trace import read_trace
+def _check_limit(limit: int | None) -> None:
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)
                               or limit < 1):
-        raise ConfigError(f"limit must be an int >= 1 or None, got {limit!r}", key="limit",
-                          value=limit)
-    return [TraceRequest(r.timestamp, r.input_length, r.output_length, r.hash_ids)
-            for r in read_trace(path, max_requests=limit, source_block=BLOCK_TOKENS,
-                                allow_empty=True)]
+        raise ConfigError(f"limit must be an int >= 1 or None, got {show_value(limit)}",
+                          key="limit", value=limit)
+
+
+def load_trace(path: str | Path, limit: int | None = None) -> list[TraceRequest]:
+    """Read a Mooncake trace through `kvtier.trace.read_trace` (typed errors naming the file
+    and line; an empty trace warns and gives no request). A hash id of 2**23 or more (its
+    block's token ids would not fit in uint32) is a `TraceFormatError` naming the line."""
+    from .trace import TraceFormatError, read_trace
+    _check_limit(limit)
+    source = str(path)
+    out = []
+    for r in read_trace(path, max_requests=limit, source_block=BLOCK_TOKENS, allow_empty=True):
+        big = next((i for i, h in enumerate(r.hash_ids) if h >= HASH_ID_LIMIT), None)
+        if big is not None:
+            raise TraceFormatError(f"{source}:{r.line}: hash_ids[{big}] = {r.hash_ids[big]} "
+                                   f"is not below 2**23, the most whose {BLOCK_TOKENS} token "
+                                   "ids fit in uint32", source=source, line=r.line,
+                                   field="hash_ids")
+        out.append(TraceRequest(r.timestamp, r.input_length, r.output_length, r.hash_ids))
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -200,39 +222,77 @@ def _sized_store(store: str, pages: int | None, base: dict[str, Any] | None, spe
     return s
 
 
+def replay_config(cache_config: Mapping[str, Any] | None, *, l2_pages: int,
+                  write_policy: str | None = None, prefetch_policy: str | None = None
+                  ) -> dict[str, Any]:
+    """The replay's CacheConfig as a dict, checked: ``cache_config`` (a config file's
+    ``[cache]`` table) under the replay's own settings; ``write_policy`` and
+    ``prefetch_policy`` win where given (else the file's, else write_through and
+    wait_complete); the L2 size and the L3 store are always the replay's."""
+    from .cache import CacheConfig
+    if cache_config:                    # every value checked, those the replay overrides too
+        CacheConfig.from_dict({"model_id": "kvtier-simulate", **cache_config})
+    base = {k: v for k, v in dict(cache_config).items() if k not in _REPLAY_FIELDS} \
+        if cache_config else {}
+    cfg: dict[str, Any] = {"model_id": "kvtier-simulate", **base, "host_pool_pages": l2_pages}
+    cfg["write_policy"] = write_policy or base.get("write_policy", "write_through")
+    cfg["prefetch_policy"] = prefetch_policy or base.get("prefetch_policy", "wait_complete")
+    CacheConfig.from_dict(cfg)
+    return cfg
+
+
+def _check_count(name: str, v: Any) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= MAX_PAGES:
+        raise ConfigError(f"{name} must be an int in [1, 2**48], got {show_value(v)}",
+                          key=name, value=v)
+
+
+def _check_sizes(l1_pages: Any, l2_pages: Any, l3_pages: Any, page_size: Any) -> None:
+    for name, v in (("l1_pages", l1_pages), ("l2_pages", l2_pages), ("l3_pages", l3_pages)):
+        if v is not None or name != "l3_pages":
+            _check_count(name, v)
+    if isinstance(page_size, bool) or not isinstance(page_size, int) \
+            or not 0 < page_size <= 2**20:
+        raise ConfigError(f"page_size must be an int in [1, 2**20], got "
+                          f"{show_value(page_size)}", key="page_size", value=page_size)
+
+
 def simulate(trace: str | Path | Sequence[TraceRequest], *, l1_pages: int, l2_pages: int,
              l3: str | None = None, l3_pages: int | None = None,
              l3_config: dict[str, Any] | None = None, page_size: int = 64,
-             write_policy: str = "write_through", prefetch_policy: str = "wait_complete",
+             write_policy: str | None = None, prefetch_policy: str | None = None,
              limit: int | None = None, count_only_l1: bool = False,
-             show_progress: bool = True, desc: str = "replay") -> SimResult:
+             show_progress: bool = True, desc: str = "replay",
+             cache_config: Mapping[str, Any] | None = None) -> SimResult:
     """Replay ``trace`` through an L1 of ``l1_pages``, an L2 of ``l2_pages`` and the L3 store
     ``l3`` (None: no L3) of ``l3_pages`` pages; pages of ``page_size`` tokens.
 
     ``count_only_l1`` counts L2/L3 hits as computed (with a one-page L2 and no L3 this is the
     L1-only baseline: L1's contents evolve as if the lower tiers were absent).
+    ``cache_config``: further CacheConfig fields (a config file's ``[cache]`` table) under
+    the replay's own (`replay_config`); checked before anything is allocated.
     """
-    from .cache import CacheConfig
+    from .cache.config import CacheConfig
     from .device_pool import DeviceKVPool
     from .spec import KVSpec
 
-    for name, v in (("l1_pages", l1_pages), ("l2_pages", l2_pages), ("page_size", page_size)):
-        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-            raise ConfigError(f"{name} must be a positive int, got {v!r}", key=name, value=v)
+    _check_sizes(l1_pages, l2_pages, l3_pages, page_size)
     if l3 is None and (l3_pages is not None or l3_config):
         raise ConfigError("l3_pages/l3_config need an l3 store", key="l3")
-    if l3_pages is not None and (isinstance(l3_pages, bool) or not isinstance(l3_pages, int)
-                                 or l3_pages <= 0):
-        raise ConfigError(f"l3_pages must be a positive int, got {l3_pages!r}",
-                          key="l3_pages", value=l3_pages)
-    reqs = load_trace(trace, limit) if isinstance(trace, (str, Path)) else list(trace)[:limit]
+    _check_limit(limit)
+    cfg = replay_config(cache_config, l2_pages=l2_pages, write_policy=write_policy,
+                        prefetch_policy=prefetch_policy)
+    write_policy, prefetch_policy = cfg["write_policy"], cfg["prefetch_policy"]
     spec = KVSpec.mha(num_layers=1, num_kv_heads=1, head_dim=1, page_size=page_size,
                       dtype="uint8")
+    for name, pages in (("l1_pages", l1_pages), ("l2_pages", l2_pages)):
+        if pages * spec.page_bytes > MAX_POOL_BYTES:
+            raise ConfigError(f"{name}: {pages} pages of {spec.page_bytes} bytes is more than "
+                              f"the {MAX_POOL_BYTES} bytes (256 TiB) a pool may have",
+                              key=name, value=pages)
+    reqs = load_trace(trace, limit) if isinstance(trace, (str, Path)) else list(trace)[:limit]
     device_pool = DeviceKVPool.empty(spec, l1_pages)
     alloc = PageAllocator(l1_pages)
-    cfg: dict[str, Any] = {
-        "model_id": "kvtier-simulate", "host_pool_pages": l2_pages,
-        "write_policy": write_policy, "prefetch_policy": prefetch_policy}
     host_pool = store = None
     if l3 is not None:
         # the cache's default pool and the store are made here, so that the store's capacity
@@ -251,6 +311,9 @@ def simulate(trace: str | Path | Sequence[TraceRequest], *, l1_pages: int, l2_pa
                               "l3_pages": l3_pages, "page_size": page_size,
                               "write_policy": write_policy, "prefetch_policy": prefetch_policy,
                               "count_only_l1": count_only_l1})
+    applied = {k: v for k, v in cfg.items() if k in (cache_config or {})}
+    if applied:
+        res.settings["cache_config"] = applied
     t0 = time.perf_counter()
     try:
         _replay(reqs, cfg, res, device_pool, alloc, host_pool, store, page_size,
@@ -345,11 +408,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="L3 capacity in pages (stores with capacity_bytes)")
     p.add_argument("--l3-config", default=None, help="JSON object for the store's Config")
     p.add_argument("--page-size", type=int, default=64, help="tokens per page (default 64)")
-    p.add_argument("--write-policy", default="write_through",
-                   choices=["write_through", "write_through_selective", "write_back"])
-    p.add_argument("--prefetch-policy", default="wait_complete",
-                   choices=["best_effort", "wait_complete", "timeout"])
-    p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    p.add_argument("--write-policy", default=None,
+                   choices=["write_through", "write_through_selective", "write_back"],
+                   help="(default: write_through; the config file's write_policy if it "
+                   "sets one)")
+    p.add_argument("--prefetch-policy", default=None,
+                   choices=["best_effort", "wait_complete", "timeout"],
+                   help="(default: wait_complete; the config file's prefetch_policy if it "
+                   "sets one)")
+    p.add_argument("--limit", type=int, default=None,
+                   help="replay only the first N requests (N >= 1)")
     p.add_argument("--baseline", action="store_true",
                    help="also replay L1 only (one-page L2, no L3, only L1 hits count)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -382,19 +450,37 @@ def plot(results: list[tuple[str, "SimResult"]], path: str, title: str) -> str:
     return path
 
 
-def run(args: argparse.Namespace) -> int:
-    from .report import table
+def _l3_settings(args: argparse.Namespace, file: Mapping[str, Any]
+                 ) -> tuple[str | None, dict[str, Any] | None]:
+    """The L3 store and its config: the flags', else the config file's (its ``l3_config``
+    only for its own ``l3_store``, or with no store named there)."""
+    from .config import parse_json
+    l3 = args.l3 if args.l3 is not None else file.get("l3_store") or None
+    l3_config = None
     if args.l3_config:
-        try:
-            l3_config = json.loads(args.l3_config)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"--l3-config is not JSON: {exc}", key="l3_config") from None
+        l3_config = parse_json(args.l3_config, "--l3-config")
         if not isinstance(l3_config, dict):
-            raise ConfigError("--l3-config must be a JSON object", key="l3_config")
-    else:
-        l3_config = None
-    if args.l3 is None and (args.l3_pages is not None or l3_config):
+            raise ConfigError(f"--l3-config must be a JSON object, got "
+                              f"{show_value(args.l3_config)}", key="l3_config",
+                              value=args.l3_config)
+    elif l3 is not None and file.get("l3_store") in (None, l3) and file.get("l3_config"):
+        l3_config = dict(file["l3_config"])
+    if l3 is None and (args.l3_pages is not None or l3_config):
         raise ConfigError("--l3-pages/--l3-config need --l3 NAME", key="l3")
+    return l3, l3_config
+
+
+def run(args: argparse.Namespace) -> int:
+    from .cache.config import CacheConfig
+    from .report import table
+    _check_limit(args.limit)
+    _check_sizes(args.l1_pages, args.l2_pages, args.l3_pages, args.page_size)
+    # `kvtier --config FILE simulate` (or $KVTIER_CONFIG): the file's [cache] table under the
+    # flags, checked before the trace is read
+    file = CacheConfig.file_settings()
+    l3, l3_config = _l3_settings(args, file)
+    replay_config(file, l2_pages=args.l2_pages, write_policy=args.write_policy,
+                  prefetch_policy=args.prefetch_policy)
     if args.trace is None:
         reqs = sample_trace(args.sample_requests)[:args.limit]
         if not args.json:
@@ -403,9 +489,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         reqs = load_trace(args.trace, args.limit)
     common = dict(page_size=args.page_size, write_policy=args.write_policy,
-                  prefetch_policy=args.prefetch_policy)
+                  prefetch_policy=args.prefetch_policy, cache_config=file)
     results = [("tiers", simulate(reqs, l1_pages=args.l1_pages, l2_pages=args.l2_pages,
-                                  l3=args.l3, l3_pages=args.l3_pages, l3_config=l3_config,
+                                  l3=l3, l3_pages=args.l3_pages, l3_config=l3_config,
                                   desc="replay (tiers)", **common))]
     if args.baseline:
         results.append(("L1 only", simulate(reqs, l1_pages=args.l1_pages, l2_pages=1,
@@ -413,14 +499,14 @@ def run(args: argparse.Namespace) -> int:
                                             **common)))
     if args.plot:
         plot(results, args.plot, f"kvtier simulate: L1 {args.l1_pages}, L2 {args.l2_pages}, "
-             f"L3 {args.l3 or 'none'} (pages of {args.page_size} tokens)")
+             f"L3 {l3 or 'none'} (pages of {args.page_size} tokens)")
     if args.json:
-        print(json.dumps({name: r.as_dict() for name, r in results}, indent=2))
+        print(json.dumps({name: r.as_dict() for name, r in results}, indent=2, default=str))
         return 0
     res = results[0][1]
     print(f"{res.requests} requests, {res.prompt_tokens} prompt tokens, page {args.page_size} "
           f"tokens; L1 {args.l1_pages} pages, L2 {args.l2_pages} pages, L3 "
-          f"{args.l3 or 'none'}" + (f" {args.l3_pages} pages" if args.l3_pages else ""))
+          f"{l3 or 'none'}" + (f" {args.l3_pages} pages" if args.l3_pages else ""))
     rows = []
     for name, r in results:
         rows.append([name, f"{100 * r.rate(r.l1_hit_tokens):.1f}",

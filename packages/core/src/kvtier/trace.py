@@ -5,9 +5,10 @@ Each line has ``timestamp`` (ms), ``input_length`` and ``output_length`` (tokens
 ``hash_ids``: one id per ``source_block`` (512) tokens of the prompt, equal ids meaning equal
 content. Blank lines are skipped. Anything else that is not such a record -- bad JSON, a value
 that is not an object, non-UTF-8 bytes, a field of the wrong type (``"hash_ids": "01"`` is
-not a list) -- is a `TraceFormatError` naming the file, the line and the field; a missing or
-unreadable path (a directory) is a `TraceError`. Both are `kvtier.errors.InputError`, so the
-``kvtier`` command prints one line and exits 2.
+not a list), an int past 64 bits, nesting past 32 levels -- is a `TraceFormatError` naming the
+file, the line and the field; a missing or unreadable path (a directory), or anything but a
+regular file (a FIFO is refused, never waited on), is a `TraceError`. Both are
+`kvtier.errors.InputError`, so the ``kvtier`` command prints one line and exits 2.
 """
 
 from __future__ import annotations
@@ -18,10 +19,13 @@ import os
 import warnings
 from dataclasses import dataclass
 
-from .errors import InputError
+from .config import MAX_DEPTH, check_depth, open_regular_file
+from .errors import ConfigError, InputError, show_value
 
 #: Tokens per ``hash_ids`` entry in Mooncake traces.
 SOURCE_BLOCK_TOKENS = 512
+#: Every int in a record (lengths, hash ids) is below this: what a 64-bit integer holds.
+INT_LIMIT = 2**63
 
 
 class TraceError(InputError):
@@ -45,14 +49,19 @@ class TraceRecord:
     hash_ids: tuple[int, ...]
 
 
+def _range(v: object, minimum: int) -> str:
+    too_big = isinstance(v, int) and v >= INT_LIMIT
+    return "below 2**63" if too_big else f">= {minimum}"
+
+
 def _int_field(obj: dict, name: str, minimum: int, where: str, source: str, line: int) -> int:
     if name not in obj:
         raise TraceFormatError(f"{where}: missing field {name!r}", source=source, line=line,
                                field=name)
     v = obj[name]
-    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-        raise TraceFormatError(f"{where}: {name} must be an int >= {minimum}, got {v!r}",
-                               source=source, line=line, field=name)
+    if isinstance(v, bool) or not isinstance(v, int) or not minimum <= v < INT_LIMIT:
+        raise TraceFormatError(f"{where}: {name} must be an int {_range(v, minimum)}, got "
+                               f"{show_value(v)}", source=source, line=line, field=name)
     return v
 
 
@@ -62,17 +71,26 @@ def parse_line(text: str, *, line: int, source: str = "<trace>",
     where = f"{source}:{line}"
     try:
         obj = json.loads(text)
+        check_depth(obj, where)
     except json.JSONDecodeError as exc:
         raise TraceFormatError(f"{where}: not valid JSON: {exc.msg} (column {exc.colno})",
                                source=source, line=line) from None
+    except (RecursionError, ConfigError):
+        raise TraceFormatError(f"{where}: nests more than {MAX_DEPTH} levels of objects or "
+                               "arrays", source=source, line=line) from None
+    except ValueError as exc:           # an int past sys.get_int_max_str_digits()
+        raise TraceFormatError(f"{where}: a value cannot be read: {exc}", source=source,
+                               line=line) from None
     if not isinstance(obj, dict):
         raise TraceFormatError(f"{where}: expected a JSON object, got {type(obj).__name__}",
                                source=source, line=line)
     ts = obj.get("timestamp")
-    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts) \
-            or ts < 0:
-        raise TraceFormatError(f"{where}: timestamp must be a number >= 0, got {ts!r}",
-                               source=source, line=line, field="timestamp")
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)) \
+            or (isinstance(ts, int) and not 0 <= ts < INT_LIMIT) \
+            or not math.isfinite(ts) or ts < 0:
+        raise TraceFormatError(f"{where}: timestamp must be a number >= 0, got "
+                               f"{show_value(ts)}", source=source, line=line,
+                               field="timestamp")
     n_in = _int_field(obj, "input_length", 1, where, source, line)
     n_out = _int_field(obj, "output_length", 0, where, source, line)
     ids = obj.get("hash_ids")
@@ -80,9 +98,10 @@ def parse_line(text: str, *, line: int, source: str = "<trace>",
         raise TraceFormatError(f"{where}: hash_ids must be a non-empty list, got {ids!r:.60}",
                                source=source, line=line, field="hash_ids")
     for i, h in enumerate(ids):
-        if isinstance(h, bool) or not isinstance(h, int) or h < 0:
-            raise TraceFormatError(f"{where}: hash_ids[{i}] must be an int >= 0, got {h!r}",
-                                   source=source, line=line, field="hash_ids")
+        if isinstance(h, bool) or not isinstance(h, int) or not 0 <= h < INT_LIMIT:
+            raise TraceFormatError(f"{where}: hash_ids[{i}] must be an int {_range(h, 0)}, "
+                                   f"got {show_value(h)}", source=source, line=line,
+                                   field="hash_ids")
     want = -(-n_in // source_block)
     if len(ids) != want:
         raise TraceFormatError(f"{where}: input_length {n_in} needs {want} hash_ids of "
@@ -98,10 +117,8 @@ def read_trace(path: str | os.PathLike, *, max_requests: int | None = None, skip
     validated too). No record is a `TraceError`, or with ``allow_empty`` an
     `EmptyTraceWarning` and an empty list."""
     source = os.fspath(path)
-    if os.path.isdir(source):
-        raise TraceError(f"cannot read trace {source}: it is a directory", source=source)
     try:
-        fh = open(source, "rb")
+        fh = open_regular_file(source)
     except OSError as exc:
         raise TraceError(f"cannot read trace {source}: {exc.strerror or exc}",
                          source=source) from None
