@@ -198,7 +198,7 @@ def test_parse_size():
 
 def test_help_shows_defaults():
     _, out, _ = _modules_after(["simulate", "--help"])
-    assert "(default: write_through)" in out and "(default: wait_complete)" in out
+    assert "(default: write_through;" in out and "(default: wait_complete;" in out
     assert "(default 64)" in out and "(default: 64)" not in out      # said once
     assert "(default: None)" not in out and "(default: False)" not in out
 

@@ -11,7 +11,8 @@ package adds its own commands the same way::
     "bench.limits" = "kvtier_nvidia_tma.commands:LIMITS"
 
 The module defines ``add_arguments(parser)`` and ``run(args) -> int``. A `KVTierError` raised
-by ``run`` is a one-line error and exit status 2.
+by ``run`` is a one-line error and exit status 2. A module whose command builds no cache sets
+``BUILDS_CACHE = False``: ``kvtier --config FILE`` then says the file does not apply to it.
 """
 
 from __future__ import annotations
@@ -182,7 +183,7 @@ def _attach(p: argparse.ArgumentParser, path: str, f: _Found | None) -> None:
                               f"{type(exc).__name__}: {exc}")
         return
     mod.add_arguments(p)
-    p.set_defaults(_run=mod.run)
+    p.set_defaults(_run=mod.run, _builds_cache=getattr(mod, "BUILDS_CACHE", True))
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
@@ -238,6 +239,9 @@ def main(argv: list[str] | None = None) -> int:
             from .config import read_config_file
             read_config_file(path, "cache")            # a bad file: one line, exit 2
             os.environ["KVTIER_CONFIG"] = path
+            if not getattr(args, "_builds_cache", True):
+                print(f"kvtier {name}: note: this command builds no cache; the [cache] table "
+                      f"of {path} does not apply to it", file=sys.stderr)
         return int(run(args) or 0)
     except KVTierError as exc:
         print(f"kvtier {name}: error: {type(exc).__name__}: {exc}", file=sys.stderr)

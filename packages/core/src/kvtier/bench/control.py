@@ -6,6 +6,10 @@ so small that moving a page costs next to nothing, so the times are the controll
 measures two references: bare page-key hashing of the same prompt (the floor every path
 pays) and copying one page of a real model's KV (host memory, same page size) -- the data
 work a page's control overhead is weighed against.
+
+``kvtier --config FILE bench control`` (or ``$KVTIER_CONFIG``) builds every cache with the
+file's ``[cache]`` settings, but for those each scenario sets itself (`_SCENARIO_FIELDS`: the
+tiers, their sizes and the policies it measures).
 """
 
 from __future__ import annotations
@@ -14,13 +18,30 @@ import argparse
 import json
 import statistics
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import torch
 
 from ..report import progress, table
 from ..spec import KVSpec
+
+
+#: CacheConfig fields each scenario sets itself; a config file's values for them do not apply
+#: (``host_pool_bytes`` and ``host_pool_ratio`` would size the host pool the scenario sizes).
+_SCENARIO_FIELDS = ("model_id", "host_pool_pages", "host_pool_bytes", "host_pool_ratio",
+                    "write_policy", "prefetch_policy", "l3_store", "l3_config")
+
+
+def rig_config(host_pages: int, *, write_policy: str, l3: str | None,
+               extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """A scenario's cache config: ``extra`` (a config file's ``[cache]`` table) under the
+    scenario's own fields."""
+    cfg = {k: v for k, v in (extra or {}).items() if k not in _SCENARIO_FIELDS}
+    cfg.update({"model_id": "bench-control", "host_pool_pages": host_pages,
+                "write_policy": write_policy, "prefetch_policy": "wait_complete",
+                "l3_store": l3, "l3_config": {"capacity_bytes": 1 << 30} if l3 else {}})
+    return cfg
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -56,7 +77,8 @@ class _Rig:
     """A cache over a tiny geometry plus the engine side (free list of device pages)."""
 
     def __init__(self, page_size: int, device_pages: int, host_pages: int, *,
-                 write_policy: str, l3: str | None, device: str = "cpu"):
+                 write_policy: str, l3: str | None, device: str = "cpu",
+                 extra: Mapping[str, Any] | None = None):
         from ..cache import TieredKVCache
         from ..device_pool import DeviceKVPool
         from ..page_allocator import PageAllocator
@@ -64,9 +86,7 @@ class _Rig:
                                dtype="uint8")
         self.alloc = PageAllocator(device_pages)
         self.cache = TieredKVCache.from_config(
-            {"model_id": "bench-control", "host_pool_pages": host_pages,
-             "write_policy": write_policy, "prefetch_policy": "wait_complete",
-             "l3_store": l3, "l3_config": {"capacity_bytes": 1 << 30} if l3 else {}},
+            rig_config(host_pages, write_policy=write_policy, l3=l3, extra=extra),
             device_pool=DeviceKVPool.empty(self.spec, device_pages, device),
             allocate_device_pages=self.alloc.alloc, free_device_pages=self.alloc.free)
 
@@ -125,7 +145,7 @@ def _long_prompt(args: argparse.Namespace, tokens: np.ndarray, rows: list, hash_
 
     for policy in ("write_back", "write_through"):
         rig = _Rig(args.page_size, 2 * n + 8, 2 * n + 8, write_policy=policy, l3=None,
-                   device=args.device)
+                   device=args.device, extra=getattr(args, "cache_file", None))
         try:
             _long_prompt_on(rig, args, tokens, policy, row)
         finally:
@@ -201,7 +221,7 @@ def _small_requests(args: argparse.Namespace, rows: list, page_copy_s: float) ->
     # L2); with L3 the L2 holds another quarter (pass 2 hits L3 too).
     for l2_pages, l3 in ((total + 8, None), (max(total // 4, 8), "memory")):
         rig = _Rig(ps, max(total // 4, 4 * per), l2_pages, write_policy="write_through", l3=l3,
-                   device=args.device)
+                   device=args.device, extra=getattr(args, "cache_file", None))
         try:
             _small_on(rig, args, reqs, rows, l3, page_copy_s)
         finally:
@@ -261,7 +281,17 @@ def _page_copy_s(nbytes: int, device: str) -> tuple[float, str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..cache.config import CacheConfig
     from ..keys import PageKeyer
+    # `kvtier --config FILE bench control`: every value checked before anything is measured
+    file = CacheConfig.file_settings()
+    if file:
+        CacheConfig.from_dict({"model_id": "bench-control", **file})
+        for l3 in (None, "memory"):
+            CacheConfig.from_dict(rig_config(8, write_policy="write_through", l3=l3,
+                                             extra=file))
+    args.cache_file = file
+    applied = {k: v for k, v in file.items() if k not in _SCENARIO_FIELDS}
     ps = args.page_size
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 150000, size=args.tokens, dtype=np.int64)
@@ -283,12 +313,15 @@ def run(args: argparse.Namespace) -> int:
           f"reference: one {ref.page_bytes / 2**20:.1f} MiB page ({args.ref_layers} layers x "
           f"{args.ref_kv_heads} KV heads x {args.ref_head_dim} bf16) {what} in "
           f"{page_copy_s * 1e6:.0f} us ({ref.page_bytes / page_copy_s / 1e9:.1f} GB/s)")
+    if applied:
+        print("config file settings: " + ", ".join(f"{k}={v!r}" for k, v in applied.items()))
     header = ["scenario", "pages", "ms", "us/page", "x hashing", "% of moving a page"]
     print(table(header, rows))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": args.device, "page_size": ps, "repeat": args.repeat,
                        "page_copy_s": page_copy_s, "page_copy": what,
-                       "page_bytes": ref.page_bytes,
-                       "rows": [dict(zip(header, r)) for r in rows]}, f, indent=2)
+                       "page_bytes": ref.page_bytes, "cache_config": applied,
+                       "rows": [dict(zip(header, r)) for r in rows]}, f, indent=2,
+                      default=str)
     return 0

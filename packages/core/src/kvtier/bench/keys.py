@@ -20,6 +20,11 @@ from ..report import progress, table
 from ..spec import KVSpec
 
 
+#: No cache is built here (it hashes prompts with every hash):
+#: `kvtier --config FILE` says the file does not apply (`kvtier.cli`).
+BUILDS_CACHE = False
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, default=131072, help="prompt length (default 128K)")
     p.add_argument("--page-sizes", default="16,32,64,128", help="comma-separated page sizes")

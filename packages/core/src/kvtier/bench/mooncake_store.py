@@ -39,6 +39,11 @@ from ..spec import KVSpec
 CHUNK = 8 << 20
 
 
+#: No cache is built here (it builds mooncake and file stores from its own flags):
+#: `kvtier --config FILE` says the file does not apply (`kvtier.cli`).
+BUILDS_CACHE = False
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-sizes", default="256K,1M,4M,8M", help="comma-separated page sizes")
     p.add_argument("--json", metavar="PATH", default=None,

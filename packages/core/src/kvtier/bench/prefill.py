@@ -20,6 +20,11 @@ from ..errors import ConfigError
 from ..report import progress, table
 
 
+#: No cache is built here (it runs the demo model's prefill):
+#: `kvtier --config FILE` says the file does not apply (`kvtier.cli`).
+BUILDS_CACHE = False
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-size", default="small",
                    help="demo model size (tiny, small, medium, large, 8b)")

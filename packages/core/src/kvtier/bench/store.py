@@ -24,6 +24,10 @@ page read back is compared bitwise with what was written (not timed). The single
 of the payload checksum is measured in the same run, since the store computes it on both paths.
 ``--json`` keeps every figure (and the machine it ran on), ``--plot`` draws store and raw GB/s
 against page size (``--replot`` redraws from a JSON file).
+
+No cache is built: of a config file's ``[cache]`` table (``kvtier --config FILE``) only
+``l3_batch_pages`` and ``l3_io_threads`` apply, as the defaults of ``--batch`` and
+``--callers``; the run says which of its other settings it leaves unused.
 """
 
 from __future__ import annotations
@@ -64,12 +68,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="directory on the disk to measure (default: a new temporary directory)")
     p.add_argument("--page-sizes", default="256K,1M,4M,8M", help="comma-separated page sizes")
     p.add_argument("--total", default="1G", help="bytes moved per measurement (default 1G)")
-    p.add_argument("--batch", type=int, default=_BATCH,
+    p.add_argument("--batch", type=int, default=None,
                    help="pages per batch_set/batch_get call (default: the controller's "
-                        f"l3_batch_pages, {_BATCH})")
-    p.add_argument("--callers", type=int, default=_CALLERS,
+                        f"l3_batch_pages: the config file's, else {_BATCH})")
+    p.add_argument("--callers", type=int, default=None,
                    help="threads calling the store at once (default: the controller's "
-                        f"l3_io_threads, {_CALLERS})")
+                        f"l3_io_threads: the config file's, else {_CALLERS})")
     p.add_argument("--threads", type=int, default=4, help="file store io_threads")
     p.add_argument("--io-depth", type=int, default=0,
                    help="file store io_depth: read/write calls in flight in the store "
@@ -417,6 +421,25 @@ def _print(data: dict[str, Any], failures: int) -> None:
           f"checksum {ck['kind']} via {ck['provider']}: {ck['gbps']:.2f} GB/s on one thread")
 
 
+def _controller_defaults(args: argparse.Namespace) -> None:
+    """``--batch`` and ``--callers`` not given: the config file's l3_batch_pages and
+    l3_io_threads (``kvtier --config FILE``), else the controller's defaults. The file's
+    values are checked; the settings it has that do not apply here are named on stderr."""
+    import sys
+    file = CacheConfig.file_settings()
+    if file:
+        CacheConfig.from_dict({"model_id": "bench-store", **file})
+        unused = sorted(set(file) - {"l3_batch_pages", "l3_io_threads"})
+        if unused:
+            print(f"kvtier bench store: note: it builds no cache; of the config file only "
+                  f"l3_batch_pages and l3_io_threads apply, not {', '.join(unused)}",
+                  file=sys.stderr)
+    if args.batch is None:
+        args.batch = file.get("l3_batch_pages", _BATCH)
+    if args.callers is None:
+        args.callers = file.get("l3_io_threads", _CALLERS)
+
+
 def run(args: argparse.Namespace) -> int:
     if args.replot:
         with open(args.replot) as f:
@@ -430,6 +453,7 @@ def run(args: argparse.Namespace) -> int:
         if args.plot:
             plot(data, args.plot)
         return 0
+    _controller_defaults(args)
     for flag, low in (("batch", 1), ("callers", 1), ("threads", 1), ("repeat", 1),
                       ("io_depth", 0)):
         if getattr(args, flag) < low:

@@ -65,6 +65,11 @@ BOTH_ORDERS = ("load-first", "backup-first")
 DEFAULT_ENGINES = "torch,nvidia-routed,nvidia-tma,nvidia-register,nvidia-copy-engine"
 
 
+#: No cache is built here (it builds transfer engines from its own flags):
+#: `kvtier --config FILE` says the file does not apply (`kvtier.cli`).
+BUILDS_CACHE = False
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engines", default=DEFAULT_ENGINES, help="comma-separated engine names")
     p.add_argument("--cases", default=",".join(DEFAULT_CASES),

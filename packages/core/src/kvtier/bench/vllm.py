@@ -42,7 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import Any, Mapping
 
 # --------------------------------------------------------------------------------------------
 # Model and workload
@@ -211,12 +211,28 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[i]
 
 
-def _kvtier_config(extra: dict[str, Any]) -> dict[str, Any]:
+#: CacheConfig fields each kvtier run sets itself (its tiers and their sizes), or vLLM decides
+#: (the TP rank and size): a config file's values for them do not apply.
+_RUN_FIELDS = ("host_pool_pages", "host_pool_bytes", "host_pool_ratio", "l3_store",
+               "l3_config", "tp_rank", "tp_size")
+
+
+def _kvtier_config(extra: dict[str, Any], file: Mapping[str, Any] | None = None
+                   ) -> dict[str, Any]:
+    """The kv-transfer config of a kvtier run: ``extra`` over the config file's
+    ``[cache]`` settings (``file``) but those the run sets itself (`_RUN_FIELDS`)."""
     from ..integrations.vllm import kv_transfer_config
-    return kv_transfer_config(extra)
+    base = {k: v for k, v in (file or {}).items() if k not in _RUN_FIELDS}
+    return kv_transfer_config({**base, **extra})
 
 
 def bench(args: argparse.Namespace) -> dict[str, Any]:
+    from ..cache.config import CacheConfig
+    # `kvtier --config FILE bench vllm`: the file's settings under every kvtier run's own,
+    # checked before the model is made
+    file = CacheConfig.file_settings()
+    if file:
+        CacheConfig.from_dict({"model_id": "bench-vllm", **file})
     work = args.out or tempfile.mkdtemp(prefix="kvtier-bench-vllm-")
     os.makedirs(work, exist_ok=True)
     model = make_llama(os.path.join(work, "model"), num_hidden_layers=args.layers,
@@ -234,14 +250,15 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         l3c = {**kt, "l3_store": "file", "l3_config": {"root": l3}}
         out = [("vllm", None, {}),
                ("vllm-all-cached", None, {"num_gpu_blocks_override": 10 * args.device_blocks}),
-               ("vllm+kvtier-l2", _kvtier_config(kt), {}),
-               ("vllm+kvtier-l3", _kvtier_config(l3c), {}),
-               ("vllm+kvtier-l3-warm", _kvtier_config(l3c), {})]
+               ("vllm+kvtier-l2", _kvtier_config(kt, file), {}),
+               ("vllm+kvtier-l3", _kvtier_config(l3c, file), {}),
+               ("vllm+kvtier-l3-warm", _kvtier_config(l3c, file), {})]
         if args.split_off:
             off = {"cost_aware_fetch": False}
-            out += [("vllm+kvtier-l2 split off", _kvtier_config({**kt, **off}), {}),
+            out += [("vllm+kvtier-l2 split off", _kvtier_config({**kt, **off}, file), {}),
                     ("vllm+kvtier-l3 split off",
-                     _kvtier_config({**l3c, **off, "l3_config": {"root": l3 + "-off"}}), {})]
+                     _kvtier_config({**l3c, **off, "l3_config": {"root": l3 + "-off"}}, file),
+                     {})]
         if not args.no_offload:
             out.append(("vllm+offload", None, {"kv_offloading_size": args.offload_gib,
                                                "kv_offloading_backend": "native"}))
