@@ -142,6 +142,9 @@ class _StoreTask:
             for s in range(0, len(self.idx), b):
                 idx = self.idx[s:s + b]
                 if not io.usable() or self._gave_up:
+                    if self.is_read and not self._gave_up:      # the tier failed: not tried
+                        self.ex.metrics_registry.add("l3_read_skipped_pages",
+                                                     len(self.idx) - s)
                     break
                 keys: list[Any]
                 pages: list[Any]
@@ -162,8 +165,15 @@ class _StoreTask:
                     self._current = []
                     if self._gave_up:
                         break
-                if ok is None:
+                if ok is None:          # raised, refused or past its deadline (io counts why)
+                    if self.is_read:
+                        self.ex.metrics_registry.add("l3_read_failed_call_pages", n)
                     continue
+                if self.is_read:        # reads of pages the planner found: the tier's health
+                    good = sum(1 for v in ok if v is True)
+                    io.read_outcome(good, n - good)
+                    # the store's stats say why (corrupted, read errors, foreign, ...)
+                    self.ex.metrics_registry.add("l3_read_missed_pages", n - good)
                 for i, v in zip(idx, ok):
                     out[i] = v is True
         finally:

@@ -18,9 +18,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from ... import registry
 from ...cache import CacheConfig, CacheExecutor, CachePlanner, Lookup, Plan, PlanResult
 from ...cache.cost import CostModel, ReportedCostModel, merge_rates, pairs
+from ...cache.l3io import L3IO, worse_state
 from ...device_pool import DeviceKVPool
 from ...errors import ConfigError, LayoutError
 from ...host_pool import HostKVPool
+from ...metrics import Metrics
 from ...spec import KVSpec, dtype_name
 from .datapath import RankKeyStore, StepTimer, rank_key
 from .identity import engine_identity, make_keyer, request_root
@@ -87,6 +89,9 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
 
     results: list[PlanResult] = field(default_factory=list)
     rates: dict[str, Any] | None = None
+    #: The data path's L3 health (`CacheExecutor.l3_state`) when it changed; across ranks
+    #: the worst.
+    l3_state: str | None = None
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> "KVTierWorkerMetadata":
         assert isinstance(other, KVTierWorkerMetadata)
@@ -101,9 +106,15 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
                                                for x, y in ((m.l3_reads, r.l3_reads),
                                                             (m.loads, r.loads),
                                                             (m.backups, r.backups),
-                                                            (m.l3_writes, r.l3_writes)))))
+                                                            (m.l3_writes, r.l3_writes))),
+                                  held_host_pages=tuple(sorted(set(m.held_host_pages)
+                                                               | set(r.held_host_pages))),
+                                  released_host_pages=tuple(sorted(
+                                      set(m.released_host_pages)
+                                      | set(r.released_host_pages)))))
         out.extend(mine.values())
-        return KVTierWorkerMetadata(results=out, rates=merge_rates(self.rates, other.rates))
+        return KVTierWorkerMetadata(results=out, rates=merge_rates(self.rates, other.rates),
+                                    l3_state=worse_state(self.l3_state, other.l3_state))
 
 
 class KVTierConnectorStats(KVConnectorStats):
@@ -179,7 +190,8 @@ def block_layout(vllm_config: "VllmConfig") -> tuple[str, str]:
 # Scheduler-side per-request state
 # --------------------------------------------------------------------------------------------
 class _Req:
-    __slots__ = ("request", "keys", "root", "block_ids", "cacheable", "saved", "load_plan")
+    __slots__ = ("request", "keys", "root", "block_ids", "cacheable", "saved", "load_plan",
+                 "max_pages")
 
     def __init__(self, request: "Request", cacheable: bool, root: bytes | None):
         self.request = request
@@ -189,6 +201,9 @@ class _Req:
         self.cacheable = cacheable
         self.saved = 0                  # blocks before this one were offered for backup
         self.load_plan: int | None = None       # asynchronous load in flight
+        #: After a load of this request failed: the pages it delivered, which bounds what
+        #: a later lookup may offer (a failed page is retried at most once).
+        self.max_pages: int | None = None
 
 
 class KVTierConnector(KVConnectorBase_V1):
@@ -237,9 +252,16 @@ class KVTierConnector(KVConnectorBase_V1):
             self.store = registry.create_l3_store(self.cfg.l3_store, self.cfg.l3_config,
                                                   spec=self.spec)
         exists = None
+        self._exists_io: L3IO | None = None
         if self.store is not None:
-            store, tp = self.store, self.tp_size
-            exists = lambda keys: store.batch_exists([rank_key(k, 0, tp) for k in keys])  # noqa: E731
+            # the scheduler's existence checks run under the store-call deadline: a stuck
+            # store costs misses, never a stalled scheduler loop
+            io = self._exists_io = L3IO(
+                self.store, threads=0, error_limit=self.cfg.l3_error_limit,
+                call_timeout_s=self.cfg.l3_call_timeout_s, metrics=Metrics(),
+                name="kvtier-scheduler-l3")
+            tp = self.tp_size
+            exists = lambda keys: io.exists([rank_key(k, 0, tp) for k in keys])  # noqa: E731
         self.planner = CachePlanner(self.cfg, spec=self.spec, num_host_pages=self.num_host_pages,
                                     l3_exists=exists)
         #: The cost-aware split (`kvtier.cache.cost`) on the rates the workers report.
@@ -253,6 +275,7 @@ class KVTierConnector(KVConnectorBase_V1):
         self._hit_sources: dict[str, tuple[int, int]] = {}
         self._interval: Counter[str] = Counter()
         self._async_reqs: dict[int, str] = {}                    # plan id -> request
+        self._load_reqs: dict[int, tuple[str, int]] = {}  # load plan -> (request, start)
         #: asynchronous loads: plan id -> (planned at, bytes read from L3, bytes loaded)
         self._async_t0: dict[int, tuple[float, int, int]] = {}
 
@@ -279,6 +302,8 @@ class KVTierConnector(KVConnectorBase_V1):
         if not r.cacheable:
             return 0, False
         limit = (request.num_tokens - 1) // self.block_size   # vLLM computes >= 1 token
+        if r.max_pages is not None:
+            limit = min(limit, r.max_pages)
         start = num_computed_tokens // self.block_size
         if start >= limit:
             return 0, False
@@ -344,6 +369,7 @@ class KVTierConnector(KVConnectorBase_V1):
         covered = {d for _, d in plan.loads}
         failed = [b for b in block_ids if b not in covered]     # recomputed by vLLM
         is_async = l3 > 0               # what vLLM was told: it waits for finished_recving
+        self._load_reqs[plan.plan_id] = (request.request_id, start)
         if is_async:
             r.load_plan = plan.plan_id
             self._async_reqs[plan.plan_id] = request.request_id
@@ -414,11 +440,20 @@ class KVTierConnector(KVConnectorBase_V1):
         if isinstance(wm, KVTierWorkerMetadata):
             if wm.rates:
                 self.cost.adopt(wm.rates)
+            if wm.l3_state is not None:
+                self.planner.set_l3_state(wm.l3_state)
             for res in wm.results:
                 try:
                     self.planner.complete(res)
                 except Exception as exc:   # a result the planner does not know: log only
                     log.warning("kvtier: result of plan %s not booked: %s", res.plan_id, exc)
+                load = self._load_reqs.pop(res.plan_id, None)
+                lr = self.reqs.get(load[0]) if load is not None else None
+                if lr is not None and not all(res.loads):
+                    # vLLM recomputes from the first failed block and asks again: offer no
+                    # more than this load delivered
+                    lr.max_pages = load[1] + res.loaded_prefix
+                    self.totals["failed_load_requests"] += 1
                 started = self._async_t0.pop(res.plan_id, None)
                 if started is not None and any(res.loads):    # the request waited this long
                     t0, nread, nload = started
@@ -481,6 +516,7 @@ class KVTierConnector(KVConnectorBase_V1):
         self._prefetch_ids: set[int] = set()
         self._timer = StepTimer(cuda=self.device_type == "cuda")
         self._sent_rates: dict[str, Any] | None = None
+        self._sent_state: str | None = None
         try:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
             self.tp_rank = int(get_tensor_model_parallel_rank())
@@ -702,10 +738,15 @@ class KVTierConnector(KVConnectorBase_V1):
             rates = None                     # unchanged: the scheduler has them
         else:
             self._sent_rates = rates
-        if not self._to_scheduler and rates is None:
+        state = self.executor.l3_state if self.executor is not None else None
+        if state == self._sent_state:
+            state = None
+        else:
+            self._sent_state = state
+        if not self._to_scheduler and rates is None and state is None:
             return None
         out, self._to_scheduler = self._to_scheduler, []
-        return KVTierWorkerMetadata(results=out, rates=rates)
+        return KVTierWorkerMetadata(results=out, rates=rates, l3_state=state)
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self._role == KVConnectorRole.SCHEDULER:     # this interval's hits per tier
@@ -737,5 +778,7 @@ class KVTierConnector(KVConnectorBase_V1):
                 self.executor.close(self.cfg.close_timeout_s)
                 self.executor = None
         elif self.store is not None:
+            if self._exists_io is not None:
+                self._exists_io.stop(self.cfg.close_timeout_s)
             self.store.close()
             self.store = None
