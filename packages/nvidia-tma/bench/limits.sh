@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What limits nvidia-tma page transfers: the runs behind docs/perf/nvidia-h200-transfer-limits.md.
+# What limits nvidia-tma page transfers: the runs behind records/nvidia-h200-transfer-limits.md.
 # Usage: packages/nvidia-tma/bench/limits.sh OUTDIR   (on a machine with the GPU; ~5 minutes).
 # The probes are `kvtier bench limits PROBE` (this package adds that command to kvtier).
 set -uo pipefail

@@ -420,7 +420,7 @@ class TmaTransferEngine(_NvidiaEngine):
         #: layer in device memory, the caller's stream waiting on the count (True), or one
         #: launch and one CUDA event per layer (False; also used where the driver has no
         #: stream memory operations). The count is published by a warp of each CTA that
-        #: copies nothing, so the copies never wait on it (docs/perf/nvidia-h200-layer-
+        #: copies nothing, so the copies never wait on it (records/nvidia-h200-layer-
         #: publisher.md).
         layer_signals: bool = True
         #: Layers counted together with ``layer_signals`` (each group's pieces are cut as a
@@ -627,14 +627,14 @@ class CopyEngineTransferEngine(_NvidiaEngine):
         layerwise_backup: bool = False
         #: Copies per ``cuMemcpyBatchAsync`` call (0: a launch's copies in one batch). On the
         #: H200, batches of thousands of copies ran at 39-72% of the link where 256 ran at 87-96%
-        #: (docs/perf/nvidia-h200-transfer.md).
+        #: (records/nvidia-h200-transfer.md).
         max_batch: int = 256
         #: Copies in a transfer's first ``cuMemcpyBatchAsync`` call, each next call 4x more up
         #: to ``max_batch``; the first pages' addresses are built and queued before the rest,
         #: so the DMA engines start after a few copies are queued, not after a whole batch
         #: (0: every call ``max_batch``). Off by default: on the H200, 16 did not help strided
         #: copies and cost one-copy-per-chunk transfers 1-7 points at 32 KiB
-        #: (docs/perf/nvidia-h200-transfer-strided.md).
+        #: (records/nvidia-h200-transfer-strided.md).
         first_batch: int = 0
         side_stream: bool = False
         debug: bool = False
@@ -651,7 +651,7 @@ class CopyEngineTransferEngine(_NvidiaEngine):
         #: beside all-layer backups at 72-128 KiB ran at 75-83% of the ceiling with it and
         #: 55-63% without (a per-layer load holds the caller's thread for ~55% of its transfer
         #: time), but it cost one direction alone 0.5-6 points
-        #: (docs/perf/nvidia-h200-transfer-both-default.md), so it is off by default. False:
+        #: (records/nvidia-h200-transfer-both-default.md), so it is off by default. False:
         #: queued on the caller's thread.
         issue_thread: bool = False
 
