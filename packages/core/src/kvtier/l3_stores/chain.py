@@ -1,0 +1,217 @@
+"""`chain`: several L3 stores as one, fastest first (e.g. the shared DRAM arena, then files).
+
+Configured as any store, through ``CacheConfig(l3_store="chain", l3_config=...)``::
+
+    {"stores": [{"store": "shm", "config": {"capacity_bytes": 8 << 30}},
+                {"store": "file", "config": {"root": "/var/cache/kvtier"}}]}
+
+* ``batch_set`` writes through to every member; a page is stored (True) where any member
+  stored it. A member that failed to store a page has that key deleted there, so an older
+  copy it may hold can never be read in place of the new one.
+* ``batch_exists`` is the longest leading run of keys each present in some member.
+* ``batch_get`` reads each page from the first member that has it; pages found further down
+  are written into every faster member (``promote``), so the next read is a fast one.
+* ``delete`` and ``clear`` reach every member; ``stats()`` has the chain's own counters and
+  each member's under ``members``.
+
+The chain's ``namespace`` (the cache passes its own, as to any store with that setting) goes
+to every member whose config has that setting and does not set it. Members are built, probed
+and closed by the chain; an unavailable member is a `BackendUnavailableError` when the chain
+is built, as it would be alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from ..errors import ConfigError, StoreError
+from ..interfaces import INTERFACE_VERSION, L3_STORES, Availability, L3Store
+
+_ENTRY_KEYS = {"store", "config"}
+
+
+def _member_configs(stores: Any, namespace: str) -> list[tuple[str, dict[str, Any]]]:
+    """(name, config) of every member, checked: a list of ``{"store": name, "config": {}}``."""
+    from ..registry import get_backend_class
+    if not isinstance(stores, (list, tuple)) or not stores:
+        raise ConfigError("chain.stores must be a non-empty list of {store, config} tables, "
+                          f"fastest first; got {stores!r}", key="chain.stores", value=stores)
+    out = []
+    for i, entry in enumerate(stores):
+        where = f"chain.stores[{i}]"
+        if not isinstance(entry, dict) or "store" not in entry:
+            raise ConfigError(f"{where} must be a table with 'store' (a store name) and "
+                              f"optionally 'config'; got {entry!r}", key=where, value=entry)
+        unknown = set(entry) - _ENTRY_KEYS
+        if unknown:
+            raise ConfigError(f"{where}: unknown key {sorted(unknown)[0]!r} (a member has "
+                              "'store' and 'config')", key=f"{where}.{sorted(unknown)[0]}")
+        name, config = entry["store"], entry.get("config", {})
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"{where}.store must be a store name, got {name!r}",
+                              key=f"{where}.store", value=name)
+        if not isinstance(config, dict):
+            raise ConfigError(f"{where}.config must be a table, got {config!r}",
+                              key=f"{where}.config", value=config)
+        cls = get_backend_class(L3_STORES, name)
+        if namespace and dataclasses.is_dataclass(cls.Config) and "namespace" not in config \
+                and "namespace" in {f.name for f in dataclasses.fields(cls.Config)}:
+            config = {**config, "namespace": namespace}
+        out.append((name, config))
+    return out
+
+
+class ChainStore(L3Store):
+    """L3 stores in order, fastest first: write-through, read from the first that has a
+    page, promote what was found lower down."""
+
+    name = "chain"
+    interface_version = INTERFACE_VERSION
+
+    @dataclass(frozen=True)
+    class Config:
+        #: The members, fastest first: ``[{"store": "shm", "config": {...}}, ...]``.
+        stores: list[Any] = field(default_factory=list)
+        #: Write pages read from a slower member into every faster one.
+        promote: bool = True
+        #: Key namespace, handed to members that have the setting and do not set it.
+        namespace: str = ""
+
+    def __init__(self, config: Any = None, *, spec):
+        super().__init__(config, spec=spec)
+        from ..registry import create_l3_store
+        self.member_names: list[str] = []
+        self.members: list[L3Store] = []
+        self._closed = False
+        try:
+            for name, cfg in _member_configs(self.config.stores, self.config.namespace):
+                self.members.append(create_l3_store(name, cfg, spec=spec))
+                self.member_names.append(name)
+        except BaseException:
+            self.close()
+            raise
+
+    @classmethod
+    def probe(cls) -> Availability:
+        return Availability.available("composite; its members are probed when it is built")
+
+    @classmethod
+    def example_config(cls, workdir: str) -> dict[str, Any]:
+        import os
+
+        from ..registry import get_backend_class
+        stores = []
+        for name in ("shm", "file"):
+            sub = os.path.join(workdir, f"chain-{name}")
+            stores.append({"store": name,
+                           "config": get_backend_class(L3_STORES, name).example_config(sub)})
+        return {"stores": stores}
+
+    def attach(self, host_pool) -> None:
+        super().attach(host_pool)
+        for name, m in zip(self.member_names, self.members):
+            if host_pool.layout not in type(m).capabilities().host_layouts:
+                raise ConfigError(f"chain: member {name!r} does not take {host_pool.layout} "
+                                  "host pools", key="chain.stores", value=name)
+            m.attach(host_pool)
+
+    # ----- public API -----------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreError("chain: store is closed", backend=self.name)
+
+    def _bump(self, counter: str, n: int) -> None:
+        with self._stats_lock:
+            extra = self._stats.extra
+            extra[counter] = extra.get(counter, 0) + n
+
+    def batch_exists(self, keys: Sequence[bytes]) -> int:
+        self._check_open()
+        self._check_batch(keys)
+        pos = 0
+        while pos < len(keys):
+            for m in self.members:
+                n = m.batch_exists(keys[pos:])
+                if n:
+                    pos += n
+                    break
+            else:
+                break
+        return pos
+
+    def batch_get(self, keys: Sequence[bytes], host_pages: Sequence[int]) -> list[bool]:
+        self._check_open()
+        pages = self._check_batch(keys, host_pages, distinct_pages=True)
+        out = [False] * len(keys)
+        todo = list(range(len(keys)))
+        for level, m in enumerate(self.members):
+            if not todo:
+                break
+            got = m.batch_get([keys[i] for i in todo], [pages[i] for i in todo])
+            found = [i for i, ok in zip(todo, got) if ok is True]
+            for i in found:
+                out[i] = True
+            if found and level and self.config.promote:
+                fk, fp = [keys[i] for i in found], [pages[i] for i in found]
+                for faster in self.members[:level]:
+                    self._bump("promoted", sum(1 for ok in faster.batch_set(fk, fp) if ok))
+            todo = [i for i, ok in zip(todo, got) if ok is not True]
+        hits = sum(out)
+        self._count(gets=len(keys), get_hits=hits, bytes_read=hits * self.spec.page_bytes)
+        return out
+
+    def batch_set(self, keys: Sequence[bytes], host_pages: Sequence[int]) -> list[bool]:
+        self._check_open()
+        pages = self._check_batch(keys, host_pages)
+        out = [False] * len(keys)
+        for m in self.members:
+            got = m.batch_set(keys, pages)
+            failed = []
+            for i, ok in enumerate(got):
+                if ok is True:
+                    out[i] = True
+                else:
+                    failed.append(keys[i])
+            if failed:
+                self._bump("write_through_failed", len(failed))
+                m.delete(failed)       # never leave an older copy to be read instead
+        stored = sum(out)
+        self._count(sets=len(keys), set_ok=stored, bytes_written=stored * self.spec.page_bytes,
+                    errors=len(keys) - stored)
+        return out
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        self._check_open()
+        self._check_batch(keys)
+        return sum(1 for k in keys if sum(m.delete([k]) for m in self.members) > 0)
+
+    def clear(self) -> None:
+        self._check_open()
+        for m in self.members:
+            m.clear()
+
+    def object_nbytes(self) -> int:
+        return max((m.object_nbytes() for m in self.members), default=self.spec.page_bytes)
+
+    def stats(self) -> dict[str, Any]:
+        d = super().stats()
+        d.setdefault("promoted", 0)
+        d.setdefault("write_through_failed", 0)
+        d.update(members=[{"store": n, **m.stats()}
+                          for n, m in zip(self.member_names, self.members)])
+        return d
+
+    def close(self) -> None:
+        self._closed = True
+        errors = []
+        members, self.members = list(getattr(self, "members", [])), []
+        for m in reversed(members):
+            try:
+                m.close()
+            except Exception as exc:   # close every member, then say what failed
+                errors.append(exc)
+        if errors:
+            raise StoreError(f"chain: closing a member failed: {errors[0]}",
+                             backend=self.name) from errors[0]
