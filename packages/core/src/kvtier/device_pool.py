@@ -229,7 +229,14 @@ def check_page_indices(pages: Sequence[int] | torch.Tensor, limit: int, what: st
                 if hasattr(p, "__index__") and not isinstance(p, bool):
                     continue
                 raise PageIndexError(f"{what} index {p!r} is not an int", index=p, limit=limit)
-        idx = as_index_tensor([int(p) for p in items])
+        ints = [int(p) for p in items]
+        try:
+            idx = as_index_tensor(ints)
+        except (OverflowError, ValueError, RuntimeError):
+            # an index past int64 (2**63, -2**63-1): torch cannot even hold it
+            bad = next((p for p in ints if not -2**63 <= p < 2**63), None)
+            raise PageIndexError(f"{what} index {bad} out of range [0, {limit})", index=bad,
+                                 limit=limit) from None
     if idx.numel():
         lo, hi = int(idx.min()), int(idx.max())
         if lo < 0 or hi >= limit:
