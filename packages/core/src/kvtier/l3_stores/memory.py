@@ -30,13 +30,20 @@ class MemoryStore(L3Store):
         self._objects: OrderedDict[bytes, torch.Tensor] = OrderedDict()
         self._lock = threading.Lock()
         self._bytes = 0
+        self._closed = False
 
     @classmethod
     def probe(cls) -> Availability:
         return Availability.available("in-process")
 
+    def _live(self) -> None:
+        if self._closed:
+            from ..errors import StoreError
+            raise StoreError("memory: the store is closed", backend=self.name)
+
     def batch_exists(self, keys: Sequence[bytes]) -> int:
         self._check_batch(keys)
+        self._live()
         n = 0
         with self._lock:
             for k in keys:
@@ -47,6 +54,7 @@ class MemoryStore(L3Store):
 
     def batch_get(self, keys: Sequence[bytes], host_pages: Sequence[int]) -> list[bool]:
         pages = self._check_batch(keys, host_pages, distinct_pages=True)
+        self._live()
         out = []
         for k, p in zip(keys, pages):
             with self._lock:
@@ -64,6 +72,7 @@ class MemoryStore(L3Store):
 
     def batch_set(self, keys: Sequence[bytes], host_pages: Sequence[int]) -> list[bool]:
         pages = self._check_batch(keys, host_pages)
+        self._live()
         evicted = 0
         for k, p in zip(keys, pages):
             obj = torch.cat(self.host_pool.page_segments(p))   # a copy, whatever the layout
@@ -83,6 +92,7 @@ class MemoryStore(L3Store):
 
     def delete(self, keys: Sequence[bytes]) -> int:
         self._check_batch(keys)
+        self._live()
         n = 0
         with self._lock:
             for k in keys:
@@ -93,6 +103,7 @@ class MemoryStore(L3Store):
         return n
 
     def clear(self) -> None:
+        self._live()
         with self._lock:
             self._objects.clear()
             self._bytes = 0
@@ -102,3 +113,10 @@ class MemoryStore(L3Store):
         with self._lock:
             d.update(objects=len(self._objects), bytes_stored=self._bytes)
         return d
+
+    def close(self) -> None:
+        """Give the pages' memory back; every later call is a StoreError. Idempotent."""
+        with self._lock:
+            self._closed = True
+            self._objects.clear()
+            self._bytes = 0
