@@ -28,11 +28,12 @@ def _port(text: str) -> int:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The demo's flags (each maps onto a `kvtier.demo.run.DemoConfig` field)."""
-    from .model import MODEL_SIZES
+    from .model import MODEL_SIZES, describe_sizes
     g = p.add_argument_group("model")
     g.add_argument("--model-size", choices=sorted(MODEL_SIZES), default="small",
-                   help="Llama shape (default: small, for a 2-core CPU; medium/large/8b for "
-                   "GPUs; 8b is Llama-3-8B's shape with random weights)")
+                   help="model shape, random weights (default: small): "
+                   + describe_sizes().replace("%", "%%") + ". MLA sizes tier DeepSeek-V2's "
+                   "latent cache (one kv_lora_rank + rope row per token and layer)")
     g.add_argument("--device", default="cpu", help="torch device of the model and L1 (cpu, "
                    "cuda, cuda:1, ...)")
     g.add_argument("--dtype", default="float32", help="model and KV dtype (float32, bfloat16, "

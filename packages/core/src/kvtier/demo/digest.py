@@ -2,11 +2,12 @@
 checks every page restored from L2/L3 against them, bit for bit.
 
 A page's digest is a weighted sum, in int64, of its bytes read as 16-bit words (every layer,
-K and V; fixed random weights below 2^16, a different odd multiplier per layer and
-component). Flipping any one bit changes one word by +-2^k (k < 16), so the sum by a non-zero
-amount that cannot wrap (the sums stay far below 2^63): a single flipped bit is always caught,
-and other corruptions with probability ~1 - 2^-60. It runs on the pool's device, one layer at
-a time, after the first token (not in the TTFT).
+K and V or MLA's latent: every chunk of the page in the pool, `DeviceKVPool.chunks`; fixed
+random weights below 2^16, a different odd multiplier per layer and chunk). Flipping any one
+bit changes one word by +-2^k (k < 16), so the sum by a non-zero amount that cannot wrap
+(the sums stay far below 2^63): a single flipped bit is always caught, and other corruptions
+with probability ~1 - 2^-60. It runs on the pool's device, one layer at a time, after the
+first token (not in the TTFT).
 
 A key may have several digests: the same page recomputed by another forward pass may round
 differently in its last bits, and both versions are correct. A restored page must match one
@@ -30,13 +31,12 @@ class PageDigests:
     def __init__(self, pool: DeviceKVPool, seed: int = 0):
         self.pool = pool
         spec = pool.spec
-        ps = spec.page_size
-        row = pool.require_layers("demo digests")[0][0][0]
-        words = ps * row.numel() * row.element_size() // 2
+        words = max(pool.chunk_nbytes) // 2
         g = torch.Generator().manual_seed(seed)
         self._w = torch.randint(1, 1 << 16, (words,), generator=g,
                                 dtype=torch.int64).to(pool.device)
-        self._salt = [[2 * (2 * i + c) + 1 for c in range(2)] for i in range(spec.num_layers)]
+        n = len(pool.chunk_nbytes)
+        self._salt = [[2 * (n * i + c) + 1 for c in range(n)] for i in range(spec.num_layers)]
         self._known: dict[bytes, set[int]] = {}
         self.recorded = 0
         self.verified = 0
@@ -46,16 +46,12 @@ class PageDigests:
         """The digest of each of ``pages`` as it is now in the pool."""
         if not pages:
             return []
-        ps = self.pool.spec.page_size
-        p = torch.as_tensor(list(pages), dtype=torch.int64)
-        slots = (p.unsqueeze(1) * ps + torch.arange(ps)).flatten().to(self.pool.device)
+        p = torch.as_tensor(list(pages), dtype=torch.int64).to(self.pool.device)
         acc = torch.zeros(len(pages), dtype=torch.int64, device=self.pool.device)
-        for i in range(self.pool.spec.num_layers):
-            for c in range(2):
-                x = self.pool.require_layers("demo digests")[c][i].index_select(
-                    0, slots).contiguous()
-                words = x.view(torch.int16).view(len(pages), -1).to(torch.int64)
-                acc += (words * self._w).sum(dim=1) * self._salt[i][c]
+        for i, chunks in enumerate(self.pool.chunks):
+            for c, chunk in enumerate(chunks):          # uint8 [num_pages, nbytes]
+                words = chunk.index_select(0, p).view(torch.int16).to(torch.int64)
+                acc += (words * self._w[:words.shape[1]]).sum(dim=1) * self._salt[i][c]
         return acc.tolist()
 
     def record(self, keys: Sequence[bytes], pages: Sequence[int]) -> None:

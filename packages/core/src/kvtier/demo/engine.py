@@ -16,7 +16,6 @@ import numpy as np
 import torch
 
 from ..cache import TieredKVCache
-from ..device_pool import DeviceKVPool
 from ..errors import PoolExhaustedError
 from .digest import PageDigests
 from .model import CheckResult, DemoModel
@@ -65,7 +64,7 @@ class DemoEngine:
         self.prefill_mode = prefill_mode
         #: False: reuse L1 hits only, never load from L2/L3 (the L1-only baseline)
         self.lower_tiers = lower_tiers
-        self.pool = DeviceKVPool.empty(model.spec, l1_pages, device=model.device)
+        self.pool = model.new_pool(l1_pages)
         self._free: list[int] = list(range(l1_pages - 1, -1, -1))
         self.cache = TieredKVCache.from_config(
             dict(cache_config), device_pool=self.pool,
@@ -212,9 +211,8 @@ class DemoEngine:
         return self.cache.keys(tokens_np[:(j + 1) * self.model.spec.page_size])[j]
 
     def _corrupt(self, page: int) -> None:
-        ps = self.model.spec.page_size
-        row = self.pool.require_layers("demo")[0][0][page * ps]
-        row.view(torch.uint8).view(-1)[0] ^= 0x01     # one flipped bit of one K value
+        # one flipped bit of layer 0's first value (a K value; MLA: a latent value)
+        self.pool.chunks[0][0][page, 0] ^= 0x01
         self.corrupted += 1
 
     def warm_up(self, vocab_size: int) -> None:

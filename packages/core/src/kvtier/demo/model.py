@@ -1,6 +1,8 @@
-"""The demo's model: a Llama-architecture transformer from ``transformers``, built from a
-config with random weights (fixed seed, nothing downloaded), whose prefill runs on KV pages
-held in the engine's device pool (`kvtier.DeviceKVPool`, layer_first).
+"""The demo's model: a Llama-architecture transformer from ``transformers`` (or, for the
+``mla-*`` sizes, its DeepSeek-V2 with multi-head latent attention: `kvtier.demo.mla`), built
+from a config with random weights (fixed seed, nothing downloaded), whose prefill runs on KV
+pages held in the engine's device pool (`kvtier.DeviceKVPool`: token_major K and V for Llama,
+the ``mla`` layout's latent rows for DeepSeek-V2).
 
 Two prefills:
 
@@ -8,7 +10,7 @@ Two prefills:
   (chunked only at ``max_forward_tokens``). The restored prefix is not gathered up front: a
   forward pre-hook on decoder layer ``i`` waits for layer ``i`` of the prefix
   (``wait_layer(i)``, i.e. `FetchHandle.wait_layer`) and only then fills that layer's past
-  K/V from the pool, so loads of later layers overlap the compute of earlier ones.
+  K/V (MLA: latent) from the pool, so loads of later layers overlap the compute of earlier ones.
   `check_logits` compares the first token and the logits with a full recompute within
   `fast_tolerance`: GEMMs of other row counts round differently, so bits may differ.
 - ``paged``: one page per forward pass, so the KV of page ``i`` is a function of the tokens
@@ -28,6 +30,7 @@ import torch
 from ..device_pool import DeviceKVPool
 from ..errors import ConfigError, InvalidArgumentError, KVTierError
 from ..spec import DTYPES, KVSpec, dtype_name
+from .mla import MLA_SIZES, LatentKV, MLASize, build_config
 
 
 @dataclass(frozen=True)
@@ -42,24 +45,75 @@ class ModelSize:
     kv_heads: int
     vocab: int
 
+    about: str = ""
+
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
 
 
 #: Built-in sizes: ``tiny`` for tests, ``small`` (the default) for a 2-core CPU, the larger
-#: ones for accelerators.
-MODEL_SIZES: dict[str, ModelSize] = {s.name: s for s in (
-    ModelSize("tiny", hidden=64, layers=2, intermediate=128, heads=4, kv_heads=2, vocab=512),
-    ModelSize("small", hidden=256, layers=4, intermediate=704, heads=4, kv_heads=2, vocab=4096),
+#: ones for accelerators; ``mla-*``: DeepSeek-V2 shapes (`kvtier.demo.mla`).
+_SIZES: tuple[ModelSize | MLASize, ...] = (
+    ModelSize("tiny", hidden=64, layers=2, intermediate=128, heads=4, kv_heads=2, vocab=512,
+              about="tests"),
+    ModelSize("small", hidden=256, layers=4, intermediate=704, heads=4, kv_heads=2, vocab=4096,
+              about="the default, for a 2-core CPU"),
     ModelSize("medium", hidden=512, layers=8, intermediate=1408, heads=8, kv_heads=2,
-              vocab=8192),
+              vocab=8192, about="GPUs"),
     ModelSize("large", hidden=2048, layers=16, intermediate=5632, heads=16, kv_heads=4,
-              vocab=32000),
+              vocab=32000, about="GPUs"),
     # Llama-3-8B's shape (random weights): 128 KiB of bf16 KV per token
     ModelSize("8b", hidden=4096, layers=32, intermediate=14336, heads=32, kv_heads=8,
-              vocab=128256),
-)}
+              vocab=128256, about="Llama-3-8B's shape, for GPUs"),
+    *MLA_SIZES,
+)
+MODEL_SIZES: dict[str, ModelSize | MLASize] = {s.name: s for s in _SIZES}
+
+
+def describe_sizes() -> str:
+    """One line per size for ``--help``: its name, architecture, shape and use."""
+    out = []
+    for s in MODEL_SIZES.values():
+        if isinstance(s, MLASize):
+            shape = (f"DeepSeek-V2 MLA, {s.layers} layers, hidden {s.hidden}, latent "
+                     f"{s.kv_lora_rank}+{s.rope_dim}")
+        else:
+            shape = f"Llama, {s.layers} layers, hidden {s.hidden}, {s.kv_heads} KV heads"
+        out.append(f"{s.name} ({shape}: {s.about})")
+    return "; ".join(out)
+
+
+class _HeadsKV:
+    """Llama's cache <-> a token_major pool: per layer K and V ``[slots, kv_heads,
+    head_dim]`` (the cache's ``[1, kv_heads, tokens, head_dim]`` transposed)."""
+
+    def __init__(self, size: ModelSize):
+        self.kv_heads, self.head_dim = size.kv_heads, size.head_dim
+
+    def spec(self, layers: int, page_size: int, dtype: str) -> KVSpec:
+        return KVSpec.mha(layers, self.kv_heads, self.head_dim, page_size, dtype)
+
+    def new_pool(self, spec: KVSpec, num_pages: int, device: torch.device) -> DeviceKVPool:
+        return DeviceKVPool.empty(spec, num_pages, device=device)
+
+    def pool_rows(self, pool: DeviceKVPool, layer: int) -> list[torch.Tensor]:
+        k, v = pool.require_layers("the demo's Llama")
+        return [k[layer], v[layer]]
+
+    def to_cache(self, rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = rows
+        return k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+
+    def cache_rows(self, keys: torch.Tensor, values: torch.Tensor, s: int, e: int
+                   ) -> list[torch.Tensor]:
+        return [keys[0, :, s:e].transpose(0, 1), values[0, :, s:e].transpose(0, 1)]
+
+    def stubs(self, n: int, dtype: torch.dtype, device: torch.device
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        stub = torch.empty((1, self.kv_heads, 1, self.head_dim), dtype=dtype,
+                           device=device).expand((1, self.kv_heads, n, self.head_dim))
+        return stub, stub
 
 #: Prefill modes: ``fast`` (the suffix in one forward) and ``paged`` (one page per forward).
 PREFILL_MODES = ("fast", "paged")
@@ -178,13 +232,14 @@ def check_transformers(version: str | None = None) -> None:
 
 
 class DemoModel:
-    """A random-weight Llama and its paged, page-chunked prefill."""
+    """A random-weight Llama (or DeepSeek-V2 for the ``mla-*`` sizes) and its prefills on
+    pages of a device pool."""
 
-    def __init__(self, size: str | ModelSize = "small", *, page_size: int = 64,
+    def __init__(self, size: str | ModelSize | MLASize = "small", *, page_size: int = 64,
                  device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32",
                  seed: int = 0, max_forward_tokens: int = 8192):
         try:
-            from transformers import LlamaConfig, LlamaForCausalLM
+            from transformers import DeepseekV2ForCausalLM, LlamaConfig, LlamaForCausalLM
         except (ImportError, OSError, RuntimeError) as exc:
             raise ConfigError(f"the demo needs transformers: {exc} (pip install "
                               f"'kvtier-core[demo]')", key="model") from None
@@ -207,10 +262,20 @@ class DemoModel:
         self.max_forward_tokens = max_forward_tokens
         self.device = torch.device(device)
         self.dtype = DTYPES[dtype_name(dtype)]
-        cfg = LlamaConfig(vocab_size=size.vocab, hidden_size=size.hidden,
-                          intermediate_size=size.intermediate, num_hidden_layers=size.layers,
-                          num_attention_heads=size.heads, num_key_value_heads=size.kv_heads,
-                          max_position_embeddings=1 << 17, tie_word_embeddings=False)
+        self.kv: _HeadsKV | LatentKV
+        build: type[torch.nn.Module]
+        if isinstance(size, MLASize):
+            cfg = build_config(size)
+            build = DeepseekV2ForCausalLM
+            self.kv = LatentKV(size)
+        else:
+            cfg = LlamaConfig(vocab_size=size.vocab, hidden_size=size.hidden,
+                              intermediate_size=size.intermediate,
+                              num_hidden_layers=size.layers, num_attention_heads=size.heads,
+                              num_key_value_heads=size.kv_heads,
+                              max_position_embeddings=1 << 17, tie_word_embeddings=False)
+            build = LlamaForCausalLM
+            self.kv = _HeadsKV(size)
         _register_attention()
         cfg._attn_implementation = ATTENTION
         # Initialise on the target device (fast for the large sizes); the seed fixes the
@@ -218,11 +283,10 @@ class DemoModel:
         forked = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=forked), self.device:
             torch.manual_seed(seed)
-            model = LlamaForCausalLM(cfg)
+            model = build(cfg)
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         self.config = cfg
-        self.spec = KVSpec.mha(size.layers, size.kv_heads, size.head_dim, page_size,
-                               dtype_name(self.dtype))
+        self.spec = self.kv.spec(size.layers, page_size, dtype_name(self.dtype))
         self.tolerance = default_tolerance(self.device, self.dtype)
         self.fast_tolerance = fast_tolerance(self.dtype)
         # layer i's pre-hook: fill its past K/V from the pool once layer i has landed
@@ -239,6 +303,38 @@ class DemoModel:
     @property
     def num_params(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
+
+    @property
+    def mla(self) -> bool:
+        """Multi-head latent attention (DeepSeek-V2): the KV is one latent row per token."""
+        return isinstance(self.size, MLASize)
+
+    @property
+    def family(self) -> str:
+        """The architecture in a page key's model id: ``llama`` or ``deepseek-v2``."""
+        return "deepseek-v2" if self.mla else "llama"
+
+    @property
+    def label(self) -> str:
+        """How reports name the model: ``Llama-small``, ``DeepSeek-V2-mla-lite``."""
+        return f"{'DeepSeek-V2' if self.mla else 'Llama'}-{self.size.name}"
+
+    def describe(self) -> dict:
+        """The model's shape for reports (results.json's ``model``)."""
+        s = self.size
+        info = {"size": s.name, "label": self.label,
+                "params_m": round(self.num_params / 1e6, 2), "layers": s.layers,
+                "hidden": s.hidden, "heads": s.heads}
+        if isinstance(s, MLASize):
+            info.update(kv_lora_rank=s.kv_lora_rank, rope_dim=s.rope_dim)
+        else:
+            info["kv_heads"] = s.kv_heads
+        return info
+
+    def new_pool(self, num_pages: int) -> DeviceKVPool:
+        """A device pool of ``num_pages`` pages in the layout this model's engine keeps
+        (Llama: token_major K and V; MLA: the ``mla`` layout)."""
+        return self.kv.new_pool(self.spec, num_pages, self.device)
 
     @property
     def vocab_size(self) -> int:
@@ -291,18 +387,23 @@ class DemoModel:
             for i in range(self.size.layers):
                 if wait_layer is not None:
                     wait_layer(i)
-                k = pool.layers[0][i].index_select(0, slots).transpose(0, 1).unsqueeze(0)
-                v = pool.layers[1][i].index_select(0, slots).transpose(0, 1).unsqueeze(0)
-                layers.append((k, v))
+                layers.append(self.kv.to_cache([r.index_select(0, slots)
+                                                for r in self.kv.pool_rows(pool, i)]))
         cache = DynamicCache(ddp_cache_data=layers) if layers else DynamicCache()
         logits = self._chunks(tokens, cache, start, explicit_positions=True)
-        for j, page in enumerate(new_pages):
-            s = start + j * ps
-            lo = page * ps
-            for i, layer in enumerate(cache.layers):
-                pool.layers[0][i][lo:lo + ps].copy_(layer.keys[0, :, s:s + ps].transpose(0, 1))
-                pool.layers[1][i][lo:lo + ps].copy_(layer.values[0, :, s:s + ps].transpose(0, 1))
+        self._store(pool, cache, start, new_pages)
         return logits
+
+    def _store(self, pool: DeviceKVPool, cache, start: int, new_pages: Sequence[int]) -> None:
+        """Write the KV of tokens ``start..`` in ``cache`` into ``new_pages``, a page each."""
+        if not new_pages:
+            return
+        e = start + len(new_pages) * self.page_size
+        dst = _slots(new_pages, self.page_size, pool.device)
+        for i, layer in enumerate(cache.layers):
+            for rows, new in zip(self.kv.pool_rows(pool, i),
+                                 self.kv.cache_rows(layer.keys, layer.values, start, e)):
+                rows.index_copy_(0, dst, new)
 
     def _prefill_fast(self, tokens: torch.Tensor, pool: DeviceKVPool,
                       prefix_pages: Sequence[int], new_pages: Sequence[int],
@@ -316,11 +417,9 @@ class DemoModel:
             slots = _slots(prefix_pages, ps, pool.device)
             # a placeholder of the prefix's shape (no memory) until layer i is restored:
             # the mask is built from layer 0's length before any layer runs
-            shape = (1, self.size.kv_heads, start, self.size.head_dim)
-            stub = torch.empty((1, self.size.kv_heads, 1, self.size.head_dim),
-                               dtype=self.dtype, device=self.device).expand(shape)
+            stub_k, stub_v = self.kv.stubs(start, self.dtype, self.device)
             for layer in cache.layers:
-                layer.keys, layer.values = stub, stub
+                layer.keys, layer.values = stub_k, stub_v
                 layer.device, layer.is_initialized = self.device, True
             pending = set(range(n_layers))
 
@@ -331,21 +430,15 @@ class DemoModel:
                 if wait_layer is not None:
                     wait_layer(i)
                 layer = cache.layers[i]
-                layer.keys = pool.layers[0][i].index_select(0, slots).transpose(0, 1)[None]
-                layer.values = pool.layers[1][i].index_select(0, slots).transpose(0, 1)[None]
+                layer.keys, layer.values = self.kv.to_cache(
+                    [r.index_select(0, slots) for r in self.kv.pool_rows(pool, i)])
             self._restore = restore
         try:
             logits = self._chunks(tokens, cache, start, explicit_positions=True,
                                   chunk=self.max_forward_tokens)
         finally:
             self._restore = None
-        if new_pages:
-            e = start + len(new_pages) * ps
-            dst = _slots(new_pages, ps, pool.device)
-            for i, layer in enumerate(cache.layers):
-                pool.layers[0][i].index_copy_(0, dst, layer.keys[0, :, start:e].transpose(0, 1))
-                pool.layers[1][i].index_copy_(0, dst,
-                                              layer.values[0, :, start:e].transpose(0, 1))
+        self._store(pool, cache, start, new_pages)
         return logits
 
     def _chunks(self, tokens: torch.Tensor, cache, start: int, *,
@@ -401,15 +494,15 @@ class DemoModel:
         return CheckResult(exact, passed, diff, 0.0, 0, tol, same_token, noise)
 
     @torch.inference_mode()
-    def recompute(self, tokens: torch.Tensor) -> tuple[torch.Tensor, list[tuple[torch.Tensor,
-                                                                                 torch.Tensor]]]:
+    def recompute(self, tokens: torch.Tensor) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
         """Full recompute from token 0 with no cache (positions left to the model): the last
-        token's logits and, per layer, K and V of every full page as ``[tokens, heads, dim]``."""
+        token's logits and, per layer, the KV of every full page as the pool holds it (K and
+        V ``[tokens, heads, dim]``; MLA: the latent ``[tokens, latent]``)."""
         from transformers import DynamicCache
         cache = DynamicCache()
         logits = self._chunks(tokens, cache, 0, explicit_positions=False)
         full = (int(tokens.shape[0]) // self.page_size) * self.page_size
-        kv = [(layer.keys[0, :, :full].transpose(0, 1), layer.values[0, :, :full].transpose(0, 1))
+        kv = [self.kv.cache_rows(layer.keys, layer.values, 0, full)  # type: ignore[arg-type]
               for layer in cache.layers]
         return logits, kv
 
@@ -425,9 +518,9 @@ class DemoModel:
         ps = self.page_size
         slots = _slots(pages, ps, pool.device)
         kv_diff, bad_pages = 0.0, set[int]()
-        for i, (rk, rv) in enumerate(ref_kv):
-            for comp, ref in ((0, rk), (1, rv)):
-                got = pool.layers[comp][i].index_select(0, slots)
+        for i, refs in enumerate(ref_kv):
+            for rows, ref in zip(self.kv.pool_rows(pool, i), refs):
+                got = rows.index_select(0, slots)
                 if _same_bits(got, ref):
                     continue
                 exact = False

@@ -41,7 +41,8 @@ def figure(report: "DemoReport"):
         ax.grid(alpha=0.3)
         ax.xaxis.get_major_locator().set_params(integer=True)
     m = report.model
-    fig.suptitle(f"kvtier demo: {report.workload.name}; Llama-{m['size']}, {m['dtype']}, "
+    label = m.get("label") or f"Llama-{m['size']}"
+    fig.suptitle(f"kvtier demo: {report.workload.name}; {label}, {m['dtype']}, "
                  f"on {m['device']}", fontsize=10)
     # one legend for both panels, below them: it never hides a data point
     handles, labels = ax_hit.get_legend_handles_labels()

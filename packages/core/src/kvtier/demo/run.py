@@ -416,7 +416,7 @@ def tier_sizes(cfg: DemoConfig, workload: Workload, model: DemoModel, distinct: 
 def cache_config(cfg: DemoConfig, setup: str, model: DemoModel, l2_pages: int,
                  l3_root: str | None) -> dict[str, Any]:
     base: dict[str, Any] = {
-        "model_id": f"kvtier-demo-llama-{model.size.name}-seed{cfg.seed}",
+        "model_id": _model_id(cfg, model),
         "host_allocator": host_allocator(cfg), "transfer_engine": cfg.transfer_engine,
         "prefetch_policy": cfg.prefetch_policy, "write_policy": cfg.write_policy,
         "cost_aware_fetch": cfg.cost_aware,
@@ -429,7 +429,7 @@ def cache_config(cfg: DemoConfig, setup: str, model: DemoModel, l2_pages: int,
     if path:
         from ..config import read_config_file
         base.update(read_config_file(path, "cache"))
-        base["model_id"] = f"kvtier-demo-llama-{model.size.name}-seed{cfg.seed}"
+        base["model_id"] = _model_id(cfg, model)
     if setup == "L1 only":
         # The same controller as a device-only prefix cache: selective write-through whose
         # threshold no page reaches, a one-page host pool, and an engine that reuses L1 hits
@@ -445,6 +445,10 @@ def cache_config(cfg: DemoConfig, setup: str, model: DemoModel, l2_pages: int,
     if cfg.l3_bytes is not None:
         l3_config.setdefault("capacity_bytes", cfg.l3_bytes)
     return {**base, "l3_store": cfg.l3_store, "l3_config": l3_config}
+
+
+def _model_id(cfg: DemoConfig, model: DemoModel) -> str:
+    return f"kvtier-demo-{model.family}-{model.size.name}-seed{cfg.seed}"
 
 
 def host_allocator(cfg: DemoConfig) -> str:
@@ -622,13 +626,13 @@ def _run_demo(cfg: DemoConfig, names: list[str], exporter: SetupExporter | None,
     workload = build_workload(cfg, model.vocab_size)
     distinct = distinct_pages(workload, model)
     l1, l2 = tier_sizes(cfg, workload, model, distinct)
-    minfo = {"size": model.size.name, "params_m": round(model.num_params / 1e6, 2),
-             "layers": model.size.layers, "hidden": model.size.hidden,
-             "heads": model.size.heads, "kv_heads": model.size.kv_heads,
+    minfo = {**model.describe(),
              "dtype": str(model.dtype).removeprefix("torch."), "device": str(model.device),
              "page_size": model.spec.page_size, "page_bytes": model.spec.page_bytes,
              "threads": torch.get_num_threads()}
-    log(f"kvtier demo: Llama-{model.size.name} ({minfo['params_m']}M params, random weights) "
+    kv = f", KV {model.spec.page_bytes // model.spec.page_size} B per token" + \
+        (f" (MLA latent {model.spec.dim} per layer)" if model.mla else "")
+    log(f"kvtier demo: {model.label} ({minfo['params_m']}M params, random weights{kv}) "
         f"on {model.device} {minfo['dtype']}, {minfo['threads']} threads; {workload.description}"
         f"; {len(workload)} requests, {workload.total_tokens} prompt tokens, {distinct} "
         f"distinct pages of {model.spec.page_size} tokens ({model.spec.page_bytes} B each); "
