@@ -45,7 +45,7 @@ class TorchPinnedAllocator(HostAllocator):
                                   "CUDA/ROCm runtime", backend=self.name, nbytes=nbytes)
         try:
             t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=rt is not None)
-        except RuntimeError as exc:
+        except (RuntimeError, TypeError, OverflowError) as exc:   # TypeError: past int64
             raise AllocationError(f"{self.name}: allocating {nbytes} bytes failed: {exc}",
                                   backend=self.name, nbytes=nbytes) from exc
         return HostBuffer(ptr=t.data_ptr(), nbytes=nbytes, tensor=t,
