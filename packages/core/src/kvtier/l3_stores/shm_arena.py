@@ -57,7 +57,7 @@ import time
 import weakref
 import zlib
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
@@ -90,6 +90,7 @@ _OPEN_FLAGS = os.O_RDWR | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0) | os.O_NON
 HIT, MISS, BUSY, TORN, FULL, TIMEOUT, OK = range(7)
 
 _memmove = ctypes.memmove        # a foreign call: the GIL is released while it copies
+_WORDS = struct.Struct("<4Q")
 
 
 def _round_up(n: int, to: int) -> int:
@@ -130,13 +131,12 @@ def identity_digest(fingerprint: str, namespace: str) -> bytes:
     return hashlib.sha256(b"kvtier.shm.identity" + blob).digest()[:16]
 
 
-@dataclass(frozen=True)
-class Digest:
-    """A key as the arena knows it: its 32-byte digest (never all zeros: empty slots are) as
-    four words, and its set."""
+class Digest(NamedTuple):
+    """A key as the arena knows it: its 32-byte digest as four words (the first never zero:
+    empty slots have zeros there), and its set."""
 
     raw: bytes
-    words: tuple[int, int, int, int]
+    words: tuple[int, ...]
     set: int
 
 
@@ -405,10 +405,13 @@ class Arena:
         self.data_base = int(self._u8.ctypes.data) + geo.data_off
         meta = self._u8[geo.meta_off:geo.meta_off + geo.slots * META_BYTES] \
             .view("<u8").reshape(geo.slots, META_BYTES // 8)
-        self.gen = meta[:, 0]
-        self.stamp = meta[:, 1]
+        # The slot table twice: a numpy view of the digests for whole-table scans (used,
+        # clear), and a memoryview of 64-bit words for the per-page paths (an element is a
+        # plain int there, many times cheaper than a numpy one). Slot i's words start at
+        # 8 * i: generation, last-use stamp, key digest (4 words), CRC and flags, spare.
         self.dig = meta[:, 2:6]
-        self.word = meta[:, 6]
+        self.m = memoryview(self.mm)[geo.meta_off:geo.meta_off + geo.slots * META_BYTES] \
+            .cast("Q")
 
     def _reopen_after_fork(self) -> None:
         """A forked child shares its parent's open file, hence its locks: open the file
@@ -430,8 +433,8 @@ class Arena:
     # ----- keys and sets ----------------------------------------------------------------------
     def digest(self, key: bytes) -> Digest:
         raw = hashlib.blake2b(key, digest_size=32).digest()
-        w = struct.unpack("<4Q", raw)
-        if w[0] == 0:                              # all-zero words mark an empty slot
+        w = _WORDS.unpack(raw)
+        if w[0] == 0:                              # a zero first word marks an empty slot
             w = (1,) + w[1:]
         return Digest(raw, w, w[1] % self.geo.sets)
 
@@ -442,10 +445,16 @@ class Arena:
     def find(self, d: Digest) -> int:
         """The slot holding key ``d`` (in any state), or -1."""
         lo, hi = self.bounds(d.set)
-        for j in np.flatnonzero(self.dig[lo:hi, 0] == d.words[0]).tolist():
-            if tuple(self.dig[lo + j].tolist()) == d.words:
-                return lo + j
+        m, (w0, w1, w2, w3) = self.m, d.words
+        for i in range(lo, hi):
+            b = 8 * i
+            if m[b + 2] == w0 and m[b + 3] == w1 and m[b + 4] == w2 and m[b + 5] == w3:
+                return i
         return -1
+
+    def _holds(self, i: int, d: Digest) -> bool:
+        m, b, w = self.m, 8 * i, d.words
+        return m[b + 2] == w[0] and m[b + 3] == w[1] and m[b + 4] == w[2] and m[b + 5] == w[3]
 
     def slot_addr(self, slot: int) -> int:
         return self.data_base + slot * self.geo.stride
@@ -459,17 +468,18 @@ class Arena:
         i = self.find(d)
         if i < 0:
             return MISS, -1, 0
-        g1 = int(self.gen[i])
+        m, b = self.m, 8 * i
+        g1 = m[b]
         if g1 & 1:
             return BUSY, i, 0
-        if tuple(self.dig[i].tolist()) != d.words:
-            return TORN, i, 0
+        # the key is checked after the copy: a slot that changed hands between find() and
+        # the generation read above holds another key now, or a newer generation
         src = self.slot_addr(i)
         for addr, n in dst:
             _memmove(addr, src, n)
             src += n
-        word = int(self.word[i])
-        if int(self.gen[i]) != g1 or tuple(self.dig[i].tolist()) != d.words:
+        word = m[b + 6]
+        if m[b] != g1 or not self._holds(i, d):
             return TORN, i, 0
         return HIT, i, word
 
@@ -477,12 +487,12 @@ class Arena:
         i = self.find(d)
         if i < 0:
             return False
-        g = int(self.gen[i])
-        return not g & 1 and tuple(self.dig[i].tolist()) == d.words and int(self.gen[i]) == g
+        g = self.m[8 * i]
+        return not g & 1 and self._holds(i, d) and self.m[8 * i] == g
 
     def touch(self, slot: int, stamp: int) -> None:
         """Record a use (an LRU hint: a race here only misorders eviction)."""
-        self.stamp[slot] = stamp
+        self.m[8 * slot + 1] = stamp
 
     # ----- writers ------------------------------------------------------------------------------
     def _lock_set(self, s: int, timeout: float) -> bool:
@@ -534,34 +544,38 @@ class Arena:
         lo, hi = self.bounds(d.set)
         if not self._lock_set(d.set, timeout):
             return TIMEOUT, -1, 0, ""
+        m = self.m
         try:
-            gens = self.gen[lo:hi].tolist()
-            digs = [tuple(r) for r in self.dig[lo:hi].tolist()]
-            same = [j for j, dg in enumerate(digs) if dg == d.words]
-            if same:
-                order = same                          # a key has one slot: its own
+            same = self.find(d)
+            if same >= 0:
+                order = [same]                        # a key has one slot: its own
             else:
-                stamps = self.stamp[lo:hi].tolist()
-                order = [j for j, g in enumerate(gens) if not g & 1 and digs[j][0] == 0]
-                order += [j for j, g in enumerate(gens) if g & 1]
-                order += sorted((j for j, g in enumerate(gens) if not g & 1 and digs[j][0]),
-                                key=stamps.__getitem__)
-            for j in order:
-                i = lo + j
+                empty, odd, used = [], [], []
+                for i in range(lo, hi):
+                    g = m[8 * i]
+                    if g & 1:
+                        odd.append(i)
+                    elif m[8 * i + 2] == 0:
+                        empty.append(i)
+                    else:
+                        used.append((m[8 * i + 1], i))
+                used.sort()
+                order = empty + odd + [i for _, i in used]
+            for i in order:
                 if not self._take(i):
-                    if same:
+                    if same >= 0:
                         return BUSY, i, 0, ""
                     continue
-                g = int(self.gen[i])                  # as it is now that the slot is ours
-                old = tuple(self.dig[i].tolist())
+                b = 8 * i
+                g = m[b]                              # as it is now that the slot is ours
                 what = "reclaimed" if g & 1 else \
-                    ("evicted" if old[0] and old != d.words else "")
-                odd = g + 2 if g & 1 else g + 1
-                self.gen[i] = odd                     # readers miss from here on
-                self.word[i] = 0
-                self.dig[i] = d.words
-                self.stamp[i] = stamp
-                return OK, i, odd, what
+                    ("evicted" if m[b + 2] and not self._holds(i, d) else "")
+                gen = g + 2 if g & 1 else g + 1
+                m[b] = gen                            # odd: readers miss from here on
+                m[b + 6] = 0
+                m[b + 2], m[b + 3], m[b + 4], m[b + 5] = d.words
+                m[b + 1] = stamp
+                return OK, i, gen, what
             return FULL, -1, 0, ""
         finally:
             self._unlock_set(d.set)
@@ -574,15 +588,17 @@ class Arena:
 
     def publish(self, slot: int, odd: int, word: int = 0) -> None:
         """The claimed slot's bytes are in place: make it readable and let it go."""
-        self.word[slot] = word
-        self.gen[slot] = odd + 1
+        m, b = self.m, 8 * slot
+        m[b + 6] = word
+        m[b] = odd + 1
         self._release(slot)
 
     def abandon(self, slot: int, odd: int) -> None:
         """A claimed slot whose write did not finish: empty it and let it go."""
-        self.dig[slot] = (0, 0, 0, 0)
-        self.word[slot] = 0
-        self.gen[slot] = odd + 1
+        m, b = self.m, 8 * slot
+        m[b + 2] = m[b + 3] = m[b + 4] = m[b + 5] = 0
+        m[b + 6] = 0
+        m[b] = odd + 1
         self._release(slot)
 
     def _empty(self, slot: int) -> bool:
@@ -590,10 +606,11 @@ class Arena:
         object. A slot being written by a live writer is left alone (False)."""
         if not self._take(slot):
             return False
-        g = int(self.gen[slot])
-        had = not g & 1 and bool(int(self.dig[slot, 0]))
+        m, b = self.m, 8 * slot
+        g = m[b]
+        had = not g & 1 and bool(m[b + 2])
         odd = g + 2 if g & 1 else g + 1
-        self.gen[slot] = odd
+        m[b] = odd
         self.abandon(slot, odd)
         return had
 
@@ -637,7 +654,10 @@ class Arena:
         _arenas.discard(self)
         removed = False
         fd, self.fd = self.fd, -1
-        for name in ("gen", "stamp", "dig", "word", "_u8"):
+        m = getattr(self, "m", None)
+        if m is not None:
+            m.release()
+        for name in ("dig", "_u8", "m"):
             setattr(self, name, None)
         mm = getattr(self, "mm", None)
         if mm is not None:
