@@ -3,14 +3,22 @@
 Subclass a suite in a package's tests and set ``distribution`` (or leave it None for every
 discovered backend). Backends get their config from ``example_config(workdir)``; override
 ``make_config`` in the subclass to test other settings.
+
+Every suite also tries the hostile inputs that apply to every backend of its kind (keys that
+are not bytes and odd byte keys, hostile page indices and sizes, mismatched lengths, calls
+after ``close()``, a read racing an overwrite): each ends in exact bytes, a miss or a typed
+kvtier error, bounded in time, never an untyped exception, a hang or a file outside the
+store's directory. docs/reliability.md lists them with what each backend did.
 """
 
 from __future__ import annotations
 
 import os
 import random
+import threading
+import time
 import zlib
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -53,6 +61,56 @@ def assert_bitwise_equal(a: torch.Tensor, b: torch.Tensor, what: str = "") -> No
         bad = int((ra != rb).nonzero()[0])
         raise AssertionError(f"{what}: tensors differ (first differing byte {bad} of "
                              f"{ra.numel()})")
+
+
+def bounded_call(fn: Callable[[], Any], timeout: float = 20.0, what: str = "call") -> Any:
+    """Run ``fn`` on a daemon thread and return its value (or raise its exception); fail, never
+    hang, when it has not returned within ``timeout`` seconds."""
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:        # noqa: BLE001 -- re-raised in the caller
+            box["error"] = exc
+
+    t = threading.Thread(target=target, daemon=True, name="kvtier-bounded-call")
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), f"{what} blocked for more than {timeout} s"
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+def assert_typed_refusal(fn: Callable[[], Any], types: tuple[type[BaseException], ...],
+                         what: str, timeout: float = 20.0) -> BaseException:
+    """``fn`` must raise one of ``types`` (kvtier's typed errors) within ``timeout``: returning,
+    or raising anything else (an untyped TypeError, OverflowError, RuntimeError...), fails."""
+    try:
+        got = bounded_call(fn, timeout, what)
+    except types as exc:
+        return exc
+    except AssertionError:
+        raise
+    except BaseException as exc:            # noqa: BLE001 -- reported as the finding
+        raise AssertionError(f"{what}: untyped {type(exc).__name__}: {exc}") from exc
+    raise AssertionError(f"{what}: accepted (returned {got!r}), want "
+                         f"{' or '.join(t.__name__ for t in types)}")
+
+
+def files_outside(root: str, inside: str) -> list[str]:
+    """Every entry under ``root`` whose real path is neither under ``inside`` nor one of its
+    ancestors: what a store rooted in ``inside`` made, or linked to, outside it."""
+    inside = os.path.join(os.path.realpath(inside), "")
+    out = []
+    for d, dirs, files in os.walk(root):
+        for n in dirs + files:
+            p = os.path.join(d, n)
+            real = os.path.join(os.path.realpath(p), "")
+            if not real.startswith(inside) and not inside.startswith(real):
+                out.append(p)
+    return out
 
 
 class _Suite:
@@ -136,10 +194,27 @@ class HostAllocatorContract(_Suite):
             a.close()
             b.close()
 
-    @pytest.mark.parametrize("nbytes", [0, -1, 1.5, "8", True])
+    @pytest.mark.parametrize("nbytes", [0, -1, 1.5, "8", True, False, None, float("nan"),
+                                        float("inf"), -(2**63), b"8"])
     def test_bad_size_is_typed_error(self, allocator, nbytes):
-        with pytest.raises(InvalidArgumentError):
-            allocator.allocate(nbytes)
+        assert_typed_refusal(lambda: allocator.allocate(nbytes), (InvalidArgumentError,),
+                             f"allocate({nbytes!r})")
+
+    @pytest.mark.parametrize("nbytes", [1 << 62, (1 << 63) - 1, 1 << 64],
+                             ids=["2**62", "2**63-1", "2**64"])
+    def test_size_no_machine_holds_is_typed_error(self, allocator, nbytes):
+        """Past any address space: a kvtier error (InvalidArgumentError, AllocationError),
+        never a MemoryError, OverflowError or RuntimeError of the runtime, never a hang."""
+        from ..errors import AllocationError
+        assert_typed_refusal(lambda: allocator.allocate(nbytes),
+                             (InvalidArgumentError, AllocationError), f"allocate({nbytes})")
+        buf = allocator.allocate(4096)              # the allocator still works
+        try:
+            data = torch.randint(0, 256, (4096,), dtype=torch.uint8)
+            buf.tensor[:4096].copy_(data)
+            assert torch.equal(buf.tensor[:4096], data)
+        finally:
+            buf.close()
 
     def test_backs_a_host_pool(self, backend_name, allocator):
         spec = random_specs()[0]
@@ -298,6 +373,308 @@ class L3StoreContract(_Suite):
         finally:
             p.close()
 
+    # ----- hostile inputs: what every store gets, whatever it stores in -------------------------
+    TRAVERSAL_DEPTH = 8
+
+    @pytest.fixture
+    def lone(self, backend_name, tmp_path):
+        """``(store, pool, workdir)``: one store over one small pool of random bytes (the first
+        host layout the backend declares; these cases are about the calls, not the geometry),
+        its config rooted in a directory of its own ``TRAVERSAL_DEPTH`` levels below
+        ``tmp_path``, so that anything it writes outside that directory shows (a key climbing
+        that many levels from anywhere in it still lands inside ``tmp_path``)."""
+        spec = random_specs()[0]
+        cls = self.backend_class(backend_name)
+        pool = make_host_pool(spec, 2 * len(self.ODD_KEYS) + 2,
+                              cls.capabilities().host_layouts[0])
+        workdir = tmp_path.joinpath(*[f"d{i}" for i in range(self.TRAVERSAL_DEPTH)], "work")
+        workdir.mkdir(parents=True)
+        s = None
+        try:
+            s = cls(self.make_config(backend_name, str(workdir)), spec=spec)
+            s.attach(pool)
+            s.clear()
+            yield s, pool, str(workdir)
+        finally:
+            try:
+                if s is not None:
+                    try:
+                        s.clear()
+                    except KVTierError:
+                        pass                        # closed by the test
+                    s.close()
+            finally:
+                pool.close()
+
+    @staticmethod
+    def page_bytes(pool, page: int) -> torch.Tensor:
+        """One host page's bytes in logical order, whatever the pool's layout."""
+        return torch.cat(pool.page_segments(page)).clone()
+
+    def odd_keys(self, tmp_path) -> dict[str, bytes]:
+        """Byte keys a store must round-trip bitwise or refuse with a typed error; the ones
+        that would name a path resolve (if joined to a directory naively) into ``tmp_path``."""
+        big = os.urandom(4096)
+        keys = {
+            "32-random": os.urandom(32),
+            "empty": b"",
+            "1-byte": os.urandom(1),
+            "4096-bytes": big,
+            "4096-bytes-last-differs": big[:-1] + bytes([big[-1] ^ 0xFF]),
+            "slash": b"kv/" + os.urandom(8).hex().encode(),
+            "only-slashes": b"/" * 40,
+            "dotdot": b"..",
+            "dot": b".",
+            "traversal": b"../" * self.TRAVERSAL_DEPTH + b"escaped-" + os.urandom(4).hex().encode(),
+            "absolute": os.fsencode(tmp_path / f"absolute-{os.urandom(4).hex()}"),
+            "backslashes": b"..\\..\\..\\escaped",
+            "nul": b"\x00",
+            "nul-nul": b"\x00\x00",
+            "nul-inside": b"k\x00" + os.urandom(8),
+            "0xff": b"\xff" * 32,
+            "newline": b"k\n\r\t",
+        }
+        assert tuple(keys) == self.ODD_KEYS
+        return keys
+
+    ODD_KEYS = ("32-random", "empty", "1-byte", "4096-bytes", "4096-bytes-last-differs", "slash",
+                "only-slashes", "dotdot", "dot", "traversal", "absolute", "backslashes", "nul",
+                "nul-nul", "nul-inside", "0xff", "newline")
+
+    @pytest.mark.parametrize("label", ODD_KEYS)
+    def test_odd_byte_key_round_trips_or_is_refused(self, lone, tmp_path, label):
+        """Every byte key: a bitwise round trip, or a typed refusal (an exception, or False and
+        then a miss) -- never wrong bytes, an untyped exception, or a file outside the store's
+        directory. An ordinary key written beside it keeps its own bytes."""
+        store, pool, workdir = lone
+        key = self.odd_keys(tmp_path)[label]
+        plain = self.keys(1, "plain")[0]
+        want, want_plain = self.page_bytes(pool, 1), self.page_bytes(pool, 2)
+        assert store.batch_set([plain], [2]) == [True]
+        try:
+            stored = bounded_call(lambda: store.batch_set([key], [1]), what="batch_set")
+        except KVTierError:
+            stored = None                           # refused, typed: allowed
+        assert files_outside(str(tmp_path), workdir) == [], f"key {label!r} wrote outside"
+        fill_random(pool.raw)
+        if stored is None:
+            with pytest.raises(KVTierError):        # refused once, refused always
+                store.batch_get([key], [4])
+        else:
+            assert stored in ([True], [False]), stored
+            before = self.page_bytes(pool, 4)
+            got = bounded_call(lambda: store.batch_get([key], [4]), what="batch_get")
+            if stored == [True]:
+                assert got == [True], f"key {label!r} stored but read as a miss"
+                assert torch.equal(self.page_bytes(pool, 4), want), f"key {label!r}: wrong bytes"
+                assert store.batch_exists([key]) == 1
+                assert store.delete([key]) == 1
+                assert store.batch_get([key], [5]) == [False]
+            else:
+                assert got == [False]
+                assert torch.equal(self.page_bytes(pool, 4), before), "a miss touched the page"
+        assert store.batch_get([plain], [6]) == [True]
+        assert torch.equal(self.page_bytes(pool, 6), want_plain), (
+            f"key {label!r} changed what another key reads")
+        store.clear()
+        assert files_outside(str(tmp_path), workdir) == [], f"key {label!r} wrote outside"
+
+    def test_odd_keys_in_one_batch_stay_distinct(self, lone, tmp_path):
+        """Keys that differ only in their last byte, by a NUL, or by a dot are distinct objects:
+        each accepted key reads back its own page (no truncation, no normalisation)."""
+        store, pool, workdir = lone
+        accepted = []
+        for key in self.odd_keys(tmp_path).values():
+            try:
+                if store.batch_set([key], [0]) == [True]:
+                    accepted.append(key)
+            except KVTierError:
+                pass
+        assert accepted, "not even the 32-byte key was stored"
+        pages = list(range(len(accepted)))
+        store.clear()
+        want = [self.page_bytes(pool, p) for p in pages]
+        assert store.batch_set(accepted, pages) == [True] * len(accepted)
+        fill_random(pool.raw)
+        dst = [len(pages) + i for i in range(len(pages))][:pool.num_pages - len(pages)]
+        assert len(dst) == len(pages), "pool too small for the batch"
+        assert store.batch_get(accepted, dst) == [True] * len(accepted)
+        for i, p in enumerate(dst):
+            assert torch.equal(self.page_bytes(pool, p), want[i]), f"key {accepted[i][:16]!r}"
+        assert files_outside(str(tmp_path), workdir) == []
+
+    @pytest.mark.parametrize("bad", ["str-key", 7, None, 1.5, ["list"]],
+                             ids=["str", "int", "None", "float", "list"])
+    def test_keys_that_are_not_bytes_are_typed_errors_before_anything(self, lone, bad):
+        """A key that is not bytes, anywhere in a batch, is an InvalidArgumentError from every
+        call before anything is read, written or deleted."""
+        store, pool, _ = lone
+        good = self.keys(3)
+        assert store.batch_set(good[:1], [0]) == [True]
+        fill_random(pool.raw)
+        raw = pool.raw.clone()
+        sets = store.stats()["sets"]
+        for what, call in [
+                ("batch_set", lambda: store.batch_set(good[1:] + [bad], [1, 2, 3])),
+                ("batch_get", lambda: store.batch_get(good[:1] + [bad], [4, 5])),
+                ("batch_exists", lambda: store.batch_exists(good[:1] + [bad])),
+                ("delete", lambda: store.delete(good[:1] + [bad]))]:
+            assert_typed_refusal(call, (InvalidArgumentError,), f"{what} with key {bad!r}")
+        assert torch.equal(pool.raw, raw), "a refused call touched the pool"
+        assert store.stats()["sets"] == sets
+        assert store.batch_exists(good) == 1, "a refused call stored or deleted a key"
+
+    BAD_PAGES = {"True": True, "False": False, "-1": -1, "num_pages": None, "2**63": 2**63,
+                 "-2**63-1": -2**63 - 1, "float": 1.0, "None": "none", "str": "0",
+                 "float-tensor": "float-tensor", "bool-tensor": "bool-tensor",
+                 "2d-tensor": "2d-tensor"}
+
+    def _bad_pages(self, label: str, pool) -> Any:
+        """``[1, bad]`` for one hostile host page index (or a whole hostile tensor)."""
+        if label == "num_pages":
+            return [1, pool.num_pages]
+        if label == "None":
+            return [1, None]
+        if label.endswith("tensor"):
+            return {"float-tensor": torch.tensor([1.0, 2.0]),
+                    "bool-tensor": torch.tensor([True, False]),
+                    "2d-tensor": torch.tensor([[1, 2]])}[label]
+        return [1, self.BAD_PAGES[label]]
+
+    @pytest.mark.parametrize("label", list(BAD_PAGES))
+    def test_hostile_host_page_indices_are_typed_errors_before_anything(self, lone, label):
+        store, pool, _ = lone
+        k = self.keys(2)
+        fill_random(pool.raw)
+        raw = pool.raw.clone()
+        for what, call in [("batch_set", lambda: store.batch_set(k, self._bad_pages(label, pool))),
+                           ("batch_get", lambda: store.batch_get(k, self._bad_pages(label, pool)))]:
+            assert_typed_refusal(call, (PageIndexError, InvalidArgumentError),
+                                 f"{what} with host page {label}")
+        assert torch.equal(pool.raw, raw), "a refused call touched the pool"
+        assert store.batch_exists(k[:1]) == 0, "a refused batch_set stored a key"
+
+    def test_mismatched_lengths_are_typed_errors_and_empty_batches_are_empty(self, lone):
+        store, pool, _ = lone
+        k = self.keys(3)
+        assert store.batch_set(k[:1], [0]) == [True]
+        fill_random(pool.raw)
+        raw = pool.raw.clone()
+        for what, call in [("batch_set 3 keys, 2 pages", lambda: store.batch_set(k, [1, 2])),
+                           ("batch_set 0 keys, 1 page", lambda: store.batch_set([], [1])),
+                           ("batch_set 2 keys, 0 pages", lambda: store.batch_set(k[1:], [])),
+                           ("batch_get 1 key, 3 pages", lambda: store.batch_get(k[:1], [3, 4, 5])),
+                           ("batch_get 3 keys, 1 page", lambda: store.batch_get(k, [3]))]:
+            assert_typed_refusal(call, (InvalidArgumentError,), what)
+        assert torch.equal(pool.raw, raw), "a refused call touched the pool"
+        assert store.batch_exists(k) == 1
+        assert store.batch_set([], []) == [] and store.batch_get([], []) == []
+        assert store.delete([]) == 0 and store.batch_exists([]) == 0
+        assert torch.equal(pool.raw, raw)
+
+    def test_one_host_page_under_two_keys_in_one_batch_set(self, lone):
+        """Allowed (unlike one page twice in batch_get): both keys then hold the page."""
+        store, pool, _ = lone
+        k = self.keys(3)
+        want = self.page_bytes(pool, 3)
+        other = self.page_bytes(pool, 4)
+        assert store.batch_set(k, [3, 4, 3]) == [True] * 3
+        fill_random(pool.raw)
+        assert store.batch_get(k, [7, 8, 9]) == [True] * 3
+        for key_i, page, w in ((0, 7, want), (1, 8, other), (2, 9, want)):
+            assert torch.equal(self.page_bytes(pool, page), w), f"key {key_i}"
+
+    def test_calls_after_close_are_typed_errors_or_empty(self, backend_name, tmp_path):
+        """After close(): each call raises a kvtier error or answers empty (misses, 0, False
+        writes) within a bound, leaves the pool alone; close() stays idempotent."""
+        spec = random_specs()[0]
+        cls = self.backend_class(backend_name)
+        pool = make_host_pool(spec, 8, cls.capabilities().host_layouts[0])
+        try:
+            s = cls(self.make_config(backend_name, str(tmp_path)), spec=spec)
+            s.attach(pool)
+            s.clear()
+            k = self.keys(2)
+            assert s.batch_set(k, [0, 1]) == [True, True]
+            bounded_call(s.close, what="close")
+            fill_random(pool.raw)
+            raw = pool.raw.clone()
+            empty = {"batch_get": [False, False], "batch_set": [False, False],
+                     "batch_exists": 0, "delete": 0, "clear": None}
+            for what, call in [("batch_get", lambda: s.batch_get(k, [4, 5])),
+                               ("batch_set", lambda: s.batch_set(k, [2, 3])),
+                               ("batch_exists", lambda: s.batch_exists(k)),
+                               ("delete", lambda: s.delete(k)),
+                               ("clear", s.clear)]:
+                try:
+                    got = bounded_call(call, 20.0, f"{what} after close")
+                except KVTierError:
+                    continue
+                except AssertionError:
+                    raise
+                except Exception as exc:            # noqa: BLE001 -- the finding
+                    raise AssertionError(f"{what} after close: untyped "
+                                         f"{type(exc).__name__}: {exc}") from exc
+                assert got == empty[what], f"{what} after close answered {got!r}"
+            assert torch.equal(pool.raw, raw), "a call after close touched the pool"
+            bounded_call(s.close, what="a second close")
+        finally:
+            pool.close()
+
+    def test_read_during_overwrite_is_old_new_or_miss_never_a_mix(self, lone):
+        """One thread overwrites a key from pages of random bytes while another reads it into
+        its own page: every read is a miss or exactly one of the versions written."""
+        store, pool, _ = lone
+        deadline = time.monotonic() + 30.0
+        for rnd in range(3):
+            fill_random(pool.raw)
+            key = self.keys(1, f"race{rnd}")[0]
+            errors, reads = self._race(store, pool, key, [0, 1, 2, 3], 10, deadline)
+            assert not errors, f"round {rnd}: {errors[:3]}"
+            assert reads, f"round {rnd}: the reader never ran"
+
+    def _race(self, store, pool, key: bytes, versions: list[int], dst: int,
+              deadline: float) -> tuple[list[str], int]:
+        """Overwrite ``key`` from ``versions`` on one thread while reading it into ``dst`` on
+        another for half a second; returns (what went wrong, reads done)."""
+        want = [self.page_bytes(pool, p) for p in versions]
+        assert store.batch_set([key], [versions[0]]) == [True]
+        stop = threading.Event()
+        errors: list[str] = []
+        reads = [0]
+
+        def writer() -> None:
+            i = 1
+            try:
+                while not stop.is_set():
+                    store.batch_set([key], [versions[i % len(versions)]])
+                    i += 1
+            except BaseException as exc:        # noqa: BLE001 -- reported by the caller
+                errors.append(f"writer: {type(exc).__name__}: {exc}")
+
+        def reader() -> None:
+            try:
+                end = time.monotonic() + 0.5
+                while time.monotonic() < end and not errors:
+                    if store.batch_get([key], [dst]) == [True]:
+                        got = self.page_bytes(pool, dst)
+                        if not any(torch.equal(got, w) for w in want):
+                            errors.append("a read returned bytes of no version written")
+                            return
+                    reads[0] += 1
+            except BaseException as exc:        # noqa: BLE001 -- reported by the caller
+                errors.append(f"reader: {type(exc).__name__}: {exc}")
+
+        threads = [threading.Thread(target=writer, daemon=True),
+                   threading.Thread(target=reader, daemon=True)]
+        for t in threads:
+            t.start()
+        threads[1].join(max(0.1, deadline - time.monotonic()))
+        stop.set()
+        threads[0].join(max(0.1, deadline - time.monotonic()))
+        assert not any(t.is_alive() for t in threads), "a racing call hung"
+        return errors, reads[0]
+
 
 # --------------------------------------------------------------------------------------------
 def _devices() -> list[str]:
@@ -438,6 +815,44 @@ class TransferEngineContract(_Suite):
         with pytest.raises(LayoutError):
             h.wait_layer(engine.spec.num_layers)
         h.wait()
+
+    def test_hostile_indices_are_typed_errors_before_any_byte_moves(self, setup):
+        """Bools, negatives, indices past int64, floats, None, strings, tensors of a float or
+        bool dtype or two dimensions, and lists of different lengths -- each at the end of an
+        otherwise valid list -- are PageIndexError or InvalidArgumentError, and neither pool
+        changes by a byte."""
+        engine, dpool, hpool = setup
+        dev = dpool.device
+        cases = [
+            ("load host [0, True]", lambda: engine.load([0, True], [0, 1])),
+            ("load device [0, False]", lambda: engine.load([0, 1], [0, False])),
+            ("backup device [0, -1]", lambda: engine.backup([0, -1], [0, 1])),
+            ("backup host [0, -1]", lambda: engine.backup([0, 1], [0, -1])),
+            ("load host [0, 2**63]", lambda: engine.load([0, 2**63], [0, 1])),
+            ("backup device [0, -2**63-1]", lambda: engine.backup([0, -2**63 - 1], [0, 1])),
+            ("load host [0, 1.0]", lambda: engine.load([0, 1.0], [0, 1])),
+            ("backup device [0, None]", lambda: engine.backup([0, None], [0, 1])),
+            ("load host '01'", lambda: engine.load("01", [0, 1])),
+            ("load host float tensor", lambda: engine.load(torch.tensor([0.0, 1.0]), [0, 1])),
+            ("load device float tensor on the device",
+             lambda: engine.load([0, 1], torch.tensor([0.0, 1.0], device=dev))),
+            ("backup host bool tensor",
+             lambda: engine.backup([0, 1], torch.tensor([True, False]))),
+            ("backup device 2-D tensor",
+             lambda: engine.backup(torch.tensor([[0, 1]], device=dev), [0, 1])),
+            ("backup 2 device pages, 1 host page", lambda: engine.backup([0, 1], [0])),
+            ("load 0 host pages, 1 device page", lambda: engine.load([], [0])),
+            ("backup 1 device page, 0 host pages", lambda: engine.backup([0], [])),
+        ]
+        before_host = hpool.raw.clone()
+        before_dev = [dpool.page_bytes(p).cpu() for p in range(dpool.num_pages)]
+        for what, call in cases:
+            assert_typed_refusal(call, (PageIndexError, InvalidArgumentError), what)
+            _sync(dpool)
+            assert torch.equal(hpool.raw, before_host), f"{what}: the host pool changed"
+        for p in range(dpool.num_pages):
+            assert torch.equal(dpool.page_bytes(p).cpu(), before_dev[p]), (
+                f"device page {p} changed")
 
 
 def _sync(dpool) -> None:
