@@ -94,6 +94,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", help="write every result here")
     p.add_argument("--plot", help="save a PNG of GB/s vs page size here")
     p.add_argument("--replot", help="read results from this JSON instead of running")
+    p.add_argument("--store", choices=["file", "shm"], default="file",
+                   help="file: the file store against the disk (the default); shm: the shm "
+                        "store against memcpy between the same host pool and a tmpfs mapping")
 
 
 # --------------------------------------------------------------------------------------------
@@ -461,6 +464,8 @@ def run(args: argparse.Namespace) -> int:
                               f"{getattr(args, flag)}", key=flag, value=getattr(args, flag))
     sizes = [parse_size(s, "--page-sizes") for s in args.page_sizes.split(",") if s.strip()]
     total = parse_size(args.total, "--total")
+    if args.store == "shm":
+        return run_shm(args, sizes, total)
     io_call = parse_size(args.io_call, "--io-call")
     pieces = list(dict.fromkeys(parse_size(x, "--raw-pieces")
                                 for x in args.raw_pieces.split(",") if x.strip()))
@@ -589,6 +594,113 @@ def run(args: argparse.Namespace) -> int:
         plot(data, args.plot)
     if failures:
         print(f"ERROR: {failures} runs read back wrong or incomplete data")
+        return 1
+    print("every page read back bitwise identical")
+    return 0
+
+
+def _shm_one(args: argparse.Namespace, root: str, ps: int, total: int) -> dict[str, Any]:
+    """One page size of ``--store shm``: medians (GB/s) and whether every page read back."""
+    from ..l3_stores.shm import ShmStore
+    spec = _spec_for(ps)
+    n, pb = max(1, total // spec.page_bytes), spec.page_bytes
+    pool = HostKVPool(spec, 2 * n, allocator=MmapAllocator())
+    store = ShmStore({"root": root, "name": f"kvtier-bench-{os.getpid()}",
+                      "capacity_pages": -(-n // 16) * 16, "remove_when_unused": True},
+                     spec=spec)
+    raw_path = os.path.join(root, f".kvtier-bench-raw-{os.getpid()}-{os.urandom(4).hex()}")
+    fd = os.open(raw_path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    r: dict[str, list[float]] = {}
+    good = True
+    try:
+        os.unlink(raw_path)
+        os.posix_fallocate(fd, 0, n * pb)
+        raw = mmap.mmap(fd, n * pb, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        anchor: Any = ctypes.c_char.from_buffer(raw)
+        raw_base, base = ctypes.addressof(anchor), pool.raw.data_ptr()
+        store.attach(pool)
+        pool.raw[: n * pb].copy_(torch.randint(0, 256, (n * pb,), dtype=torch.uint8,
+                                               generator=torch.Generator().manual_seed(ps)))
+        keys: list[bytes] = []
+        room = [0] * store.arena.geo.sets
+        while len(keys) < n:
+            k = os.urandom(32)
+            s = store.arena.digest(k).set
+            if room[s] < store.arena.geo.ways:
+                room[s] += 1
+                keys.append(k)
+        calls = [slice(i, min(i + args.batch, n)) for i in range(0, n, args.batch)]
+
+        def copy(to_raw: bool, c: slice) -> list[bool]:
+            for i in range(c.start, c.stop):
+                a, b = raw_base + i * pb, base + (i if to_raw else n + i) * pb
+                ctypes.memmove(a, b, pb) if to_raw else ctypes.memmove(b, a, pb)
+            return [True] * (c.stop - c.start)
+
+        def one_copy(to_raw: bool) -> list[bool]:
+            b = base + (0 if to_raw else n * pb)
+            ctypes.memmove(raw_base, b, n * pb) if to_raw else ctypes.memmove(b, raw_base, n * pb)
+            return [True]
+
+        def timed(label: str, fn: Any, *a: Any) -> list[bool]:
+            t0 = time.perf_counter()
+            out = _calls(functools.partial(fn, *a), calls, args.callers) if a else fn()
+            r.setdefault(label, []).append(n * pb / (time.perf_counter() - t0) / 1e9)
+            return out
+        for _ in range(args.repeat):
+            timed("memcpy_w_calls", copy, True)
+            timed("memcpy_w_one", functools.partial(one_copy, True))
+            ok = timed("set", _op, store.batch_set, keys, list(range(n)))
+            timed("memcpy_r_calls", copy, False)
+            timed("memcpy_r_one", functools.partial(one_copy, False))
+            pool.raw[n * pb:].fill_(0xA5)
+            got = timed("get", _op, store.batch_get, keys, list(range(n, 2 * n)))
+            good = good and all(ok) and all(got) and \
+                torch.equal(pool.raw[: n * pb], pool.raw[n * pb: 2 * n * pb])
+        stats = store.stats()
+        anchor = None
+        raw.close()
+    finally:
+        os.close(fd)
+        store.close()
+        pool.close()
+    med = {k: statistics.median(v) for k, v in r.items()}
+    ceil_w, ceil_r = (max(med[f"memcpy_{d}_calls"], med[f"memcpy_{d}_one"]) for d in "wr")
+    return {"page_bytes": ps, "pages": n, **med, "set_ratio": med["set"] / ceil_w,
+            "get_ratio": med["get"] / ceil_r, "samples": r, "good": good,
+            "backing": stats["backing"], "checksum": stats["checksum"]}
+
+
+def run_shm(args: argparse.Namespace, sizes: list[int], total: int) -> int:
+    """``--store shm``: the shm store's batch_set and batch_get against the same run's memcpy
+    ceiling: the same pages copied between the same host pool and a populated mapping of a
+    tmpfs file (in ``--dir``, default /dev/shm) with ``ctypes.memmove``, in the same calls
+    from the same threads, and as one large copy; the ceiling is the faster. Keys are chosen
+    so that every page has a slot (the run measures copies, not conflict misses)."""
+    from ..l3_stores.shm import DEFAULT_ROOT
+    root = args.dir or DEFAULT_ROOT
+    results = [_shm_one(args, root, ps, total)
+               for ps in progress(sizes, desc="shm store vs memcpy")]
+    failures = sum(1 for x in results if not x["good"])
+    data = {"store": "shm", "dir": root, "total": total, "repeat": args.repeat,
+            "batch": args.batch, "callers": args.callers, "env": _env(root),
+            "failures": failures, "results": results}
+    print(f"shm store vs memcpy ({results[0]['backing'] if results else ''}; "
+          f"checksum {results[0]['checksum'] if results else ''}; {total / 2**30:g} GiB per "
+          f"measurement, median of {args.repeat}; batch={args.batch}, callers={args.callers}; "
+          "memcpy: the same calls / one copy; GB/s = 1e9 bytes/s)")
+    print(table(["page", "memcpy write (calls / one)", "batch_set", "set/memcpy",
+                 "memcpy read (calls / one)", "batch_get", "get/memcpy"],
+                [[_label(x["page_bytes"]),
+                  f"{x['memcpy_w_calls']:.2f} / {x['memcpy_w_one']:.2f}", f"{x['set']:.2f}",
+                  f"{x['set_ratio']:.0%}",
+                  f"{x['memcpy_r_calls']:.2f} / {x['memcpy_r_one']:.2f}", f"{x['get']:.2f}",
+                  f"{x['get_ratio']:.0%}"] for x in results]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(data, f, indent=1)
+    if failures:
+        print(f"ERROR: {failures} page sizes read back wrong or incomplete data")
         return 1
     print("every page read back bitwise identical")
     return 0
