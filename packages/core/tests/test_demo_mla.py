@@ -173,3 +173,28 @@ def test_model_sizes_name_the_mla_shapes():
     spec = LatentKV(lite).spec(lite.layers, 64, "bfloat16")
     assert spec.page_bytes // 64 == 27 * 576 * 2
     assert "mla-lite (DeepSeek-V2 MLA, 27 layers" in describe_sizes()
+
+
+@pytest.mark.parametrize("how", ["blocks", "lower_right"])
+@pytest.mark.parametrize("q_len, kv_len", [(40, 100), (33, 33)])
+def test_attention_with_values_narrower_than_keys(monkeypatch, how, q_len, kv_len):
+    """MLA's V (v_head_dim) is narrower than Q/K (nope + rope): padded for SDPA's fused
+    kernels and cut back, the result is causal SDPA over the unpadded V."""
+    from kvtier.demo import model as mod
+    monkeypatch.setattr(mod, "ATTENTION_BLOCK_CPU", 16)
+    monkeypatch.setattr(mod, "PREFIX_ATTENTION", how)
+    g = torch.Generator().manual_seed(q_len)
+    q = torch.randn(1, 4, q_len, 24, generator=g)
+    k = torch.randn(1, 4, kv_len, 24, generator=g)
+    v = torch.randn(1, 4, kv_len, 16, generator=g)
+
+    class Layer(torch.nn.Module):
+        is_causal = True
+        num_key_value_groups = 1
+        scaling = 24 ** -0.5
+    out, _ = mod._attention(Layer(), q, k, v, None, scaling=24 ** -0.5, dropout=0.0)
+    mask = torch.ones(q_len, kv_len, dtype=torch.bool).tril(kv_len - q_len)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                           scale=24 ** -0.5)
+    assert out.shape == (1, q_len, 4, 16) and out.is_contiguous()
+    assert torch.allclose(out, ref.transpose(1, 2), atol=1e-6)

@@ -138,8 +138,18 @@ def _attention(module, query, key, value, attention_mask, **kwargs):
     `torch.nn.attention.bias.causal_lower_right` (flash attention runs it without
     materialising a mask, as engines' varlen prefill kernels do); on CPU blocks of
     ``ATTENTION_BLOCK_CPU`` query rows, each over the keys up to its last row with an explicit
-    mask, so the masked upper triangle is skipped rather than computed."""
+    mask, so the masked upper triangle is skipped rather than computed.
+
+    MLA's values are narrower than its queries and keys (``v_head_dim`` < ``qk_nope_head_dim
+    + qk_rope_head_dim``); SDPA's fused kernels want one head dim (on CPU a mismatch falls
+    back to the unfused math path, ~10x slower), so V is zero-padded and the output cut back,
+    as MLA engines' prefill does for flash attention."""
     from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+    dv = value.shape[-1]
+    if dv < query.shape[-1]:
+        value = torch.nn.functional.pad(value, (0, query.shape[-1] - dv))
+        out, weights = _attention(module, query, key, value, attention_mask, **kwargs)
+        return out[..., :dv].contiguous(), weights
     q_len, kv_len = query.shape[-2], key.shape[-2]
     if q_len == kv_len or q_len == 1:
         return sdpa_attention_forward(module, query, key, value, None, **kwargs)
