@@ -41,7 +41,8 @@ class Split:
             cfg["l3_store"] = "memory"
         self.ex = CacheExecutor.from_config(cfg, device_pool=self.dpool)
         exists = self.ex.store.batch_exists if l3 else None   # in vLLM: the store's own client
-        self.pl = CachePlanner(cfg, spec=SPEC, num_host_pages=host_pages, l3_exists=exists)
+        self.pl = CachePlanner(cfg, spec=SPEC, device_layout="nhd", num_host_pages=host_pages,
+                               l3_exists=exists)
 
     def run(self, plan: Plan) -> PlanResult:
         self.ex.submit(wire(plan))
@@ -284,10 +285,16 @@ def test_planner_and_executor_in_two_processes(tmp_path):
     here, there = ctx.Pipe()
     child = ctx.Process(target=_worker_process, args=(there, root), daemon=True)
     child.start()
-    probe = FileStore({"root": root}, spec=SPEC)   # the scheduler's view of L3: presence only
+    # the scheduler's view of L3, presence only: the same store in the same key namespace
+    from kvtier.cache import CacheConfig
+    from kvtier.cache.keying import make_keyer, open_store
+    cfg = CacheConfig.from_dict({"model_id": "split", "l3_store": "file",
+                                 "l3_config": {"root": root}})
+    probe = open_store(cfg, SPEC, make_keyer(cfg, SPEC, device_layout="nhd"))
+    assert isinstance(probe, FileStore)
     try:
         pl = CachePlanner({"model_id": "split", "host_pool_pages": 4}, spec=SPEC,
-                          num_host_pages=4, l3_exists=probe.batch_exists)
+                          device_layout="nhd", num_host_pages=4, l3_exists=probe.batch_exists)
 
         def run(plan):
             here.send(("plan", plan))
@@ -364,7 +371,7 @@ def test_executor_store_call_past_its_deadline_fails_the_ops_not_the_caller():
 
 
 def test_planner_keeps_held_host_pages_out_of_use_until_released():
-    pl = CachePlanner({"model_id": "split"}, spec=SPEC, num_host_pages=4,
+    pl = CachePlanner({"model_id": "split"}, spec=SPEC, device_layout="nhd", num_host_pages=4,
                       l3_exists=lambda keys: len(keys))
     keys = pl.keys(toks(4 * 3, 31))
     plan = pl.plan_load(keys, [0, 1, 2])

@@ -43,7 +43,7 @@ class SplitMachine(RuleBasedStateMachine):
                "write_policy": self.write_policy, "l3_store": "memory",
                "l3_config": {"capacity_bytes": 12 * self.spec.page_bytes}}
         self.ex = CacheExecutor.from_config(cfg, device_pool=self.dpool)
-        self.pl = CachePlanner(cfg, spec=self.spec, num_host_pages=HOST_PAGES,
+        self.pl = CachePlanner(cfg, spec=self.spec, device_layout="nhd", num_host_pages=HOST_PAGES,
                                l3_exists=self.ex.store.batch_exists)
         self.ref: dict[bytes, torch.Tensor] = {}
         self.outstanding: dict[int, tuple] = {}     # plan id -> (plan, loads to verify)

@@ -72,18 +72,21 @@ class Rig:
                                                allocate_device_pages=self.alloc.alloc,
                                                free_device_pages=self.alloc.free)
 
+    def rows(self, d: int) -> list[torch.Tensor]:
+        """Views of device page ``d`` in every layer's K and V (token-major rows)."""
+        ps = SPEC.page_size
+        return [t[d * ps:(d + 1) * ps] for comp in self.dpool.layers for t in comp]
+
     def page(self, d: int) -> torch.Tensor:
-        return torch.cat([t[d].reshape(-1).view(torch.uint8).clone()
-                          for comp in self.dpool.layers for t in comp])
+        return torch.cat([r.reshape(-1).view(torch.uint8) for r in self.rows(d)]).clone()
 
     def write(self, d: int, key: bytes) -> None:
         """The KV of page ``key`` into device page ``d``: random bytes that are a function of
         the key, as an engine's recompute of the same tokens gives the same KV."""
         g = torch.Generator().manual_seed(int.from_bytes(key[:8], "little") >> 1)
-        for comp in self.dpool.layers:
-            for t in comp:
-                v = t[d:d + 1].view(torch.uint8)
-                v.copy_(torch.randint(0, 256, v.shape, generator=g, dtype=torch.uint8))
+        for r in self.rows(d):
+            v = r.view(torch.uint8)
+            v.copy_(torch.randint(0, 256, v.shape, generator=g, dtype=torch.uint8))
 
     def fill(self, toks) -> list[torch.Tensor]:
         """The engine computes ``toks`` and commits them; they end up in L3 only. Returns each
@@ -226,7 +229,8 @@ def test_reads_that_keep_failing_degrade_then_fail_the_tier(caplog):
 # ----- the planner half -----------------------------------------------------------------------
 def test_planner_never_offers_a_page_whose_read_failed_until_it_is_written():
     store = ExistsButUnreadable(spec=SPEC)
-    pl = CachePlanner({"model_id": "unreadable"}, spec=SPEC, num_host_pages=8,
+    pl = CachePlanner({"model_id": "unreadable"}, spec=SPEC, device_layout="nhd",
+                      num_host_pages=8,
                       l3_exists=store.batch_exists)
     keys = pl.keys(tokens(4))
     assert pl.lookup(keys).l3_pages == PAGES
@@ -250,7 +254,8 @@ def test_planner_never_offers_a_page_whose_read_failed_until_it_is_written():
 
 def test_planner_stops_offering_l3_while_the_data_path_reports_it_failed(caplog):
     store = ExistsButUnreadable(spec=SPEC)
-    pl = CachePlanner({"model_id": "unreadable"}, spec=SPEC, num_host_pages=8,
+    pl = CachePlanner({"model_id": "unreadable"}, spec=SPEC, device_layout="nhd",
+                      num_host_pages=8,
                       l3_exists=store.batch_exists)
     keys = pl.keys(tokens(5))
     with caplog.at_level(logging.WARNING, logger="kvtier.cache"):

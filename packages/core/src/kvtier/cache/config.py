@@ -135,9 +135,9 @@ class CacheConfig:
             if not (v >= 0) or math.isinf(v):
                 raise ConfigError(f"{name} must be a finite number >= 0, got {v!r}", key=name,
                                   value=v)
-            hi = MAX_SECONDS if name.endswith("_s") else MAX_COUNT
-            if v > hi:
-                raise ConfigError(f"{name} must be <= {hi:g}, got {v!r}", key=name, value=v)
+            top: float = MAX_SECONDS if name.endswith("_s") else MAX_COUNT
+            if v > top:
+                raise ConfigError(f"{name} must be <= {top:g}, got {v!r}", key=name, value=v)
         if not self.l3_call_timeout_s > 0:          # 0: every store call would time out
             raise ConfigError(f"l3_call_timeout_s must be > 0, got {self.l3_call_timeout_s!r}",
                               key="l3_call_timeout_s", value=self.l3_call_timeout_s)

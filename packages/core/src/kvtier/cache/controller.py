@@ -58,6 +58,7 @@ from .config import CacheConfig
 from .cost import CostModel, TimedStore, load_seconds
 from .handles import CommitResult, FetchHandle, Match
 from .index import Node, PageIndex
+from .keying import make_keyer, open_store, rank_view
 from .l3io import L3IO
 from .unreadable import UnreadableKeys
 
@@ -73,8 +74,9 @@ class TieredKVCache:
                  free_device_pages: Callable[[list[int]], None],
                  allocate_device_pages: Callable[[int], list[int] | None] | None = None,
                  host_pool: HostKVPool | None = None, store: L3Store | None = None,
-                 engine: TransferEngine | None = None):
-        from ..registry import create_host_allocator, create_l3_store, create_transfer_engine
+                 engine: TransferEngine | None = None,
+                 engine_identity: Mapping[str, Any] | None = None):
+        from ..registry import create_host_allocator, create_transfer_engine
         self.config = cfg = CacheConfig.from_dict(config)
         if not isinstance(device_pool, DeviceKVPool):
             raise InvalidArgumentError(f"device_pool must be a DeviceKVPool, got "
@@ -89,9 +91,8 @@ class TieredKVCache:
         self.device_pool = device_pool
         self._free_cb = free_device_pages
         self._alloc_cb = allocate_device_pages
-        self.keyer = PageKeyer(model_id=cfg.model_id, spec=spec, tp_rank=cfg.tp_rank,
-                               tp_size=cfg.tp_size, salt=cfg.salt,
-                               device_layout=device_pool.page_order, **cfg.key_identity())
+        self.keyer: PageKeyer = make_keyer(cfg, spec, device_layout=device_pool.page_order,
+                                           engine=engine_identity)
         self.write_policy: WritePolicy = make_write_policy(
             cfg.write_policy, selective_threshold=cfg.selective_threshold)
         self.prefetch_policy: PrefetchPolicy = make_prefetch_policy(
@@ -117,10 +118,10 @@ class TieredKVCache:
                 self._owned.append(engine)
             self.engine = engine
             if store is None and cfg.l3_store is not None:
-                store = create_l3_store(cfg.l3_store, l3tasks.with_namespace(
-                    cfg.l3_store, cfg.l3_config, self.keyer.namespace_id), spec=spec)
+                store = open_store(cfg, spec, self.keyer)
                 self._owned.append(store)
             if store is not None:
+                store = rank_view(store, cfg)
                 store.attach(host_pool)
             self.store = store
         except BaseException:

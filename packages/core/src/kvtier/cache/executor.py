@@ -41,6 +41,7 @@ from ..interfaces import L3Store, TransferEngine, TransferHandle
 from ..metrics import Metrics
 from .config import CacheConfig
 from .cost import CostModel, TimedStore, load_seconds
+from .keying import make_keyer, open_store, rank_view
 from .l3io import L3IO
 from .plans import Plan, PlanResult
 from .transfers import Completer
@@ -237,10 +238,12 @@ class CacheExecutor:
 
     @classmethod
     def from_config(cls, config: CacheConfig | Mapping[str, Any], *,
-                    device_pool: DeviceKVPool, num_host_pages: int | None = None
-                    ) -> "CacheExecutor":
-        """Create the host pool, engine and store ``config`` names (closed with it)."""
-        from ..registry import create_host_allocator, create_l3_store, create_transfer_engine
+                    device_pool: DeviceKVPool, num_host_pages: int | None = None,
+                    engine_identity: Mapping[str, Any] | None = None) -> "CacheExecutor":
+        """Create the host pool, engine and store ``config`` names (closed with it); the
+        store in the key namespace of ``config``, the pool's layout and ``engine_identity``
+        (`kvtier.cache.keying`), as its planner's."""
+        from ..registry import create_host_allocator, create_transfer_engine
         cfg = CacheConfig.from_dict(config)
         spec = device_pool.spec
         owned: list[Any] = []
@@ -253,10 +256,12 @@ class CacheExecutor:
             engine = create_transfer_engine(cfg.transfer_engine, device_pool, host_pool,
                                             cfg.transfer_config)
             owned.append(engine)
-            store = None
-            if cfg.l3_store is not None:
-                store = create_l3_store(cfg.l3_store, cfg.l3_config, spec=spec)
+            keyer = make_keyer(cfg, spec, device_layout=device_pool.page_order,
+                               engine=engine_identity)
+            store = open_store(cfg, spec, keyer)
+            if store is not None:
                 owned.append(store)
+                store = rank_view(store, cfg)
                 store.attach(host_pool)
         except BaseException:
             for obj in reversed(owned):

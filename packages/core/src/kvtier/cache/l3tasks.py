@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from . import eviction
 from .eviction import after_l3_write
@@ -268,18 +268,3 @@ def enqueue_write(c: "TieredKVCache", nodes: list[Node], *, evict_after: bool,
         task.done([None] * len(nodes))
         return
     io.submit(task)
-
-
-def with_namespace(store: str, config: dict[str, Any], namespace_id: str) -> dict[str, Any]:
-    """A store whose Config has a ``namespace`` field (it keeps each key namespace apart and
-    records it, e.g. the file store's manifest) gets this cache's, unless one is given."""
-    import dataclasses
-
-    from ..interfaces import L3_STORES
-    from ..registry import get_backend_class
-    cls = get_backend_class(L3_STORES, store)
-    names = {f.name for f in dataclasses.fields(cls.Config)} \
-        if dataclasses.is_dataclass(cls.Config) else set()
-    if "namespace" in names and "namespace" not in config:
-        return {**config, "namespace": namespace_id}
-    return config

@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
@@ -42,9 +43,11 @@ from ..metrics import Metrics
 from ..policies import make_prefetch_policy, make_write_policy
 from ..spec import KVSpec
 from .config import CacheConfig
+from .cost import CostModel, ReportedCostModel
 from .eviction import after_l3_write, select_l2
 from .index import Node, PageIdPool, PageIndex
-from .plans import Lookup, Plan, PlanResult
+from .keying import make_keyer
+from .plans import Lookup, Offer, Plan, PlanResult
 from .unreadable import UnreadableKeys
 
 log = logging.getLogger("kvtier.cache")
@@ -63,14 +66,18 @@ class _Pending:
     wb_nodes: list[Node] = field(default_factory=list)         # write-backs, then evict
     wb_write: list[bool] = field(default_factory=list)
     keys: list[bytes] = field(default_factory=list)            # pending keys it holds
+    started: float = 0.0                # a load with L3 reads: when it was planned
 
 
 class CachePlanner:
     """Index and policies of L2/L3 without data (see the module doc)."""
 
     def __init__(self, config: CacheConfig | Mapping[str, Any], *, spec: KVSpec,
-                 num_host_pages: int | None = None, num_device_pages: int = 0,
-                 l3_exists: Callable[[Sequence[bytes]], int] | None = None):
+                 device_layout: str, num_host_pages: int | None = None,
+                 num_device_pages: int = 0,
+                 l3_exists: Callable[[Sequence[bytes]], int] | None = None,
+                 engine_identity: Mapping[str, Any] | None = None,
+                 cost: CostModel | None = None):
         self.config = cfg = CacheConfig.from_dict(config)
         if not isinstance(spec, KVSpec):
             raise InvalidArgumentError(f"spec must be a KVSpec, got {type(spec).__name__}",
@@ -78,9 +85,13 @@ class CachePlanner:
         if l3_exists is not None and not callable(l3_exists):
             raise InvalidArgumentError("l3_exists must be callable or None",
                                        argument="l3_exists")
+        if not isinstance(device_layout, str) or not device_layout:
+            raise InvalidArgumentError(f"device_layout must be the device pool's page order "
+                                       f"(DeviceKVPool.page_order), got {device_layout!r}",
+                                       argument="device_layout", value=device_layout)
         self.spec = spec
-        self.keyer = PageKeyer(model_id=cfg.model_id, spec=spec, tp_rank=cfg.tp_rank,
-                               tp_size=cfg.tp_size, salt=cfg.salt, **cfg.key_identity())
+        self.keyer: PageKeyer = make_keyer(cfg, spec, device_layout=device_layout,
+                                           engine=engine_identity)
         self.write_policy = make_write_policy(cfg.write_policy,
                                               selective_threshold=cfg.selective_threshold)
         self.prefetch_policy = make_prefetch_policy(
@@ -92,6 +103,9 @@ class CachePlanner:
             cfg.host_pages_for(spec.page_bytes, max(1, num_device_pages))
         self.host = PageIdPool(n)
         self.index = PageIndex()
+        #: The cost split's rates: measured by the data path and handed over (`adopt_rates`)
+        #: unless a model measured in this process is given.
+        self.cost: CostModel = cost if cost is not None else ReportedCostModel.from_config(cfg)
         self._l3_exists = l3_exists
         self._lock = threading.RLock()
         self._plans: dict[int, _Pending] = {}
@@ -145,6 +159,54 @@ class CachePlanner:
                                         "l2_matched_pages": n2, "l3_matched_pages": n3,
                                         "l3_unreadable_cut_lookups": cut})
         return Lookup(start, n2, n3)
+
+    def offer(self, keys: Sequence[bytes], start: int = 0, *,
+              num_tokens: int | None = None) -> Offer:
+        """`lookup` and the cost split: of the leading hits from ``start``, those whose
+        loading beats recomputing them at the measured rates (`CostModel.pages_to_load`);
+        the engine computes the rest and the request's ``num_tokens`` (default: its full
+        pages) after them. Before the L3 rate is known, at most `CostModel.L3_PROBE_PAGES`
+        L3 pages are offered (a first read measures it); while the split skips L3 pages, a
+        probe of as many pages is planned into L2 every `CostModel.L3_PROBE_INTERVAL_S`
+        (``Offer.probe``), so a store that was slow and recovers is used again."""
+        hit = self.lookup(keys, start)
+        cost = self.cost
+        l2, l3 = hit.l2_pages, hit.l3_pages
+        if not cost.enabled or not hit.pages:
+            return Offer(hit, l2, l3)
+        if l3 and cost.l3_bytes_per_s is None:
+            l3 = min(l3, cost.L3_PROBE_PAGES)
+        ps = self.spec.page_size
+        total = len(keys) * ps if num_tokens is None else num_tokens
+        k = cost.pages_to_load(l2_pages=l2, l3_pages=l3, l3_ready=0,
+                               compute_tokens=max(1, total - (start + l2 + l3) * ps),
+                               page_size=ps, page_bytes=self.spec.page_bytes,
+                               layers=self.spec.num_layers, context=total)
+        k2, k3 = min(l2, k), max(0, k - l2)
+        probe = None
+        if k3 < l3 and cost.wants_l3_probe():
+            probe = self.plan_prefetch(keys, start + l2, cost.L3_PROBE_PAGES)
+            if probe.empty:
+                self.complete(probe.failed())
+                probe = None
+        self.metrics_registry.add_many({"cost_skipped_pages_l2": l2 - k2,
+                                        "cost_skipped_pages_l3": hit.l3_pages - k3,
+                                        "cost_probe_pages": len(probe.l3_reads) if probe
+                                        else 0})
+        return Offer(hit, k2, k3, probe)
+
+    def adopt_rates(self, rates: Mapping[str, Any] | None) -> None:
+        """Rates the data path measured (`CacheExecutor.rates`), for the split."""
+        adopt = getattr(self.cost, "adopt", None)
+        if adopt is not None:
+            adopt(rates)
+
+    def l3_write_pays(self) -> bool:
+        """Write saved pages to L3? Always with ``l3_write_when_slow``; else only while L3
+        is not measured slower than recomputing (a page nobody could load faster than it is
+        recomputed is not worth the disk)."""
+        return self.config.l3_write_when_slow or not self.cost.l3_slower_than_recompute(
+            self.spec.page_size, self.spec.page_bytes)
 
     def set_l3_state(self, state: str) -> None:
         """The data path's L3 health (`CacheExecutor.l3_state`): while it is ``failed...``
@@ -201,6 +263,8 @@ class CachePlanner:
             plan = Plan(st.plan.plan_id, l3_reads=tuple(reads), loads=tuple(loads),  # type: ignore[arg-type]
                         l3_writes=self._wb_ops(st))
             st.plan = plan
+            if reads:
+                st.started = time.perf_counter()
             self._plans[plan.plan_id] = st
         self.metrics_registry.add_many({"planned_l2_load_pages": len(l2),
                                         "planned_l3_load_pages": len(reads)})
@@ -227,11 +291,13 @@ class CachePlanner:
         return plan
 
     def plan_save(self, keys: Sequence[bytes], device_pages: Sequence[int], start: int = 0,
-                  *, l3_write: bool = True) -> Plan:
+                  *, l3_write: bool | None = None) -> Plan:
         """Back up ``keys[start + i]`` held in ``device_pages[i]`` to L2 (and L3) under the
-        write policy; pages already in L2 or in flight are skipped. ``l3_write=False`` drops
-        the write-through L3 writes of this save (counted in ``cost_skipped_l3_writes``):
-        the caller's ``l3_write_when_slow=False`` while L3 is slower than recomputing."""
+        write policy; pages already in L2 or in flight are skipped. The write-through L3
+        writes are dropped (counted in ``cost_skipped_l3_writes``) when `l3_write_pays` says
+        no, or ``l3_write=False``."""
+        if l3_write is None:
+            l3_write = self.l3_write_pays()
         if not isinstance(l3_write, bool):
             raise InvalidArgumentError(f"l3_write must be a bool, got {l3_write!r}",
                                        argument="l3_write", value=l3_write)
@@ -319,9 +385,9 @@ class CachePlanner:
             bad = [k for (k, _), ok in zip(p.l3_reads, result.l3_reads) if not ok]
             unreadable = self.unreadable.add(bad)
             for k in bad:                 # written to L3 again from L2 (write-back)
-                nd = self.index.get(k)
-                if nd is not None:
-                    nd.in_l3 = False
+                held = self.index.get(k)
+                if held is not None:
+                    held.in_l3 = False
             written = [k for (_, k), ok in zip(p.l3_writes, result.l3_writes) if ok]
             if written:
                 self.unreadable.discard(written)
@@ -357,6 +423,10 @@ class CachePlanner:
                 free = self._hold(p.plan_id, result.held_host_pages, free)
             if free:
                 self.host.free(free)
+        if st.started and any(result.loads):     # the request waited this long for L3
+            pb = self.spec.page_bytes
+            self.cost.observe_l3_wait(time.perf_counter() - st.started,
+                                      len(p.l3_reads) * pb, len(p.loads) * pb)
         wrote = sum(result.l3_writes)
         read_hp = {hp for _, hp in p.l3_reads}
         l3_hits = sum(1 for (hp, _), ok in zip(p.loads, result.loads) if ok and hp in read_hp)

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 from ..errors import InvalidArgumentError
 
-__all__ = ["Lookup", "Plan", "PlanResult"]
+__all__ = ["Lookup", "Offer", "Plan", "PlanResult"]
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,32 @@ class Lookup:
     @property
     def pages(self) -> int:
         return self.l2_pages + self.l3_pages
+
+
+@dataclass(frozen=True)
+class Offer:
+    """What a planner offers for a request (`CachePlanner.offer`): of the pages ``lookup``
+    found, the leading ``l2_pages`` from host memory and ``l3_pages`` more from L3 are worth
+    loading; the ``skipped`` ones are left to the engine to compute (the cost split).
+    ``probe``: an L3 -> L2 read that keeps the L3 rate measured while the split skips L3
+    pages (run it with the request's plans; it waits for nothing)."""
+
+    lookup: Lookup
+    l2_pages: int
+    l3_pages: int
+    probe: "Plan | None" = None
+
+    @property
+    def pages(self) -> int:
+        return self.l2_pages + self.l3_pages
+
+    @property
+    def skipped_l2(self) -> int:
+        return self.lookup.l2_pages - self.l2_pages
+
+    @property
+    def skipped_l3(self) -> int:
+        return self.lookup.l3_pages - self.l3_pages
 
 
 @dataclass(frozen=True)
