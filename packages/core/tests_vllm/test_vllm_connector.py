@@ -170,6 +170,21 @@ def test_unknown_config_key_fails_at_engine_start(model):
     assert "no_such_key" in err["message"] and "no_such_key" in (err["key"] or ""), err
 
 
+def test_config_is_checked_while_vllm_builds_its_config():
+    """vLLM calls `requires_piecewise_for_cudagraph` while it builds its config (GPUs, CUDA
+    graphs): the whole connector config is checked there, a mistyped key named with the key
+    it probably meant."""
+    from kvtier.errors import ConfigError
+    from kvtier.integrations.vllm import KVTierConnector
+    assert KVTierConnector.requires_piecewise_for_cudagraph({"host_pool_pages": 8}) is False
+    with pytest.raises(ConfigError, match="did you mean 'host_pool_pages'"):
+        KVTierConnector.requires_piecewise_for_cudagraph({"host_pool_page": 8})
+    for bad in ({"tp_size": 2}, {"write_policy": "write_back"}, {"host_layout": "layer_first"},
+                {"l3_call_timeout_s": 0}):
+        with pytest.raises(ConfigError):
+            KVTierConnector.requires_piecewise_for_cudagraph(bad)
+
+
 # ----- 6. identity: what changes KV bytes changes the keys ------------------------------------
 @pytest.mark.parametrize("engine", [{"block_size": 64}, {"dtype": "float32"},
                                     {"revision": "another-revision"}],
@@ -253,6 +268,64 @@ def test_skipped_l3_pages_are_probed_into_l2(model, store, first, reference, tmp
     pl = k["planner"]           # every block saved once L3 was measured slow: L2 only
     assert pl["cost_skipped_l3_writes"] == pl["planned_backup_pages"] >= 3, pl
     assert k.get("l3_set_ok", 0) == 0 and k.get("l3_bytes_written", 0) == 0, k
+
+
+# ----- 8. one keyer: the in-process cache reads what a vLLM engine wrote -------------------------
+def _vllm_config(model, store, **engine):
+    from vllm.config import KVTransferConfig
+    from vllm.engine.arg_utils import EngineArgs
+    kw = dict(model=model, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=4096,
+              enforce_eager=True, enable_prefix_caching=False, gpu_memory_utilization=0.1,
+              kv_transfer_config=KVTransferConfig(**_ktc(store)))
+    kw.update(engine)
+    return EngineArgs(**kw).create_engine_config()
+
+
+@pytest.mark.parametrize("engine,hits", [({}, 4), ({"revision": "another-revision"}, 0),
+                                         ({"kv_cache_dtype": "fp8"}, 0)],
+                         ids=["same-identity", "revision", "kv-cache-dtype"])
+def test_in_process_cache_and_planner_share_the_connectors_keys(model, store, first, engine,
+                                                                 hits, tmp_path):
+    """`TieredKVCache` and `CachePlanner`, built from the connector's own `CacheConfig` and
+    engine identity, make the connector's keys: the in-process cache finds and loads the
+    blocks a vLLM engine wrote to its file L3; an engine identity that differs finds none."""
+    import torch
+
+    from kvtier import KVSpec
+    from kvtier.cache import CachePlanner, TieredKVCache
+    from kvtier.cache.keying import make_keyer
+    from kvtier.device_pool import DeviceKVPool
+    from kvtier.integrations.vllm.connector import block_layout, cache_config_from_vllm
+    from kvtier.integrations.vllm.identity import engine_identity
+    from kvtier.simulate import PageAllocator
+
+    root = str(tmp_path / "copy")
+    _copy_tree(store + ".snapshot" if os.path.exists(store + ".snapshot") else store, root)
+    vc = _vllm_config(model, root, **engine)
+    cfg = cache_config_from_vllm(vc)
+    layout, order = block_layout(vc)
+    ident = engine_identity(vc)
+    spec = KVSpec.mha(num_layers=2, num_kv_heads=2, head_dim=32, page_size=BLOCK,
+                      dtype="bfloat16")
+    blocks = [torch.empty(8, 2, BLOCK, 2 * 32, dtype=torch.bfloat16) for _ in range(2)]
+    dpool = DeviceKVPool.from_blocks(spec, blocks, layout)
+    assert dpool.page_order == order
+    alloc = PageAllocator(8)
+    cache = TieredKVCache(cfg, device_pool=dpool, engine_identity=ident,
+                          allocate_device_pages=alloc.alloc, free_device_pages=alloc.free)
+    planner = CachePlanner(cfg, spec=spec, device_layout=order, engine_identity=ident,
+                           num_host_pages=4)
+    keyer = make_keyer(cfg, spec, device_layout=order, engine=ident)
+    assert cache.keyer.namespace == planner.keyer.namespace == keyer.namespace
+    assert cache.keys(PROMPT) == planner.keys(PROMPT) == keyer.keys(PROMPT)
+    m = cache.match(PROMPT)
+    assert m.l3_count == hits
+    if hits:
+        h = cache.fetch(m, alloc.alloc(hits))
+        h.wait()
+        assert h.pages_loaded == hits          # read, checksums and identity verified
+    alloc.free(cache.release(m))
+    cache.close()
 
 
 # ----- the plugin entry point ------------------------------------------------------------------

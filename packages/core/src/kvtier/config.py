@@ -149,9 +149,11 @@ def build_config(cls: type[T], data: Mapping[str, Any] | T | None = None, *, sec
     unknown = [k for k in data if k not in fields]
     if unknown:
         where = f"{section}." if section else ""
-        raise ConfigError(f"unknown config key {where}{show_value(unknown[0])} for {cls.__name__}; "
-                          f"known keys: {sorted(fields)}", key=f"{where}{unknown[0]}",
-                          value=data[unknown[0]])
+        near = difflib.get_close_matches(str(unknown[0]), list(fields), n=1, cutoff=0.6)
+        hint = f"did you mean {near[0]!r}? " if near else ""
+        raise ConfigError(f"unknown config key {where}{show_value(unknown[0])} for "
+                          f"{cls.__name__}; {hint}known keys: {sorted(fields)}",
+                          key=f"{where}{unknown[0]}", value=data[unknown[0]])
     kwargs = {k: _coerce(section, k, hints[k], v, from_text=from_text) for k, v in data.items()}
     missing = [f.name for f in fields.values() if f.name not in kwargs
                and f.default is dataclasses.MISSING

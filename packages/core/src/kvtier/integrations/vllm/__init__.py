@@ -10,37 +10,42 @@ Start vLLM with::
                                       "l3_config": {"root": "/var/cache/kvtier"}}}'
 
 ``kv_connector_extra_config`` is kvtier's `~kvtier.cache.CacheConfig` (an unknown key is a
-`~kvtier.errors.ConfigError` naming it, raised when the engine starts; ``model_id`` defaults to
-vLLM's model, ``tp_rank``/``tp_size`` come from vLLM). kvtier also registers the connector name
+`~kvtier.errors.ConfigError` naming it and the key it probably meant; with CUDA graphs, vLLM's
+default on GPUs, it is raised while vLLM builds its config, before anything loads, elsewhere
+when the engine starts; ``model_id`` and ``model_revision`` default to vLLM's, TP and PP come
+from vLLM). kvtier also registers the connector name
 through the ``vllm.general_plugins`` entry point (`register`), so ``kv_connector_module_path``
 may be left out wherever kvtier is installed.
 
-How vLLM's calls map onto kvtier (the two halves share nothing but the plain data vLLM carries
-between them, so they may run in different processes -- vLLM's scheduler and its workers):
+How vLLM's calls map onto kvtier: the connector (`connector.KVTierConnector`) is a dispatcher,
+like vLLM's own offloading connector. Each hook goes to one of two sides, built from one
+`config.EngineView` of vLLM's configs; they share nothing but the plain data vLLM carries
+between them (`metadata`), so they may run in different processes -- vLLM's scheduler and its
+workers:
 
-* **Scheduler side** (kvtier's index and policy; no tensors): page keys chain over the
-  request's token ids in a namespace made of everything that changes KV bytes
-  (`identity`). ``get_num_new_matched_tokens`` counts the whole blocks after vLLM's own
-  prefix-cache hit that are in kvtier's host pool (L2, `index.HostPageIndex`) and then in the
-  L3 store (``batch_exists``), never the last token of the request, and offers only the
-  leading ones whose loading beats recomputing them at the rates the workers measure and
-  report (`kvtier.cache.cost`; ``cost_aware_fetch``); an L3 hit makes the load
-  asynchronous. ``update_state_after_alloc`` pins the L2 pages, reserves host pages for the L3
-  ones (LRU eviction of unpinned pages) and pairs them with vLLM's block ids;
-  ``build_connector_meta`` sends these load orders and the backups of newly computed blocks
-  (each new full block gets a host page) as `KVTierMetadata`.
-* **Worker side** (kvtier's data path over vLLM's own KV tensors, `datapath.DataPath`):
-  ``register_kv_caches`` views each layer's tensor as one byte row per block and allocates
-  the host pool and the store. L2-only loads start in ``start_load_kv`` on a copy thread, layer
-  by layer; ``wait_for_layer_load(layer)`` waits for that layer only. Loads with L3 pages run
-  off the forward path (store -> host pages -> blocks) and complete through
-  ``get_transfer_results``; every block whose page was not what the scheduler expected, whose
-  L3 object was missing or corrupted, or whose copy failed is returned by
-  ``get_block_ids_with_load_errors`` and vLLM recomputes it (set
-  ``kv_load_failure_policy='recompute'``; with vLLM's default 'fail' such a request fails).
-  ``save_kv_layer`` copies each layer's new blocks into their host pages right after the layer
-  ran, ``wait_for_save`` finishes them and queues the L3 writes (write-through, off the
-  forward path). What the worker learns goes back as `KVTierWorkerMetadata`.
+* **Scheduler side** (`scheduler.SchedulerSide` over kvtier's `~kvtier.cache.CachePlanner`, no
+  tensors): page keys chain over the request's token ids in the one namespace every kvtier path
+  uses for this config (`kvtier.cache.keying`; `identity` adds what only vLLM knows).
+  ``get_num_new_matched_tokens`` asks the planner for an offer: the whole blocks after vLLM's
+  own prefix-cache hit that are in kvtier's host pool (L2) and then in the L3 store
+  (``batch_exists`` under the store-call deadline), never the last token of the request, cut
+  by the planner's cost split to those whose loading beats recomputing them at the rates the
+  workers measure and report; an L3 hit makes the load asynchronous. A page whose read failed
+  is not offered again until rewritten, and a request whose load failed is offered no more
+  than that load delivered. ``update_state_after_alloc`` turns the offer into a load plan
+  (vLLM's block ids), ``build_connector_meta`` sends the load plans and the planner's save
+  plans of newly computed blocks as `KVTierMetadata`.
+* **Worker side** (`worker.WorkerSide` over kvtier's `~kvtier.cache.CacheExecutor`, over vLLM's
+  own KV tensors): ``register_kv_caches`` views each layer's tensor as one byte row per block
+  and builds the executor (host pool, transfer engine, store) from the config. L2-only loads
+  start in ``start_load_kv``, layer by layer; ``wait_for_layer_load(layer)`` waits for that
+  layer only. Loads with L3 pages run off the forward path (store -> host pages -> blocks)
+  and complete through ``get_transfer_results``; every block whose L3 object was missing or
+  corrupted, or whose copy failed, is returned by ``get_block_ids_with_load_errors`` and vLLM
+  recomputes it (set ``kv_load_failure_policy='recompute'``; with vLLM's default 'fail' such
+  a request fails). ``wait_for_save`` runs the step's backups and queues their L3 writes
+  (write-through, off the forward path). Results, measured rates and the L3 tier's health go
+  back as `KVTierWorkerMetadata`.
 * **Metrics**: external hits per tier go to vLLM's own cache-hit sources (HOST for L2, DISK
   for L3); pages, bytes and failures per tier are `KVTierConnectorStats` (vLLM logs them as
   "KV Transfer metrics"); ``KVTierConnector.metrics()`` on the scheduler side has the totals.

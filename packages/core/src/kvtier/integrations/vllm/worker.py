@@ -1,0 +1,275 @@
+"""The connector's worker side: kvtier's data path (`kvtier.cache.CacheExecutor`) over vLLM's
+own KV tensors. It runs the plans the scheduler side sends (loads layer by layer before the
+forward, backups after it, L3 reads and writes off the forward path), reports their results,
+its measured rates and its L3 tier's health back, and tells vLLM which blocks did not load.
+It decides nothing: every plan is the planner's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import Counter, OrderedDict
+from typing import Any
+
+import torch
+
+from ...cache import CacheExecutor, Plan, PlanResult
+from ...device_pool import DeviceKVPool
+from ...errors import LayoutError
+from .config import EngineView
+from .datapath import StepTimer
+from .metadata import KVTierConnectorStats, KVTierMetadata, KVTierWorkerMetadata, LoadOrder
+
+log = logging.getLogger("kvtier.vllm")
+
+
+class WorkerSide:
+    """A worker's half of `KVTierConnector` (see the module doc)."""
+
+    def __init__(self, view: EngineView, totals: "Counter[str]", tp_rank: int):
+        self.view = view
+        self.cfg = dataclasses.replace(view.cfg, tp_rank=tp_rank)
+        self.spec = view.spec
+        self.tp_rank = tp_rank
+        self.totals = totals
+        self.meta: Any = None                               # the step's KVTierMetadata
+        self.executor: CacheExecutor | None = None
+        self._layer_idx = {name: i for i, name in enumerate(view.layer_names)}
+        self._sync: list[tuple[LoadOrder, int]] = []     # (order, plan id) this step
+        self._waited: set[int] = set()
+        self._load_errors: set[int] = set()
+        self._results: dict[int, PlanResult] = {}        # finished, not yet handled
+        self._async: dict[int, LoadOrder] = {}
+        self._writes: dict[int, tuple[Plan, PlanResult]] = {}   # write sub-plan -> save
+        self._to_scheduler: list[PlanResult] = []
+        self._finish_after_load: set[str] = set()
+        self._send_now: set[str] = set()
+        self._recv_done: OrderedDict[str, None] = OrderedDict()   # recent finished loads
+        self._last_counts: dict[str, int] = {}
+        self._prefetch_ids: set[int] = set()
+        self._timer = StepTimer(cuda=view.device_type == "cuda")
+        self._sent_rates: dict[str, Any] | None = None
+        self._sent_state: str | None = None
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        v = self.view
+        missing = [n for n in v.layer_names if n not in kv_caches]
+        if missing:
+            raise LayoutError(f"vLLM registered no KV tensor for layers {missing}")
+        pool = DeviceKVPool.from_blocks(self.spec, [kv_caches[n] for n in v.layer_names],
+                                        v.layout)
+        if pool.page_order != v.page_order:
+            raise LayoutError(f"vLLM's KV blocks are {pool.layout} (page order "
+                              f"{pool.page_order}); the key namespace says {v.page_order}")
+        # every engine moves vLLM's blocks or refuses them with a LayoutError here
+        self.executor = CacheExecutor.from_config(self.cfg, device_pool=pool,
+                                                  num_host_pages=v.num_host_pages,
+                                                  engine_identity=v.identity)
+
+    def bind(self, meta: Any) -> None:
+        """vLLM binds the step's metadata before its forward (and starts loads that the
+        forward does not wait for after it): the step timer starts here, stops in
+        `wait_for_save`."""
+        self.meta = meta
+        if isinstance(meta, KVTierMetadata) and meta.step_tokens:
+            self._timer.start(meta.step_tokens, meta.step_pairs)
+
+    def start_load_kv(self, meta: Any) -> None:
+        ex = self.executor
+        if not isinstance(meta, KVTierMetadata) or ex is None:
+            return
+        for rid in meta.finished_while_loading:   # free its blocks once its load is done
+            (self._send_now if rid in self._recv_done else self._finish_after_load).add(rid)
+        for order in meta.loads:
+            self._load_errors.update(order.failed_blocks)
+            if order.plan.empty:
+                if order.is_async:        # still reported as received (nothing loaded)
+                    self._async[order.plan.plan_id] = order
+                    self._results[order.plan.plan_id] = order.plan.failed()
+                else:
+                    self._to_scheduler.append(order.plan.failed())
+                continue
+            try:
+                ex.submit(order.plan)
+            except Exception as exc:       # malformed plan: its blocks are recomputed
+                log.warning("kvtier: load plan %d refused: %s", order.plan.plan_id, exc)
+                self._load_errors.update(d for _, d in order.plan.loads)
+                self._to_scheduler.append(order.plan.failed())
+                self._async.pop(order.plan.plan_id, None)
+                continue
+            if order.is_async:
+                self._async[order.plan.plan_id] = order
+            else:
+                self._sync.append((order, order.plan.plan_id))
+        for plan in meta.prefetches:
+            try:
+                ex.submit(plan)
+            except Exception as exc:
+                log.warning("kvtier: prefetch plan %d refused: %s", plan.plan_id, exc)
+                self._to_scheduler.append(plan.failed())
+                continue
+            self._prefetch_ids.add(plan.plan_id)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        i = self._layer_idx.get(layer_name)
+        if i is not None and self._sync:
+            self._wait_layer(i)
+
+    def _wait_layer(self, i: int) -> None:
+        if i in self._waited or self.executor is None:
+            return
+        self._waited.add(i)
+        for _, pid in self._sync:
+            try:
+                self.executor.wait_layer(pid, i)
+            except Exception as exc:      # the plan's result says which loads failed
+                log.warning("kvtier: load of layer %d failed: %s", i, exc)
+
+    def wait_for_save(self) -> None:
+        ex = self.executor
+        if ex is None:
+            return
+        self._timer.stop()                   # the forward ends here (queued, on a GPU)
+        for tokens, npairs, seconds in self._timer.finished():
+            ex.cost.observe_recompute(tokens, seconds, num_pairs=npairs)
+        if self._sync:
+            for i in range(self.spec.num_layers):
+                if i not in self._waited:    # a layer the forward never waited for
+                    log.warning("kvtier: layer %d's load was not awaited before its forward; "
+                                "its blocks are recomputed", i)
+                    for order, _ in self._sync:
+                        self._load_errors.update(d for _, d in order.plan.loads)
+                    self._wait_layer(i)
+            for _, pid in self._sync:
+                ex.wait(pid)
+        self._collect()
+        for order, pid in self._sync:
+            res = self._results.pop(pid, None) or order.plan.failed()
+            self._load_errors.update(d for (_, d), ok in zip(order.plan.loads, res.loads)
+                                     if not ok)
+            self._to_scheduler.append(res)
+        self._sync, self._waited = [], set()
+        meta = self.meta
+        if not isinstance(meta, KVTierMetadata):
+            return
+        for plan in meta.saves:
+            self._save(plan)
+
+    def _save(self, plan: Plan) -> None:
+        """Backups now (vLLM may reuse the blocks once this returns); the L3 writes of the
+        backed-up pages after, off the forward path, as a second plan of the executor."""
+        ex = self.executor
+        assert ex is not None
+        backups = Plan(plan.plan_id, backups=plan.backups)
+        try:
+            ex.submit(backups)
+            ex.wait(plan.plan_id)
+        except Exception as exc:
+            log.warning("kvtier: backup plan %d failed: %s", plan.plan_id, exc)
+        self._collect()
+        res = self._results.pop(plan.plan_id, None) or backups.failed()
+        ok_hp = {hp for (_, hp), ok in zip(plan.backups, res.backups) if ok}
+        writes = tuple(w for w in plan.l3_writes if w[0] in ok_hp)
+        if not writes:
+            self._to_scheduler.append(PlanResult(plan.plan_id, backups=res.backups,
+                                                 l3_writes=(False,) * len(plan.l3_writes)))
+            return
+        wid = -plan.plan_id
+        try:
+            ex.submit(Plan(wid, l3_writes=writes))
+        except Exception as exc:
+            log.warning("kvtier: L3 write plan %d refused: %s", plan.plan_id, exc)
+            self._to_scheduler.append(PlanResult(plan.plan_id, backups=res.backups,
+                                                 l3_writes=(False,) * len(plan.l3_writes)))
+            return
+        self._writes[wid] = (plan, res)
+
+    def _collect(self) -> None:
+        if self.executor is None:
+            return
+        for res in self.executor.poll():
+            if res.released_host_pages:      # a late store call returned: free its pages
+                # (a save's write sub-plan runs as -id; the planner knows the save's id)
+                self._to_scheduler.append(PlanResult(
+                    abs(res.plan_id), released_host_pages=res.released_host_pages))
+            elif res.plan_id in self._writes:          # L3 writes of a save: its result now
+                plan, bres = self._writes.pop(res.plan_id)
+                done = dict(zip([w for w in plan.l3_writes if w[0] in
+                                 {hp for (_, hp), ok in zip(plan.backups, bres.backups) if ok}],
+                                res.l3_writes))
+                self._to_scheduler.append(PlanResult(
+                    plan.plan_id, backups=bres.backups,
+                    l3_writes=tuple(done.get(w, False) for w in plan.l3_writes),
+                    held_host_pages=res.held_host_pages))
+            elif res.plan_id in self._prefetch_ids:
+                self._prefetch_ids.discard(res.plan_id)
+                self._to_scheduler.append(res)
+            else:
+                self._results[res.plan_id] = res
+
+    def get_transfer_results(self, out: Any) -> Any:
+        """Fill vLLM's ``KVConnectorTransferResults`` ``out``: loads finished, blocks free."""
+        out.finished_sending |= self._send_now
+        self._send_now = set()
+        self._collect()
+        for pid in [p for p in self._async if p in self._results]:
+            order = self._async.pop(pid)
+            res = self._results.pop(pid)
+            self._load_errors.update(d for (_, d), ok in zip(order.plan.loads, res.loads)
+                                     if not ok)
+            self._to_scheduler.append(res)
+            out.finished_recving.add(order.req_id)
+            self._recv_done[order.req_id] = None
+            while len(self._recv_done) > 4096:
+                self._recv_done.popitem(last=False)
+            if order.req_id in self._finish_after_load:
+                self._finish_after_load.discard(order.req_id)
+                out.finished_sending.add(order.req_id)
+        return out
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errs, self._load_errors = self._load_errors, set()
+        return errs
+
+    def build_connector_worker_meta(self) -> KVTierWorkerMetadata | None:
+        rates = self.executor.rates() if self.executor is not None else None
+        if rates == self._sent_rates:
+            rates = None                     # unchanged: the scheduler has them
+        else:
+            self._sent_rates = rates
+        state = self.executor.l3_state if self.executor is not None else None
+        if state == self._sent_state:
+            state = None
+        else:
+            self._sent_state = state
+        if not self._to_scheduler and rates is None and state is None:
+            return None
+        out, self._to_scheduler = self._to_scheduler, []
+        return KVTierWorkerMetadata(results=out, rates=rates, l3_state=state)
+
+    def stats(self) -> KVTierConnectorStats | None:
+        """The executor's and the store's counters since the last call."""
+        if self.executor is None:
+            return None
+        now = {k: v for k, v in self.executor.metrics().items()
+               if isinstance(v, int) and not isinstance(v, bool) and k != "plans_running"}
+        store = self.executor.store
+        if store is not None:
+            try:
+                now.update({f"l3_{k}": v for k, v in store.stats().items()
+                            if isinstance(v, int) and not isinstance(v, bool)})
+            except Exception:  # stats must never break a step
+                pass
+        delta = {k: v - self._last_counts.get(k, 0) for k, v in now.items()}
+        self._last_counts = now
+        delta = {k: v for k, v in delta.items() if v}
+        if not delta:
+            return None
+        self.totals.update(delta)
+        return KVTierConnectorStats(data=delta)
+
+    def shutdown(self) -> None:
+        if self.executor is not None:
+            self.executor.close(self.cfg.close_timeout_s)
+            self.executor = None
