@@ -224,3 +224,43 @@ def test_malformed_operations_are_typed_errors(rig, plan):
     assert "\n" not in str(exc.value)
     _assert_unchanged(rig, before)
     assert rig.ex.poll() == []
+
+
+# ----- results the planner cannot have asked for ----------------------------------------------
+def _planner():
+    from kvtier.cache import CachePlanner
+    return CachePlanner({"model_id": "protocol"}, spec=SPEC, device_layout="nhd",
+                        num_host_pages=8)
+
+
+def _prompt(seed: int) -> list[int]:
+    r = random.Random(seed)
+    return [r.randrange(1, 30000) for _ in range(4 * SPEC.page_size)]
+
+
+def test_a_result_of_another_planner_is_refused_not_booked():
+    """A scheduler restarts while a worker still runs the old scheduler's plan: that plan's
+    result must not be booked against the new planner's plan of the same number (its backups
+    would register host pages holding another prompt's bytes under this prompt's keys)."""
+    old, new = _planner(), _planner()
+    a = old.plan_save(old.keys(_prompt(1)), [0, 1, 2, 3])
+    b = new.plan_save(new.keys(_prompt(2)), [4, 5, 6, 7])
+    stale = PlanResult(a.plan_id, backups=(True,) * len(a.backups))
+    with pytest.raises(InvalidArgumentError, match="not from this planner"):
+        new.complete(stale)
+    assert new.pending_plans() == [b.plan_id] and new.l2_pages() == {}
+    new.complete(PlanResult(b.plan_id, backups=(True,) * len(b.backups)))
+    assert len(new.l2_pages()) == 4
+
+
+@pytest.mark.parametrize("bad", [
+    dict(backups=(1, 1, 1, 1)), dict(backups=("yes",) * 4), dict(backups=[True] * 4),
+    dict(backups=(True,) * 4, held_host_pages=(99,)),
+    dict(backups=(True,) * 4, released_host_pages=(-1,))],
+    ids=["ints", "strings", "a-list", "held-out-of-range", "released-negative"])
+def test_results_that_are_not_bools_or_host_pages_are_refused(bad):
+    pl = _planner()
+    p = pl.plan_save(pl.keys(_prompt(3)), [0, 1, 2, 3])
+    with pytest.raises(InvalidArgumentError):
+        pl.complete(PlanResult(p.plan_id, **bad))
+    assert pl.pending_plans() == [p.plan_id] and pl.l2_pages() == {}
