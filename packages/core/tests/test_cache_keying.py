@@ -157,3 +157,21 @@ def test_the_in_process_cache_l3_is_read_by_the_two_halves_of_the_same_config(en
 def _rank_view(store, rank, size):
     from kvtier.cache.keying import RankKeyStore
     return RankKeyStore(store, rank, size)
+
+
+def test_kv_dtype_and_attention_kind_are_in_every_key():
+    """A page of another KV dtype (fp8 included) or another attention kind (MLA's latent
+    against K and V) never shares a key, even where the row sizes agree."""
+    from kvtier.cache import CacheConfig
+    cfg = CacheConfig.from_dict({"model_id": "m"})
+    mha = KVSpec.mha(num_layers=2, num_kv_heads=1, head_dim=288, page_size=5, dtype="bfloat16")
+    specs = [mha,
+             KVSpec.mha(num_layers=2, num_kv_heads=1, head_dim=288, page_size=5,
+                        dtype="float8_e4m3fn"),
+             KVSpec.mla(num_layers=2, kv_lora_rank=512, rope_dim=64, page_size=5),
+             KVSpec.mla(num_layers=2, kv_lora_rank=512, rope_dim=64, page_size=5,
+                        dtype="float8_e4m3fn"),
+             KVSpec.mla(num_layers=2, kv_lora_rank=448, rope_dim=128, page_size=5)]
+    toks = tokens(4, pages=2)
+    keys = [tuple(make_keyer(cfg, s, device_layout="nhd").keys(toks)) for s in specs]
+    assert len(set(keys)) == len(specs)

