@@ -485,6 +485,38 @@ def test_a_full_arena_keeps_its_capacity_across_processes(name):
         pool.close()
 
 
+def test_processes_creating_one_arena_at_once(name):
+    """Four processes open a new arena together: one creates it, all share it."""
+    config = cfg(name, remove_when_unused=False)
+    procs = [start_child(config, "write", 5, first, 4) for first in (0, 10, 20, 30)]
+    outs = [finish(p) for p in procs]
+    assert all(all(o["ok"]) for o in outs)
+    assert sum(o["stats"]["created"] for o in outs) == 1
+    store, pool = child.open_store(config)
+    try:
+        for first in (0, 10, 20, 30):
+            got, gens = child.read(store, pool, first, 4)
+            assert got == [True] * 4 and gens == [5] * 4
+    finally:
+        store.close()
+        pool.close()
+
+
+def test_two_last_users_closing_at_once_remove_the_arena(name, spec):
+    stores = [ShmStore(cfg(name), spec=spec) for _ in range(2)]
+    barrier = threading.Barrier(2)
+
+    def close(s):
+        barrier.wait(TIMEOUT)
+        s.close()
+    threads = [threading.Thread(target=close, args=(s,)) for s in stores]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(TIMEOUT)
+    assert not os.path.exists(stores[0].path)
+
+
 def test_the_last_process_out_removes_the_arena(name):
     config = cfg(name)                    # remove_when_unused
     reader = start_child(config, "loop-read", 8)

@@ -668,7 +668,10 @@ class Arena:
         if fd < 0:
             return False
         try:
-            if remove_if_unused and try_lock(fd, _INIT_LOCK) and \
+            # the init lock first, as openers take it: one that opened the file but is not
+            # yet a user waits, then finds the path gone and creates a new arena. Waited
+            # for, so that two last users closing at once do not both give up.
+            if remove_if_unused and lock_within(fd, _INIT_LOCK, 1.0) and \
                     try_lock(fd, _USERS_LOCK, fcntl.F_WRLCK):
                 self._unlink_if(fd)
                 removed = not os.path.lexists(self.path) or \
