@@ -52,21 +52,25 @@ TINY = {"vocab_size": 512, "hidden_size": 128, "intermediate_size": 256,
         "head_dim": 32}
 
 
-def make_llama(path: str, *, seed: int = 0, dtype: str = "bfloat16", **overrides: Any) -> str:
-    """Save a random-weight Llama (config + safetensors weights, no tokenizer) to ``path``."""
+def _save_random(config_cls: Any, model_cls: Any, shape: dict[str, Any], path: str, *,
+                 seed: int, dtype: str) -> str:
+    """Save a random-weight model (config + safetensors weights, no tokenizer) to ``path``."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-    shape = dict(TINY)
-    shape.update(overrides)
     torch.manual_seed(seed)
-    cfg = LlamaConfig(max_position_embeddings=4096, torch_dtype=dtype, **shape)
-    model = LlamaForCausalLM(cfg).to(getattr(torch, dtype))
-    model.save_pretrained(path)
+    cfg = config_cls(max_position_embeddings=4096, torch_dtype=dtype, **shape)
+    model_cls(cfg).to(getattr(torch, dtype)).save_pretrained(path)
     return path
 
 
+def make_llama(path: str, *, seed: int = 0, dtype: str = "bfloat16", **overrides: Any) -> str:
+    """Save a random-weight Llama (config + safetensors weights, no tokenizer) to ``path``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    return _save_random(LlamaConfig, LlamaForCausalLM, {**TINY, **overrides}, path, seed=seed,
+                        dtype=dtype)
+
+
 #: A tiny DeepSeek-V2 (MLA: one 576-wide latent row per token and layer, as vLLM's CPU MLA
-#: backend requires; dense MLP layers, so no expert routing).
+#: backends require; ``first_k_dense_replace`` covers every layer, so no expert routing).
 TINY_MLA = {"vocab_size": 512, "hidden_size": 128, "intermediate_size": 256,
             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
             "kv_lora_rank": 512, "q_lora_rank": None, "qk_rope_head_dim": 64,
@@ -79,15 +83,9 @@ def make_deepseek_v2(path: str, *, seed: int = 0, dtype: str = "bfloat16",
                      **overrides: Any) -> str:
     """Save a random-weight DeepSeek-V2 (MLA; config + safetensors weights, no tokenizer) to
     ``path``. vLLM serves it with ``block_size=16`` on the CPU."""
-    import torch
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
-    shape = dict(TINY_MLA)
-    shape.update(overrides)
-    torch.manual_seed(seed)
-    cfg = DeepseekV2Config(max_position_embeddings=4096, torch_dtype=dtype, **shape)
-    model = DeepseekV2ForCausalLM(cfg).to(getattr(torch, dtype))
-    model.save_pretrained(path)
-    return path
+    return _save_random(DeepseekV2Config, DeepseekV2ForCausalLM, {**TINY_MLA, **overrides},
+                        path, seed=seed, dtype=dtype)
 
 
 def multiturn(num_conversations: int = 3, turns: int = 3, *, system_tokens: int = 200,
