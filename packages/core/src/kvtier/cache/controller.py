@@ -46,7 +46,7 @@ import time
 from typing import Any, Callable, Literal, Mapping, Sequence
 
 from ..device_pool import DeviceKVPool
-from ..errors import (ConfigError, InvalidArgumentError, PageIndexError, TierFailureError,
+from ..errors import (InvalidArgumentError, PageIndexError, TierFailureError,
                       TokensError)
 from ..host_pool import HostKVPool
 from ..interfaces import CompletedHandle, L3Store, TransferEngine, TransferHandle
@@ -58,7 +58,8 @@ from .config import CacheConfig
 from .cost import CostModel, TimedStore, load_seconds
 from .handles import CommitResult, FetchHandle, Match
 from .index import Node, PageIndex
-from .keying import make_keyer, open_store, rank_view
+from .keying import make_keyer
+from .parts import build_parts
 from .l3io import L3IO
 from .unreadable import UnreadableKeys
 
@@ -76,7 +77,6 @@ class TieredKVCache:
                  host_pool: HostKVPool | None = None, store: L3Store | None = None,
                  engine: TransferEngine | None = None,
                  engine_identity: Mapping[str, Any] | None = None):
-        from ..registry import create_host_allocator, create_transfer_engine
         self.config = cfg = CacheConfig.from_dict(config)
         if not isinstance(device_pool, DeviceKVPool):
             raise InvalidArgumentError(f"device_pool must be a DeviceKVPool, got "
@@ -101,33 +101,11 @@ class TieredKVCache:
             per_1k_tokens_s=cfg.prefetch_timeout_per_1k_tokens_s,
             cap_s=cfg.prefetch_timeout_cap_s)
         self.metrics_registry = Metrics()
-        self._owned: list[Any] = []          # what close() closes, in reverse order
-        try:
-            if host_pool is None:
-                n_host = cfg.host_pages_for(spec.page_bytes, device_pool.num_pages)
-                allocator = create_host_allocator(cfg.host_allocator, cfg.host_allocator_config)
-                host_pool = HostKVPool(spec, n_host, layout=cfg.host_layout, allocator=allocator)
-                self._owned.append(host_pool)
-            elif host_pool.spec.fingerprint != spec.fingerprint:
-                raise ConfigError(f"host pool spec {host_pool.spec} differs from the device "
-                                  f"pool's {spec}", key="spec")
-            self.host_pool = host_pool
-            if engine is None:
-                engine = create_transfer_engine(cfg.transfer_engine, device_pool, host_pool,
-                                                cfg.transfer_config)
-                self._owned.append(engine)
-            self.engine = engine
-            if store is None and cfg.l3_store is not None:
-                store = open_store(cfg, spec, self.keyer)
-                self._owned.append(store)
-            if store is not None:
-                store = rank_view(store, cfg)
-                store.attach(host_pool)
-            self.store = store
-        except BaseException:
-            for obj in reversed(self._owned):
-                obj.close()
-            raise
+        parts = build_parts(cfg, device_pool, self.keyer, host_pool=host_pool, engine=engine,
+                            store=store)
+        self.host_pool, self.engine, self.store = parts.host_pool, parts.engine, parts.store
+        store = self.store
+        self._owned: list[Any] = parts.owned      # what close() closes, in reverse order
         self._lock = threading.RLock()
         self._index = PageIndex()
         #: Keys whose L3 read failed: not offered again until a write replaces them.

@@ -41,7 +41,8 @@ from ..interfaces import L3Store, TransferEngine, TransferHandle
 from ..metrics import Metrics
 from .config import CacheConfig
 from .cost import CostModel, TimedStore, load_seconds
-from .keying import make_keyer, open_store, rank_view
+from .keying import make_keyer
+from .parts import build_parts
 from .l3io import L3IO
 from .plans import Plan, PlanResult
 from .transfers import Completer
@@ -243,34 +244,14 @@ class CacheExecutor:
         """Create the host pool, engine and store ``config`` names (closed with it); the
         store in the key namespace of ``config``, the pool's layout and ``engine_identity``
         (`kvtier.cache.keying`), as its planner's."""
-        from ..registry import create_host_allocator, create_transfer_engine
         cfg = CacheConfig.from_dict(config)
-        spec = device_pool.spec
-        owned: list[Any] = []
-        try:
-            n = num_host_pages if num_host_pages is not None else \
-                cfg.host_pages_for(spec.page_bytes, device_pool.num_pages)
-            allocator = create_host_allocator(cfg.host_allocator, cfg.host_allocator_config)
-            host_pool = HostKVPool(spec, n, layout=cfg.host_layout, allocator=allocator)
-            owned.append(host_pool)
-            engine = create_transfer_engine(cfg.transfer_engine, device_pool, host_pool,
-                                            cfg.transfer_config)
-            owned.append(engine)
-            keyer = make_keyer(cfg, spec, device_layout=device_pool.page_order,
-                               engine=engine_identity)
-            store = open_store(cfg, spec, keyer)
-            if store is not None:
-                owned.append(store)
-                store = rank_view(store, cfg)
-                store.attach(host_pool)
-        except BaseException:
-            for obj in reversed(owned):
-                obj.close()
-            raise
-        return cls(host_pool=host_pool, engine=engine, store=store,
+        keyer = make_keyer(cfg, device_pool.spec, device_layout=device_pool.page_order,
+                           engine=engine_identity)
+        p = build_parts(cfg, device_pool, keyer, num_host_pages=num_host_pages)
+        return cls(host_pool=p.host_pool, engine=p.engine, store=p.store,
                    l3_io_threads=cfg.l3_io_threads, l3_batch_pages=cfg.l3_batch_pages,
                    l3_error_limit=cfg.l3_error_limit,
-                   l3_call_timeout_s=cfg.l3_call_timeout_s, owned=tuple(owned),
+                   l3_call_timeout_s=cfg.l3_call_timeout_s, owned=tuple(p.owned),
                    cost=CostModel.from_config(cfg))
 
     @property
