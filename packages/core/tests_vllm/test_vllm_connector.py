@@ -328,6 +328,30 @@ def test_in_process_cache_and_planner_share_the_connectors_keys(model, store, fi
     cache.close()
 
 
+# ----- 9. a node-local shared DRAM tier: two engine processes share prefixes through it --------
+def test_two_engine_processes_share_prefixes_through_the_shm_store(model, reference):
+    """The first engine's pages land in the host's shared-memory arena (`shm`); a second
+    engine process, started after the first has exited, gets them as L3 hits with vLLM's
+    outputs. The arena lives in a directory of its own and is removed afterwards."""
+    import shutil
+    import tempfile
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm on this host")
+    root = tempfile.mkdtemp(prefix="kvtier-test-", dir="/dev/shm")
+    shm = {"l3_store": "shm", "l3_config": {"root": root, "capacity_pages": 64}}
+    try:
+        one = _run({"model": model, "kv_transfer_config": _ktc(**shm),
+                    "phases": [{"prompts": [PROMPT]}]})
+        two = _run({"model": model, "kv_transfer_config": _ktc(**shm),
+                    "phases": [{"prompts": [PROMPT]}]})
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    assert one["kvtier"]["l3_set_ok"] >= 4, one["kvtier"]
+    assert _cached(two, 0) == [4 * BLOCK]
+    assert two["kvtier"]["hit_tokens_l3"] == 4 * BLOCK, two["kvtier"]
+    assert _outputs(one, 0) == _outputs(two, 0) == _outputs(reference, 0)[:1]
+
+
 # ----- the plugin entry point ------------------------------------------------------------------
 def test_general_plugin_registers_the_connector_name():
     eps = importlib.metadata.entry_points(group="vllm.general_plugins")
