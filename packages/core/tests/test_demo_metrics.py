@@ -12,7 +12,7 @@ import pytest
 
 import kvtier.demo.run as demo_run
 from kvtier.cli import main
-from kvtier.demo.run import DemoConfig, run_demo
+from kvtier.demo.run import SETUPS, DemoConfig, run_demo
 from kvtier.errors import ConfigError
 
 SMALL = dict(model_size="tiny", page_size=16, clients=2, rounds=2, first_tokens=96,
@@ -32,7 +32,7 @@ def test_metrics_of_every_setup_are_served_while_the_demo_runs(tmp_path) -> None
     report = run_demo(cfg, log=lambda *a: None, on_metrics=scrape)
     assert len(scraped) == 1
     body = scraped[0]
-    for setup in ("L1 only", "L1+L2", "L1+L2+L3"):
+    for setup in SETUPS:
         assert f'kvtier_capacity_pages{{setup="{setup}",tier="l2"}}' in body
     assert report.runs and all(r.results for r in report.runs)
 

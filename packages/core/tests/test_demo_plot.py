@@ -22,11 +22,14 @@ class _Run:
                 "ttft_mean_ms": [100.0 - self.base * i for i in range(n)]}
 
 
+SETUPS = ["L1 only", "L1+L2", "L1+L2+L3", "L1+L2+L3 load all", "ideal (all in L1)"]
+
+
 def test_legend_outside_the_data_and_a_readable_title() -> None:
     import matplotlib.pyplot as plt
     report = SimpleNamespace(
         workload=SimpleNamespace(num_rounds=6, name="multi-turn"),
-        runs=[_Run("L1 only", 1), _Run("L1+L2", 10), _Run("L1+L2+L3", 19)],
+        runs=[_Run(name, 1 + 5 * i) for i, name in enumerate(SETUPS)],
         model={"size": "small", "device": "cuda", "dtype": "float32"})
     fig = figure(report)
     try:
@@ -37,10 +40,31 @@ def test_legend_outside_the_data_and_a_readable_title() -> None:
         box = legends[0].get_window_extent(r)
         for ax in fig.axes:
             assert not box.overlaps(ax.get_window_extent(r))
-        assert [t.get_text() for t in legends[0].get_texts()] == ["L1 only", "L1+L2",
-                                                                  "L1+L2+L3"]
+        assert [t.get_text() for t in legends[0].get_texts()] == SETUPS
         title = fig._suptitle.get_text()
         assert "float32, on cuda" in title and "cudafloat32" not in title
+    finally:
+        plt.close(fig)
+
+
+def test_the_measured_ideal_is_drawn_dashed_and_the_legend_gives_the_share_of_it() -> None:
+    import matplotlib.pyplot as plt
+    from kvtier.demo.run import IDEAL, SETUPS as RUN_SETUPS
+    assert list(RUN_SETUPS) == SETUPS and IDEAL == SETUPS[-1]
+    rows = [{"setup": n, "ttft_speedup": sp, "of_ideal_pct": 100 * sp / 4.0}
+            for n, sp in zip(SETUPS, (1.0, 1.5, 3.0, 2.5, 4.0))]
+    report = SimpleNamespace(
+        workload=SimpleNamespace(num_rounds=4, name="multi-turn"),
+        runs=[_Run(name, 1 + 5 * i) for i, name in enumerate(SETUPS)],
+        model={"size": "small", "device": "cpu", "dtype": "float32"},
+        summaries=lambda: rows)
+    fig = figure(report)
+    try:
+        texts = [t.get_text() for t in fig.legends[0].get_texts()]
+        assert "L1+L2+L3 (3.00x, 75% of ideal)" in texts
+        assert "ideal (all in L1) (4.00x)" in texts
+        ideal = [ln for ln in fig.axes[1].get_lines() if ln.get_label().startswith(IDEAL)]
+        assert len(ideal) == 1 and ideal[0].get_linestyle() == "--"
     finally:
         plt.close(fig)
 

@@ -26,6 +26,10 @@ def _port(text: str) -> int:
     return v
 
 
+#: `kvtier.demo.run.SETUPS` (spelled here: the flags are built without importing the run)
+SETUPS = ("L1 only", "L1+L2", "L1+L2+L3", "L1+L2+L3 load all", "ideal (all in L1)")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The demo's flags (each maps onto a `kvtier.demo.run.DemoConfig` field)."""
     from .model import MODEL_SIZES, describe_sizes
@@ -97,8 +101,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--recompute-tokens-per-s", type=float, default=None,
                    help="the engine's prefill rate given to the controller (default: "
                    "measured as the demo runs)")
-    g.add_argument("--setups", default=",".join(("L1 only", "L1+L2", "L1+L2+L3")),
-                   help="comma-separated subset of: L1 only, L1+L2, L1+L2+L3")
+    g.add_argument("--setups", default=",".join(SETUPS),
+                   help="comma-separated subset of: " + ", ".join(SETUPS) + " (default: all; "
+                   "'L1+L2+L3 load all' is L1+L2+L3 loading every hit, what the cost-aware "
+                   "split is judged against; the ideal keeps every page in L1, and every "
+                   "speedup is reported as a %% of it)")
     g = p.add_argument_group("run")
     g.add_argument("--seed", type=int, default=0, help="weights, workload and check sampling")
     g.add_argument("--check", choices=["all", "sample", "none"], default="sample",

@@ -1,4 +1,6 @@
-"""The demo's PNG: hit rate and mean TTFT per round for every setup (matplotlib, Agg)."""
+"""The demo's PNG: hit rate and mean TTFT per round for every setup (matplotlib, Agg); the
+measured ideal (every page kept in L1) dashed, each setup's mean speedup and % of it in the
+legend."""
 
 from __future__ import annotations
 
@@ -7,8 +9,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .run import DemoReport
 
-_STYLE = {"L1 only": ("tab:red", "o"), "L1+L2": ("tab:orange", "s"),
-          "L1+L2+L3": ("tab:green", "^")}
+#: setup -> (colour, marker, line style); the names are `kvtier.demo.run.SETUPS`
+_STYLE = {"L1 only": ("tab:red", "o", "-"), "L1+L2": ("tab:orange", "s", "-"),
+          "L1+L2+L3": ("tab:green", "^", "-"), "L1+L2+L3 load all": ("tab:blue", "v", ":"),
+          "ideal (all in L1)": ("black", "", "--")}
 
 
 def plot_rounds(report: "DemoReport", path: str) -> str:
@@ -27,12 +31,15 @@ def figure(report: "DemoReport"):
     import matplotlib.pyplot as plt
 
     rounds = list(range(report.workload.num_rounds))
-    fig, (ax_hit, ax_ttft) = plt.subplots(1, 2, figsize=(9, 3.8), dpi=100)
+    fig, (ax_hit, ax_ttft) = plt.subplots(1, 2, figsize=(9, 4.2), dpi=100)
+    labels = _labels(report)
     for run in report.runs:
-        color, marker = _STYLE.get(run.name, (None, "x"))
+        color, marker, line = _STYLE.get(run.name, (None, "x", "-"))
         pr = run.per_round(len(rounds))
-        ax_hit.plot(rounds, pr["hit_rate_pct"], marker=marker, color=color, label=run.name)
-        ax_ttft.plot(rounds, pr["ttft_mean_ms"], marker=marker, color=color, label=run.name)
+        label = labels.get(run.name, run.name)
+        for ax, y in ((ax_hit, pr["hit_rate_pct"]), (ax_ttft, pr["ttft_mean_ms"])):
+            ax.plot(rounds, y, marker=marker or None, color=color, linestyle=line,
+                    label=label)
     ax_hit.set(xlabel="round", ylabel="token hit rate (%)", ylim=(-2, 102),
                title="prefix hit rate per round")
     ax_ttft.set(xlabel="round", ylabel="mean TTFT (ms)", title="time to first token per round")
@@ -46,7 +53,25 @@ def figure(report: "DemoReport"):
                  f"on {m['device']}", fontsize=10)
     # one legend for both panels, below them: it never hides a data point
     handles, labels = ax_hit.get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=max(1, len(labels)), fontsize=8,
+    ncol = len(labels) if len(labels) <= 3 else (len(labels) + 1) // 2
+    fig.legend(handles, labels, loc="lower center", ncol=max(1, ncol), fontsize=8,
                frameon=False)
-    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    fig.tight_layout(rect=(0, 0.08 if ncol == len(labels) else 0.13, 1, 1))
     return fig
+
+
+def _labels(report: "DemoReport") -> dict[str, str]:
+    """setup -> legend label: the name, its mean speedup over L1 only and % of the measured
+    ideal where the report has them."""
+    summaries = getattr(report, "summaries", None)
+    if summaries is None:
+        return {}
+    out = {}
+    for s in summaries():
+        parts = []
+        if s.get("ttft_speedup") is not None:
+            parts.append(f"{s['ttft_speedup']:.2f}x")
+        if s.get("of_ideal_pct") is not None and s["setup"] != "ideal (all in L1)":
+            parts.append(f"{s['of_ideal_pct']:.0f}% of ideal")
+        out[s["setup"]] = s["setup"] + (f" ({', '.join(parts)})" if parts else "")
+    return out

@@ -1,5 +1,6 @@
-"""The demo run: one workload replayed through three tier setups -- L1 only, L1+L2 and
-L1+L2+L3 -- with a real model, and the numbers that compare them.
+"""The demo run: one workload replayed through the tier setups -- L1 only, L1+L2 and
+L1+L2+L3, then L1+L2+L3 loading every hit (the cost-aware split's alternative) and every page
+kept in L1 (the measured ideal) -- with a real model, and the numbers that compare them.
 
 Each setup has its own engine (device pool, cache, store) and serves the same requests in
 the same order, one at a time; the model and its weights are shared. The setups take turns
@@ -29,8 +30,26 @@ from .engine import DemoEngine, RequestResult
 from .model import MODEL_SIZES, CheckFailedError, DemoModel
 from .workload import Workload, multiturn
 
-#: Names of the three setups, in the order they run and are shown.
-SETUPS = ("L1 only", "L1+L2", "L1+L2+L3")
+#: L1+L2+L3 with the cost-aware fetch off: every L2/L3 hit loaded. With L1+L2 (nothing loaded
+#: from L3) it is what the cost-aware split is judged against, in the same run.
+LOAD_ALL = "L1+L2+L3 load all"
+#: Every page kept in L1: a device pool that holds the whole workload, nothing ever evicted,
+#: no L2/L3. Its speedup over L1 only is the measured ideal; every setup's is a fraction of it.
+IDEAL = "ideal (all in L1)"
+#: Names of the setups, in the order they run and are shown.
+SETUPS = ("L1 only", "L1+L2", "L1+L2+L3", LOAD_ALL, IDEAL)
+#: The cost-aware split is flagged when its mean TTFT is this much above the better of
+#: loading every L3 hit and loading none.
+SPLIT_MARGIN = 0.05
+
+
+def loads_below_l1(setup: str) -> bool:
+    """Does the setup load pages from L2/L3 (False: it reuses L1 hits only)?"""
+    return setup in ("L1+L2", "L1+L2+L3", LOAD_ALL)
+
+
+def has_l3(setup: str) -> bool:
+    return setup in ("L1+L2+L3", LOAD_ALL)
 
 
 @dataclass(frozen=True)
@@ -171,6 +190,7 @@ class SetupRun:
             "bytes_l3_read": int(m.get("bytes_l3_read", 0)),
             "bytes_l3_written": int(m.get("bytes_l3_written", 0)),
             "store_errors": int(m.get("store_errors", 0)),
+            "l1_evictions": int(m.get("l1_evictions", 0)),
             "checks_passed": self.checks, "busy_s": self.busy_s,
             "l1_pages": self.l1_pages, "l2_pages": self.l2_pages, "l3": self.l3,
             "skipped_tokens": sum(r.skipped_tokens for r in res),
@@ -214,22 +234,31 @@ class DemoReport:
     files: dict[str, str] = field(default_factory=dict)
 
     def summaries(self) -> list[dict[str, Any]]:
+        """One row per setup. Measured: ``ttft_speedup`` (L1 only's mean TTFT over the
+        setup's) and ``of_ideal_pct`` (that speedup as a % of the measured ideal's, i.e. the
+        ideal's mean TTFT over the setup's). Modelled, a diagnostic: ``modelled_speedup`` (the
+        best load/recompute split at the run's rates) and ``achieved_of_modelled``."""
         rows = [r.summary() for r in self.runs]
         base = next((s for s in rows if s["setup"] == "L1 only"), None)
         base_run = next((r for r in self.runs if r.name == "L1 only"), None)
+        ideal = next((s for s in rows if s["setup"] == IDEAL), None)
         # one cost function for every setup's prefills: their mix of prefix lengths tells the
         # attention term from the per-token one better than full prefills alone
         rate, attn, over = fit_prefill_cost([x for r in self.runs for x in r.results])
         self.prefill_fit = (rate, attn, over)
         ps, pb = self.model["page_size"], self.model["page_bytes"]
         for s, run in zip(rows, self.runs):
-            s["ideal_speedup"] = s["achieved_of_ideal"] = s["slower_pct"] = None
+            s["of_ideal_pct"] = None
+            if ideal is not None:
+                s["of_ideal_pct"] = 100.0 * ideal["ttft_mean_ms"] / s["ttft_mean_ms"] \
+                    if s["ttft_mean_ms"] else math.inf
+            s["modelled_speedup"] = s["achieved_of_modelled"] = s["slower_pct"] = None
             s["slower_loading_pct"] = s["slower_same_work_pct"] = None
             if base_run is None or base is None:
                 s["hit_gain_pts"] = s["ttft_speedup"] = s["p90_speedup"] = None
                 continue
             if rate > 0:
-                s["ideal_speedup"] = ideal_speedup(
+                s["modelled_speedup"] = modelled_speedup(
                     run.results, base_run.results, recompute_tps=rate, page_size=ps,
                     page_bytes=pb, h2d_bps=s["l2_load_bytes_per_s"],
                     l3_bps=s["l3_read_bytes_per_s"], attn=attn, overhead_s=over)
@@ -243,9 +272,38 @@ class DemoReport:
                 if s["ttft_mean_ms"] else math.inf
             s["p90_speedup"] = base["ttft_p90_ms"] / s["ttft_p90_ms"] \
                 if s["ttft_p90_ms"] else math.inf
-            if s["ideal_speedup"]:
-                s["achieved_of_ideal"] = s["ttft_speedup"] / s["ideal_speedup"]
+            if s["modelled_speedup"]:
+                s["achieved_of_modelled"] = s["ttft_speedup"] / s["modelled_speedup"]
         return rows
+
+    def ideal(self) -> dict[str, Any] | None:
+        """The measured ideal (the every-page-in-L1 setup): its mean TTFT, its speedup over
+        L1 only (None without L1 only), its L1 size and evictions; None if it did not run."""
+        rows = {s["setup"]: s for s in self.summaries()}
+        s = rows.get(IDEAL)
+        if s is None:
+            return None
+        return {"setup": IDEAL, "ttft_mean_ms": s["ttft_mean_ms"],
+                "speedup": s["ttft_speedup"], "hit_rate_pct": s["hit_rate_pct"],
+                "l1_pages": s["l1_pages"], "l1_evictions": s["l1_evictions"]}
+
+    def split(self) -> dict[str, Any] | None:
+        """The cost-aware split (L1+L2+L3) judged against its alternatives in this run:
+        loading every L3 hit (`LOAD_ALL`) and loading none (L1+L2). ``ratio``: its mean TTFT
+        over the better alternative's; ``flagged`` when more than `SPLIT_MARGIN` above it.
+        None unless all three ran."""
+        rows = {s["setup"]: s for s in self.summaries()}
+        if not all(n in rows for n in ("L1+L2+L3", LOAD_ALL, "L1+L2")):
+            return None
+        ours = rows["L1+L2+L3"]["ttft_mean_ms"]
+        alts = {LOAD_ALL: rows[LOAD_ALL]["ttft_mean_ms"], "L1+L2": rows["L1+L2"]["ttft_mean_ms"]}
+        best = min(alts, key=lambda n: alts[n])
+        ratio = ours / alts[best] if alts[best] > 0 else math.inf
+        return {"setup": "L1+L2+L3", "ttft_mean_ms": ours,
+                "load_all_ttft_mean_ms": alts[LOAD_ALL],
+                "load_none_ttft_mean_ms": alts["L1+L2"], "best_alternative": best,
+                "ratio": ratio, "margin": SPLIT_MARGIN,
+                "flagged": ratio > 1.0 + SPLIT_MARGIN}
 
 
 def fit_prefill_cost(results: list[RequestResult]) -> tuple[float, float, float]:
@@ -280,11 +338,13 @@ def fit_prefill_cost(results: list[RequestResult]) -> tuple[float, float, float]
     return 1.0 / lin, float(attn), float(over)
 
 
-def ideal_ttft(*, tokens: int, l1_tokens: int, l2_tokens: int, l3_tokens: int,
-               page_size: int, page_bytes: int, recompute_tps: float,
-               h2d_bps: float | None, l3_bps: float | None, attn: float = 0.0,
-               overhead_s: float = 0.0) -> float:
-    """The least time to the first token of one request at the measured rates: over every
+def modelled_ttft(*, tokens: int, l1_tokens: int, l2_tokens: int, l3_tokens: int,
+                  page_size: int, page_bytes: int, recompute_tps: float,
+                  h2d_bps: float | None, l3_bps: float | None, attn: float = 0.0,
+                  overhead_s: float = 0.0) -> float:
+    """The modelled split, a diagnostic (the measured ideal is the `IDEAL` setup, and a real
+    run can beat this model): the least time to the first token of one request at the
+    measured rates: over every
     split (the first ``k`` hit pages loaded, the rest recomputed), ``l3(k) + max(h2d(k),
     compute(k))``. L2 -> L1 loads overlap the prefill fully (layer ``i`` of the prefill needs
     only layer ``i`` of the prefix; the pipeline's fill is not counted). An L3 read of the
@@ -309,23 +369,24 @@ def ideal_ttft(*, tokens: int, l1_tokens: int, l2_tokens: int, l3_tokens: int,
     return overhead_s + best
 
 
-def ideal_speedup(results: list[RequestResult], base: list[RequestResult], *,
-                  recompute_tps: float, page_size: int, page_bytes: int,
-                  h2d_bps: float | None, l3_bps: float | None, attn: float = 0.0,
-                  overhead_s: float = 0.0) -> float:
-    """Mean TTFT of L1 only over the mean ideal TTFT of this setup, both at the measured
-    rates (L1 only: its own L1 hits reused, the rest recomputed)."""
-    ideal = sum(ideal_ttft(tokens=r.tokens, l1_tokens=r.l1_tokens, l2_tokens=r.l2_hit_tokens,
-                           l3_tokens=r.l3_hit_tokens, page_size=page_size,
-                           page_bytes=page_bytes, recompute_tps=recompute_tps,
-                           h2d_bps=h2d_bps, l3_bps=l3_bps, attn=attn, overhead_s=overhead_s)
-                for r in results)
-    ref = sum(ideal_ttft(tokens=b.tokens, l1_tokens=b.l1_tokens, l2_tokens=0, l3_tokens=0,
-                         page_size=page_size, page_bytes=page_bytes,
-                         recompute_tps=recompute_tps, h2d_bps=None, l3_bps=None, attn=attn,
-                         overhead_s=overhead_s)
+def modelled_speedup(results: list[RequestResult], base: list[RequestResult], *,
+                     recompute_tps: float, page_size: int, page_bytes: int,
+                     h2d_bps: float | None, l3_bps: float | None, attn: float = 0.0,
+                     overhead_s: float = 0.0) -> float:
+    """Mean modelled TTFT of L1 only over this setup's, both at the measured rates (L1 only:
+    its own L1 hits reused, the rest recomputed). A diagnostic, not a bound."""
+    ours = sum(modelled_ttft(tokens=r.tokens, l1_tokens=r.l1_tokens,
+                             l2_tokens=r.l2_hit_tokens, l3_tokens=r.l3_hit_tokens,
+                             page_size=page_size, page_bytes=page_bytes,
+                             recompute_tps=recompute_tps, h2d_bps=h2d_bps, l3_bps=l3_bps,
+                             attn=attn, overhead_s=overhead_s)
+               for r in results)
+    ref = sum(modelled_ttft(tokens=b.tokens, l1_tokens=b.l1_tokens, l2_tokens=0, l3_tokens=0,
+                            page_size=page_size, page_bytes=page_bytes,
+                            recompute_tps=recompute_tps, h2d_bps=None, l3_bps=None, attn=attn,
+                            overhead_s=overhead_s)
               for b in base)
-    return ref / ideal if ideal > 0 else math.inf
+    return ref / ours if ours > 0 else math.inf
 
 
 def slower_share(results: list[RequestResult], base: list[RequestResult],
@@ -413,6 +474,12 @@ def tier_sizes(cfg: DemoConfig, workload: Workload, model: DemoModel, distinct: 
     return l1, l2
 
 
+def ideal_l1_pages(workload: Workload, model: DemoModel, distinct: int) -> int:
+    """A device pool nothing is ever evicted from: every distinct page of the workload (what
+    the cache can hold at most) plus the new pages of the longest request."""
+    return distinct + workload.max_tokens // model.spec.page_size + 2
+
+
 def cache_config(cfg: DemoConfig, setup: str, model: DemoModel, l2_pages: int,
                  l3_root: str | None) -> dict[str, Any]:
     base: dict[str, Any] = {
@@ -430,10 +497,10 @@ def cache_config(cfg: DemoConfig, setup: str, model: DemoModel, l2_pages: int,
         from ..config import read_config_file
         base.update(read_config_file(path, "cache"))
         base["model_id"] = _model_id(cfg, model)
-    if setup == "L1 only":
-        # The same controller as a device-only prefix cache: selective write-through whose
-        # threshold no page reaches, a one-page host pool, and an engine that reuses L1 hits
-        # only (`DemoEngine(lower_tiers=False)`).
+    if not loads_below_l1(setup):
+        # L1 only and the ideal: the same controller as a device-only prefix cache: selective
+        # write-through whose threshold no page reaches, a one-page host pool, and an engine
+        # that reuses L1 hits only (`DemoEngine(lower_tiers=False)`).
         return {**base, "host_pool_pages": 1, "write_policy": "write_through_selective",
                 "selective_threshold": 1 << 62}
     base["host_pool_pages"] = l2_pages
@@ -444,7 +511,14 @@ def cache_config(cfg: DemoConfig, setup: str, model: DemoModel, l2_pages: int,
         l3_config.setdefault("root", l3_root)
     if cfg.l3_bytes is not None:
         l3_config.setdefault("capacity_bytes", cfg.l3_bytes)
-    return {**base, "l3_store": cfg.l3_store, "l3_config": l3_config}
+    out = {**base, "l3_store": cfg.l3_store, "l3_config": l3_config}
+    if setup == LOAD_ALL:
+        # Its own directory (a store takes one writer) and its own key namespace: a store the
+        # two L3 setups share (a distributed one) never serves one the other's pages.
+        if "root" in l3_config:
+            l3_config["root"] = os.path.join(l3_config["root"], "load-all")
+        out.update(cost_aware_fetch=False, salt=f"{out.get('salt', '')}|load-all")
+    return out
 
 
 def _model_id(cfg: DemoConfig, model: DemoModel) -> str:
@@ -521,7 +595,7 @@ class SetupExporter:
 
 
 def run_setups(names: list[str], model: DemoModel, workload: Workload,
-               cache_cfgs: dict[str, dict[str, Any]], l1_pages: int,
+               cache_cfgs: dict[str, dict[str, Any]], l1_pages: int | dict[str, int],
                checks: dict[str, CheckPolicy], *, progress: bool = True,
                corrupt_restore: bool = False, metrics_port: int | None = None,
                prefill_mode: str = "fast",
@@ -531,8 +605,9 @@ def run_setups(names: list[str], model: DemoModel, workload: Workload,
     """Serve every request on every setup, interleaved request by request (in a rotating
     order), so that all setups see the same machine load; after each request the setup's
     background work (backups, L3 writes) is drained, untimed, so that it never runs during
-    another setup's request. Metrics are served by ``exporter`` (the caller's, bound
-    already) or, given ``metrics_port``, by one this call starts and closes."""
+    another setup's request. ``l1_pages``: every setup's device pool, or one per setup.
+    Metrics are served by ``exporter`` (the caller's, bound already) or, given
+    ``metrics_port``, by one this call starts and closes."""
     from ..report import progress as bar
     engines: dict[str, DemoEngine] = {}
     results: dict[str, list[RequestResult]] = {n: [] for n in names}
@@ -541,10 +616,11 @@ def run_setups(names: list[str], model: DemoModel, workload: Workload,
     own = None
     if exporter is None and metrics_port is not None:
         exporter = own = SetupExporter(names, metrics_port, metrics_host)
+    l1 = l1_pages if isinstance(l1_pages, dict) else dict.fromkeys(names, l1_pages)
     try:
         for name in names:
-            engines[name] = eng = DemoEngine(model, cache_cfgs[name], l1_pages=l1_pages,
-                                             lower_tiers=name != "L1 only",
+            engines[name] = eng = DemoEngine(model, cache_cfgs[name], l1_pages=l1[name],
+                                             lower_tiers=loads_below_l1(name),
                                              prefill_mode=prefill_mode)
             eng.corrupt_restore = corrupt_restore
             eng.warm_up(model.vocab_size)
@@ -574,8 +650,8 @@ def run_setups(names: list[str], model: DemoModel, workload: Workload,
             cache = engines[name].cache
             stats = dict(cache.store.stats()) if cache.store is not None else {}
             cc = cache_cfgs[name]
-            runs.append(SetupRun(name, l1_pages,
-                                 cc.get("host_pool_pages") if name != "L1 only" else None,
+            runs.append(SetupRun(name, l1[name],
+                                 cc.get("host_pool_pages") if loads_below_l1(name) else None,
                                  cc.get("l3_store"), results[name], cache.metrics(),
                                  busy[name], passed[name], stats))
         close = getattr(steps, "close", None)
@@ -606,6 +682,8 @@ def run_demo(cfg: DemoConfig, *, corrupt_restore: bool = False,
     if threads is not None:
         torch.set_num_threads(threads)
     names = [s for s in SETUPS if s in cfg.setups]
+    if not cfg.cost_aware and "L1+L2+L3" in names and LOAD_ALL in names:
+        names.remove(LOAD_ALL)      # L1+L2+L3 loads every hit already
     # Bound first: a port in use is a one-line error now, not after the model is built.
     exporter = (SetupExporter(names, cfg.metrics_port, cfg.metrics_host)
                 if cfg.metrics_port is not None else None)
@@ -626,6 +704,7 @@ def _run_demo(cfg: DemoConfig, names: list[str], exporter: SetupExporter | None,
     workload = build_workload(cfg, model.vocab_size)
     distinct = distinct_pages(workload, model)
     l1, l2 = tier_sizes(cfg, workload, model, distinct)
+    l1_of = {n: ideal_l1_pages(workload, model, distinct) if n == IDEAL else l1 for n in names}
     minfo = {**model.describe(),
              "dtype": str(model.dtype).removeprefix("torch."), "device": str(model.device),
              "page_size": model.spec.page_size, "page_bytes": model.spec.page_bytes,
@@ -637,13 +716,20 @@ def _run_demo(cfg: DemoConfig, names: list[str], exporter: SetupExporter | None,
         f"; {len(workload)} requests, {workload.total_tokens} prompt tokens, {distinct} "
         f"distinct pages of {model.spec.page_size} tokens ({model.spec.page_bytes} B each); "
         f"L1 {l1} pages, L2 {l2} pages ({host_allocator(cfg)}), L3 {cfg.l3_store} "
-        f"({'no limit' if cfg.l3_bytes is None else f'{cfg.l3_bytes} B'})")
+        f"({'no limit' if cfg.l3_bytes is None else f'{cfg.l3_bytes} B'})"
+        + (f"; the ideal: L1 {l1_of[IDEAL]} pages" if IDEAL in names else ""))
     with tempfile.TemporaryDirectory(prefix="kvtier-demo-l3-") as tmp:
-        root = tmp if "L1+L2+L3" in names and _store_takes_root(cfg.l3_store) else None
+        root = tmp if any(map(has_l3, names)) and _store_takes_root(cfg.l3_store) else None
         cfgs = {n: cache_config(cfg, n, model, l2, root) for n in names}
+        for n in names:
+            if has_l3(n) and "root" in cfgs[n]["l3_config"]:
+                os.makedirs(cfgs[n]["l3_config"]["root"], exist_ok=True)
+        if LOAD_ALL in names and "L1+L2+L3" in names and \
+                not cfgs["L1+L2+L3"].get("cost_aware_fetch", True):
+            names.remove(LOAD_ALL)     # a config file turned the cost-aware fetch off
         checks = {n: CheckPolicy(cfg.check, cfg.check_rate, cfg.seed * 1000 + i)
                   for i, n in enumerate(names)}
-        runs = run_setups(names, model, workload, cfgs, l1, checks, progress=cfg.progress,
+        runs = run_setups(names, model, workload, cfgs, l1_of, checks, progress=cfg.progress,
                           corrupt_restore=corrupt_restore, exporter=exporter,
                           prefill_mode="paged" if cfg.check_mode == "bitwise" else "fast",
                           metrics_host=cfg.metrics_host,
@@ -670,7 +756,8 @@ def _rate(bps: float | None, per_token: float) -> str:
 
 
 def physics(report: DemoReport) -> str:
-    """What the run measured: recompute rate, and each setup's load rates per tier/engine."""
+    """What the run measured: recompute rate, each setup's load rates per tier/engine, and
+    the modelled split at those rates (a diagnostic: a real run can beat the model)."""
     from ..report import table
     rows = report.summaries()
     per_token = report.model["page_bytes"] / report.model["page_size"]
@@ -679,48 +766,79 @@ def physics(report: DemoReport) -> str:
                    if r.metrics.get("transfer_engine")}) or [cfg.transfer_engine]
     return table(
         ["setup", "recompute tok/s", f"L2->L1 ({', '.join(used)})",
-         f"L3 read ({cfg.l3_store})", "restored pages checked (digest)"],
+         f"L3 read ({cfg.l3_store})", "restored pages checked (digest)",
+         "modelled split speedup", "achieved/modelled"],
         [[s["setup"], f"{s['recompute_tokens_per_s']:,.0f}"
           if s["recompute_tokens_per_s"] else "-",
-          _rate(s["l2_load_bytes_per_s"], per_token) if s["setup"] != "L1 only" else "-",
-          _rate(s["l3_read_bytes_per_s"], per_token) if s["setup"] == "L1+L2+L3" else "-",
-          s["restored_pages_checked"]] for s in rows])
+          _rate(s["l2_load_bytes_per_s"], per_token) if loads_below_l1(s["setup"]) else "-",
+          _rate(s["l3_read_bytes_per_s"], per_token) if has_l3(s["setup"]) else "-",
+          s["restored_pages_checked"], _ratio(s["modelled_speedup"]),
+          "" if s["achieved_of_modelled"] is None
+          else f"{100 * s['achieved_of_modelled']:.0f}%"] for s in rows])
+
+
+def verdicts(report: DemoReport) -> str:
+    """The measured ideal, and the cost-aware split against its alternatives (one line each;
+    empty for a setup that did not run)."""
+    lines = []
+    ideal = report.ideal()
+    if ideal is not None:
+        over = "" if ideal["speedup"] is None else f", {_ratio(ideal['speedup'])} over L1 only"
+        lines.append(
+            f"Measured ideal, every page kept in L1 ({ideal['l1_pages']} L1 pages, "
+            f"{ideal['l1_evictions']} evicted): mean TTFT {ideal['ttft_mean_ms']:.1f} ms{over}"
+            f", hit rate {ideal['hit_rate_pct']:.1f}%; \"% of ideal\" = a setup's mean speedup "
+            f"over L1 only as a share of the ideal's.")
+    sp = report.split()
+    if sp is not None:
+        best = "loading every L3 hit" if sp["best_alternative"] == LOAD_ALL else \
+            "loading none"
+        verdict = f"MORE THAN {100 * sp['margin']:.0f}% WORSE" if sp["flagged"] else \
+            f"within {100 * sp['margin']:.0f}%"
+        lines.append(
+            f"Cost-aware split (L1+L2+L3): mean TTFT {sp['ttft_mean_ms']:.1f} ms against "
+            f"{sp['load_all_ttft_mean_ms']:.1f} ms loading every L3 hit ({LOAD_ALL}) and "
+            f"{sp['load_none_ttft_mean_ms']:.1f} ms loading none (L1+L2): {sp['ratio']:.2f}x "
+            f"the better ({best}), {verdict}.")
+    return "\n".join(lines)
 
 
 def tables(report: DemoReport) -> str:
-    """The comparison table, the physics and the details table (markdown)."""
+    """The comparison table, its verdicts, the physics and the details table (markdown)."""
     from ..report import table
     rows = report.summaries()
     pct = lambda v: "" if v is None else f"{v:.1f}"  # noqa: E731
     main = table(
         ["setup", "hit rate %", "L1 %", "L2 %", "L3 %", "vs L1 only (pts)", "TTFT mean ms",
-         "TTFT p90 ms", "mean speedup", "p90 speedup", "ideal speedup", "achieved/ideal",
+         "TTFT p90 ms", "mean speedup", "p90 speedup", "% of ideal",
          ">5% slower than L1 only: all / loading / same work %", "computed tok", "loaded tok",
          "skipped tok"],
         [[s["setup"], f"{s['hit_rate_pct']:.1f}", f"{s['l1_hit_pct']:.1f}",
           f"{s['l2_hit_pct']:.1f}", f"{s['l3_hit_pct']:.1f}",
           "" if s["hit_gain_pts"] is None else f"{s['hit_gain_pts']:+.1f}",
           f"{s['ttft_mean_ms']:.1f}", f"{s['ttft_p90_ms']:.1f}", _ratio(s["ttft_speedup"]),
-          _ratio(s["p90_speedup"]), _ratio(s["ideal_speedup"]),
-          "" if s["achieved_of_ideal"] is None else f"{100 * s['achieved_of_ideal']:.0f}%",
+          _ratio(s["p90_speedup"]),
+          "" if s["of_ideal_pct"] is None else f"{s['of_ideal_pct']:.0f}%",
           f"{pct(s['slower_pct'])} / {pct(s['slower_loading_pct'])} / "
           f"{pct(s['slower_same_work_pct'])}" if s["setup"] != "L1 only" else "",
           s["computed_tokens"], s["loaded_tokens"], s["skipped_tokens"]] for s in rows])
     details = table(
         ["setup", "L1 pages", "L2 pages", "load ms (mean)", "prefill ms (mean)",
          "L2->L1 MiB", "L1->L2 MiB", "L3 read MiB", "L3 written MiB", "store errors",
-         "skipped pages L2/L3", "checked ok", "busy s"],
+         "skipped pages L2/L3", "L1 evictions", "checked ok", "busy s"],
         [[s["setup"], s["l1_pages"], s["l2_pages"] or "-", f"{s['load_mean_ms']:.2f}",
           f"{s['prefill_mean_ms']:.1f}", _mib(s["bytes_h2d"]), _mib(s["bytes_d2h"]),
           _mib(s["bytes_l3_read"]), _mib(s["bytes_l3_written"]), s["store_errors"],
-          f"{s['skipped_pages_l2']}/{s['skipped_pages_l3']}",
+          f"{s['skipped_pages_l2']}/{s['skipped_pages_l3']}", s["l1_evictions"],
           s["checks_passed"], f"{s['busy_s']:.1f}"] for s in rows])
     rate, attn, over = getattr(report, "prefill_fit", (math.nan, 0.0, 0.0))
     fit = "" if not rate > 0 else (
-        f"\n\nPrefill cost fitted to every prefill of the run (for the ideal): "
-        f"{over * 1e3:.1f} ms + tokens / {rate:,.0f} per s + {attn * 1e9:.3g} ns x "
+        f"\n\nPrefill cost fitted to every prefill of the run (for the modelled split, a "
+        f"diagnostic): {over * 1e3:.1f} ms + tokens / {rate:,.0f} per s + {attn * 1e9:.3g} ns x "
         f"(n^2 - s^2)/2 for positions s..n.")
-    return main + "\n\n" + physics(report) + fit + "\n\n" + details
+    lines = verdicts(report)
+    return main + ("\n\n" + lines if lines else "") + "\n\n" + physics(report) + fit + \
+        "\n\n" + details
 
 
 def write_outputs(report: DemoReport, out_dir: str) -> dict[str, str]:
@@ -734,6 +852,7 @@ def write_outputs(report: DemoReport, out_dir: str) -> dict[str, str]:
                      "prompt_tokens": report.workload.total_tokens,
                      "distinct_pages": report.distinct_pages},
         "summary": report.summaries(),
+        "ideal": report.ideal(), "split": report.split(),
         "per_round": {r.name: r.per_round(report.workload.num_rounds) for r in report.runs},
         "cache_metrics": {r.name: r.metrics for r in report.runs},
         "requests": {r.name: [{k: v for k, v in asdict(x).items() if k != "check"}
