@@ -25,7 +25,7 @@ import torch
 
 from kvtier.errors import ConfigError, StoreError
 from kvtier.l3_stores import shm as shm_mod
-from kvtier.l3_stores import shm_arena
+from kvtier.l3_stores import shm_arena, shm_format
 from kvtier.l3_stores.shm import ShmStore
 from kvtier.testing import L3StoreContract
 from kvtier.testing.contracts import assert_bitwise_equal
@@ -202,7 +202,7 @@ def test_stats_say_backing_path_and_capacity(name, spec, pool):
 
 
 def test_capacity_in_bytes_counts_whole_slots(name, spec):
-    stride = shm_arena.Geometry.plan(spec.page_bytes, 1, 1).stride
+    stride = shm_format.Geometry.plan(spec.page_bytes, 1, 1).stride
     with ShmStore({"name": name, "capacity_bytes": 5 * stride + stride - 1,
                    "remove_when_unused": True}, spec=spec) as s:
         assert s.stats()["slots"] == 5
@@ -615,7 +615,7 @@ def test_damaged_or_foreign_arena_is_refused(name, spec, damage, reason):
             f.truncate(geo.data_off + 5)
         else:
             ns = "zz" if damage == "other_namespace" else ""
-            head = bytearray(shm_arena.pack_header(geo, spec.fingerprint, ns, os.geteuid()))
+            head = bytearray(shm_format.pack_header(geo, spec.fingerprint, ns, os.geteuid()))
             if damage == "other_version":
                 head[8] = 9
                 head[-4:] = (zlib.crc32(bytes(head[:-4])) & 0xFFFFFFFF).to_bytes(4, "little")

@@ -5,8 +5,9 @@ one shared-memory arena file, ``<root>/<name>-u<uid>.<KVSpec fingerprint>[.ns-<n
 .arena`` (``-g<gid>`` for a group arena), so a page one engine process wrote is a DRAM hit
 for every other process of the same identity, and processes of another spec or namespace
 never open it. The arena is fixed-size slots of a page each, with its index in the arena;
-its layout and the crash-safe slot protocol (lock-free seqlock reads, OFD-locked slot
-claims, reclaiming a killed writer's slot) are described in `kvtier.l3_stores.shm_arena`.
+its layout is `kvtier.l3_stores.shm_format`, and its crash-safe slot protocol (lock-free
+seqlock reads, OFD-locked slot claims, reclaiming a killed writer's slot) is described in
+`kvtier.l3_stores.shm_arena`.
 
 What a crash costs: nothing but misses. A reader holds no lock; a writer's locks go with its
 process, and the slot it was filling reads as a miss until a later write reclaims it. Capacity
@@ -44,8 +45,8 @@ from ..errors import ConfigError, StoreError
 from ..interfaces import INTERFACE_VERSION, Availability, L3Store
 from ..layout import PAGE_FIRST, page_ranges
 from . import shm_arena
-from .shm_arena import (BUSY, HAS_CRC, HIT, HUGE_PAGE, OK, SMALL_PAGE, TIMEOUT, TORN,
-                        Arena, ArenaRefused, Geometry)
+from .shm_arena import BUSY, HIT, OK, TIMEOUT, TORN, Arena, ArenaRefused
+from .shm_format import HAS_CRC, HUGE_PAGE, SMALL_PAGE, Geometry
 
 log = logging.getLogger(__name__)
 
