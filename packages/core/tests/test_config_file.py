@@ -9,8 +9,8 @@ from typing import Any, Literal
 
 import pytest
 
-from kvtier.config import (build_config, config_from_env, read_config_file,
-                           reference_markdown)
+from kvtier.config import build_config, config_from_env, read_config_file
+from kvtier.config_reference import reference_markdown
 from kvtier.errors import ConfigError
 
 
@@ -104,14 +104,14 @@ def test_reference_lists_every_field_with_type_default_and_comment() -> None:
 def test_docs_config_md_is_current() -> None:
     from pathlib import Path
 
-    from kvtier.config import reference
+    from kvtier.config_reference import reference
     doc = Path(__file__).resolve().parents[3] / "docs" / "config.md"
     if not doc.exists():
         if os.environ.get("CI"):
             pytest.fail(f"{doc} is missing")
         pytest.skip("not in a checkout of the repository")
     assert doc.read_text() == reference(), \
-        "docs/config.md is stale: python -m kvtier.config > docs/config.md"
+        "docs/config.md is stale: python -m kvtier.config_reference > docs/config.md"
 
 
 def test_cache_config_layers_file_then_environment(tmp_path) -> None:
@@ -155,3 +155,16 @@ def test_cli_config_flag_and_verbosity(tmp_path, capsys) -> None:
             os.environ.pop("KVTIER_CONFIG", None)
         else:
             os.environ["KVTIER_CONFIG"] = old
+
+
+def test_config_imports_nothing_above_it() -> None:
+    """`kvtier.config` is the bottom floor every config is built with: nowhere in it (a
+    function body included) does it import the controller, a backend or the reference."""
+    import ast
+    import inspect
+
+    import kvtier.config
+    tree = ast.parse(inspect.getsource(kvtier.config))
+    inside = sorted({n.module or "" for n in ast.walk(tree)
+                     if isinstance(n, ast.ImportFrom) and n.level > 0})
+    assert inside == ["errors"], inside
