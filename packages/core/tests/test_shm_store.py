@@ -332,6 +332,32 @@ def test_hugepages_when_present(name, spec, pool):
         assert torch.equal(pool.page_bytes_view(3), want)
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to mount a hugetlbfs")
+def test_a_hugetlbfs_without_free_pages_is_found_and_explained(name, spec, tmp_path):
+    """A real hugetlbfs mount: found by its path, and with too few free 2 MiB pages "auto"
+    falls back to /dev/shm saying so, "on" refuses."""
+    mnt = tmp_path / "huge"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "hugetlbfs", "-o", "pagesize=2M", "none", str(mnt)],
+                       capture_output=True, text=True, timeout=60)
+    if r.returncode:
+        pytest.skip(f"cannot mount a hugetlbfs here: {r.stderr.strip()}")
+    try:
+        assert shm_mod.hugetlbfs_mount(str(mnt)) == (str(mnt), "")
+        free = shm_mod.free_huge_pages()
+        if free is None or free > 2:
+            pytest.skip(f"{free} free 2 MiB pages: the arena may fit (see the test above)")
+        with ShmStore(cfg(name, hugepages="auto", hugetlbfs=str(mnt)), spec=spec) as s:
+            st = s.stats()
+            assert st["backing"].startswith("tmpfs") and "free 2 MiB pages" in \
+                st["backing_reason"] and st["path"].startswith(shm_mod.DEFAULT_ROOT)
+        with pytest.raises(StoreError, match="free 2 MiB pages"):
+            ShmStore(cfg(name, hugepages="on", hugetlbfs=str(mnt)), spec=spec)
+        assert os.listdir(mnt) == []
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False, timeout=60)
+
+
 def test_probe_says_why_without_dev_shm(monkeypatch, tmp_path):
     monkeypatch.setattr(shm_mod, "DEFAULT_ROOT", str(tmp_path / "missing"))
     av = ShmStore.probe()
