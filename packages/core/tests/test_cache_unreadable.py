@@ -262,6 +262,7 @@ def test_planner_stops_offering_l3_while_the_data_path_reports_it_failed(caplog)
         pl.set_l3_state("failed: reads in a row returned none of their pages")
         pl.set_l3_state("failed: reads in a row returned none of their pages")
     assert pl.lookup(keys).l3_pages == 0
+    assert pl.metrics()["l3_state"].startswith("failed")
     assert len(caplog.records) == 1                       # one line per change
     pl.set_l3_state("ok")
     assert pl.lookup(keys).l3_pages == PAGES

@@ -128,6 +128,7 @@ class CachePlanner:
         m.gauge("l2_capacity_pages", lambda: self.host.num_pages)
         m.gauge("plans_pending", lambda: len(self._plans))
         m.gauge("l3_unreadable_keys", lambda: len(self.unreadable))
+        m.gauge("l3_state", lambda: self.l3_state)
 
     # ----- queries ----------------------------------------------------------------------------
     @property
