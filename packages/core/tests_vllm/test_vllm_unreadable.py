@@ -148,3 +148,4 @@ def test_store_that_says_yes_and_never_reads(model, reference, tmp_path, monkeyp
     # at most one failed load per request, and none once the tier was reported failed
     assert k["failed_load_requests"] <= len(PROMPTS), k
     assert k["planner"]["l3_read_failed_pages"] <= 3 * len(PROMPTS), k
+    assert k["planner"]["l3_state"].startswith("failed"), k   # reported by the workers
