@@ -12,8 +12,8 @@ pytest.importorskip("transformers")
 
 from kvtier.cli import main  # noqa: E402
 from kvtier.demo.model import CheckFailedError  # noqa: E402
-from kvtier.demo.run import (IDEAL, LOAD_ALL, SETUPS, DemoConfig, run_demo,  # noqa: E402
-                             tables, write_outputs)
+from kvtier.demo.output import tables, write_outputs  # noqa: E402
+from kvtier.demo.run import IDEAL, LOAD_ALL, SETUPS, DemoConfig, run_demo  # noqa: E402
 from kvtier.errors import ConfigError  # noqa: E402
 
 # 2 clients x 2 rounds of 166..245-token prompts in 16-token pages (25 distinct pages of
@@ -279,20 +279,20 @@ def test_modelled_split_on_hand_made_numbers():
     # load k, recompute 10-k: max(1.048576 k, (10 - k) + 1/64) ms -> best at k=5:
     # max(5.24, 5.016) = 5.243 ms (k=4: max(4.19, 6.016) = 6.016)
     t = modelled_ttft(tokens=641, l1_tokens=0, l2_tokens=640, l3_tokens=0, h2d_bps=1e9,
-                   l3_bps=None, **kw)
+                      l3_bps=None, **kw)
     assert t == pytest.approx(5 * (1 << 20) / 1e9)
     # an L3 page costs its read and its load: at 10 MB/s L3 is never used
     t3 = modelled_ttft(tokens=641, l1_tokens=0, l2_tokens=0, l3_tokens=640, h2d_bps=1e9,
-                    l3_bps=10e6, **kw)
+                       l3_bps=10e6, **kw)
     assert t3 == pytest.approx(641 / 64_000)
     # an L3 read does not overlap the prefill of its own request: 10 pages at 2 GB/s
     # (0.524 ms each, faster than the 1 ms recompute) before 6,401 tokens computed anyway
     t3 = modelled_ttft(tokens=7041, l1_tokens=0, l2_tokens=0, l3_tokens=640, h2d_bps=1e12,
-                    l3_bps=2e9, **kw)
+                       l3_bps=2e9, **kw)
     assert t3 == pytest.approx(10 * (1 << 20) / 2e9 + 6401 / 64_000, rel=1e-3)
     # L1 hits are free; no rate, no use of the tier
     assert modelled_ttft(tokens=641, l1_tokens=640, l2_tokens=0, l3_tokens=0, h2d_bps=None,
-                      l3_bps=None, **kw) == pytest.approx(1 / 64_000)
+                         l3_bps=None, **kw) == pytest.approx(1 / 64_000)
 
     def res(i, ttft, l1=0, l2=0):
         return RequestResult(i, 0, 641, l1, 0, 0, 641 - l1, ttft, 0, 0, ttft, 0,
@@ -325,8 +325,8 @@ def test_prefill_cost_fit_on_hand_made_numbers():
     assert flat[0] == pytest.approx(rate) and flat[1:] == pytest.approx((0, 0), abs=1e-12)
     # the fixed cost is paid in every split
     assert modelled_ttft(tokens=641, l1_tokens=640, l2_tokens=0, l3_tokens=0, page_size=64,
-                      page_bytes=1, recompute_tps=64_000.0, h2d_bps=None, l3_bps=None,
-                      overhead_s=0.03) == pytest.approx(0.03 + 1 / 64_000)
+                         page_bytes=1, recompute_tps=64_000.0, h2d_bps=None, l3_bps=None,
+                         overhead_s=0.03) == pytest.approx(0.03 + 1 / 64_000)
 
 
 def test_without_the_cost_model_load_all_is_l1_l2_l3_and_not_run_twice():

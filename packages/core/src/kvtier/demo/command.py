@@ -163,7 +163,8 @@ def run(args: argparse.Namespace) -> int:
     import sys
     import time
 
-    from .run import run_demo, tables, write_outputs
+    from .output import tables, write_outputs
+    from .run import run_demo
     cfg = config_from_args(args)
     t0 = time.perf_counter()
     report = run_demo(cfg, corrupt_restore=args.corrupt_restore)
