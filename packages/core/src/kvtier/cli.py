@@ -49,8 +49,9 @@ class _Found:
 # ----- core's commands (registered in kvtier-core's pyproject.toml) -----------------------------
 BACKENDS = Command("list every discovered backend and whether it can run here",
                    "kvtier.backends_cli")
-DEMO = Command("replay a multi-turn workload through L1 / L1+L2 / L1+L2+L3 with a real model: "
-               "hit rate, TTFT, bytes moved", "kvtier.demo.command")
+DEMO = Command("replay a multi-turn workload through L1 / L1+L2 / L1+L2+L3 with a real model, "
+               "against every page kept in L1 (the measured ideal): hit rate, TTFT, bytes "
+               "moved", "kvtier.demo.command")
 SIMULATE = Command("replay a request trace through the tiers (no model): per-tier hit rates",
                    "kvtier.simulate")
 BENCH = Command("run a benchmark (measures its own ceiling in the same run)")
