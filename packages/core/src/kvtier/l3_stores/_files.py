@@ -11,6 +11,8 @@ that cannot exist: dead, its files garbage.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import hashlib
 import os
 import socket
@@ -52,3 +54,27 @@ def writer_alive(host: str, pid: int | str, my_host: str) -> bool | None:
     if host != my_host:
         return None
     return pid_alive(pid)
+
+
+#: statfs f_type of filesystems whose files live in memory: tmpfs, ramfs.
+_MEMORY_FS = {0x01021994: "tmpfs", 0x858458F6: "ramfs"}
+_libc: ctypes.CDLL | None = None
+
+
+def medium(fd: int) -> str:
+    """What the directory (descriptor) ``fd`` lives on: "memory" (tmpfs, ramfs: sync calls
+    do nothing, and writes to one file are serialised by its inode lock), "disk", or
+    "unknown" (statfs could not say)."""
+    global _libc
+    if fd < 0 or not hasattr(os, "sched_getaffinity"):      # not Linux
+        return "unknown"
+    try:
+        if _libc is None:
+            _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        buf = ctypes.create_string_buffer(256)      # struct statfs: f_type comes first
+        if _libc.fstatfs(fd, buf) != 0:
+            return "unknown"
+    except (OSError, AttributeError):
+        return "unknown"
+    f_type = int.from_bytes(buf.raw[:ctypes.sizeof(ctypes.c_long)], "little") & 0xFFFFFFFF
+    return "memory" if f_type in _MEMORY_FS else "disk"

@@ -334,6 +334,11 @@ class FileStore(L3Store):
         #: the I/O threads in calls no smaller than this (where it holds that much); with
         #: ``io_depth``, in calls of this size.
         io_call_bytes: int = 8 << 20
+        #: ``segments`` format: segments this store appends to at once, each by its own
+        #: writer identity, so that the write calls in flight go to different files (0:
+        #: ``io_threads`` where the directory is in memory -- tmpfs, ramfs: they serialise
+        #: writes to one file -- else 1: a disk takes concurrent writes to one file).
+        write_lanes: int = 0
         #: fsync each object (and its directory) before it becomes visible: survives power
         #: loss. Off, a crash can lose recent objects (checksums turn them into misses).
         fsync: bool = False
@@ -394,7 +399,7 @@ class FileStore(L3Store):
         if c.io_threads < 1:
             raise ConfigError(f"file.io_threads must be >= 1, got {c.io_threads}",
                               key="file.io_threads", value=c.io_threads)
-        for key, lo in (("io_depth", 0), ("io_call_bytes", DIRECT_ALIGN)):
+        for key, lo in (("io_depth", 0), ("io_call_bytes", DIRECT_ALIGN), ("write_lanes", 0)):
             v = getattr(c, key)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ConfigError(f"file.{key} must be an integer >= {lo}, got {v!r}",
@@ -434,6 +439,10 @@ class FileStore(L3Store):
                 self._go_read_only(why)
         self.identity = identity_record(spec.fingerprint, c.namespace)
         self._identity = identity_digest(self.identity)
+        #: "memory" (tmpfs, ramfs), "disk" or "unknown": in memory, fsync does nothing and is
+        #: skipped (stats say so)
+        self.medium = _files.medium(self._dfd)
+        self._sync = c.fsync and self.medium != "memory"
         self._manifest_state = self._check_manifest()
         self.object_bytes = spec.page_bytes + TRAILER_BYTES
         #: Size of an object written with O_DIRECT: the trailer's block is written whole
@@ -644,7 +653,7 @@ class FileStore(L3Store):
             if self._fix_mode:
                 os.fchmod(fd, self.config.file_mode)
             os.write(fd, blob)
-            if self.config.fsync:
+            if self._sync:
                 os.fsync(fd)
         finally:
             os.close(fd)
@@ -942,7 +951,9 @@ class FileStore(L3Store):
                      o_direct_reason=self._direct_reason, root=self.dir,
                      checksum=f"{self.config.checksum} ({self.checksum_provider})",
                      manifest=self._manifest_state, identity=self._identity.hex(),
-                     read_only=self.read_only, read_only_reason=self._ro_reason)
+                     read_only=self.read_only, read_only_reason=self._ro_reason,
+                     medium=self.medium, fsync="skipped (in memory)" if self.config.fsync
+                     and not self._sync else self.config.fsync)
         d.setdefault("writes_refused", 0)
         d["format"] = self.config.format
         if self._seg is not None:
@@ -1395,12 +1406,12 @@ class FileStore(L3Store):
                     os.ftruncate(fd, self.object_bytes)
             else:
                 _pwrite_all(fd, views + [memoryview(trailer)])
-            if self.config.fsync:
+            if self._sync:
                 os.fsync(fd)
             os.close(fd)
             fd = -1
             os.rename(tmp, name, src_dir_fd=sfd, dst_dir_fd=sfd)
-            if self.config.fsync:
+            if self._sync:
                 os.fsync(sfd)
         except OSError as exc:
             if fd >= 0:

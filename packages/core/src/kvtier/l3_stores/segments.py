@@ -32,6 +32,13 @@ its records end at the first all-zero one. A page is visible only once its recor
 writer killed mid-batch leaves slots no record names: they are never read, and the dead
 writer's segment is sealed (nothing appends to it again).
 
+In memory (tmpfs, ramfs; ``statfs`` tells, stats say ``medium``) three things change, none on
+disk: a store appends to ``write_lanes`` segments at once (default: one per I/O thread), each
+lane a writer identity of its own (own segments, logs and seal), since tmpfs serialises the
+writes to one file; a run is moved in calls of 512 KiB with the checksum taken while each
+piece is in the CPU cache (``_hotio``); segments are sized with ``ftruncate`` while the
+filesystem has ample room (preallocated when nearly full). ``fsync`` is skipped there.
+
 Reads: an in-memory index (SHA-256 of the key -> segment, slot) built at open from the logs
 -- no slot is read to open a store. A key the index misses makes the reader tail the other
 writers' logs (``fstat`` each, read the new bytes) before it is declared a miss, so pages
@@ -101,7 +108,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
-from . import _files
+from . import _files, _hotio
 from . import file as _f
 
 if TYPE_CHECKING:
@@ -164,6 +171,18 @@ class _Fd:
 
 
 @dataclass
+class _Lane:
+    """A write lane: a writer identity of this store instance and the segment it appends to
+    (slots ``next`` to ``slots``). Each lane is a writer of its own on disk (own segments, own
+    logs, own seal), so other processes need no notion of lanes."""
+    writer: str
+    seq: int = 0
+    cur: tuple[str, _Fd] | None = None      # (segment name, its descriptor)
+    next: int = 0
+    slots: int = 0
+
+
+@dataclass
 class _Log:
     """Another writer's log: how far it was read, and whether it can still grow (logs are
     opened only while being read, so a store of many segments holds few descriptors)."""
@@ -207,12 +226,19 @@ class SegmentFormat:
         self._segs: dict[str, _Seg] = {}
         self._logs: dict[str, _Log] = {}
         self._fds: dict[str, _Fd] = {}          # segment name -> its descriptor
-        self._writer = ""
         self._pid = -1
-        self._seq = 0
-        self._cur: tuple[str, _Fd] | None = None       # (segment name, its descriptor)
-        self._cur_next = 0
-        self._cur_slots = 0
+        #: sync calls do nothing where the medium is memory (tmpfs): skipped, said in stats
+        self.medium = store.medium
+        self._sync = store._sync
+        #: in memory: checksum each piece while it is cache-hot (``_hotio``), and segments
+        #: and logs are sized with ftruncate while there is ample room (tmpfs allocates on
+        #: write; preallocating is one more pass over the pages' memory; see _reserve)
+        self.hot = self.medium == "memory"
+        #: write lanes: each its own writer, appending to its own current segment
+        self.lanes = c.write_lanes or (c.io_threads if self.medium == "memory" else 1)
+        self._lanes: list[_Lane] = []
+        self._own: set[str] = set()             # our lanes' writer names
+        self._rr = 0                            # the lane the next run goes to
         #: our segments' logs: segment name -> [descriptor, end of records, preallocated end]
         self._wlogs: dict[str, list[int]] = {}
         self._last_list = 0.0
@@ -230,29 +256,39 @@ class SegmentFormat:
 
     def _new_writer(self) -> None:
         self._pid = os.getpid()
-        self._writer = f"{self.s._host}-{self._pid}-{os.urandom(4).hex()}"
-        self._seq = 0
-        self._cur = None
+        self._lanes = [_Lane(f"{self.s._host}-{self._pid}-{os.urandom(4).hex()}")
+                       for _ in range(self.lanes)]
+        self._own = {lane.writer for lane in self._lanes}
         self._wlogs = {}
+
+    def _curs(self) -> set[str]:
+        """The segments our lanes append to now."""
+        return {lane.cur[0] for lane in self._lanes if lane.cur is not None}
 
     def reopen(self) -> None:
         """Close the segment descriptors (the next I/O reopens them for the pool now attached)
         and seal the current segment."""
         with self._wlock:
             with self._lock:
-                if self._cur is not None:
-                    self._release(self._cur[1])
-                    self._cur = None
+                for lane in self._lanes:
+                    if lane.cur is not None:
+                        self._release(lane.cur[1])
+                        lane.cur = None
                 for name in list(self._fds):
                     self._retire(name)
 
     def close(self) -> None:
         if self._wlogs and self._sfd >= 0 and self._pid == os.getpid() \
                 and not self.s.read_only:
-            try:                        # other processes may now evict our last segment
-                self._append([pack_record(_SEAL, 0, 0, time.time_ns(), bytes(32))])
-            except OSError:
-                pass
+            for lane in self._lanes:   # other processes may now evict our last segments
+                seg = max((n for n in self._wlogs if n.startswith(lane.writer + ".")),
+                          default=None)
+                if seg is None:
+                    continue            # nothing written by this lane: nothing to seal
+                try:
+                    self._append([pack_record(_SEAL, 0, 0, time.time_ns(), bytes(32))], seg)
+                except OSError:
+                    pass
         self.reopen()
         with self._wlock, self._lock:
             fds = [w[0] for w in self._wlogs.values()]
@@ -338,7 +374,7 @@ class SegmentFormat:
             elif _LOG_RE.match(name):
                 if not regular:
                     foreign += 1
-                elif name not in self._logs and not name.startswith(self._writer + "."):
+                elif name not in self._logs and name.split(".")[0] not in self._own:
                     with self._lock:
                         self._logs.setdefault(name, _Log())
             else:
@@ -528,7 +564,7 @@ class SegmentFormat:
     def _writer_state(self, writer: str) -> bool | None:
         """Whether a writer may still append: True, False, or None (another host's)."""
         host, pid, _ = writer.split("-")
-        if writer == self._writer:
+        if writer in self._own:
             return True
         if writer in self._sealed:
             return False
@@ -673,9 +709,9 @@ class SegmentFormat:
         excess = len(self._fds) - _FD_CACHE
         if excess <= 0:
             return
-        cur = self._cur[0] if self._cur is not None else None
+        curs = self._curs()
         for name in [n for n, e in self._fds.items()
-                     if n != cur and not e.writes and not e.refs][:excess]:
+                     if n not in curs and not e.writes and not e.refs][:excess]:
             self._retire(name)
 
     def _read_run(self, item: tuple[str, list[tuple[int, int, bytes, int]]]) -> list[int]:
@@ -691,15 +727,24 @@ class SegmentFormat:
         fd = e.fd
         n = len(run)
         smv = self._scratch(n * self.tail_bytes)
+        tb = self.tail_bytes
         bufs: list[memoryview] = []
+        sums: list[int] = []
         for j, (_, _, _, page) in enumerate(run):
             bufs += s._views(page)
-            bufs.append(smv[j * self.tail_bytes:(j + 1) * self.tail_bytes])
+            bufs.append(smv[j * tb:(j + 1) * tb])
         first = run[0][0]
         try:
             try:
                 with self._io_gate or contextlib.nullcontext():
-                    got = _f._pread_all(fd, bufs, first * self.slot_bytes)
+                    if self.hot:
+                        fn, start = self._crc()
+                        got, sums = _hotio.read_hot(
+                            fd, first * self.slot_bytes,
+                            [(s._views(page), smv[j * tb:(j + 1) * tb])
+                             for j, (_, _, _, page) in enumerate(run)], fn, start)
+                    else:
+                        got = _f._pread_all(fd, bufs, first * self.slot_bytes)
             except OSError as exc:
                 s._io_error("read", path, exc)
                 return []
@@ -718,7 +763,11 @@ class SegmentFormat:
                 try:
                     kind_id, want = _f.check_trailer(raw, s.spec.fingerprint, b"", plen,
                                                      s._identity, key_digest=digest)
-                    if _f._checksum(kind_id, s._views(page)) != want:
+                    # the checksum of the bytes in the page now: taken as they arrived
+                    # (hot), or over the page (another checksum kind, or not in memory)
+                    have = sums[j] if sums and kind_id == s._kind_id else \
+                        _f._checksum(kind_id, s._views(page))
+                    if have != want:
                         raise _f._Bad("corrupted", "payload checksum mismatch")
                 except _f._Bad as bad:
                     self._bad(seg, fd, slot, digest, bad, path)
@@ -808,21 +857,26 @@ class SegmentFormat:
         work = []
         step = self._chunk(n)
         with self._wlock:
-            self._check_current()
+            for lane in self._lanes:
+                self._check_current(lane)
             i = 0
             while i < n:
-                if self._cur is None or self._cur_next >= self._cur_slots:
-                    if not self._rotate(n - i):
+                # runs go to the lanes in turn (across calls too): the runs in flight at
+                # once write different files (tmpfs serialises writes to one file)
+                lane = self._lanes[self._rr % len(self._lanes)]
+                if lane.cur is None or lane.next >= lane.slots:
+                    if not self._rotate(lane, n - i):
                         break
-                assert self._cur is not None
-                take = self._split(min(n - i, self._cur_slots - self._cur_next), step)[0]
-                e = self._cur[1]
+                assert lane.cur is not None
+                take = self._split(min(n - i, lane.slots - lane.next), step)[0]
+                e = lane.cur[1]
                 with self._lock:
                     e.refs += 1
                     e.writes += 1
-                work.append((self._cur[0], e, self._cur_next, list(range(i, i + take))))
-                self._cur_next += take
+                work.append((lane.cur[0], e, lane.next, list(range(i, i + take))))
+                lane.next += take
                 i += take
+                self._rr += 1
         if i < n:
             self.s._write_failed(os.path.join(self.s.dir, SEG_DIR), self._rotate_error,
                                  n - i)
@@ -836,23 +890,24 @@ class SegmentFormat:
 
     _rotate_error: OSError = OSError(errno.EIO, "no segment")
 
-    def _check_current(self) -> None:
-        """Our current segment or log removed behind our back (eviction, clear): start anew."""
-        if self._cur is not None:
+    def _check_current(self, lane: "_Lane") -> None:
+        """A lane's current segment or log removed behind our back (eviction, clear): it
+        starts anew."""
+        if lane.cur is not None:
             try:
-                gone = os.fstat(self._cur[1].fd).st_nlink == 0
+                gone = os.fstat(lane.cur[1].fd).st_nlink == 0
             except OSError:
                 gone = True
-            w = self._wlogs.get(self._cur[0])
+            w = self._wlogs.get(lane.cur[0])
             if not gone and w is not None:
                 try:
                     gone = os.fstat(w[0]).st_nlink == 0
                 except OSError:
                     gone = True
             if gone:
-                self._release(self._cur[1])
-                self._close_wlog(self._cur[0])
-                self._cur = None
+                self._release(lane.cur[1])
+                self._close_wlog(lane.cur[0])
+                lane.cur = None
 
     def _close_wlog(self, seg: str) -> None:
         w = self._wlogs.pop(seg, None)
@@ -861,18 +916,17 @@ class SegmentFormat:
 
     def _close_old_wlogs(self) -> None:
         """After a batch: keep only the current segment's log open (wlock held)."""
-        cur = self._cur[0] if self._cur is not None else None
-        newest = max(self._wlogs, default=None)
+        keep = self._curs()
         with self._lock:
             busy = {n for n, e in self._fds.items() if e.writes}   # another batch's runs
-        for seg in [n for n in self._wlogs if n not in (cur, newest) and n not in busy]:
+        for seg in [n for n in self._wlogs if n not in keep and n not in busy]:
             self._close_wlog(seg)
 
-    def _rotate(self, want: int) -> bool:
-        """Seal the current segment and start a new, preallocated one (wlock held)."""
+    def _rotate(self, lane: "_Lane", want: int) -> bool:
+        """Seal a lane's current segment and start a new, preallocated one (wlock held)."""
         s = self.s
-        self._seq += 1
-        name = f"{self._writer}.{self._seq:08d}{SEG_SUFFIX}"
+        lane.seq += 1
+        name = f"{lane.writer}.{lane.seq:08d}{SEG_SUFFIX}"
         size = self.seg_slots * self.slot_bytes
         direct = s._direct and s._direct_pool
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | _f._NOFOLLOW
@@ -893,7 +947,7 @@ class SegmentFormat:
                     self._claim = ""
             while True:
                 try:
-                    os.posix_fallocate(fd, 0, size)
+                    self._reserve(fd, 0, size)
                     break
                 except OSError as exc:
                     # nearly full (or a file size limit): a smaller segment, down to one slot
@@ -902,7 +956,7 @@ class SegmentFormat:
                         raise
                     size = max(self.slot_bytes, size // 2 // self.slot_bytes * self.slot_bytes)
                     os.ftruncate(fd, 0)
-            if s.config.fsync:
+            if self._sync:
                 os.fsync(self._sfd)
         except OSError as exc:
             os.close(fd)
@@ -916,27 +970,27 @@ class SegmentFormat:
         with self._lock:
             info = self._segs.get(name)
             if info is None:
-                self._segs[name] = _Seg(self._writer, self._seq, size, time.time_ns())
+                self._segs[name] = _Seg(lane.writer, lane.seq, size, time.time_ns())
             else:                       # listed while it was a claim
                 info.size, info.used_ns = size, time.time_ns()
             self._fds[name] = e
-        if self._cur is not None:
-            self._release(self._cur[1])
-        self._cur, self._cur_next = (name, e), 0
-        self._cur_slots = size // self.slot_bytes
+        if lane.cur is not None:
+            self._release(lane.cur[1])
+        lane.cur, lane.next = (name, e), 0
+        lane.slots = size // self.slot_bytes
         try:
             while True:
                 try:
-                    self._ensure_log(name, self._cur_slots)
+                    self._ensure_log(name, lane.slots)
                     break
                 except OSError as exc:
                     # the segment took the last free space: give some back for its records
-                    if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or self._cur_slots <= 1:
+                    if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or lane.slots <= 1:
                         raise
-                    self._cur_slots //= 2
-                    os.ftruncate(fd, self._cur_slots * self.slot_bytes)
+                    lane.slots //= 2
+                    os.ftruncate(fd, lane.slots * self.slot_bytes)
                     with self._lock:
-                        self._segs[name].size = self._cur_slots * self.slot_bytes
+                        self._segs[name].size = lane.slots * self.slot_bytes
         except OSError as exc:
             self._rotate_error = exc
             with self._lock:
@@ -945,7 +999,7 @@ class SegmentFormat:
             self._close_wlog(name)
             self._unlink(_segment_log(name))
             self._release(e)
-            self._cur = None
+            lane.cur = None
             return False
         return True
 
@@ -959,15 +1013,31 @@ class SegmentFormat:
                          | _f._NOFOLLOW, self.s.config.file_mode, dir_fd=self._sfd)
             if self.s._fix_mode:
                 os.fchmod(fd, self.s.config.file_mode)
-            if self.s.config.fsync:
+            if self._sync:
                 os.fsync(self._sfd)           # the log's name survives a power loss too
             w = self._wlogs[seg] = [fd, 0, 0]
         need = w[1] + room * REC_BYTES
         if need > w[2]:
             need = -(-need // _f.DIRECT_ALIGN) * _f.DIRECT_ALIGN
-            os.posix_fallocate(w[0], w[2], need - w[2])
+            self._reserve(w[0], w[2], need - w[2])
             w[2] = need
         return w
+
+    def _reserve(self, fd: int, off: int, length: int) -> None:
+        """Give a file its size: preallocated on a disk; in memory a plain size while the
+        filesystem has room for it several times over (nearly full, it is preallocated too,
+        so what does not fit fails here and the segment shrinks to what does)."""
+        if self.hot:
+            try:
+                st = os.fstatvfs(fd)
+                roomy = st.f_bavail * st.f_frsize >= 4 * length
+            except OSError:
+                roomy = False
+            if roomy:
+                if os.fstat(fd).st_size < off + length:
+                    os.ftruncate(fd, off + length)
+                return
+        os.posix_fallocate(fd, off, length)
 
     def _reopen_wlog(self, seg: str) -> list[int]:
         """Open one of our segments' logs again (closed after an earlier batch): its records
@@ -1003,7 +1073,7 @@ class SegmentFormat:
                 n = os.pwrite(fd, blob, off)
                 blob, off = blob[n:], off + n
             w[1] = off
-            if self.s.config.fsync:
+            if self._sync:
                 os.fdatasync(fd)
 
     def _write_run(self, w: tuple[str, _Fd, int, list[int]], keys: Sequence[bytes],
@@ -1024,19 +1094,32 @@ class SegmentFormat:
         smv = self._scratch(len(idx) * self.tail_bytes)
         smv[:] = bytes(len(smv))            # padding after each trailer: zeros
         bufs: list[memoryview] = []
+        tb = self.tail_bytes
+        hot: list[tuple[list[memoryview], memoryview]] = []
+
+        def seal(j: int, value: int) -> None:
+            i = idx[j]
+            smv[j * tb:j * tb + _f.TRAILER_BYTES] = _f.pack_trailer(
+                s.spec.fingerprint, keys[i], plen, s._kind_id, value, s._identity)
         try:
-            for j, i in enumerate(idx):
-                views = s._views(pages[i])
-                trailer = _f.pack_trailer(s.spec.fingerprint, keys[i], plen, s._kind_id,
-                                          _f._checksum(s._kind_id, views), s._identity)
-                smv[j * self.tail_bytes:j * self.tail_bytes + _f.TRAILER_BYTES] = trailer
-                bufs += views
-                bufs.append(smv[j * self.tail_bytes:(j + 1) * self.tail_bytes])
+            if self.hot:
+                hot = [(s._views(pages[i]), smv[j * tb:(j + 1) * tb])
+                       for j, i in enumerate(idx)]
+            else:
+                for j, i in enumerate(idx):
+                    views = s._views(pages[i])
+                    seal(j, _f._checksum(s._kind_id, views))
+                    bufs += views
+                    bufs.append(smv[j * tb:(j + 1) * tb])
             path = os.path.join(s.dir, SEG_DIR, seg)
             try:
                 with self._io_gate or contextlib.nullcontext():
-                    _f._pwrite_all(fd, bufs, first * self.slot_bytes)
-                if s.config.fsync:
+                    if self.hot:
+                        fn, start = self._crc()
+                        _hotio.write_hot(fd, first * self.slot_bytes, hot, fn, start, seal)
+                    else:
+                        _f._pwrite_all(fd, bufs, first * self.slot_bytes)
+                if self._sync:
                     os.fdatasync(fd)
             except OSError as exc:
                 s._write_failed(path, exc, len(idx))
@@ -1059,7 +1142,12 @@ class SegmentFormat:
                     info.used_ns = max(info.used_ns, t_ns)
             return idx
         finally:
-            del bufs
+            del bufs, hot
+
+    def _crc(self) -> tuple[Any, int]:
+        """The store's own checksum: (function, start value)."""
+        kind = self.s._kind_id
+        return _f.checksum_impl(kind)[0], _f._CHECKSUM_START[kind]
 
     def delete(self, keys: Sequence[bytes]) -> int:
         n = 0
@@ -1099,7 +1187,8 @@ class SegmentFormat:
             if not (_SEG_RE.match(name) or _LOG_RE.match(name)) or not self._unlink(name):
                 foreign += 1
         with self._wlock:
-            self._check_current()
+            for lane in self._lanes:
+                self._check_current(lane)
             for seg in list(self._wlogs):
                 self._close_wlog(seg)
         with self._lock:
@@ -1119,12 +1208,12 @@ class SegmentFormat:
                    newest: dict[str, int] | None = None) -> bool:
         """A segment its writer may still append to (lock held); ``newest``: each writer's
         highest segment number, if the caller has it."""
-        if (self._cur is not None and name == self._cur[0]) or name == self._claim:
+        if name in self._curs() or name == self._claim:
             return True
         e = self._fds.get(name)
         if e is not None and e.writes:
             return True                 # a batch of ours is writing into it
-        if info.writer == self._writer:
+        if info.writer in self._own:
             return False
         alive = self._writer_state(info.writer)
         if alive is False:
@@ -1145,7 +1234,7 @@ class SegmentFormat:
         self.refresh()                    # every writer's segments and claims, now
         with self._lock:
             live = {i.writer for i in self._segs.values()
-                    if self._writer_state(i.writer) is not False} | {self._writer}
+                    if self._writer_state(i.writer) is not False} | self._own
         share = cap // (2 * len(live)) // self.slot_bytes * self.slot_bytes
         size = max(self.slot_bytes, min(size, share))
         evicted = self.make_room(size, fresh=False)
@@ -1161,7 +1250,7 @@ class SegmentFormat:
         with self._lock:
             total = 0
             for name, i in self._segs.items():
-                if i.size or name == self._claim or i.writer == self._writer:
+                if i.size or name == self._claim or i.writer in self._own:
                     total += i.size
                 elif self._writer_state(i.writer) is not False:
                     total += self.seg_slots * self.slot_bytes
@@ -1231,7 +1320,8 @@ class SegmentFormat:
                 i.size for i in self._segs.values()), "segments": len(self._segs),
                 "live_slots": len(self._index), "slot_bytes": self.slot_bytes,
                 "segment_slots": self.seg_slots, "writers": len(
-                    {n.split(".")[0] for n in self._logs} | {self._writer})}
+                    {n.split(".")[0] for n in self._logs} | self._own),
+                "write_lanes": self.lanes}
 
     def locate(self, key: bytes) -> tuple[str, int] | None:
         """(segment path, byte offset of the slot) holding ``key`` here, for tests/tools."""
