@@ -352,6 +352,27 @@ def test_two_engine_processes_share_prefixes_through_the_shm_store(model, refere
     assert _outputs(one, 0) == _outputs(two, 0) == _outputs(reference, 0)[:1]
 
 
+# ----- 10. concurrent requests --------------------------------------------------------------------
+def test_conversations_sent_together_are_batched_and_hit(model, tmp_path):
+    """Four conversations send each turn together (one `generate` call: vLLM batches them,
+    the connector's loads of several requests in one step, L3 loads asynchronous while
+    others run). Every request finishes, later turns hit kvtier's tiers."""
+    res = _run({"model": model,
+                "engine": {"enable_prefix_caching": True, "num_gpu_blocks_override": 16,
+                           "max_model_len": 1024},
+                "kv_transfer_config": _ktc(str(tmp_path / "l3"), file_format=None,
+                                           host_pool_pages=10),
+                "phases": [{"conversations": CONVS, "concurrency": 4}]})
+    reqs = res["phases"][0]["requests"]
+    assert len(reqs) == sum(len(c) for c in CONVS)
+    assert {r["batch"] for r in reqs} == {4}
+    k = res["kvtier"]
+    assert k.get("hit_tokens_l2", 0) + k.get("hit_tokens_l3", 0) > 0, k
+    assert k["planner"]["load_failed_pages"] == 0, k
+    assert all(r["cached"] >= BLOCK for r in reqs if r["turn"] > 0), \
+        [r["cached"] for r in reqs]
+
+
 # ----- the plugin entry point ------------------------------------------------------------------
 def test_general_plugin_registers_the_connector_name():
     eps = importlib.metadata.entry_points(group="vllm.general_plugins")

@@ -158,15 +158,24 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     sp = SamplingParams(max_tokens=job.get("max_tokens", 16), temperature=0.0,
                         detokenize=False, ignore_eos=True)
 
-    def generate(prompt: list[int]) -> dict[str, Any]:
+    def generate_many(prompts: list[list[int]]) -> list[dict[str, Any]]:
+        """One ``generate`` call: the prompts arrive together and vLLM batches them (their
+        TTFT includes the wait for their turn)."""
         t = time.perf_counter()
-        (o,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], sp, use_tqdm=False)
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp,
+                            use_tqdm=False)
         wall = time.perf_counter() - t
-        m = getattr(o, "metrics", None)
-        ttft = float(getattr(m, "first_token_latency", 0.0) or 0.0) if m else 0.0
-        return {"prompt_len": len(prompt), "output": list(o.outputs[0].token_ids),
-                "cached": int(o.num_cached_tokens or 0), "ttft_s": ttft or wall,
-                "wall_s": wall}
+        got = []
+        for prompt, o in zip(prompts, outs):
+            m = getattr(o, "metrics", None)
+            ttft = float(getattr(m, "first_token_latency", 0.0) or 0.0) if m else 0.0
+            got.append({"prompt_len": len(prompt), "output": list(o.outputs[0].token_ids),
+                        "cached": int(o.num_cached_tokens or 0), "ttft_s": ttft or wall,
+                        "wall_s": wall, "batch": len(prompts)})
+        return got
+
+    def generate(prompt: list[int]) -> dict[str, Any]:
+        return generate_many([prompt])[0]
 
     phases = []
     for ph in job["phases"]:
@@ -176,17 +185,22 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         if "prompts" in ph:
             res["requests"] = [generate(p) for p in ph["prompts"]]
         if "conversations" in ph:
+            # closed loop: ``concurrency`` conversations at a time send their next turn
+            # together (1: one request at a time)
             convs = ph["conversations"]
+            conc = max(1, int(ph.get("concurrency", 1)))
             history: list[list[int]] = [[] for _ in convs]
+            t_phase = time.perf_counter()
             for t in range(max(len(c) for c in convs)):
-                for ci, conv in enumerate(convs):
-                    if t >= len(conv):
-                        continue
-                    prompt = history[ci] + conv[t]
-                    r = generate(prompt)
-                    r.update(conv=ci, turn=t)
-                    res["requests"].append(r)
-                    history[ci] = prompt + r["output"]
+                live = [ci for ci, conv in enumerate(convs) if t < len(conv)]
+                for at in range(0, len(live), conc):
+                    group = live[at:at + conc]
+                    prompts = [history[ci] + convs[ci][t] for ci in group]
+                    for ci, prompt, r in zip(group, prompts, generate_many(prompts)):
+                        r.update(conv=ci, turn=t)
+                        res["requests"].append(r)
+                        history[ci] = prompt + r["output"]
+            res["wall_s"] = time.perf_counter() - t_phase
         phases.append(res)
     out: dict[str, Any] = {"start_s": start_s, "phases": phases}
     core = getattr(llm.llm_engine.engine_core, "engine_core", None)
@@ -266,7 +280,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                       user_tokens=args.user_tokens, seed=args.seed)
     engine = {"enable_prefix_caching": True, "num_gpu_blocks_override": args.device_blocks,
               "max_model_len": args.max_model_len}
-    phase = [{"conversations": convs}]
+    phase = [{"conversations": convs, "concurrency": args.concurrency}]
 
     def runs_of(l3: str) -> list[tuple[str, dict[str, Any] | None, dict[str, Any]]]:
         kt = {"host_pool_pages": args.host_pages}
@@ -334,6 +348,11 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             "ttft_p90_ms": 1e3 * statistics.median(_pct(t, 0.9) for t in per_round),
             "rounds": len(good),
             "ttft_later_turns_mean_ms": 1e3 * statistics.mean(later) if later else 0.0,
+            "requests_per_s": statistics.median(len(x["phases"][0]["requests"])
+                                                / x["phases"][0]["wall_s"] for x in good),
+            "prompt_tokens_per_s": statistics.median(
+                sum(r["prompt_len"] for r in x["phases"][0]["requests"])
+                / x["phases"][0]["wall_s"] for x in good),
             "outputs_identical": same_as(base_reqs),
             "outputs_identical_all_cached": same_as(ideal_reqs),
             "engine_start_s": res["start_s"]})
@@ -343,11 +362,14 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             continue
         r["ttft_mean_ratio"] = float(r["ttft_mean_ms"]) / float(b["ttft_mean_ms"])
         r["ttft_p90_ratio"] = float(r["ttft_p90_ms"]) / float(b["ttft_p90_ms"])
+        r["throughput_ratio"] = float(r["requests_per_s"]) / float(b["requests_per_s"])
     try:
         load = os.getloadavg()
     except OSError:
         load = None
-    return {"config": vars(args), "rows": rows, "loadavg_after": load,
+    settings = {k: v for k, v in vars(args).items()          # the flags, as plain data
+                if v is None or isinstance(v, (str, int, float, bool, list))}
+    return {"config": settings, "rows": rows, "loadavg_after": load,
             "requests": {name: [[{k: r[k] for k in ("conv", "turn", "prompt_len", "cached",
                                                     "ttft_s")}
                                  for r in x["phases"][0]["requests"]]
@@ -357,11 +379,11 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
 def _table(rows: list[dict[str, Any]]) -> str:
     head = ("| run | cached tokens / prompt tokens | kvtier L2 / L3 hit tokens | split left "
             "to vLLM: L2 / L3 pages | TTFT mean ms (ratio) | TTFT p90 ms (ratio) | later turns "
-            "TTFT mean ms | outputs = vllm / = vllm-all-cached |")
-    lines = [head, "|---|---|---|---|---|---|---|---|"]
+            "TTFT mean ms | requests/s (ratio) | outputs = vllm / = vllm-all-cached |")
+    lines = [head, "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['run']} | did not run: {r['error']} | | | | | | |")
+            lines.append(f"| {r['run']} | did not run: {r['error']} | | | | | | | |")
             continue
         lines.append(
             f"| {r['run']} | {r['cached_tokens']} / {r['prompt_tokens']} | "
@@ -370,9 +392,20 @@ def _table(rows: list[dict[str, Any]]) -> str:
             f"{r['ttft_mean_ms']:.1f} "
             f"({r['ttft_mean_ratio']:.2f}) | {r['ttft_p90_ms']:.1f} ({r['ttft_p90_ratio']:.2f})"
             f" | {r['ttft_later_turns_mean_ms']:.1f} | "
+            f"{r['requests_per_s']:.2f} ({r['throughput_ratio']:.2f}) | "
             f"{'yes' if r['outputs_identical'] else 'no'} / "
             f"{'yes' if r['outputs_identical_all_cached'] else 'no'} |")
     return "\n".join(lines)
+
+
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text!r}")
+    return n
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -380,6 +413,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--job", help="run one engine job (JSON file) and print its result")
     p.add_argument("--conversations", type=int, default=4)
     p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--concurrency", type=_positive, default=1,
+                   help="conversations that send their next turn together (vLLM batches "
+                        "them; TTFT includes the wait); 1: one request at a time")
     p.add_argument("--system-tokens", type=int, default=512)
     p.add_argument("--user-tokens", type=int, default=200)
     p.add_argument("--max-tokens", type=int, default=16)
