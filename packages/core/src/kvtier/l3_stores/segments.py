@@ -617,9 +617,23 @@ class SegmentFormat:
 
     # ----- public operations ------------------------------------------------------------------
     def exists(self, keys: Sequence[bytes]) -> int:
+        """Leading keys the index holds in a segment this store can open: the existence
+        check and the read agree (an entry whose segment cannot be opened is forgotten, as
+        a read of it would, and is no hit)."""
         n = 0
-        for _, entry in self.lookup(keys, fresh=True):     # evictions by others count
+        opens: dict[str, bool] = {}
+        for digest, entry in self.lookup(keys, fresh=True):  # evictions by others count
             if entry is None:
+                break
+            seg = entry[0]
+            if seg not in opens:
+                e = self._acquire(seg)        # cached: one open per segment, not per key
+                opens[seg] = e is not None
+                if e is not None:
+                    self._release(e)
+            if not opens[seg]:
+                with self._lock:
+                    self._forget_if(digest, seg, entry[1])
                 break
             n += 1
         return n
