@@ -1328,7 +1328,7 @@ def calibrate(ordinal: int, sm_cls: type, config: Any, sm_cfg: dict[str, Any],
     taken; returns per direction the table ``{chunk: PathRates fields}`` and the crossover."""
     import torch
     from kvtier import DeviceKVPool, HostKVPool, KVSpec
-    from kvtier.bench.transfer import timed_ms
+    from kvtier.timing import timed_ms
     from kvtier.interfaces import HostBuffer
     from ._plan import PathRates
     nbytes = config.calibrate_mib << 20
