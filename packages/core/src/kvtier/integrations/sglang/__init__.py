@@ -53,15 +53,15 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from .. import registry
-from ..config import build_config
-from ..errors import ConfigError, InvalidArgumentError, LayoutError, StoreError
-from ..host_pool import HostKVPool
-from ..interfaces import L3_STORES, HostBuffer, L3Store
-from ..layout import LAYER_FIRST, PAGE_FIRST
-from ..metrics import Metrics
-from ..spec import DTYPES, KVSpec
-from . import SGLANG_CLASS, SGLANG_MODULE
+from ... import registry
+from ...config import build_config
+from ...errors import ConfigError, InvalidArgumentError, LayoutError, StoreError
+from ...host_pool import HostKVPool
+from ...interfaces import L3_STORES, HostBuffer, L3Store
+from ...layout import LAYER_FIRST, PAGE_FIRST
+from ...metrics import Metrics
+from ...spec import DTYPES, KVSpec
+from .. import SGLANG_CLASS, SGLANG_MODULE
 
 try:
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
@@ -603,7 +603,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
         """kvtier's counters as prometheus_client objects in this (scheduler) process; SGLang
         serves /metrics in prometheus_client's multiprocess mode, which gathers them."""
         try:
-            from ..prometheus import PrometheusMirror, Source
+            from ...prometheus import PrometheusMirror, Source
             labels = {"store": self.config.store,
                       "tp_rank": str(getattr(storage_config, "tp_rank", 0)),
                       "model_name": str(getattr(storage_config, "model_name", "") or "")}
