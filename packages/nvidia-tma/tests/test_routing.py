@@ -325,13 +325,13 @@ def test_a_hostile_calibration_cache_costs_a_new_calibration(tmp_path, monkeypat
     and rewritten; other machines' entries in it are kept."""
     import logging
 
-    from kvtier_nvidia_tma import transfer_engine
+    from kvtier_nvidia_tma import routed
     measured = []
 
     def fake_calibrate(*args, **kwargs):
         measured.append(1)
         return _entry(GOOD)
-    monkeypatch.setattr(transfer_engine, "calibrate", fake_calibrate)
+    monkeypatch.setattr(routed, "calibrate", fake_calibrate)
     path = tmp_path / "routes.json"
     path.write_text(content)
     with caplog.at_level(logging.WARNING):
