@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
 
 def _json_object(text: str) -> dict:
@@ -23,6 +24,33 @@ def _port(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
     if not 0 <= v <= 65535:
         raise argparse.ArgumentTypeError(f"a port is in [0, 65535], got {v}")
+    return v
+
+
+def _numbers(kind: type, name: str):
+    """An argparse type: comma-separated finite numbers > 0 (a usage error otherwise)."""
+    def parse(text: str) -> tuple:
+        out = []
+        for part in (p.strip() for p in text.split(",")):
+            try:
+                v = kind(part)
+            except ValueError:
+                raise argparse.ArgumentTypeError(
+                    f"{name} takes comma-separated {kind.__name__}s, got {part!r}") from None
+            if not math.isfinite(v) or v <= 0:
+                raise argparse.ArgumentTypeError(f"{name} must be finite and > 0, got {part}")
+            out.append(v)
+        return tuple(out)
+    return parse
+
+
+def _think(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(v) or v < 0:
+        raise argparse.ArgumentTypeError(f"think time must be finite and >= 0, got {text}")
     return v
 
 
@@ -106,6 +134,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "'L1+L2+L3 load all' is L1+L2+L3 loading every hit, what the cost-aware "
                    "split is judged against; the ideal keeps every page in L1, and every "
                    "speedup is reported as a %% of it)")
+    g = p.add_argument_group("under load (after the serial replay; see docs/demo.md)")
+    g.add_argument("--loads", "--load", type=_numbers(float, "--loads"), nargs="?",
+                   const=(0.5, 0.8, 0.95), default=(), metavar="F[,F...]",
+                   help="open loop: Poisson arrivals at these fractions of the L1-only "
+                   "capacity the serial replay measures (--load alone: 0.5,0.8,0.95); requests "
+                   "queue FIFO, TTFT counts the wait, L3 prefetch starts at arrival")
+    g.add_argument("--rate", type=_numbers(float, "--rate"), default=(), metavar="R[,R...]",
+                   help="open loop: Poisson arrivals at these rates (requests/s)")
+    g.add_argument("--concurrency", type=_numbers(int, "--concurrency"), default=(),
+                   metavar="N[,N...]", help="closed loop: N users, each sending its "
+                   "conversations' turns one after another")
+    g.add_argument("--think-ms", type=_think, default=0.0,
+                   help="closed loop: a user's think time after a first token (default 0)")
     g = p.add_argument_group("run")
     g.add_argument("--seed", type=int, default=0, help="weights, workload and check sampling")
     g.add_argument("--check", choices=["all", "sample", "none"], default="sample",
@@ -155,6 +196,8 @@ def config_from_args(args: argparse.Namespace):
         "seed": args.seed, "check": args.check, "check_rate": args.check_rate,
         "out": args.out, "plot": not args.no_plot, "progress": not args.no_progress,
         "metrics_port": args.metrics_port, "metrics_host": args.metrics_host,
+        "loads": tuple(args.loads), "rates": tuple(args.rate),
+        "concurrency": tuple(args.concurrency), "think_ms": args.think_ms,
     }
     return DemoConfig.from_dict(data)
 

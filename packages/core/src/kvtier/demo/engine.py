@@ -44,6 +44,11 @@ class RequestResult:
     skipped_tokens: int = 0  # hit in L2/L3 but recomputed: loading them was slower
     restored_checked: int = 0    # restored pages whose digest matched
     restored_bad: int = 0        # restored pages matching no digest of their key
+    #: under load: L3 pages read into L2 by the prefetch started at the request's arrival
+    #: and loaded from there (counted in ``l3_tokens``, not ``l2_tokens``)
+    l3_prefetched_tokens: int = 0
+    #: under load: waited at dispatch for the arrival's L3 read (0: it had landed)
+    l3_wait_s: float = 0.0
 
     @property
     def hit_tokens(self) -> int:
@@ -75,6 +80,9 @@ class DemoEngine:
         self.corrupted = 0
         #: how long `allocate` waits for pinned L1 pages to become evictable
         self.alloc_timeout_s = 10.0
+        #: under load: called when L1 is short of evictable pages; it releases what queued
+        #: requests pinned at arrival (their prefetch stops) and says whether it freed any
+        self.make_room: Callable[[], bool] | None = None
         self.digests = PageDigests(self.pool)
 
     # ----- the device page allocator ------------------------------------------------------
@@ -102,6 +110,8 @@ class DemoEngine:
             pages = self._take(n)
             if pages is not None or time.perf_counter() > deadline:
                 break
+            if self.make_room is not None and self.make_room():
+                continue
             time.sleep(delay)
             delay = min(2 * delay, 5e-3)
         if pages is None:
@@ -116,11 +126,31 @@ class DemoEngine:
         return len(self._free)
 
     # ----- serving --------------------------------------------------------------------------
+    def arrive(self, request: Request) -> Any:
+        """A request joins the queue: match it and start its L3 -> L2 read now, so that the
+        read runs while the request waits. Returns the match to hand to `serve` (its pages
+        stay pinned until then), or None when there is nothing to read (the match is
+        released: `serve` matches again at dispatch)."""
+        if not self.lower_tiers:
+            return None
+        tokens_np = np.asarray(request.tokens)
+        m = self.cache.match(tokens_np[:int(tokens_np.shape[0]) - 1])
+        if m.l3_count:
+            self.cache.prefetch(m)
+        if m.read is None:
+            self.cache.release(m)
+            return None
+        return m
+
     def serve(self, request: Request,
-              check: Callable[[int, int], bool] | bool = False) -> RequestResult:
+              check: Callable[[int, int], bool] | bool = False, *,
+              queued: Any = None) -> RequestResult:
         """Prefill one request on whatever prefix the tiers hold. ``check`` (or
         ``check(l1_pages_hit, pages_loaded)``, asked once the hits are known) compares the
-        result with a full recompute; the comparison is not part of the timings."""
+        result with a full recompute; the comparison is not part of the timings.
+        ``queued``: the match `arrive` returned. Its L3 read is waited for (the part that has
+        not landed is the request's L3 wait), then the request is matched afresh -- pages
+        committed while it waited count -- and the pages the read put in L2 load from there."""
         model, cache, ps = self.model, self.cache, self.model.spec.page_size
         tokens_np = np.asarray(request.tokens)
         n = int(tokens_np.shape[0])
@@ -128,9 +158,21 @@ class DemoEngine:
         tokens = model.as_tokens(tokens_np)
         _sync(model.device)
         t0 = time.perf_counter()
+        l3_wait = 0.0
+        prefetched: set[bytes] = set()
+        task = queued.read if queued is not None else None
+        if task is not None:
+            done = lambda: task.settled or task.n_landed >= task.num_pages  # noqa: E731
+            with task.cv:
+                if not done():
+                    task.cv.wait_for(done, timeout=600)
+                    l3_wait = time.perf_counter() - t0
+                prefetched = set(task.keys[:task.n_landed])
         # At most n - 1 tokens may come from the cache: the last one must be computed to
         # produce the logits of the first output token.
         m = cache.match(tokens_np[:n - 1])
+        if queued is not None:
+            cache.release(queued)      # the new match holds what landed
         if self.lower_tiers and m.l3_count:
             cache.prefetch(m)                 # L3 -> L2 starts as early as the match
         t1 = time.perf_counter()
@@ -194,16 +236,19 @@ class DemoEngine:
             self.digests.record([m.keys[where[d]] if where[d] < len(m.keys)
                                  else self._key(tokens_np, where[d]) for d in taken], taken)
         l2 = min(loaded, m.l2_count)
+        pre = sum(1 for k in m.keys[m.l1_count:m.l1_count + l2] if k in prefetched)
         return RequestResult(
             index=request.index, round=request.round, tokens=n,
-            l1_tokens=m.l1_count * ps, l2_tokens=l2 * ps, l3_tokens=(loaded - l2) * ps,
-            computed_tokens=computed, ttft_s=t3 - t0, match_s=t1 - t0,
-            load_s=t2 - t1 + wait_s, prefill_s=t3 - t2 - wait_s, commit_s=t5 - t4,
+            l1_tokens=m.l1_count * ps, l2_tokens=(l2 - pre) * ps,
+            l3_tokens=(loaded - l2 + pre) * ps,
+            computed_tokens=computed, ttft_s=t3 - t0, match_s=t1 - t0 - l3_wait,
+            load_s=t2 - t1 + wait_s + l3_wait, prefill_s=t3 - t2 - wait_s, commit_s=t5 - t4,
             check=result_check,
             l2_hit_tokens=m.l2_count * ps if self.lower_tiers else 0,
             l3_hit_tokens=m.l3_count * ps if self.lower_tiers else 0,
             skipped_tokens=skipped * ps,
-            restored_checked=loaded - len(bad), restored_bad=len(bad))
+            restored_checked=loaded - len(bad), restored_bad=len(bad),
+            l3_prefetched_tokens=pre * ps, l3_wait_s=l3_wait)
 
     def _key(self, tokens_np: np.ndarray, j: int) -> bytes:
         """The key of full page ``j`` of ``tokens`` (the match covers n - 1 tokens, so the

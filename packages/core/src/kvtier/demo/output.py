@@ -8,7 +8,7 @@ import math
 import os
 from dataclasses import asdict
 
-from .run import LOAD_ALL, DemoReport, has_l3, loads_below_l1
+from .run import IDEAL, LOAD_ALL, DemoReport, has_l3, loads_below_l1
 
 
 def _ratio(x: float | None) -> str:
@@ -107,8 +107,35 @@ def tables(report: DemoReport) -> str:
         f"diagnostic): {over * 1e3:.1f} ms + tokens / {rate:,.0f} per s + {attn * 1e9:.3g} ns x "
         f"(n^2 - s^2)/2 for positions s..n.")
     lines = verdicts(report)
+    load = load_table(report)
     return main + ("\n\n" + lines if lines else "") + "\n\n" + physics(report) + fit + \
-        "\n\n" + details
+        "\n\n" + details + ("\n\n" + load if load else "")
+
+
+def load_table(report: DemoReport) -> str:
+    """The runs under load: one row per setup and level, the serial replay first (the
+    zero-load point); an overloaded row says so instead of giving a mean."""
+    from ..report import table
+    sweep = report.load
+    if sweep is None:
+        return ""
+    rows = sweep.table(IDEAL)
+    ms = lambda r, k: "overloaded" if r["overloaded"] else f"{r[k]:.1f}"  # noqa: E731
+    body = table(
+        ["load", "setup", "util", "TTFT mean ms", "p50", "p90", "p99", "wait mean ms",
+         "req/s", "prompt tok/s", "L1 %", "L2 %", "L3 % (prefetched)", "L3 wait ms",
+         "mean speedup", "p99 speedup", "% of ideal"],
+        [[r["level"], r["setup"], f"{r['utilisation']:.2f}", ms(r, "ttft_mean_ms"),
+          ms(r, "ttft_p50_ms"), ms(r, "ttft_p90_ms"), ms(r, "ttft_p99_ms"),
+          ms(r, "wait_mean_ms"), f"{r['requests_per_s']:.2f}", f"{r['tokens_per_s']:,.0f}",
+          f"{r['l1_hit_pct']:.1f}", f"{r['l2_hit_pct']:.1f}",
+          f"{r['l3_hit_pct']:.1f} ({r['l3_prefetched_pct']:.1f})",
+          f"{r['l3_wait_mean_ms']:.1f}", _ratio(r["ttft_speedup"]), _ratio(r["p99_speedup"]),
+          "" if r["of_ideal_pct"] is None else f"{r['of_ideal_pct']:.0f}%"] for r in rows])
+    cap = "" if sweep.capacity_per_s is None else \
+        f"L1-only capacity {sweep.capacity_per_s:.2f} requests/s (its serial replay); "
+    return (f"Under load ({cap}FIFO, one request at a time; util = arrival rate x mean "
+            f"service, >= 1 is overloaded: the queue grows without bound):\n\n" + body)
 
 
 def write_outputs(report: DemoReport, out_dir: str) -> dict[str, str]:
@@ -129,6 +156,11 @@ def write_outputs(report: DemoReport, out_dir: str) -> dict[str, str]:
                               for x in r.results] for r in report.runs},
         "l3_store_stats": {r.name: r.store_stats for r in report.runs if r.store_stats},
     }
+    if report.load is not None:
+        data["load"] = {"capacity_per_s": report.load.capacity_per_s,
+                        "levels": [asdict(lv) | {"label": lv.label}
+                                   for lv in report.load.levels],
+                        "table": report.load.table(IDEAL)}
     path = os.path.join(out_dir, "results.json")
     with open(path, "w") as fh:
         json.dump(data, fh, indent=1, default=str)
@@ -140,5 +172,8 @@ def write_outputs(report: DemoReport, out_dir: str) -> dict[str, str]:
     if report.config.plot:
         from .plot import plot_rounds
         files["plot"] = plot_rounds(report, os.path.join(out_dir, "demo.png"))
+        if report.load is not None:
+            from .plot import plot_load
+            files["load_plot"] = plot_load(report, os.path.join(out_dir, "load.png"))
     report.files = files
     return files

@@ -75,3 +75,38 @@ def _labels(report: "DemoReport") -> dict[str, str]:
             parts.append(f"{s['of_ideal_pct']:.0f}% of ideal")
         out[s["setup"]] = s["setup"] + (f" ({', '.join(parts)})" if parts else "")
     return out
+
+
+def plot_load(report: "DemoReport", path: str) -> str:
+    """Mean TTFT against load per setup (x: the fraction of the L1-only capacity, 0 the
+    serial replay; closed loops alone: the number of users). An overloaded level is not
+    drawn as a point: it is marked with an x at the top of the axis."""
+    import matplotlib
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+    from .run import IDEAL
+    rows = report.load.table(IDEAL)
+    open_loop = any(r["kind"] == "open" and r["load"] is not None for r in rows)
+    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=100)
+    top = max((r["ttft_mean_ms"] for r in rows if not r["overloaded"]), default=1.0) * 1.15
+    for name in dict.fromkeys(r["setup"] for r in rows):
+        color, marker, line = _STYLE.get(name, (None, "x", "-"))
+        pts = [r for r in rows if r["setup"] == name and (
+            r["kind"] == "serial" or (r["kind"] == "open" and r["load"] is not None)
+            if open_loop else r["kind"] == "closed")]
+        x = [r["load"] if open_loop else r["users"] for r in pts]
+        ok = [(xi, r["ttft_mean_ms"]) for xi, r in zip(x, pts) if not r["overloaded"]]
+        ax.plot([a for a, _ in ok], [b for _, b in ok], marker=marker or "o", color=color,
+                linestyle=line, label=name)
+        over = [xi for xi, r in zip(x, pts) if r["overloaded"]]
+        if over:
+            ax.plot(over, [top] * len(over), "x", color=color, markersize=10)
+    ax.set(xlabel="offered load (fraction of L1-only capacity)" if open_loop else "users",
+           ylabel="mean TTFT (ms)", title="mean TTFT under load (x at the top: overloaded)")
+    ax.set_ylim(0, top * 1.05)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path

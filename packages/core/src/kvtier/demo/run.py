@@ -103,8 +103,28 @@ class DemoConfig:
     #: runs (0: any free port; None: off).
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
+    #: Under load (`kvtier.demo.load`), after the serial replay: Poisson arrivals at these
+    #: fractions of the L1-only capacity, at these rates (requests/s), and closed loops of
+    #: these many users thinking ``think_ms`` between a first token and their next turn.
+    loads: tuple[float, ...] = ()
+    rates: tuple[float, ...] = ()
+    concurrency: tuple[int, ...] = ()
+    think_ms: float = 0.0
 
     def __post_init__(self) -> None:
+        from .load import check_positive
+        for name in ("loads", "rates", "concurrency"):
+            values = getattr(self, name)
+            if not isinstance(values, (tuple, list)):
+                raise ConfigError(f"{name} must be a list, got {values!r}", key=name,
+                                  value=values)
+            for v in values:
+                check_positive(name, v, integer=name == "concurrency")
+        check_positive("think_ms", self.think_ms, zero=True)
+        if self.loads and "L1 only" not in self.setups:
+            raise ConfigError("loads are fractions of the L1-only capacity: keep 'L1 only' in "
+                              "setups, or give rates in requests/s", key="loads",
+                              value=self.loads)
         if self.model_size not in MODEL_SIZES:
             raise ConfigError(f"model_size must be one of {sorted(MODEL_SIZES)}, got "
                               f"{self.model_size!r}", key="model_size", value=self.model_size)
@@ -231,6 +251,8 @@ class DemoReport:
     runs: list[SetupRun]
     distinct_pages: int
     files: dict[str, str] = field(default_factory=dict)
+    #: the runs under load (None: not asked for)
+    load: Any = None
 
     def summaries(self) -> list[dict[str, Any]]:
         """One row per setup. Measured: ``ttft_speedup`` (L1 only's mean TTFT over the
@@ -743,4 +765,60 @@ def _run_demo(cfg: DemoConfig, names: list[str], exporter: SetupExporter | None,
                           metrics_host=cfg.metrics_host,
                           on_metrics=on_metrics or (lambda url: log(
                               f"kvtier demo: metrics of every setup at {url}")))
-    return DemoReport(cfg, workload, minfo, runs, distinct)
+        sweep = None
+        if cfg.loads or cfg.rates or cfg.concurrency:
+            sweep = run_loads(cfg, [n for n in names if n != LOAD_ALL], model, workload,
+                              l1_of, l2, tmp, runs, corrupt_restore=corrupt_restore, log=log)
+    return DemoReport(cfg, workload, minfo, runs, distinct, load=sweep)
+
+
+def run_loads(cfg: DemoConfig, names: list[str], model: DemoModel, workload: Workload,
+              l1_of: dict[str, int], l2: int, tmp: str, serial: list[SetupRun], *,
+              corrupt_restore: bool = False, log: Callable[..., None] = lambda *a: None):
+    """Every load level on every setup (`kvtier.demo.load`), each on a fresh engine and cache
+    (an L3 store of its own). The serial replay's L1-only requests per second of busy time
+    are the capacity the load fractions are of."""
+    from .load import LoadSweep, levels, serial_summary, serve_queue
+    base = next((r for r in serial if r.name == "L1 only"), None)
+    capacity = len(base.results) / base.busy_s if base is not None and base.busy_s > 0 \
+        else None
+    lvls = levels(cfg.loads, cfg.rates, cfg.concurrency, cfg.think_ms, capacity)
+    if capacity is not None:
+        log(f"kvtier demo: L1-only capacity {capacity:.2f} requests/s (serial replay); under "
+            f"load: {', '.join(lv.label for lv in lvls)}")
+    runs = []
+    for i, lv in enumerate(lvls):
+        for name in names:
+            root = os.path.join(tmp, f"load-{i}-{names.index(name)}")
+            if has_l3(name) and _store_takes_root(cfg.l3_store):
+                os.makedirs(root, exist_ok=True)
+            else:
+                root = None  # type: ignore[assignment]
+            cc = cache_config(cfg, name, model, l2, root)
+            eng = DemoEngine(model, cc, l1_pages=l1_of[name], lower_tiers=loads_below_l1(name),
+                             prefill_mode="paged" if cfg.check_mode == "bitwise" else "fast")
+            eng.corrupt_restore = corrupt_restore
+            try:
+                eng.warm_up(model.vocab_size)
+                # under load the checks are the digests of every restored page and a full
+                # recompute of the first L1 reuse and the first load: a check's time is real
+                # time the queue does not count, and reads in flight would gain it
+                check = CheckPolicy(cfg.check, 0.0, cfg.seed * 1000 + i)
+
+                def verify(req: Any, res: RequestResult,
+                           where: str = f"{name} at {lv.label}") -> None:
+                    if res.restored_bad:
+                        raise _digest_failed(where, req, res)
+                    if res.check is not None and not res.check.passed:
+                        raise _check_failed(where, req, res)
+
+                runs.append(serve_queue(eng, workload, lv, check, seed=cfg.seed + i,
+                                        name=name, on_result=verify))
+            finally:
+                eng.close()
+            s = runs[-1].summary()
+            log(f"kvtier demo: {lv.label}: {name}: TTFT mean {s['ttft_mean_ms']:.1f} ms, "
+                f"utilisation {s['utilisation']:.2f}"
+                + (" (OVERLOADED)" if s["overloaded"] else ""))
+    ser = [serial_summary(r.name, r.results, r.busy_s) for r in serial if r.name in names]
+    return LoadSweep(capacity, lvls, ser, runs)
