@@ -138,6 +138,11 @@ class CacheConfig:
             top: float = MAX_SECONDS if name.endswith("_s") else MAX_COUNT
             if v > top:
                 raise ConfigError(f"{name} must be <= {top:g}, got {v!r}", key=name, value=v)
+        for rank, size in (("tp_rank", "tp_size"), ("pp_rank", "pp_size")):
+            r, n = getattr(self, rank), getattr(self, size)
+            if not r < n:
+                raise ConfigError(f"{rank} must be below {size} ({n}), got {r}", key=rank,
+                                  value=r)
         if not self.l3_call_timeout_s > 0:          # 0: every store call would time out
             raise ConfigError(f"l3_call_timeout_s must be > 0, got {self.l3_call_timeout_s!r}",
                               key="l3_call_timeout_s", value=self.l3_call_timeout_s)
