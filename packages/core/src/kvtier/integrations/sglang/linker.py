@@ -263,6 +263,10 @@ class KvtierLinker(UnifiedCacheLinker):
         self._thread = threading.Thread(target=self._load_loop, daemon=True,
                                         name=f"kvtier-linker-load-tp{rank}")
         self._thread.start()
+        self._saves: queue.Queue[tuple[Plan, list[Any]] | None] = queue.Queue()
+        self._save_thread = threading.Thread(target=self._save_loop, daemon=True,
+                                             name=f"kvtier-linker-offload-tp{rank}")
+        self._save_thread.start()
         log.info("kvtier linker: %s %s pages of %d tokens, %d host pages, L3 %s, rank %d/%d",
                  type(kvcache).__name__, self.spec.kind, self.page_size, n_host,
                  cfg.l3_store or "none", rank, size)
@@ -329,9 +333,8 @@ class KvtierLinker(UnifiedCacheLinker):
             return False
         keys = self._keys(kv.keys or [])
         pages = self._pages(kv.device_indices, len(keys), "offload")
-        if self.forward_stream is not None:          # the forward may still write the pages
-            for ev in self.record_offload_ready():
-                ev.synchronize()
+        # the forward may still be writing the pages: the offload thread waits for these
+        events = self.record_offload_ready() if self.forward_stream is not None else []
         self._drain()
         plan = self.planner.plan_save(keys, pages, 0,
                                       l3_write=None if self.writes_l3 else False)
@@ -342,7 +345,7 @@ class KvtierLinker(UnifiedCacheLinker):
             self._book(plan.failed(), run=False)
             entry.result = PlanResult(plan.plan_id)       # nothing to do: done, and fine
         else:
-            self._run(plan)
+            self._saves.put((plan, events))
         return True
 
     def num_completed_offloads(self) -> int:
@@ -369,6 +372,7 @@ class KvtierLinker(UnifiedCacheLinker):
         for q in queued:
             self.planner.fail(q.plan.plan_id)
         self._jobs.join()                        # started batches: their layers all land
+        self._saves.join()                       # queued offloads: submitted
         self.executor.wait_idle(self.cfg.close_timeout_s)
         self._drain()
         with self._lock:
@@ -382,7 +386,9 @@ class KvtierLinker(UnifiedCacheLinker):
         self._closed = True
         self.reset()
         self._jobs.put(None)
+        self._saves.put(None)
         self._thread.join(self.cfg.close_timeout_s)
+        self._save_thread.join(self.cfg.close_timeout_s)
         self.executor.close(self.cfg.close_timeout_s)
         self._drain()
         if self._exists_io is not None:
@@ -469,6 +475,24 @@ class KvtierLinker(UnifiedCacheLinker):
                 self._land(batch)
             finally:
                 self._jobs.task_done()
+
+    def _save_loop(self) -> None:
+        while True:
+            job = self._saves.get()
+            try:
+                if job is None:
+                    return
+                plan, events = job
+                try:
+                    for ev in events:       # the forward's writes of these pages are done
+                        ev.synchronize()
+                except BaseException as exc:   # noqa: BLE001 - the offload fails, in order
+                    log.warning("kvtier linker: offload %d not started: %s", plan.plan_id, exc)
+                    self._book(plan.failed())
+                    continue
+                self._run(plan)
+            finally:
+                self._saves.task_done()
 
     def _land(self, batch: _Batch) -> None:
         """Advance the counter layer by layer, each layer only once every copy of it landed;
