@@ -39,6 +39,9 @@ class WritePolicy:
     l3_on_backup: ClassVar[bool] = False
     #: Write a page to L3 when it is evicted from L2 and L3 does not hold it yet (write-back).
     l3_on_l2_evict: ClassVar[bool] = False
+    #: Whether to back a saved page up depends on how often it was saved (``backup_on_commit``
+    #: of its count); otherwise a planner that cannot see L1 backs every saved page up.
+    counts_saves: ClassVar[bool] = False
 
     def backup_on_commit(self, hits: int) -> bool:
         """Back a freshly committed (or re-committed) page up to L2 now?"""
@@ -62,6 +65,7 @@ class WriteThrough(WritePolicy):
 class WriteThroughSelective(WritePolicy):
     name: ClassVar[str] = "write_through_selective"
     l3_on_backup: ClassVar[bool] = True
+    counts_saves: ClassVar[bool] = True
     threshold: int = 2
 
     def __post_init__(self) -> None:

@@ -536,7 +536,7 @@ class CachePlanner:
 
     def _wants_backup(self, key: bytes) -> bool:
         pol = self.write_policy
-        if pol.name != "write_through_selective":
+        if not pol.counts_saves:
             return True
         n = self._saves.pop(key, 0) + 1
         self._saves[key] = n
