@@ -12,7 +12,8 @@ L1 only and as a % of the measured ideal's, the split against its alternatives, 
 rates and the modelled split at them, tokens computed/loaded/skipped, bytes moved) and a PNG
 of hit rate and TTFT per round. Modules: `model` (the model and its prefills), `mla` (the
 MLA sizes and their latent pages), `digest`, `workload` and `trace` (what is replayed),
-`engine` (the device pool and request loop), `run` (setups, results), `output` (tables,
+`engine` (the device pool and request loop), `run` (setups, results), `load` (the same
+setups under load: arrivals, a FIFO queue, prefetch from arrival), `output` (tables,
 results.json), `plot`.
 
 Importing this package is cheap: the model and the cache are imported when the command runs.
