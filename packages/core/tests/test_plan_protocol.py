@@ -264,3 +264,26 @@ def test_results_that_are_not_bools_or_host_pages_are_refused(bad):
     with pytest.raises(InvalidArgumentError):
         pl.complete(PlanResult(p.plan_id, **bad))
     assert pl.pending_plans() == [p.plan_id] and pl.l2_pages() == {}
+
+
+def test_wait_layer_waits_for_the_loads_an_l3_read_feeds(rig):
+    """A plan with L2 loads and loads fed by a slow L3 read: `wait_layer(i)` returns only when
+    layer i of every load, the L3-fed ones included, is in its device pages."""
+    import time
+    key = rig.key()
+    rig.put(key, 2)                                    # the object L3 will serve
+    want_l3, want_l2 = rig.hpage(2), rig.hpage(0)
+    slow = rig.store.batch_get
+
+    def batch_get(keys, pages):
+        time.sleep(0.3)
+        return slow(keys, pages)
+    rig.store.batch_get = batch_get
+    plan = Plan(77, l3_reads=((key, 3),), loads=((0, 4), (3, 5)))
+    rig.ex.submit(plan)
+    for layer in range(SPEC.num_layers):
+        rig.ex.wait_layer(77, layer, timeout=10)
+    assert torch.equal(rig.device(4), want_l2)
+    assert torch.equal(rig.device(5), want_l3)         # not still the old bytes
+    assert rig.ex.wait(77, 10)
+    assert rig.ex.poll()[0].ok

@@ -107,9 +107,20 @@ class _Run:
         backup_hp = {hp for _, hp in plan.backups}
         self.late_loads = [i for i, (hp, _) in enumerate(plan.loads) if hp in read_hp]
         self.now_loads = [i for i, (hp, _) in enumerate(plan.loads) if hp not in read_hp]
+        #: Groups of loads still to start (the ones from L2 at once, the ones L3 reads feed
+        #: after them): `wait_layer` waits until every load has its handle.
+        self._to_start = 1 + bool(self.late_loads)
+        self._start_lock = threading.Lock()
         self.late_writes = [i for i, (hp, _) in enumerate(plan.l3_writes) if hp in backup_hp]
         self.now_writes = [i for i, (hp, _) in enumerate(plan.l3_writes)
                            if hp not in backup_hp]
+
+    def load_group_started(self) -> None:
+        """One group of the plan's loads has its handle (or will have none)."""
+        with self._start_lock:
+            self._to_start -= 1
+            if self._to_start == 0:
+                self.loads_started.set()
 
     def result(self) -> PlanResult:
         return PlanResult(self.plan.plan_id, tuple(self.reads), tuple(self.loads),
@@ -281,8 +292,7 @@ class CacheExecutor:
                 self._start_store(run, list(range(len(plan.l3_reads))), is_read=True)
             if run.now_loads:
                 self._start_loads(run, run.now_loads)
-            if not run.late_loads:
-                run.loads_started.set()
+            run.load_group_started()
             if run.now_writes:
                 self._start_store(run, run.now_writes, is_read=False)
         finally:
@@ -409,8 +419,7 @@ class CacheExecutor:
             log.warning("kvtier executor: load failed to start: %s", exc)
             self._loads_done(run, idx, exc)
             return
-        run.handles.append(h)
-        run.loads_started.set()
+        run.handles.append(h)      # loads_started is set once every load has its handle
         self._completer.submit(h, lambda err: self._loads_done(run, idx, err, h, t0))
 
     def _loads_done(self, run: _Run, idx: list[int], err: BaseException | None,
@@ -434,7 +443,7 @@ class CacheExecutor:
             idx = [i for i in run.late_loads if run.plan.loads[i][0] in ok_hp]
             if idx:
                 self._start_loads(run, idx)
-            run.loads_started.set()
+            run.load_group_started()
         with self._cv:
             run.parts -= 1
             if run.parts:
