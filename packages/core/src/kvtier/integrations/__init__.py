@@ -3,7 +3,10 @@
 Each integration lives in its own module and imports its engine only there, so ``import kvtier``
 (and ``import kvtier.integrations``) never imports an engine:
 
-* :mod:`kvtier.integrations.sglang` -- any kvtier L3 store as an SGLang HiCache storage backend.
+* :mod:`kvtier.integrations.vllm` -- a vLLM V1 KV connector over kvtier's planner (scheduler)
+  and executor (workers);
+* :mod:`kvtier.integrations.sglang` -- any kvtier L3 store as an SGLang HiCache storage backend,
+  and (``.linker``) kvtier's planner and executor behind SGLang's unified-cache linker.
 """
 
 from __future__ import annotations
