@@ -12,7 +12,7 @@ import pytest
 from kvtier.cache import CacheConfig
 from kvtier.cache.cost import (CostModel, ReportedCostModel, best_split, check_rate,
                               load_seconds, merge_rates, split_time)
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, InvalidArgumentError
 
 from test_cache import SPEC, Rig, SlowStore, toks
 
@@ -112,6 +112,41 @@ def test_l3_pages_slower_than_recompute_are_computed_and_counted():
         assert met["recompute_tokens_per_s"] == 1e6 and met["l2_load_bytes_per_s"] > 0
         r.cache.wait_idle()
         r.cache.check_invariants(idle=True)
+    finally:
+        r.close()
+
+
+def test_a_queued_request_reads_what_lands_before_its_turn():
+    """L3 slower than recompute: an idle engine's prefetch reads none of a request's L3 pages;
+    a request expected to wait long enough for its turn gets them all read during the wait,
+    and its fetch then loads them with no L3 wait. A bad wait is a typed error."""
+    store = SlowStore(spec=SPEC, delay=0.05)   # ~50 ms a read: slower than recomputing
+    r = Rig(store=store, prefetch_policy="wait_complete", recompute_tokens_per_s=2000)
+    try:
+        a, b, c = (toks(6 * SPEC.page_size, seed=s) for s in (11, 12, 13))
+        for t in (a, b, c):
+            _to_l3(r, t)
+        r.request(a)                              # measures the L3 rate
+        assert r.cache.metrics()["l3_read_bytes_per_s"] > 0
+        r.cache.cost._last_l3 = time.perf_counter()   # no probe read due in this test
+        m = r.cache.match(b)
+        r.cache.prefetch(m)                       # idle: not worth reading
+        assert m.read is None
+        assert r.cache.metrics()["cost_skipped_prefetch_pages"] == 6
+        r.alloc.free(r.cache.release(m))
+        m = r.cache.match(c)
+        with pytest.raises(InvalidArgumentError):
+            r.cache.prefetch(m, expected_wait_s=float("nan"))
+        r.cache.prefetch(m, expected_wait_s=30.0)     # a long queue ahead of it
+        assert m.read is not None and m.read.num_pages == 6
+        with m.read.cv:
+            assert m.read.cv.wait_for(lambda: m.read.settled, 10)
+        t0 = time.perf_counter()
+        h = r.cache.fetch(m, r.take(m.pages_to_load))
+        h.wait()
+        assert h.pages_loaded == 6 and time.perf_counter() - t0 < 0.05
+        r.verify(m.keys, h.device_pages)
+        r.alloc.free(r.cache.release(m))
     finally:
         r.close()
 

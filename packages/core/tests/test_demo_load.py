@@ -32,8 +32,10 @@ class FixedEngine:
         self.ttft_s, self.commit_s = ttft_s, commit_s
         self.make_room = None
         self.served: list[int] = []
+        self.waits: dict[int, float] = {}      # the expected wait each arrival was given
 
-    def arrive(self, request):
+    def arrive(self, request, expected_wait_s=0.0):
+        self.waits[request.index] = expected_wait_s
         return None
 
     def serve(self, request, check=False, *, queued=None):
@@ -61,6 +63,20 @@ def test_a_request_arriving_while_the_engine_is_busy_waits_the_remaining_service
     assert b.ttft_s == pytest.approx(0.008 + 0.010)
     assert c.wait_s == 0 and c.ttft_s == pytest.approx(0.010)      # the engine was idle
     assert eng.served == [0, 1, 2] and run.max_queue == 1     # b waited alone
+
+
+def test_each_arrival_is_told_its_expected_wait_for_the_split():
+    """The queue-aware split: an arrival's prefetch is told how long it is expected to wait
+    (the rest of the service in progress plus the mean service of each request ahead)."""
+    eng = FixedEngine(ttft_s=0.010, commit_s=0.002)
+    serve_queue(eng, _workload(4), Level("open", rate=100.0),
+                arrivals=[0.0, 0.5, 0.503, 0.504], real_time_admission=False)
+    assert eng.waits[0] == 0.0                    # the engine is idle
+    assert eng.waits[1] == 0.0                    # idle again by then
+    # request 2 arrives 3 ms into request 1's 12 ms (the mean so far): 9 ms to go; request 3
+    # arrives a millisecond later with request 2 ahead of it: 8 ms + 12 ms
+    assert eng.waits[2] == pytest.approx(0.009)
+    assert eng.waits[3] == pytest.approx(0.008 + 0.012)
 
 
 def test_closed_loop_users_send_turns_one_after_another():

@@ -182,23 +182,33 @@ class TieredKVCache:
         self.metrics_registry.observe("match", time.perf_counter() - t0)
         return m
 
-    def prefetch(self, match: Match) -> None:
+    def prefetch(self, match: Match, *, expected_wait_s: float = 0.0) -> None:
         """Start reading the match's L3 run into L2 in the background (idempotent). Call it
         when the request is queued; `fetch` starts it itself otherwise.
 
         With the cost-aware fetch on, only the L3 pages the split would load are read (the
         rest are recomputed, and the engine's commit puts them in L1 and L2): reading them
-        anyway would spend the disk and push useful pages out of L2. The pages not read are
-        counted in ``cost_skipped_prefetch_pages``; every `CostModel.L3_PROBE_INTERVAL_S` a
-        read of `CostModel.L3_PROBE_PAGES` of them is made anyway, so the L3 rate stays
-        measured. Before the L3 rate is known, only such a probe is read."""
+        anyway would spend the disk and push useful pages out of L2. ``expected_wait_s``:
+        how long the request is expected to wait for its turn (a serving engine's queue);
+        the pages a read lands within it cost the request nothing, so the split counts them
+        as already in L2. The pages not read are counted in ``cost_skipped_prefetch_pages``;
+        every `CostModel.L3_PROBE_INTERVAL_S` a read of `CostModel.L3_PROBE_PAGES` of them is
+        made anyway, so the L3 rate stays measured. Before the L3 rate is known, only such a
+        probe is read."""
         self._check()
         self._check_match(match)
+        if isinstance(expected_wait_s, bool) or not isinstance(expected_wait_s, (int, float)) \
+                or not 0 <= expected_wait_s < float("inf"):
+            raise InvalidArgumentError(f"expected_wait_s must be a finite number >= 0, got "
+                                       f"{expected_wait_s!r}", argument="expected_wait_s",
+                                       value=expected_wait_s)
         if match.l3_count == 0 or match.read is not None:
             return
         limit = self._first_read_cap(match.l3_count)
         if self.cost.enabled and limit == match.l3_count:
-            k = self._pages_to_load(match, match.l2_count, match.l3_count, l3_ready=0)
+            ready = self.cost.pages_readable_in(expected_wait_s, self.spec.page_bytes,
+                                                match.l3_count)
+            k = self._pages_to_load(match, match.l2_count, match.l3_count, l3_ready=ready)
             limit = max(0, k - match.l2_count)
             if limit < match.l3_count and self.cost.wants_l3_probe():
                 limit = max(limit, min(match.l3_count, self.cost.L3_PROBE_PAGES))

@@ -384,6 +384,15 @@ class CostModel:
             self._last_l3 = now
             return True
 
+    def pages_readable_in(self, seconds: float, page_bytes: int, limit: int) -> int:
+        """How many pages (at most ``limit``) an L3 read started now lands within ``seconds``
+        at the measured rate (0 while the rate is unknown): a request that waits that long
+        for its turn gets them for nothing."""
+        bw = self.l3_bytes_per_s
+        if not bw or seconds <= 0 or page_bytes <= 0:
+            return 0
+        return max(0, min(limit, int((seconds - self.l3_fixed_s) * bw // page_bytes)))
+
     # ----- the decision ---------------------------------------------------------------------
     def pages_to_load(self, *, l2_pages: int, l3_pages: int, l3_ready: int,
                       compute_tokens: int, page_size: int, page_bytes: int,

@@ -126,17 +126,19 @@ class DemoEngine:
         return len(self._free)
 
     # ----- serving --------------------------------------------------------------------------
-    def arrive(self, request: Request) -> Any:
+    def arrive(self, request: Request, *, expected_wait_s: float = 0.0) -> Any:
         """A request joins the queue: match it and start its L3 -> L2 read now, so that the
-        read runs while the request waits. Returns the match to hand to `serve` (its pages
-        stay pinned until then), or None when there is nothing to read (the match is
-        released: `serve` matches again at dispatch)."""
+        read runs while the request waits (``expected_wait_s``: how long it is expected to
+        wait; what lands within it is read even where an idle engine would recompute it).
+        Returns the match to hand to `serve` (its pages stay pinned until then), or None when
+        there is nothing to read (the match is released: `serve` matches again at
+        dispatch)."""
         if not self.lower_tiers:
             return None
         tokens_np = np.asarray(request.tokens)
         m = self.cache.match(tokens_np[:int(tokens_np.shape[0]) - 1])
         if m.l3_count:
-            self.cache.prefetch(m)
+            self.cache.prefetch(m, expected_wait_s=expected_wait_s)
         if m.read is None:
             self.cache.release(m)
             return None

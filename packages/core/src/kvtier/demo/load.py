@@ -205,8 +205,19 @@ def serve_queue(engine: Any, workload: Workload, level: Level,
     lock = threading.Lock()
     run = LoadRun(name, level, [])
 
+    # the queue-aware split: an arrival's expected wait for its turn, from the requests ahead
+    # of it and the mean service time measured so far (an L3 read that lands within it
+    # costs the request nothing, so the split reads those pages)
+    busy = {"until": 0.0, "service": 0.0, "served": 0}
+
+    def expected_wait(e: _Entry) -> float:
+        with lock:
+            ahead = sum(1 for q in queue if q is not e)
+            mean = busy["service"] / busy["served"] if busy["served"] else 0.0
+            return max(0.0, busy["until"] - e.arrival) + ahead * mean
+
     def admit(e: _Entry) -> None:
-        e.match = engine.arrive(e.request)
+        e.match = engine.arrive(e.request, expected_wait_s=expected_wait(e))
         with lock:
             e.admitted = True
 
@@ -237,6 +248,9 @@ def serve_queue(engine: Any, workload: Workload, level: Level,
                 admit(e)
                 queue.append(e)
             queue.popleft()
+            with lock:
+                busy["until"] = start + (busy["service"] / busy["served"]
+                                         if busy["served"] else 0.0)
             run.max_queue = max(run.max_queue, len(queue) + 1)
             stop = threading.Event()
             admitter = None
@@ -257,6 +271,10 @@ def serve_queue(engine: Any, workload: Workload, level: Level,
                 run.checks += 1
             first = start + res.ttft_s
             t_free = first + res.commit_s
+            with lock:
+                busy["service"] += t_free - start
+                busy["served"] += 1
+                busy["until"] = t_free
             run.served.append(Served(head.arrival, start, first, t_free, res,
                                      head.match is not None))
             if level.kind == "closed" and users[head.user]:
