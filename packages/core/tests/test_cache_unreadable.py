@@ -245,7 +245,7 @@ def test_planner_never_offers_a_page_whose_read_failed_until_it_is_written():
                            (True, False, False, False)))
     hit = pl.lookup(keys)
     assert (hit.l2_pages, hit.l3_pages) == (1, 0)             # never the failed ones again
-    assert pl.metrics()["l3_unreadable_marked"] == 3
+    assert pl.metrics()["l3_unreadable_marked"] == 1           # the first miss is enough
     # a save rewrites them: offered again
     save = pl.plan_save(keys, [4, 5, 6, 7])
     written = {k for _, k in save.l3_writes}

@@ -43,7 +43,7 @@ from .config import CacheConfig
 from .cost import CostModel, TimedStore, load_seconds
 from .keying import make_keyer
 from .parts import build_parts
-from .l3io import L3IO
+from .l3io import L3IO, store_batches
 from .plans import Plan, PlanResult
 from .transfers import Completer
 
@@ -146,54 +146,41 @@ class _StoreTask:
         self._part = "reads" if is_read else "writes"
 
     def run(self, io: L3IO) -> None:
-        store = io.store
         p = self.run_.plan
-        ops = p.l3_reads if self.is_read else p.l3_writes
         out = self.run_.reads if self.is_read else self.run_.writes
-        b = self.ex.batch_pages
+        if self.is_read:
+            keys = [p.l3_reads[i][0] for i in self.idx]
+            pages = [p.l3_reads[i][1] for i in self.idx]
+        else:
+            keys = [p.l3_writes[i][1] for i in self.idx]
+            pages = [p.l3_writes[i][0] for i in self.idx]
+        m = self.ex.metrics_registry
+        tried = 0
         try:
-            for s in range(0, len(self.idx), b):
-                idx = self.idx[s:s + b]
-                if not io.usable() or self._gave_up:
-                    if self.is_read and not self._gave_up:      # the tier failed: not tried
-                        self.ex.metrics_registry.add("l3_read_skipped_pages",
-                                                     len(self.idx) - s)
-                    break
-                keys: list[Any]
-                pages: list[Any]
-                if self.is_read:
-                    keys = [ops[i][0] for i in idx]
-                    pages = [ops[i][1] for i in idx]
-                    fn, name = store.batch_get, "batch_get"
-                else:
-                    pages = [ops[i][0] for i in idx]
-                    keys = [ops[i][1] for i in idx]
-                    fn, name = store.batch_set, "batch_set"
-                n = len(idx)
-                with self._lock:
-                    self._current = pages
-                ok = io.call(name, fn, keys, pages, task=self,
-                             check=lambda r, n=n: isinstance(r, list) and len(r) == n)
-                with self._lock:
-                    self._current = []
-                    if self._gave_up:
-                        break
-                if ok is None:          # raised, refused or past its deadline (io counts why)
+            for start, count, got in store_batches(
+                    io, "batch_get" if self.is_read else "batch_set", keys, pages,
+                    self.ex.batch_pages, task=self, calling=self._calling,
+                    stop=lambda: self._gave_up):
+                tried = start + count
+                if got is None:         # raised, refused or past its deadline (io counts why)
                     if self.is_read:
-                        self.ex.metrics_registry.add("l3_read_failed_call_pages", n)
+                        m.add("l3_read_failed_call_pages", count)
                     continue
-                if self.is_read:        # reads of pages the planner found: the tier's health
-                    good = sum(1 for v in ok if v is True)
-                    io.read_outcome(good, n - good)
-                    # the store's stats say why (corrupted, read errors, foreign, ...)
-                    self.ex.metrics_registry.add("l3_read_missed_pages", n - good)
-                for i, v in zip(idx, ok):
-                    out[i] = v is True
+                for i, ok in zip(self.idx[start:start + count], got):
+                    out[i] = ok
+                if self.is_read:        # the store's stats say why (corrupted, errors, ...)
+                    m.add("l3_read_missed_pages", count - sum(got))
+            if self.is_read and not self._gave_up and tried < len(keys):
+                m.add("l3_read_skipped_pages", len(keys) - tried)   # after a miss, or L3 off
         finally:
             if self._gave_up:
                 self.ex._release_held(self.run_, self._held)
             else:
                 self.ex._part_done(self.run_, self._part)
+
+    def _calling(self, pages: Any) -> None:
+        with self._lock:
+            self._current = list(pages)
 
     def deadline_passed(self) -> None:
         with self._lock:

@@ -26,14 +26,14 @@ import queue
 import threading
 import time
 from collections import deque
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from ..interfaces import L3Store
 from ..metrics import Metrics
 
 log = logging.getLogger("kvtier.cache")
 
-__all__ = ["L3IO", "TaskQueue", "worse_state"]
+__all__ = ["L3IO", "TaskQueue", "worse_state", "store_batches", "first_miss"]
 
 _RANK = {"ok": 0, "none": 0, "degraded": 1, "failed": 2}
 
@@ -43,6 +43,57 @@ def worse_state(a: str | None, b: str | None) -> str | None:
     if a is None or b is None:
         return a if b is None else b
     return a if _RANK.get(a.split(":")[0], 0) >= _RANK.get(b.split(":")[0], 0) else b
+
+
+def first_miss(got: Sequence[bool] | None, n: int) -> int:
+    """The one definition of a read's miss: the first page that did not come back (the store
+    said no, or the call raised, was refused or passed its deadline: ``got`` None). A prefix
+    cannot use any page after it. Returns its index (``n``: none missed)."""
+    if got is None:
+        return 0
+    for i, ok in enumerate(got):
+        if not ok:
+            return i
+    return n
+
+
+def store_batches(io: "L3IO", op: str, keys: Sequence[bytes], pages: Sequence[int],
+                  batch: int, *, task: Any = None,
+                  calling: Callable[[Sequence[int]], None] | None = None,
+                  stop: Callable[[], bool] = lambda: False
+                  ) -> Iterator[tuple[int, int, list[bool] | None]]:
+    """The one loop every L3 read and write runs: ``op`` (``batch_get`` / ``batch_set``) of
+    ``keys`` and ``pages`` in batches of ``batch``, each call under the deadline (`L3IO.call`).
+    Yields ``(start, count, got)`` per batch: one bool per page (True: done), or None when the
+    call failed. Stops before a batch once the tier is not usable or ``stop()`` says so, and
+    after one whose call ``stop()`` then refuses (a caller gave up on it). Reads stop at their
+    first miss (`first_miss`) and book the tier's read health. ``calling(pages)`` is told the
+    host pages of the call in progress (``[]`` once it returned): the pages a call past its
+    deadline may still touch."""
+    fn = io.store.batch_get if op == "batch_get" else io.store.batch_set
+    for s in range(0, len(keys), batch):
+        if not io.usable() or stop():
+            return
+        kb, pb = list(keys[s:s + batch]), list(pages[s:s + batch])
+        n = len(kb)
+        if calling is not None:
+            calling(pb)
+        ok = io.call(op, fn, kb, pb, task=task,
+                     check=lambda r, n=n: isinstance(r, list) and len(r) == n)
+        if calling is not None:
+            calling([])
+        if stop():
+            return
+        got = None if ok is None else [v is True for v in ok]
+        if op == "batch_get":
+            if got is not None:
+                good = sum(got)
+                io.read_outcome(good, n - good)
+            yield s, n, got
+            if first_miss(got, n) < n:
+                return
+        else:
+            yield s, n, got
 
 
 class TaskQueue:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from . import eviction
 from .eviction import after_l3_write
 from .index import Node
+from .l3io import first_miss, store_batches
 
 if TYPE_CHECKING:
     from .controller import TieredKVCache
@@ -57,30 +58,19 @@ class ReadTask:
         return self.finished or self.gave_up
 
     def run(self, io: "L3IO") -> None:
-        store = io.store
-        b = self.cache.config.l3_batch_pages
-        i, n = 0, self.num_pages
+        n = self.num_pages
         try:
-            while i < n and not self.cancelled and io.usable():
-                kb, pb = self.keys[i:i + b], self.host_pages[i:i + b]
-                nb = len(kb)
-                ok = io.call("batch_get", store.batch_get, kb, pb, task=self,
-                             check=lambda r, nb=nb: isinstance(r, list) and len(r) == nb)
-                if ok is None:          # raised, refused or past its deadline: all failed
-                    self.cache.forget_l3(kb)
-                    break
-                lead = 0
-                while lead < nb and ok[lead] is True:
-                    lead += 1
-                self._land(i, lead)
-                i += lead
-                bad = [k for k, v in zip(kb, ok) if v is not True]
-                io.read_outcome(nb - len(bad), len(bad))
-                if lead < nb:
-                    # the store said it had them: not offered again until rewritten
-                    self.cache.forget_l3(bad)
-                    self.cache.metrics_registry.add("l3_read_miss_pages", n - i)
-                    break
+            for start, count, got in store_batches(
+                    io, "batch_get", self.keys, self.host_pages,
+                    self.cache.config.l3_batch_pages, task=self,
+                    stop=lambda: self.cancelled):
+                lead = first_miss(got, count)
+                self._land(start, lead)
+                if lead < count:
+                    # the store said it had it: not offered again until rewritten (a lookup
+                    # stops there, so the pages after it need no mark)
+                    self.cache.forget_l3([self.keys[start + lead]])
+                    self.cache.metrics_registry.add("l3_read_miss_pages", n - start - lead)
         finally:
             self._end()
 
@@ -164,22 +154,15 @@ class WriteTask:
         return len(self.nodes)
 
     def run(self, io: "L3IO") -> None:
-        store = io.store
-        b = self.cache.config.l3_batch_pages
         todo = [i for i, w in enumerate(self.write) if w]
         results: list[bool | None] = [None] * self.num_pages
         try:
-            for s in range(0, len(todo), b):
-                idx = todo[s:s + b]
-                kb = [self.nodes[i].key for i in idx]
-                pb = [self.host_pages[i] for i in idx]
-                ok = None
-                if io.usable():
-                    nb = len(kb)
-                    ok = io.call("batch_set", store.batch_set, kb, pb, task=self,
-                                 check=lambda r, nb=nb: isinstance(r, list) and len(r) == nb)
-                for j, i in enumerate(idx):
-                    results[i] = ok is not None and ok[j] is True
+            for start, count, got in store_batches(
+                    io, "batch_set", [self.nodes[i].key for i in todo],
+                    [self.host_pages[i] for i in todo], self.cache.config.l3_batch_pages,
+                    task=self):
+                for j, i in enumerate(todo[start:start + count]):
+                    results[i] = got is not None and got[j]  # type: ignore[index]
         finally:
             for i in todo:
                 if results[i] is None:

@@ -47,6 +47,7 @@ from .cost import CostModel, ReportedCostModel
 from .eviction import after_l3_write, select_l2
 from .index import Node, PageIdPool, PageIndex
 from .keying import make_keyer
+from .l3io import first_miss
 from .plans import Lookup, Offer, Plan, PlanResult
 from .unreadable import UnreadableKeys
 
@@ -382,8 +383,10 @@ class CachePlanner:
             for nd in st.pinned:
                 nd.l2_pins -= 1
             landed: list[Node] = []
-            # a read that failed is not offered again; a write that succeeded replaced it
-            bad = [k for (k, _), ok in zip(p.l3_reads, result.l3_reads) if not ok]
+            # the first read that failed is not offered again (a lookup stops there, so the
+            # reads after it, not tried, need no mark); a write that succeeded replaced it
+            miss = first_miss(result.l3_reads, len(result.l3_reads))
+            bad = [p.l3_reads[miss][0]] if miss < len(p.l3_reads) else []
             unreadable = self.unreadable.add(bad)
             for k in bad:                 # written to L3 again from L2 (write-back)
                 held = self.index.get(k)
