@@ -11,6 +11,7 @@ import torch
 from kvtier import DeviceKVPool, HostKVPool, KVSpec
 from kvtier.errors import (BackendUnavailableError, ConfigError, LayoutError, PageIndexError,
                            TransferError)
+from kvtier.host_allocators.torch_pinned import TorchPinnedAllocator
 from kvtier.testing import fill_random
 from kvtier_ascend.host_allocator import MemfabricHostAllocator
 from kvtier_ascend.metadata import META_SIZE
@@ -201,7 +202,7 @@ def test_empty_and_closed(pools, engine):
 
 def test_host_pool_must_be_memfabric_memory(ascend_fakes):
     dpool = device_pool()
-    with HostKVPool(SPEC, 4) as hpool:
+    with HostKVPool(SPEC, 4, allocator=TorchPinnedAllocator()) as hpool:
         with pytest.raises(ConfigError, match="allocator='memfabric'") as err:
             AscendCTransferEngine(dpool, hpool)
     assert err.value.key == "host_pool.allocator"
@@ -246,6 +247,6 @@ def test_unchecked_device_indices_skip_the_range_check(ascend_fakes, pools):
 def test_missing_runtime_at_construction(failing_import, fake_mf):
     failing_import("torch_npu", ImportError("libascendcl.so: cannot open shared object file"))
     spec = KVSpec.mha(num_layers=1, num_kv_heads=1, head_dim=8, page_size=2, dtype="float16")
-    with HostKVPool(spec, 2) as hpool:
+    with HostKVPool(spec, 2, allocator=TorchPinnedAllocator()) as hpool:
         with pytest.raises(BackendUnavailableError, match="libascendcl.so is missing"):
             AscendCTransferEngine(DeviceKVPool.empty(spec, 2), hpool)

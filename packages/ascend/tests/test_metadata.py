@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from kvtier import DeviceKVPool, HostKVPool, KVSpec
 from kvtier.errors import InvalidArgumentError, LayoutError
+from kvtier.host_allocators.torch_pinned import TorchPinnedAllocator
 from kvtier.testing import fill_random
 from kvtier_ascend import metadata as md
 from kvtier_ascend.host_allocator import MemfabricHostAllocator
@@ -124,7 +125,7 @@ def test_every_pitch_and_base_matches_the_tensors(spec, layout, host_pages, dev_
     rng = random.Random(seed)
     dpool = (scattered_device_pool(spec, dev_pages, rng) if scattered
              else uniform_device_pool(spec, dev_pages))
-    hpool = HostKVPool(spec, host_pages, layout=layout)
+    hpool = HostKVPool(spec, host_pages, layout=layout, allocator=TorchPinnedAllocator())
     host_dva = (dva_offset << 12) | (hpool.raw.data_ptr() & 0xFFF)
     plan = md.ExchangePlan(dpool, hpool, host_dva)
     check_plan_against_tensors(plan, dpool, hpool, host_dva)
@@ -193,11 +194,11 @@ def test_token_indices():
 def test_plan_refuses_bad_pools():
     spec = KVSpec.mha(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, dtype="float16")
     dpool = uniform_device_pool(spec, 3)
-    hpool = HostKVPool(spec, 3)
+    hpool = HostKVPool(spec, 3, allocator=TorchPinnedAllocator())
     with pytest.raises(InvalidArgumentError):
         md.ExchangePlan(dpool, hpool, 0)
     other = HostKVPool(KVSpec.mha(num_layers=2, num_kv_heads=2, head_dim=8, page_size=2,
-                                  dtype="float16"), 3)
+                                  dtype="float16"), 3, allocator=TorchPinnedAllocator())
     with pytest.raises(LayoutError):
         md.ExchangePlan(dpool, other, 1 << 40)
     plan = md.ExchangePlan(dpool, hpool, 1 << 40)

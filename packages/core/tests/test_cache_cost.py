@@ -13,6 +13,7 @@ from kvtier.cache import CacheConfig
 from kvtier.cache.cost import (CostModel, ReportedCostModel, best_split, check_rate,
                               load_seconds, merge_rates, split_time)
 from kvtier.errors import ConfigError, InvalidArgumentError
+from kvtier.host_allocators.torch_pinned import TorchPinnedAllocator
 
 from test_cache import SPEC, Rig, SlowStore, toks
 
@@ -477,7 +478,7 @@ def test_torch_engine_reports_the_busy_time_of_host_copies():
     from kvtier.host_pool import HostKVPool
     from kvtier.registry import create_transfer_engine
     dpool = DeviceKVPool.empty(SPEC, 8)
-    hpool = HostKVPool(SPEC, 8)
+    hpool = HostKVPool(SPEC, 8, allocator=TorchPinnedAllocator())
     hpool.raw.copy_(torch.randint(0, 255, hpool.raw.shape, dtype=torch.uint8))
     eng = create_transfer_engine("torch", dpool, hpool, {})
     try:

@@ -16,6 +16,7 @@ from kvtier.cache import CacheExecutor, CachePlanner, TieredKVCache
 from kvtier.cache.keying import make_keyer, rank_key
 from kvtier.device_pool import DeviceKVPool
 from kvtier.errors import InvalidArgumentError
+from kvtier.host_allocators.torch_pinned import TorchPinnedAllocator
 from kvtier.host_pool import HostKVPool
 from kvtier.l3_stores.memory import MemoryStore
 from kvtier.simulate import PageAllocator
@@ -125,7 +126,7 @@ def test_the_in_process_cache_l3_is_read_by_the_two_halves_of_the_same_config(en
 
     # the two halves of the same config, another device pool, a fresh host pool
     dpool2 = DeviceKVPool.empty(SPEC, 8)
-    host = HostKVPool(SPEC, 8)
+    host = HostKVPool(SPEC, 8, allocator=TorchPinnedAllocator())
     view = _rank_view(store, 1, 2)
     view.attach(host)
     ex = CacheExecutor(host_pool=host, engine=TorchTransferEngine(dpool2, host), store=view)

@@ -16,6 +16,7 @@ from kvtier import KVSpec
 from kvtier.cache import CacheExecutor, CachePlanner, Lookup, Plan, PlanResult
 from kvtier.device_pool import DeviceKVPool
 from kvtier.errors import InvalidArgumentError, PageIndexError
+from kvtier.host_allocators.torch_pinned import TorchPinnedAllocator
 from kvtier.testing import fill_random
 from kvtier.testing.contracts import raw_bytes
 
@@ -335,7 +336,7 @@ def test_executor_store_call_past_its_deadline_fails_the_ops_not_the_caller():
             return super().batch_get(keys, host_pages)
 
     dpool = DeviceKVPool.empty(SPEC, 8)
-    host = HostKVPool(SPEC, 4)
+    host = HostKVPool(SPEC, 4, allocator=TorchPinnedAllocator())
     store = Stuck(spec=SPEC)
     store.attach(host)
     engine = create_transfer_engine("torch", dpool, host)

@@ -49,20 +49,21 @@ def test_segments_match_the_logical_view(spec, layout, allocator):
 
 
 def test_page_meta_are_page_addresses():
-    with HostKVPool(SPEC, 6) as pool:
+    with HostKVPool(SPEC, 6, allocator=TorchPinnedAllocator()) as pool:
         ptrs, sizes = pool.get_page_buffer_meta([5, 0, 2])
         base = pool.raw.data_ptr()
         assert ptrs == [base + 5 * SPEC.page_bytes, base, base + 2 * SPEC.page_bytes]
         assert sizes == [SPEC.page_bytes] * 3
         with pytest.raises(PageIndexError):
             pool.get_page_buffer_meta([6])
-    with HostKVPool(SPEC, 6, layout="layer_first") as pool, pytest.raises(LayoutError):
+    with HostKVPool(SPEC, 6, layout="layer_first", allocator=TorchPinnedAllocator()) as pool, \
+            pytest.raises(LayoutError):
         pool.get_page_buffer_meta([0])
 
 
 @pytest.mark.parametrize("bad", [-1, 7, 1.0, True, "1", None])
 def test_single_page_accessors_validate(bad):
-    with HostKVPool(SPEC, 7) as pool:
+    with HostKVPool(SPEC, 7, allocator=TorchPinnedAllocator()) as pool:
         for fn in (pool.page_segments, pool.page_bytes_view, pool.page_ptr,
                    pool.pin_count, pool.is_allocated):
             with pytest.raises(PageIndexError):
@@ -70,7 +71,7 @@ def test_single_page_accessors_validate(bad):
 
 
 def test_alloc_free_cycle():
-    with HostKVPool(SPEC, 5) as pool:
+    with HostKVPool(SPEC, 5, allocator=TorchPinnedAllocator()) as pool:
         a = pool.alloc(3)
         assert len(set(a)) == 3 and pool.free_count == 2
         assert all(pool.is_allocated(p) for p in a)
@@ -94,7 +95,7 @@ def test_alloc_free_cycle():
 
 
 def test_pins_protect_pages():
-    with HostKVPool(SPEC, 4) as pool:
+    with HostKVPool(SPEC, 4, allocator=TorchPinnedAllocator()) as pool:
         pages = pool.alloc(3)
         with pytest.raises(PageIndexError):
             pool.pin([p for p in range(4) if p not in pages])   # unallocated
@@ -117,7 +118,7 @@ def test_pins_protect_pages():
 
 
 def test_concurrent_alloc_free_never_hands_out_a_page_twice():
-    pool = HostKVPool(SPEC, 64)
+    pool = HostKVPool(SPEC, 64, allocator=TorchPinnedAllocator())
     owner: dict[int, int] = {}
     lock = threading.Lock()
     errors: list[BaseException] = []
@@ -160,9 +161,9 @@ def test_buffer_too_small_and_bad_sizes():
         HostKVPool(SPEC, 3, buffer=buf)
     for bad in (0, -2, 2.0, True):
         with pytest.raises(LayoutError):
-            HostKVPool(SPEC, bad)                    # type: ignore[arg-type]
+            HostKVPool(SPEC, bad, allocator=TorchPinnedAllocator())  # type: ignore[arg-type]
     with pytest.raises(LayoutError):
-        HostKVPool(SPEC, 2, layout="row_major")
+        HostKVPool(SPEC, 2, layout="row_major", allocator=TorchPinnedAllocator())
 
 
 def test_caller_buffer_is_not_closed_by_the_pool():
@@ -191,3 +192,23 @@ def test_allocator_is_an_instance_not_a_name():
     alloc = TorchPinnedAllocator()
     with HostKVPool(SPEC, 2, allocator=alloc) as pool:
         assert pool.buffer.nbytes >= pool.nbytes
+
+
+def test_a_missing_allocator_is_a_typed_error_saying_how_to_get_one():
+    """No default backend: without an allocator or a buffer the pool refuses, naming the
+    registry call that makes one."""
+    with pytest.raises(InvalidArgumentError, match=r"create_host_allocator\(name, config\)"
+                       ) as err:
+        HostKVPool(SPEC, 2)
+    assert err.value.argument == "allocator" and "none given" in str(err.value)
+    assert "\n" not in str(err.value)
+    with pytest.raises(InvalidArgumentError, match="allocator"):
+        HostKVPool(SPEC, 2, allocator=None)
+
+
+def test_allocator_and_buffer_together_are_refused():
+    alloc = TorchPinnedAllocator()
+    buf = alloc.allocate(SPEC.page_bytes * 2)
+    with pytest.raises(InvalidArgumentError, match="not both"):
+        HostKVPool(SPEC, 2, allocator=alloc, buffer=buf)
+    buf.close()

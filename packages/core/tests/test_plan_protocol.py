@@ -14,6 +14,7 @@ from kvtier import KVSpec
 from kvtier.cache import CacheExecutor, Plan, PlanResult
 from kvtier.device_pool import DeviceKVPool
 from kvtier.errors import InvalidArgumentError, PageIndexError
+from kvtier.host_allocators.torch_pinned import TorchPinnedAllocator
 from kvtier.host_pool import HostKVPool
 from kvtier.l3_stores.memory import MemoryStore
 from kvtier.registry import create_transfer_engine
@@ -33,7 +34,7 @@ class Rig:
         for comp in self.dpool.layers:
             for t in comp:
                 fill_random(t, self.gen)
-        self.host = HostKVPool(SPEC, 8)
+        self.host = HostKVPool(SPEC, 8, allocator=TorchPinnedAllocator())
         fill_random(self.host.raw, self.gen)
         self.store = MemoryStore(spec=SPEC)
         self.store.attach(self.host)

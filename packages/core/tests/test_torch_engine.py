@@ -12,6 +12,7 @@ import torch
 from kvtier.device_pool import DeviceKVPool
 from kvtier.errors import ConfigError, InvalidArgumentError, LayoutError, PageIndexError, \
     TransferError
+from kvtier.host_allocators.torch_pinned import TorchPinnedAllocator
 from kvtier.host_pool import HostKVPool
 from kvtier.spec import KVSpec
 from kvtier.testing import fill_random, make_device_pool, make_host_pool
@@ -142,7 +143,7 @@ def test_closed_engine_refuses_work(spec):
 def test_bad_pools(spec):
     other = KVSpec.mha(num_layers=4, num_kv_heads=3, head_dim=20, page_size=7,
                        dtype="float16")
-    with HostKVPool(other, 3) as hp, pytest.raises(ConfigError):
+    with HostKVPool(other, 3, allocator=TorchPinnedAllocator()) as hp, pytest.raises(ConfigError):
         TorchTransferEngine(make_device_pool(spec, 3), hp)
     # device buffers of the wrong dtype, shape or slot count never make a pool
     good = make_device_pool(spec, 3)

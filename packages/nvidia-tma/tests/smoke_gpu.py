@@ -8,6 +8,7 @@ import traceback
 
 import torch
 from kvtier import DeviceKVPool, HostKVPool, KVSpec, registry
+from kvtier.host_allocators.torch_pinned import TorchPinnedAllocator
 from kvtier.testing.data import fill_random
 
 
@@ -19,7 +20,7 @@ def main() -> int:
             for layout in ("page_first", "layer_first"):
                 try:
                     dpool = DeviceKVPool.empty(spec, 40, "cuda")
-                    hpool = HostKVPool(spec, 30, layout=layout)
+                    hpool = HostKVPool(spec, 30, layout=layout, allocator=TorchPinnedAllocator())
                     fill_random(hpool.raw)
                     for comp in dpool.layers:
                         for t in comp:

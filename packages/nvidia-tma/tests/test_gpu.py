@@ -10,6 +10,7 @@ import torch
 from kvtier import DeviceKVPool, HostKVPool, KVSpec, registry
 from kvtier.errors import (BackendUnavailableError, ConfigError, InvalidArgumentError,
                            LayoutError, PageIndexError)
+from kvtier.host_allocators.torch_pinned import TorchPinnedAllocator
 from kvtier.interfaces import HostBuffer
 from kvtier.testing.data import fill_random
 
@@ -90,7 +91,7 @@ def test_roundtrip_bitwise(engine_name, spec, layout, layerwise):
         pytest.skip("16-byte rows only (misalignment is tested as a typed error)")
     rng = random.Random(hash((engine_name, _sid(spec), layout, layerwise)) & 0xFFFF)
     dpool = DeviceKVPool.empty(spec, 41, "cuda")
-    hpool = HostKVPool(spec, 37, layout=layout)
+    hpool = HostKVPool(spec, 37, layout=layout, allocator=TorchPinnedAllocator())
     eng = _engine(engine_name, dpool, hpool, layerwise_load=layerwise,
                   layerwise_backup=layerwise)
     try:
@@ -141,7 +142,7 @@ def test_configurations_stay_bitwise(name, cfg):
         pytest.skip(f"{name} has no {sorted(set(cfg) - keys)}")
     spec = KVSpec.mla(num_layers=7, kv_lora_rank=512, rope_dim=64, page_size=2)
     dpool = DeviceKVPool.empty(spec, 64, "cuda")
-    hpool = HostKVPool(spec, 64)
+    hpool = HostKVPool(spec, 64, allocator=TorchPinnedAllocator())
     rng = random.Random(5)
     try:
         for layerwise in (True, False):
@@ -174,7 +175,7 @@ def test_scattered_device_layers(name):
     bufs.reverse()
     dpool = DeviceKVPool(spec, bufs)
     _poison(dpool)
-    hpool = HostKVPool(spec, 30)
+    hpool = HostKVPool(spec, 30, allocator=TorchPinnedAllocator())
     fill_random(hpool.raw)
     try:
         for layerwise in (True, False):
@@ -203,7 +204,7 @@ def test_layer_events_really_gate(name, cfg):
     _available(name)
     spec = KVSpec.mla(num_layers=6, kv_lora_rank=512, rope_dim=64, page_size=4)
     dpool = DeviceKVPool.empty(spec, 300, "cuda")
-    hpool = HostKVPool(spec, 300)
+    hpool = HostKVPool(spec, 300, allocator=TorchPinnedAllocator())
     fill_random(hpool.raw)
     _poison(dpool)
     eng = _engine(name, dpool, hpool, **cfg)
@@ -240,7 +241,7 @@ def test_copy_engine_copies_follow_the_callers_work_at_the_call_only(issue_threa
     _available("nvidia-copy-engine")
     spec = KVSpec.mla(num_layers=3, kv_lora_rank=512, rope_dim=64, page_size=4)
     dpool = DeviceKVPool.empty(spec, 40, "cuda")
-    hpool = HostKVPool(spec, 40)
+    hpool = HostKVPool(spec, 40, allocator=TorchPinnedAllocator())
     fill_random(hpool.raw)
     eng = _engine("nvidia-copy-engine", dpool, hpool, issue_thread=issue_thread)
     caller = torch.cuda.Stream()
@@ -268,7 +269,7 @@ def test_copy_engine_switches_are_checked(key):
     _available("nvidia-copy-engine")
     spec = KVSpec.mla(num_layers=2, kv_lora_rank=512, rope_dim=64, page_size=1)
     dpool = DeviceKVPool.empty(spec, 4, "cuda")
-    hpool = HostKVPool(spec, 4)
+    hpool = HostKVPool(spec, 4, allocator=TorchPinnedAllocator())
     try:
         with pytest.raises(ConfigError, match=key):
             _engine("nvidia-copy-engine", dpool, hpool, **{key: "yes"})
@@ -289,7 +290,7 @@ def test_tma_per_layer_loads_are_one_launch_with_signals(monkeypatch, layer_sign
     from kvtier_nvidia_tma.transfer_engine import CudaEventHandle, LayerSignalHandle
     spec = KVSpec.mha(num_layers=7, num_kv_heads=2, head_dim=64, page_size=3)
     dpool = DeviceKVPool.empty(spec, 64, "cuda")
-    hpool = HostKVPool(spec, 64)
+    hpool = HostKVPool(spec, 64, allocator=TorchPinnedAllocator())
     eng = _engine("nvidia-tma", dpool, hpool, layer_signals=layer_signals,
                   signal_layers=signal_layers)
     seen_launches = []
@@ -334,7 +335,7 @@ def test_tma_per_layer_signals_need_a_warp_to_spare():
     _available("nvidia-tma")
     spec = KVSpec.mla(num_layers=3, kv_lora_rank=512, rope_dim=64, page_size=2)
     dpool = DeviceKVPool.empty(spec, 16, "cuda")
-    hpool = HostKVPool(spec, 16)
+    hpool = HostKVPool(spec, 16, allocator=TorchPinnedAllocator())
     try:
         with pytest.raises(ConfigError, match="warps") as ei:
             _engine("nvidia-tma", dpool, hpool, warps=32, stage_bytes=1024)
@@ -362,7 +363,7 @@ def test_tma_small_segments_run_on_more_ctas_and_stay_bitwise(monkeypatch, small
     from kvtier_nvidia_tma import _driver
     spec = KVSpec.mha(num_layers=9, num_kv_heads=1, head_dim=128, page_size=1)
     dpool = DeviceKVPool.empty(spec, 400, "cuda")
-    hpool = HostKVPool(spec, 400)
+    hpool = HostKVPool(spec, 400, allocator=TorchPinnedAllocator())
     eng = _engine("nvidia-tma", dpool, hpool, small_ctas=small_ctas, small_bytes=1024,
                   layerwise_backup=True)
     grids = []
@@ -407,7 +408,7 @@ def test_misaligned_rows_are_typed_error(name):
     _available(name)
     spec = KVSpec.mla(num_layers=1, kv_lora_rank=20, rope_dim=0, page_size=1, dtype="float16")
     dpool = DeviceKVPool.empty(spec, 4, "cuda")
-    hpool = HostKVPool(spec, 4)
+    hpool = HostKVPool(spec, 4, allocator=TorchPinnedAllocator())
     try:
         with pytest.raises(LayoutError, match="16"):
             _engine(name, dpool, hpool)
@@ -428,7 +429,7 @@ def test_numeric_settings_are_checked(name, key, bad):
     _available(name)
     spec = KVSpec.mla(num_layers=2, kv_lora_rank=512, rope_dim=64, page_size=1)
     dpool = DeviceKVPool.empty(spec, 4, "cuda")
-    hpool = HostKVPool(spec, 4)
+    hpool = HostKVPool(spec, 4, allocator=TorchPinnedAllocator())
     try:
         with pytest.raises(ConfigError, match=key):
             _engine(name, dpool, hpool, **{key: bad})
@@ -452,7 +453,7 @@ def test_unregistered_host_memory_is_typed_error(name):
 def test_wrong_device_is_typed_error(name):
     _available(name)
     spec = KVSpec.mla(num_layers=2, kv_lora_rank=512, rope_dim=64, page_size=1)
-    hpool = HostKVPool(spec, 4)
+    hpool = HostKVPool(spec, 4, allocator=TorchPinnedAllocator())
     try:
         other = torch.cuda.device_count()           # cuda:N never exists; N-1 may
         with pytest.raises(LayoutError, match=f"cuda:{other}"):
@@ -468,7 +469,7 @@ def test_out_of_range_indices(name):
     _available(name)
     spec = KVSpec.mla(num_layers=3, kv_lora_rank=512, rope_dim=64, page_size=2)
     dpool = DeviceKVPool.empty(spec, 10, "cuda")
-    hpool = HostKVPool(spec, 8)
+    hpool = HostKVPool(spec, 8, allocator=TorchPinnedAllocator())
     fill_random(hpool.raw)
     _poison(dpool)
     try:
@@ -506,7 +507,7 @@ def test_tma_on_a_gpu_without_tma(monkeypatch):
     fake = _driver.Device(**{**real.__dict__, "cc": 80, "name": "pretend-A100"})
     monkeypatch.setattr(_driver, "device", lambda ordinal: fake)
     spec = KVSpec.mla(num_layers=1, kv_lora_rank=512, rope_dim=64, page_size=1)
-    hpool = HostKVPool(spec, 2)
+    hpool = HostKVPool(spec, 2, allocator=TorchPinnedAllocator())
     try:
         with pytest.raises(BackendUnavailableError, match="sm_90"):
             _engine("nvidia-tma", DeviceKVPool.empty(spec, 2, "cuda"), hpool)
@@ -578,7 +579,7 @@ def test_kernel_engines_refuse_untyped_layouts_copy_engine_takes_them(layout):
     _available("nvidia-routed")
     spec = layout_specs(layout)[0]
     dpool = make_layout_pool(spec, layout, 5, "cuda")
-    hpool = HostKVPool(spec, 5)
+    hpool = HostKVPool(spec, 5, allocator=TorchPinnedAllocator())
     try:
         for name in ("nvidia-tma", "nvidia-register", "nvidia-routed"):
             with pytest.raises(LayoutError, match="device layout"):
@@ -597,7 +598,7 @@ def test_routed_paths_bitwise_and_counted(spec, crossover, path):
     _available("nvidia-routed")
     rng = random.Random(crossover % 97 + spec.num_layers)
     dpool = DeviceKVPool.empty(spec, 41, "cuda")
-    hpool = HostKVPool(spec, 37)
+    hpool = HostKVPool(spec, 37, allocator=TorchPinnedAllocator())
     eng = _engine("nvidia-routed", dpool, hpool, crossover_bytes=crossover)
     try:
         assert eng.route == {"h2d": path, "d2h": path}
@@ -639,7 +640,7 @@ def test_routed_calibration_is_measured_then_cached(tmp_path):
     _available("nvidia-routed")
     spec = KVSpec.mha(num_layers=2, num_kv_heads=8, head_dim=128, page_size=64)   # 128 KiB
     dpool = DeviceKVPool.empty(spec, 9, "cuda")
-    hpool = HostKVPool(spec, 9)
+    hpool = HostKVPool(spec, 9, allocator=TorchPinnedAllocator())
     cache = str(tmp_path / "routes.json")
     try:
         first = _engine("nvidia-routed", dpool, hpool, cache_file=cache, calibrate_mib=8)
@@ -675,7 +676,7 @@ def test_routed_copy_engine_route_that_is_slow_in_use_moves_to_the_sm_kernel(tmp
     _available("nvidia-routed")
     spec = KVSpec.mha(num_layers=2, num_kv_heads=1, head_dim=128, page_size=16)  # 4 KiB
     dpool = DeviceKVPool.empty(spec, 512, "cuda")
-    hpool = HostKVPool(spec, 512)
+    hpool = HostKVPool(spec, 512, allocator=TorchPinnedAllocator())
     cache = tmp_path / "routes.json"
     cfg = {"cache_file": str(cache), "calibrate_mib": 8, "verify_mib": 1, "verify_count": 3}
     try:
@@ -726,7 +727,7 @@ def test_routed_in_use_check_does_not_count_a_transfer_the_other_way_overlapped(
     _available("nvidia-routed")
     spec = KVSpec.mha(num_layers=2, num_kv_heads=8, head_dim=128, page_size=64)   # 128 KiB
     dpool = DeviceKVPool.empty(spec, 96, "cuda")
-    hpool = HostKVPool(spec, 96)
+    hpool = HostKVPool(spec, 96, allocator=TorchPinnedAllocator())
     try:
         eng = _engine("nvidia-routed", dpool, hpool, crossover_bytes=1, verify_mib=1,
                       verify_count=3)
@@ -757,7 +758,7 @@ def test_auto_picks_the_router_on_cuda_and_reports_it(caplog):
     _available("nvidia-routed")
     spec = SPECS[3]
     dpool = DeviceKVPool.empty(spec, 5, "cuda")
-    hpool = HostKVPool(spec, 5)
+    hpool = HostKVPool(spec, 5, allocator=TorchPinnedAllocator())
     try:
         with caplog.at_level(logging.INFO, logger="kvtier.registry"):
             eng = registry.create_transfer_engine(
@@ -782,7 +783,7 @@ def test_copy_engine_strided_copies_where_layers_sit_at_one_stride(layerwise):
     _available("nvidia-copy-engine")
     spec = KVSpec.mha(num_layers=9, num_kv_heads=3, head_dim=40, page_size=5, dtype="float16")
     dpool = DeviceKVPool.empty(spec, 23, "cuda")
-    hpool = HostKVPool(spec, 19)
+    hpool = HostKVPool(spec, 19, allocator=TorchPinnedAllocator())
     eng = _engine("nvidia-copy-engine", dpool, hpool, layerwise_load=layerwise,
                   layerwise_backup=layerwise)
     rng = random.Random(11)

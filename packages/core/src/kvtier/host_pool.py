@@ -20,15 +20,15 @@ class HostKVPool:
     """Fixed-size pool of host KV pages with a free list and pin counts.
 
     ``view`` is the logical ``[page, layer, comp, token, head, dim]`` tensor over the buffer,
-    whatever the physical layout. The memory is ``buffer``, or a buffer the pool allocates
-    and owns from ``allocator`` (an instance; default: a `TorchPinnedAllocator`). With
-    ``page_first`` (the default) each page is one contiguous byte range, which is what L3
-    stores read into and write from. All methods are thread-safe.
+    whatever the physical layout. The memory is a buffer the pool allocates and owns from
+    ``allocator`` (an instance: the caller picks the backend, by name through
+    ``kvtier.create_host_allocator``), or a given ``buffer`` it does not own; exactly one of
+    the two. With ``page_first`` (the default) each page is one contiguous byte range, which
+    is what L3 stores read into and write from. All methods are thread-safe.
     """
 
-    def __init__(self, spec: KVSpec, num_pages: int, *, layout: str = PAGE_FIRST,
-                 allocator: HostAllocator | None = None,
-                 buffer: HostBuffer | None = None):
+    def __init__(self, spec: KVSpec, num_pages: int, *, allocator: HostAllocator | None = None,
+                 layout: str = PAGE_FIRST, buffer: HostBuffer | None = None):
         if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages <= 0:
             raise LayoutError(f"num_pages must be a positive int, got {num_pages!r}")
         self.spec = spec
@@ -37,15 +37,17 @@ class HostKVPool:
         need = host_nbytes(spec, num_pages)
         self._owns_buffer = buffer is None
         if buffer is None:
-            if allocator is None:
-                from .host_allocators.torch_pinned import TorchPinnedAllocator
-                allocator = TorchPinnedAllocator()
-            elif not isinstance(allocator, HostAllocator):
+            if not isinstance(allocator, HostAllocator):
+                got = "none given" if allocator is None else f"got {allocator!r}"
                 raise InvalidArgumentError(
-                    f"allocator must be a HostAllocator instance, got {allocator!r} (by name: "
-                    "kvtier.create_host_allocator(name, config))", argument="allocator",
+                    f"HostKVPool needs allocator=<HostAllocator instance> ({got}): get one "
+                    "from kvtier.create_host_allocator(name, config), e.g. 'torch-pinned', "
+                    "or pass an allocator instance or buffer=", argument="allocator",
                     value=allocator)
             buffer = allocator.allocate(need)
+        elif allocator is not None:
+            raise InvalidArgumentError("HostKVPool takes allocator= or buffer=, not both",
+                                       argument="allocator", value=allocator)
         if buffer.nbytes < need:
             raise LayoutError(f"host buffer of {buffer.nbytes} bytes is smaller than the "
                               f"{need} bytes {num_pages} pages need")

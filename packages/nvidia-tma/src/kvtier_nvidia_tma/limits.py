@@ -758,6 +758,7 @@ def probe_routes(args) -> dict[str, Any]:
     import torch
     from kvtier import DeviceKVPool, HostKVPool
     from kvtier.bench.transfer import CASES
+    from kvtier.host_allocators.torch_pinned import TorchPinnedAllocator
     from .transfer_engine import RoutedTransferEngine
     if not torch.cuda.is_available():
         raise SystemExit("kvtier_nvidia_tma.limits: no CUDA device here")
@@ -767,7 +768,7 @@ def probe_routes(args) -> dict[str, Any]:
     for case in cases:
         spec = CASES[case]
         dpool = DeviceKVPool.empty(spec, 4, "cuda")
-        hpool = HostKVPool(spec, 4)
+        hpool = HostKVPool(spec, 4, allocator=TorchPinnedAllocator())
         try:
             for r in range(args.repeat):
                 t0 = time.perf_counter()

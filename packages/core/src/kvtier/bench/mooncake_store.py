@@ -32,6 +32,7 @@ import time
 
 import torch
 
+from ..host_allocators.torch_pinned import TorchPinnedAllocator
 from ..host_pool import HostKVPool
 from ..report import parse_size, progress, table
 from ..spec import KVSpec
@@ -243,7 +244,7 @@ def run(args: argparse.Namespace) -> int:
             spec = _spec_for(ps)
             n = max(1, total // spec.page_bytes)
             moved = n * spec.page_bytes
-            pool = HostKVPool(spec, 2 * n)
+            pool = HostKVPool(spec, 2 * n, allocator=TorchPinnedAllocator())
             pool.raw[:moved].copy_(torch.randint(0, 256, (moved,), dtype=torch.uint8,
                                                  generator=torch.Generator().manual_seed(ps)))
             keys = [os.urandom(32) for _ in range(n)]
