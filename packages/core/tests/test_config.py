@@ -1,9 +1,9 @@
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 import pytest
 
-from kvtier.config import build_config, config_from_env
+from kvtier.config import build_config, config_from_env, keys_for
 from kvtier.errors import ConfigError
 
 
@@ -57,3 +57,27 @@ def test_env_parsing():
     with pytest.raises(ConfigError) as ei:
         config_from_env(Conf, "KV_", {"KV_THREADS": "many"})
     assert ei.value.key == "kv.threads"
+
+
+@dataclass(frozen=True)
+class _Path:
+    ctas: int = 2
+    side_stream: bool = False
+
+
+@dataclass(frozen=True)
+class _Composed:
+    verify_mib: int = 32
+    debug: bool = False
+    copy: _Path = field(default_factory=_Path)
+    sm: _Path = field(default_factory=_Path)
+
+
+def test_keys_for_moves_a_flat_setting_under_the_nested_configs_that_have_it():
+    """A tool's one flat setting reaches every backend that has it, a composed config's paths
+    included; an explicit nested value wins; keys nobody has are left out."""
+    got = keys_for(_Composed, {"ctas": 4, "debug": True, "bogus": 1, "sm": {"ctas": 8}})
+    assert got == {"debug": True, "copy": {"ctas": 4}, "sm": {"ctas": 8}}
+    assert build_config(_Composed, got).copy.ctas == 4
+    assert keys_for(_Path, {"ctas": 4, "verify_mib": 1}) == {"ctas": 4}
+    assert keys_for(_Composed, {}) == {}

@@ -419,7 +419,7 @@ def test_misaligned_rows_are_typed_error(name):
 @pytest.mark.parametrize("name, key, bad", [
     *(("nvidia-copy-engine", "max_batch", b) for b in (-1, 2.5)),
     *(("nvidia-copy-engine", "first_batch", b) for b in (-1, 2.5, True)),
-    *(("nvidia-routed", "first_batch", b) for b in (-1, 2.5)),
+    *(("nvidia-routed", "copy_engine.first_batch", b) for b in (-1, 2.5)),
     *(("nvidia-tma", "signal_layers", b) for b in (0, -2, 1.5, True)),
     *(("nvidia-routed", "verify_margin", b) for b in (-0.1, 1.0, True, "0.1")),
     *(("nvidia-routed", "prefer_copy_within", b) for b in (-0.1, 1.0, True)),
@@ -431,8 +431,9 @@ def test_numeric_settings_are_checked(name, key, bad):
     dpool = DeviceKVPool.empty(spec, 4, "cuda")
     hpool = HostKVPool(spec, 4, allocator=TorchPinnedAllocator())
     try:
-        with pytest.raises(ConfigError, match=key):
-            _engine(name, dpool, hpool, **{key: bad})
+        path, _, leaf = key.rpartition(".")
+        with pytest.raises(ConfigError, match=leaf):
+            _engine(name, dpool, hpool, **({path: {leaf: bad}} if path else {key: bad}))
     finally:
         hpool.close()
 
@@ -631,6 +632,24 @@ def test_routed_paths_bitwise_and_counted(spec, crossover, path):
         st = eng.stats()
         assert st["bytes"][path] == moved and sum(st["bytes"].values()) == moved
         assert st["transfers"][path] == 6
+    finally:
+        eng.close()
+        hpool.close()
+
+
+def test_routed_builds_its_paths_from_their_nested_configs():
+    """``copy_engine`` and ``sm`` reach the two engines as given, the engine-wide settings
+    with them."""
+    _available("nvidia-routed")
+    spec = KVSpec.mla(num_layers=3, kv_lora_rank=512, rope_dim=64, page_size=2)
+    dpool = DeviceKVPool.empty(spec, 8, "cuda")
+    hpool = HostKVPool(spec, 8, allocator=TorchPinnedAllocator())
+    eng = _engine("nvidia-routed", dpool, hpool, crossover_bytes=1, layerwise_backup=True,
+                  copy_engine={"max_batch": 3, "first_batch": 1}, sm={"ctas": 3})
+    try:
+        assert (eng.copy.config.max_batch, eng.copy.config.first_batch) == (3, 1)
+        assert eng.sm.config.ctas == 3
+        assert eng.copy.config.layerwise_backup is eng.sm.config.layerwise_backup is True
     finally:
         eng.close()
         hpool.close()

@@ -342,3 +342,66 @@ def test_a_hostile_calibration_cache_costs_a_new_calibration(tmp_path, monkeypat
     assert "this-gpu" in saved and (saved.get("other-gpu") == 7) == ("other-gpu" in content)
     again, source = _Router(path)._calibration()
     assert source == "cached" and measured == [1] and again["h2d"]["crossover"] == 65536
+
+
+# ----- the router's config: the two paths' configs, composed ----------------------------------
+def test_routed_config_composes_the_paths_configs():
+    """Each path's settings are its engine's own config, nested; the engine-wide ones
+    (layerwise, debug, device) are set once and given to both."""
+    from kvtier.config import build_config
+    from kvtier_nvidia_tma.copy_engine import CopyEngineTransferEngine
+    from kvtier_nvidia_tma.routed import RoutedTransferEngine as R
+    from kvtier_nvidia_tma.tma import TmaTransferEngine
+    c = build_config(R.Config, {"layerwise_backup": True, "crossover_bytes": 1,
+                                "copy_engine": {"max_batch": 64, "issue_thread": True},
+                                "sm": {"ctas": 4, "warps": 8}}, section="nvidia-routed")
+    assert isinstance(c.copy_engine, CopyEngineTransferEngine.Config)
+    assert isinstance(c.sm, TmaTransferEngine.Config)
+    assert (c.copy_engine.max_batch, c.copy_engine.issue_thread) == (64, True)
+    assert (c.sm.ctas, c.sm.warps, c.sm.small_bytes) == (4, 8, 1024)
+    assert c.copy_engine.layerwise_backup is c.sm.layerwise_backup is True
+    d = build_config(R.Config, {}, section="nvidia-routed")
+    assert d.copy_engine == CopyEngineTransferEngine.Config()
+    assert d.sm == TmaTransferEngine.Config()
+    with pytest.raises(ConfigError, match=r"nvidia-routed\.sm\.ctas must be an int"):
+        build_config(R.Config, {"sm": {"ctas": 2.5}}, section="nvidia-routed")
+    with pytest.raises(ConfigError, match=r"nvidia-routed\.copy_engine\.'warps'"):
+        build_config(R.Config, {"copy_engine": {"warps": 8}}, section="nvidia-routed")
+
+
+def test_sm_kernel_gets_its_settings_the_register_kernel_the_ones_it_has():
+    from kvtier.config import build_config
+    from kvtier_nvidia_tma.register import RegisterTransferEngine
+    from kvtier_nvidia_tma.routed import RoutedTransferEngine as R, sm_config
+    from kvtier_nvidia_tma.tma import TmaTransferEngine
+    c = build_config(R.Config, {"debug": True, "sm": {"ctas": 3, "small_ctas": 4,
+                                                       "side_stream": True}})
+    tma = sm_config(c, TmaTransferEngine)
+    assert build_config(TmaTransferEngine.Config, tma) == c.sm
+    assert (tma["ctas"], tma["small_ctas"], tma["debug"]) == (3, 4, True)
+    assert sm_config(c, RegisterTransferEngine) == {
+        "ctas": 3, "side_stream": True, "layerwise_load": True, "layerwise_backup": False,
+        "debug": True, "device": None}
+
+
+@pytest.mark.parametrize("config, where", [
+    ({"ctas": 4}, r"'ctas' moved to sm\.ctas .*pass \{\"sm\": \{\"ctas\": 4\}\}"),
+    ({"max_batch": 64}, r"'max_batch' moved to copy_engine\.max_batch"),
+    ({"issue_thread": True}, r"copy_engine\.issue_thread"),
+    ({"layer_signals": False}, r"sm\.layer_signals"),
+    ({"side_stream": True}, r"copy_engine\.side_stream or sm\.side_stream"),
+    ({"copy_engine": {"layerwise_load": False}}, r"copy_engine\.layerwise_load goes at the top"),
+    ({"sm": {"device": 0}}, r"sm\.device goes at the top level"),
+])
+def test_a_flat_path_key_is_a_config_error_saying_where_it_moved(config, where):
+    """Keys that were the router's own before its config composed the paths' are refused
+    with a one-line message naming their new place (before any GPU work: CPU pools here)."""
+    from kvtier.testing.contracts import make_layout_pool
+    from kvtier_nvidia_tma.routed import RoutedTransferEngine, check_moved_keys
+    with pytest.raises(ConfigError, match=where) as err:
+        check_moved_keys(config)
+    assert "\n" not in str(err.value)
+    spec = layout_specs("mla")[0]
+    dpool = make_layout_pool(spec, "mla", 3)
+    with make_host_pool(spec, 3) as hpool, pytest.raises(ConfigError, match=where):
+        RoutedTransferEngine(dpool, hpool, config)

@@ -165,6 +165,24 @@ def build_config(cls: type[T], data: Mapping[str, Any] | T | None = None, *, sec
     return cls(**kwargs)
 
 
+def keys_for(cls: type, data: Mapping[str, Any]) -> dict[str, Any]:
+    """The keys of ``data`` the config dataclass ``cls`` has, and those one of its nested
+    config fields has (but it does not) moved under that field (a nested value given
+    explicitly wins): how a tool gives one flat setting to many backends, each taking the keys
+    it has, a config composed of others' included."""
+    hints = _hints(cls)
+    own = {f.name for f in config_fields(cls)}
+    out = {k: dict(v) if isinstance(v, Mapping) else v for k, v in data.items() if k in own}
+    for name in own:
+        if not dataclasses.is_dataclass(hints[name]):
+            continue
+        keys = {f.name for f in config_fields(hints[name])}
+        moved = {k: v for k, v in data.items() if k not in own and k in keys}
+        if moved and isinstance(out.get(name, {}), dict):
+            out[name] = {**moved, **out.get(name, {})}
+    return out
+
+
 #: Variables under the ``KVTIER_`` prefix that are not `CacheConfig` fields: the config file's
 #: path, tools' own settings, and the prefixes backends read their own configs from.
 ENV_RESERVED = frozenset({"KVTIER_CONFIG", "KVTIER_CACHE_DIR", "KVTIER_TORCH", "KVTIER_TRACE",

@@ -76,12 +76,12 @@ def _setup(mib: int):
 
 
 def _engine(name: str, pools: dict[str, Any], config: dict[str, Any] | None = None):
-    """``name`` on the pools, with the keys of ``config`` it has (others are ignored)."""
+    """``name`` on the pools, with the keys of ``config`` it has, ``nvidia-routed``'s paths'
+    keys under its ``copy_engine`` and ``sm`` (others are ignored)."""
     from kvtier import registry
+    from kvtier.config import keys_for
     cls = registry.get_backend_class("kvtier.transfer_engines", name)
-    keys = getattr(cls.Config, "__dataclass_fields__", {})
-    return cls(pools["dpool"], pools["hpool"],
-               {k: v for k, v in (config or {}).items() if k in keys})
+    return cls(pools["dpool"], pools["hpool"], keys_for(cls.Config, config or {}))
 
 
 def footprint(eng, n: int, layers: int) -> tuple[int, int, int]:
@@ -762,7 +762,9 @@ def probe_routes(args) -> dict[str, Any]:
     from .transfer_engine import RoutedTransferEngine
     if not torch.cuda.is_available():
         raise SystemExit("kvtier_nvidia_tma.limits: no CUDA device here")
-    cfg = {**args.engine_config, "cache_file": "none", "calibrate_mib": args.mib}
+    from kvtier.config import keys_for
+    cfg = keys_for(RoutedTransferEngine.Config,
+                   {**args.engine_config, "cache_file": "none", "calibrate_mib": args.mib})
     runs: list[dict[str, Any]] = []
     cases = [c for c in args.cases.split(",") if c]
     for case in cases:

@@ -3,11 +3,13 @@ calibrated, cached crossover, its routes checked in use."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Mapping
 
 from kvtier import Availability, Capabilities, TransferEngine
+from kvtier.errors import ConfigError
 from kvtier.interfaces import TransferHandle
 
 from . import KVTIER_INTERFACE_VERSION
@@ -95,27 +97,21 @@ class RoutedTransferEngine(TransferEngine):
         #: MiB moved per calibration transfer (32 MiB transfers undersell the copy engine:
         #: 56-65% of the link at 64-256 KiB chunks where 256 MiB ones reach ~90%).
         calibrate_mib: int = 128
-        #: CTAs of the SM kernel (where chunks are small), and of its launches whose host
-        #: segments are at most ``small_bytes`` (see ``nvidia-tma``; 0: ``ctas``).
-        ctas: int = 2
-        small_ctas: int = 0
-        small_bytes: int = 1024
-        #: Copies per cuMemcpyBatchAsync call on the copy-engine path, and in a transfer's
-        #: first call (see ``nvidia-copy-engine``).
-        max_batch: int = 256
-        first_batch: int = 0
-        #: The copy-engine path queues its copies from a thread per direction (see
-        #: ``nvidia-copy-engine``'s ``issue_thread``).
-        issue_thread: bool = False
-        #: Strided copies over a transfer's layers on the copy-engine path (see
-        #: ``nvidia-copy-engine``).
-        strided: bool = True
+        #: Per-layer completion for loads / backups, whether for debugging, and the CUDA
+        #: device: settings of the routed engine as a whole, given to both paths (so they
+        #: are set here, not under ``copy_engine`` or ``sm``).
         layerwise_load: bool = True
         layerwise_backup: bool = False
-        #: Per-layer transfers on the TMA kernel as one launch with per-layer signals (see
-        #: ``nvidia-tma``'s ``layer_signals``).
-        layer_signals: bool = True
-        signal_layers: int = 1
+        debug: bool = False
+        device: int | None = None
+        #: The copy-engine path's own settings (``nvidia-copy-engine``'s config: ``max_batch``,
+        #: ``first_batch``, ``strided``, ``issue_thread``, ``side_stream``).
+        copy_engine: CopyEngineTransferEngine.Config = field(
+            default_factory=CopyEngineTransferEngine.Config)
+        #: The SM kernel's own settings (``nvidia-tma``'s config: ``ctas``, ``small_ctas``,
+        #: ``small_bytes``, ``layer_signals``, ``signal_layers``, ``warps``, ...); before
+        #: sm_90 ``nvidia-register`` takes the ones it has (``ctas``, ``side_stream``).
+        sm: TmaTransferEngine.Config = field(default_factory=TmaTransferEngine.Config)
         #: Transfers at least this large (MiB) check a calibrated copy-engine route in use
         #: (0: never checked).
         verify_mib: int = 32
@@ -129,8 +125,14 @@ class RoutedTransferEngine(TransferEngine):
         #: slowed by 47-51% instead of 0. Shortfalls it must catch were 17% and more (a copy
         #: engine at 35-48 GB/s against 49.9).
         verify_margin: float = 0.10
-        debug: bool = False
-        device: int | None = None
+
+        def __post_init__(self) -> None:
+            # the settings of the whole engine are the paths' too: each nested config says
+            # what its engine is built with
+            common = {k: getattr(self, k) for k in SHARED_KEYS}
+            object.__setattr__(self, "copy_engine", dataclasses.replace(self.copy_engine,
+                                                                        **common))
+            object.__setattr__(self, "sm", dataclasses.replace(self.sm, **common))
 
     @classmethod
     def probe(cls) -> Availability:
@@ -142,28 +144,19 @@ class RoutedTransferEngine(TransferEngine):
                             row_alignment=16, auto_priority=30)
 
     def __init__(self, device_pool, host_pool, config: Any = None):
+        check_moved_keys(config)
         super().__init__(device_pool, host_pool, config)
         c = self.config
-        for key, lo in (("crossover_bytes", 0), ("calibrate_mib", 1), ("ctas", 1),
-                        ("max_batch", 0), ("first_batch", 0), ("verify_mib", 0),
+        for key, lo in (("crossover_bytes", 0), ("calibrate_mib", 1), ("verify_mib", 0),
                         ("verify_count", 1)):
             _check_int(self.name, key, getattr(c, key), lo)
         _check_fraction(self.name, "verify_margin", c.verify_margin)
         _check_fraction(self.name, "prefer_copy_within", c.prefer_copy_within)
         _check_fraction(self.name, "idle_shortfall", c.idle_shortfall)
-        common = {"layerwise_load": c.layerwise_load, "layerwise_backup": c.layerwise_backup,
-                  "debug": c.debug, "device": c.device}
-        self.copy = CopyEngineTransferEngine(device_pool, host_pool,
-                                             {**common, "max_batch": c.max_batch,
-                                              "first_batch": c.first_batch,
-                                              "strided": c.strided,
-                                              "issue_thread": c.issue_thread})
+        self.copy = CopyEngineTransferEngine(device_pool, host_pool, c.copy_engine)
         sm_cls = TmaTransferEngine if self.copy._dev.cc >= TmaTransferEngine._min_cc \
             else RegisterTransferEngine
-        sm_cfg = {**common, "ctas": c.ctas}
-        if sm_cls is TmaTransferEngine:
-            sm_cfg.update(layer_signals=c.layer_signals, signal_layers=c.signal_layers,
-                          small_ctas=c.small_ctas, small_bytes=c.small_bytes)
+        sm_cfg = sm_config(c, sm_cls)
         self.sm = sm_cls(device_pool, host_pool, sm_cfg)
         self._sm_cfg = sm_cfg
         self.device = self.sm.device
@@ -312,14 +305,15 @@ class RoutedTransferEngine(TransferEngine):
         dev = self.sm._dev
         return "|".join(str(x) for x in (
             CALIBRATION_VERSION, dev.name, f"sm_{dev.cc}", _driver_version(),
-            torch.version.cuda, self.sm.name, self.config.ctas, self.config.max_batch,
+            torch.version.cuda, self.sm.name, self.config.sm.ctas,
+            self.config.copy_engine.max_batch,
             self.config.calibrate_mib, self.host_pool.buffer.backing,
             f"L{self.spec.num_layers}", self._copy_cfg(), sorted(self._sm_cfg.items())))
 
     def _copy_cfg(self) -> dict[str, Any]:
         """The copy engine's settings for calibration: strided only where this pool allows it."""
         c = self.config
-        return {"max_batch": c.max_batch, "first_batch": c.first_batch,
+        return {"max_batch": c.copy_engine.max_batch, "first_batch": c.copy_engine.first_batch,
                 "strided": self.copy._strided is not None,
                 "layerwise_load": c.layerwise_load, "layerwise_backup": c.layerwise_backup}
 
@@ -386,6 +380,51 @@ class RoutedTransferEngine(TransferEngine):
         except (KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"not a calibration: {exc!r}") from None
         return out
+
+
+#: Settings of the routed engine as a whole, given to both paths.
+SHARED_KEYS = ("layerwise_load", "layerwise_backup", "debug", "device")
+#: The nested configs: field name -> the config class it holds.
+NESTED = {"copy_engine": CopyEngineTransferEngine.Config, "sm": TmaTransferEngine.Config}
+
+
+def _fields(cls: type) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)}
+
+
+def check_moved_keys(config: Any) -> None:
+    """A ConfigError, before the config is built, for a key given where it no longer is: a
+    path's setting at the top level (it moved under ``copy_engine`` or ``sm``) or a setting of
+    the whole engine inside a path's config. A one-line message says where it goes."""
+    if not isinstance(config, Mapping):
+        return
+    own = _fields(RoutedTransferEngine.Config)
+    for key in config:
+        if key in own:
+            continue
+        where = [name for name, cls in NESTED.items() if key in _fields(cls)]
+        if where:
+            at = " or ".join(f"{w}.{key}" for w in where)
+            eg = f'{{"{where[0]}": {{"{key}": {config[key]!r}}}}}'
+            raise ConfigError(f"nvidia-routed: {key!r} moved to {at} (each path's settings "
+                              f"are nested): pass {eg}", key=f"nvidia-routed.{key}",
+                              value=config[key])
+    for name in NESTED:
+        inner = config.get(name)
+        if isinstance(inner, Mapping):
+            for key in SHARED_KEYS:
+                if key in inner:
+                    raise ConfigError(f"nvidia-routed: {name}.{key} goes at the top level "
+                                      f"({key!r}): it applies to both paths",
+                                      key=f"nvidia-routed.{name}.{key}", value=inner[key])
+
+
+def sm_config(config: Any, sm_cls: Any) -> dict[str, Any]:
+    """What the SM kernel is built with: ``config.sm`` as a dict (the shared settings
+    included), for ``nvidia-register`` only the keys its config has."""
+    out = dataclasses.asdict(config.sm)
+    keys = _fields(sm_cls.Config)
+    return {k: v for k, v in out.items() if k in keys}
 
 
 def _driver_version() -> str:

@@ -236,11 +236,13 @@ def host_copies(torch, host_raw, nbytes: int, repeat: int, row: int = 128 << 10,
 
 def _configs(cls, sweeps: dict[str, list], fixed: dict[str, Any],
              explicit: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
-    keys = set(getattr(cls.Config, "__dataclass_fields__", {}))
-    own = {k: v for k, v in sweeps.items() if k in keys}
+    """Each engine's configs: the sweeps' and fixed values it takes (a composed config's
+    paths take theirs: `keys_for`), crossed with its explicit configs."""
+    from ..config import keys_for
+    own = {k: v for k, v in sweeps.items() if keys_for(cls.Config, {k: None})}
     combos = [dict(zip(own, vals)) for vals in itertools.product(*own.values())] or [{}]
     bases = explicit or [{}]
-    return [{**{k: v for k, v in fixed.items() if k in keys}, **b, **c}
+    return [{**keys_for(cls.Config, fixed), **b, **keys_for(cls.Config, c)}
             for b in bases for c in combos]
 
 
