@@ -45,7 +45,7 @@ from .workload import Request, Workload
 DEFAULT_LOADS = (0.5, 0.8, 0.95)
 
 
-def check_positive(name: str, value: object, *, integer: bool = False,
+def check_positive(name: str, value: Any, *, integer: bool = False,
                    zero: bool = False) -> None:
     """A rate, a load fraction or a concurrency: a finite number > 0 (``zero``: >= 0)."""
     ok = not isinstance(value, bool) and isinstance(value, (int, float, np.integer, np.floating))

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -301,7 +301,8 @@ class DemoModel:
         self.fast_tolerance = fast_tolerance(self.dtype)
         # layer i's pre-hook: fill its past K/V from the pool once layer i has landed
         self._restore: Callable[[int], None] | None = None
-        for i, layer in enumerate(self.model.model.layers):
+        layers: Any = self.model.model.layers        # transformers' decoder layers
+        for i, layer in enumerate(layers):
             layer.register_forward_pre_hook(self._pre_hook(i))
 
     def _pre_hook(self, i: int):

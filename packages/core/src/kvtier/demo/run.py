@@ -11,6 +11,7 @@ match, loads from L2/L3, and the prefill of whatever was not cached.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import random
@@ -599,7 +600,7 @@ class SetupExporter:
         from ..prometheus import Source, serve
         #: setup name -> its cache while the setup's engine lives
         self.caches: dict[str, Any] = {}
-        self._server = serve([Source(lambda n=n: self._metrics(n), {"setup": n})
+        self._server = serve([Source(functools.partial(self._metrics, n), {"setup": n})
                               for n in names], port=port, host=host)
 
     def _metrics(self, name: str) -> Any:
