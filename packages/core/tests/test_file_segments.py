@@ -302,7 +302,7 @@ def test_foreign_segments_and_garbage_open_and_miss(tmp_path, pool):
     mine = keys(2, "mine")
     assert ours.batch_set(mine, [6, 7]) == [True, True]
     want = [page(pool, 6), page(pool, 7)]
-    with HostKVPool(other, 2) as opool:
+    with HostKVPool(other, 2, allocator=MmapAllocator()) as opool:
         fill_random(opool.raw)
         foreign = open_store(tmp_path, other)
         foreign.attach(opool)

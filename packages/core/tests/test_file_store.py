@@ -103,7 +103,7 @@ def _path(store: FileStore, key: bytes) -> str:
 def test_many_segments_beyond_iov_max(tmp_path):
     """A layer_first page of 2 * 600 chunks needs several preadv/pwritev calls."""
     spec = KVSpec.mha(num_layers=600, num_kv_heads=1, head_dim=4, page_size=1, dtype="float16")
-    with HostKVPool(spec, 5, layout="layer_first") as pool:
+    with HostKVPool(spec, 5, layout="layer_first", allocator=MmapAllocator()) as pool:
         fill_random(pool.raw)
         assert len(pool.page_segments(0)) > 1024
         store = FileStore({"root": str(tmp_path)}, spec=spec)
@@ -168,7 +168,8 @@ def test_concurrent_batches_from_many_threads(store, pool):
 
 def test_layer_first_pool_and_page_first_pool_share_objects(tmp_path):
     root = str(tmp_path)
-    with HostKVPool(SPEC, 4, layout="layer_first") as lf, HostKVPool(SPEC, 4) as pf:
+    with HostKVPool(SPEC, 4, layout="layer_first", allocator=MmapAllocator()) as lf, \
+            HostKVPool(SPEC, 4, allocator=MmapAllocator()) as pf:
         fill_random(lf.raw)
         a = FileStore({"root": root}, spec=SPEC)
         a.attach(lf)
@@ -272,7 +273,7 @@ def test_foreign_fingerprint_is_a_counted_miss(tmp_path, pool):
     other = KVSpec.mha(num_layers=6, num_kv_heads=1, head_dim=24, page_size=5,
                        dtype="bfloat16")
     assert other.page_bytes == SPEC.page_bytes and other.fingerprint != SPEC.fingerprint
-    with HostKVPool(other, 2) as opool:
+    with HostKVPool(other, 2, allocator=MmapAllocator()) as opool:
         fill_random(opool.raw)
         foreign = FileStore({"root": str(tmp_path)}, spec=other)
         foreign.attach(opool)
@@ -394,7 +395,7 @@ def test_pools_of_another_spec_are_refused(store):
                   KVSpec.mha(num_layers=3, num_kv_heads=2, head_dim=24, page_size=6,
                              dtype="bfloat16"),                        # shape
                   KVSpec.mla(num_layers=3, kv_lora_rank=48, rope_dim=0, page_size=5)):
-        with HostKVPool(other, 2) as p, pytest.raises(ConfigError):
+        with HostKVPool(other, 2, allocator=MmapAllocator()) as p, pytest.raises(ConfigError):
             store.attach(p)
 
 
