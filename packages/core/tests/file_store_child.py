@@ -23,7 +23,7 @@ import torch
 
 from kvtier.host_allocators.mmap import MmapAllocator
 from kvtier.host_pool import HostKVPool
-from kvtier.l3_stores import file as file_mod
+from kvtier.l3_stores.file import _files as files_mod
 from kvtier.l3_stores.file import FileStore
 from kvtier.spec import KVSpec
 
@@ -113,7 +113,7 @@ def main(argv: list[str]) -> None:
     elif mode == "stall":
         store, pool = open_store(root, io_threads=1)
         assert all(write_gen(store, pool, 0))
-        real = file_mod._pwrite_all
+        real = files_mod._pwrite_all
 
         def half_then_stall(fd, bufs, offset=0):
             first = bufs[0]
@@ -122,7 +122,7 @@ def main(argv: list[str]) -> None:
             print("stalled", flush=True)
             time.sleep(3600)
 
-        file_mod._pwrite_all = half_then_stall
+        files_mod._pwrite_all = half_then_stall
         write_gen(store, pool, 1)
     elif mode == "rlimit":
         import resource

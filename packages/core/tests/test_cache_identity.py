@@ -16,6 +16,7 @@ import pytest
 from kvtier.errors import ConfigError
 from kvtier.keys import HASHES, KeyNamespace, PageKeyer, reference_keys
 from kvtier.l3_stores import file as file_mod
+from kvtier.l3_stores.file import format as format_mod
 from kvtier.l3_stores.file import key_filename
 from kvtier.l3_stores.memory import MemoryStore
 from kvtier.spec import KVSpec
@@ -169,7 +170,7 @@ def test_another_object_format_version_is_a_miss(tmp_path, pool, monkeypatch):
     ks = [b"k%d" % i for i in range(3)]
     assert old.batch_set(ks, [0, 1, 2]) == [True] * 3
     old.close()
-    monkeypatch.setattr(file_mod, "FORMAT_VERSION", file_mod.FORMAT_VERSION + 1)
+    monkeypatch.setattr(format_mod, "FORMAT_VERSION", format_mod.FORMAT_VERSION + 1)
     new = FileStore({"root": str(tmp_path)}, spec=SPEC)
     new.attach(pool)
     assert new.stats()["manifest"] == "other identity"

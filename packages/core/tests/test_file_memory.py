@@ -23,7 +23,7 @@ import torch
 
 from kvtier.host_allocators.mmap import MmapAllocator
 from kvtier.host_pool import HostKVPool
-from kvtier.l3_stores import _files, _hotio
+from kvtier.l3_stores.file import _files, _hotio
 from kvtier.l3_stores import segments as seg_mod
 from kvtier.l3_stores.file import FileStore
 from kvtier.spec import KVSpec
@@ -251,7 +251,7 @@ def test_a_full_memory_filesystem_is_a_counted_miss(root, monkeypatch):
 
         def full(*a, **kw):
             raise OSError(28, "No space left on device")
-        monkeypatch.setattr(seg_mod._f, "_pwrite_all", full)
+        monkeypatch.setattr(_files, "_pwrite_all", full)
         assert s.batch_set(k[2:], [2, 3]) == [False, False]
         assert s.stats()["errors"] >= 2
         monkeypatch.undo()

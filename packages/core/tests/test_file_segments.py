@@ -24,8 +24,8 @@ import torch
 
 from kvtier.host_allocators.mmap import MmapAllocator
 from kvtier.host_pool import HostKVPool
-from kvtier.l3_stores import file as file_mod
-from kvtier.l3_stores import segments as seg_mod
+from kvtier.l3_stores.file import _files as files_mod
+from kvtier.l3_stores.file import segment_index as seg_mod
 from kvtier.l3_stores.file import TRAILER_BYTES, FileStore
 from kvtier.spec import KVSpec
 from kvtier.testing import fill_random
@@ -428,13 +428,13 @@ def test_write_failing_mid_run_keeps_the_old_pages(tmp_path, pool, monkeypatch):
     k = keys(3)
     assert s.batch_set(k, [0, 1, 2]) == [True] * 3
     want = [page(pool, p) for p in range(3)]
-    real = file_mod._pwrite_all
+    real = files_mod._pwrite_all
 
     def eio(fd, bufs, offset=0):
         real(fd, bufs[:1], offset)           # part of the run lands, then the disk fails
         raise OSError(errno.EIO, os.strerror(errno.EIO))
 
-    monkeypatch.setattr(file_mod, "_pwrite_all", eio)
+    monkeypatch.setattr(files_mod, "_pwrite_all", eio)
     fill_random(pool.raw)
     assert s.batch_set(k, [3, 4, 5]) == [False] * 3
     assert s.stats()["write_errors"] == 3
@@ -456,7 +456,7 @@ def test_read_error_is_a_counted_miss(tmp_path, pool, monkeypatch):
     def eio(fd, bufs, offset=0):
         raise OSError(errno.EIO, os.strerror(errno.EIO))
 
-    monkeypatch.setattr(file_mod, "_pread_all", eio)
+    monkeypatch.setattr(files_mod, "_pread_all", eio)
     assert s.batch_get(k, [2, 3]) == [False, False]
     assert s.stats()["read_errors"] >= 1
     monkeypatch.undo()
@@ -801,8 +801,8 @@ def test_io_depth_bounds_calls_in_flight_over_all_callers(tmp_path, monkeypatch,
                     state["now"] -= 1
         return call
 
-    monkeypatch.setattr(file_mod, "_pwrite_all", gated(file_mod._pwrite_all))
-    monkeypatch.setattr(file_mod, "_pread_all", gated(file_mod._pread_all))
+    monkeypatch.setattr(files_mod, "_pwrite_all", gated(files_mod._pwrite_all))
+    monkeypatch.setattr(files_mod, "_pread_all", gated(files_mod._pread_all))
     spec = ALIGNED
     rng = random.Random(depth)
     with HostKVPool(spec, 96, allocator=MmapAllocator()) as pool:
@@ -847,8 +847,8 @@ def test_batches_split_in_calls_no_smaller_than_io_call_bytes(tmp_path, monkeypa
             return real(fd, bufs, offset)
         return call
 
-    monkeypatch.setattr(file_mod, "_pwrite_all", counted(file_mod._pwrite_all, "w"))
-    monkeypatch.setattr(file_mod, "_pread_all", counted(file_mod._pread_all, "r"))
+    monkeypatch.setattr(files_mod, "_pwrite_all", counted(files_mod._pwrite_all, "w"))
+    monkeypatch.setattr(files_mod, "_pread_all", counted(files_mod._pread_all, "r"))
     spec = ALIGNED
     slot = -(-(spec.page_bytes + TRAILER_BYTES) // 4096) * 4096
     rng = random.Random(call_slots)

@@ -28,6 +28,8 @@ from kvtier.errors import (ConfigError, InvalidArgumentError, KVTierError, PageI
 from kvtier.host_allocators.mmap import MmapAllocator
 from kvtier.host_pool import HostKVPool
 from kvtier.l3_stores import file as file_mod
+from kvtier.l3_stores.file import _files as files_mod
+from kvtier.l3_stores.file import format as format_mod
 from kvtier.l3_stores.file import TRAILER_BYTES, key_filename
 from kvtier.spec import KVSpec
 from kvtier.testing.data import make_host_pool
@@ -448,7 +450,7 @@ def test_example_config_is_rooted_in_workdir(tmp_path):
 def test_enospc_is_a_counted_miss_and_leaves_nothing(store, pool, monkeypatch):
     k = keys(4)
     assert store.batch_set(k[:1], [0]) == [True]
-    real = file_mod._pwrite_all
+    real = files_mod._pwrite_all
     calls = {"n": 0}
 
     def full_disk(fd, bufs, offset=0):
@@ -456,7 +458,7 @@ def test_enospc_is_a_counted_miss_and_leaves_nothing(store, pool, monkeypatch):
         real(fd, [bufs[0][: len(bufs[0]) // 2]], offset)     # part written, then full
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(file_mod, "_pwrite_all", full_disk)
+    monkeypatch.setattr(files_mod, "_pwrite_all", full_disk)
     assert store.batch_set(k, [0, 1, 2, 3]) == [False] * 4
     assert calls["n"] == 4
     s = store.stats()
@@ -464,7 +466,7 @@ def test_enospc_is_a_counted_miss_and_leaves_nothing(store, pool, monkeypatch):
     assert not tmp_files(store.root)
     # the old object of k[0] is intact, the others were never created
     assert store.batch_exists(k) == 1
-    monkeypatch.setattr(file_mod, "_pwrite_all", real)
+    monkeypatch.setattr(files_mod, "_pwrite_all", real)
     want = page_bytes(pool, 0)
     assert store.batch_get(k[:1], [9]) == [True] and torch.equal(page_bytes(pool, 9), want)
     assert store.batch_set(k[1:], [1, 2, 3]) == [True] * 3, "the store keeps working"
@@ -801,7 +803,7 @@ def test_fast_and_stdlib_checksums_read_each_other(tmp_path, pool, monkeypatch):
     want = [page_bytes(pool, p) for p in (3, 4)]
     for writer in ("fast", "stdlib"):
         if writer == "stdlib":
-            monkeypatch.setattr(file_mod, "_impl_cache",
+            monkeypatch.setattr(format_mod, "_impl_cache",
                                 {1: (zlib.crc32, "zlib"), 2: (zlib.adler32, "zlib")})
         s = FileStore({"root": str(tmp_path / writer)}, spec=SPEC)
         s.attach(pool)
@@ -810,7 +812,7 @@ def test_fast_and_stdlib_checksums_read_each_other(tmp_path, pool, monkeypatch):
     monkeypatch.undo()
     for reader in ("stdlib", "fast"):
         if reader == "stdlib":
-            monkeypatch.setattr(file_mod, "_impl_cache",
+            monkeypatch.setattr(format_mod, "_impl_cache",
                                 {1: (zlib.crc32, "zlib"), 2: (zlib.adler32, "zlib")})
         for writer in ("fast", "stdlib"):
             s = FileStore({"root": str(tmp_path / writer)}, spec=SPEC)
@@ -825,8 +827,8 @@ def test_fast_and_stdlib_checksums_read_each_other(tmp_path, pool, monkeypatch):
 
 def test_checksum_provider_falls_back_to_zlib(monkeypatch):
     import zlib
-    monkeypatch.setattr(file_mod, "_impl_cache", {})
-    monkeypatch.setattr(file_mod, "_PROVIDERS", (("missing", "no_such_checksum_module"),
+    monkeypatch.setattr(format_mod, "_impl_cache", {})
+    monkeypatch.setattr(format_mod, "_PROVIDERS", (("missing", "no_such_checksum_module"),
                                                  ("zlib", "zlib")))
     fn, provider = file_mod.checksum_impl(1)
     assert provider == "zlib" and fn is zlib.crc32

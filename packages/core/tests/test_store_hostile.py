@@ -359,13 +359,13 @@ def test_batch_get_with_a_host_page_twice_is_refused_before_anything(tmp_path, p
 def test_close_during_a_call_defers_closing_the_directory(tmp_path, pool, monkeypatch):
     """The rest of an in-flight batch still works relative to the store directory (not to a
     closed, possibly reused, descriptor number); the descriptor is closed by the last call."""
-    import kvtier.l3_stores.file as file_mod
+    from kvtier.l3_stores.file import _files as files_mod
     s = FileStore({"root": str(tmp_path), "io_threads": 1, "o_direct": "off"}, spec=SPEC)
     s.attach(pool)
     k = keys(3)
     assert s.batch_set(k, [0, 1, 2]) == [True] * 3
     started, release = threading.Event(), threading.Event()
-    real = file_mod._pread_all
+    real = files_mod._pread_all
 
     def slow(fd, bufs, offset=0):
         if not started.is_set():
@@ -373,7 +373,7 @@ def test_close_during_a_call_defers_closing_the_directory(tmp_path, pool, monkey
             release.wait(10)
         return real(fd, bufs, offset)
 
-    monkeypatch.setattr(file_mod, "_pread_all", slow)
+    monkeypatch.setattr(files_mod, "_pread_all", slow)
     box = {}
     t = threading.Thread(target=lambda: box.setdefault("got", s.batch_get(k, [3, 4, 5])))
     t.start()

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterator, Sequence
 
-from . import file as _f
+from . import _files
 
 #: Bytes per call: pieces of at most this, and a call is made once this much is pending, so
 #: at most about twice this is in flight between checksum and copy (within a core's L2).
@@ -50,13 +50,13 @@ def write_hot(fd: int, offset: int, pages: Sequence[tuple[Sequence[memoryview], 
             pend.append(piece)
             pend_bytes += len(piece)
             if pend_bytes >= HOT_BYTES:
-                _f._pwrite_all(fd, pend, at)
+                _files._pwrite_all(fd, pend, at)
                 at, pend, pend_bytes = at + pend_bytes, [], 0
         seal(j, value & 0xFFFFFFFF)
         pend.append(tail)
         pend_bytes += len(tail)
     if pend:
-        _f._pwrite_all(fd, pend, at)
+        _files._pwrite_all(fd, pend, at)
 
 
 def read_hot(fd: int, offset: int, pages: Sequence[tuple[Sequence[memoryview], memoryview]],
@@ -72,7 +72,7 @@ def read_hot(fd: int, offset: int, pages: Sequence[tuple[Sequence[memoryview], m
 
     def flush() -> bool:
         nonlocal got
-        n = _f._pread_all(fd, [v for v, _ in pend], offset + got)
+        n = _files._pread_all(fd, [v for v, _ in pend], offset + got)
         left = n
         for v, j in pend:
             if j >= 0:
