@@ -14,7 +14,7 @@ import logging
 import pytest
 import torch
 
-from conftest import PoolCase, make_pools
+from conftest import PoolCase, attach, extra_config, make_pools, storage_config
 
 from kvtier.errors import BackendNotFoundError, ConfigError, KVTierError, LayoutError
 from kvtier.integrations.sglang import plugin
@@ -220,3 +220,35 @@ def test_unserved_layout_is_refused_when_the_pool_is_built(sglang_plugins):
     with pytest.raises(LayoutError, match="page_head") as info:
         make_pools(PoolCase("mha", "page_head", torch.bfloat16, 2, 2, heads=2, head_dim=16))
     assert "\n" not in str(info.value)
+
+
+def test_a_storage_backends_own_allocator_is_not_replaced(sglang_plugins):
+    """SGLang's shm / Mooncake / UMBP backends allocate the host pool themselves (shared or
+    registered memory); the plugin refuses rather than swap their allocator out."""
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+    sglang_plugins({"host_allocator": "mmap"})
+    dev = MHATokenToKVPool(size=30, page_size=3, dtype=torch.float16, head_num=1, head_dim=8,
+                           layer_num=2, device="cpu", enable_memory_saver=False,
+                           enable_alt_stream=False)
+    with pytest.raises(LayoutError, match="ShmHostTensorAllocator") as info:
+        MHATokenToKVPoolHost(dev.get_device_pool_infos()[0].buffer_info, 2.0, 0, 3,
+                             "layer_first", pin_memory=False, device="cpu",
+                             allocator_type="shm", device_capacity_tokens=dev.size,
+                             start_layer=dev.start_layer, end_layer=dev.end_layer)
+    assert "\n" not in str(info.value)
+
+
+def test_kvtier_l3_adapter_bridges_a_plugin_pool(sglang_plugins):
+    """Both ways in together: the HiCache storage adapter wraps the pool kvtier allocated."""
+    sglang_plugins({"host_allocator": "mmap"})
+    case = CASES[1]
+    _, host = make_pools(case)
+    backend = attach(host, storage_config(extra_config("memory", {"capacity_bytes": 1 << 20}),
+                                          layout=case.layout))
+    try:
+        assert backend.bridge.base == host.kvtier.buffer.ptr
+        assert backend.bridge.pool.buffer.device_addressable is host.pin_memory
+    finally:
+        backend.close()
+        host.destroy()

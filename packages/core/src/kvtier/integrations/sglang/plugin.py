@@ -249,6 +249,11 @@ def check_pool(pool: Any) -> None:
     if getattr(pool, "dcp_size", 1) != 1:
         raise LayoutError(f"{name}: decode context parallelism (dcp_size={pool.dcp_size}) is "
                           f"not served by kvtier's plugin (unset {ENV})")
+    from sglang.srt.mem_cache.pool_host.common import HostTensorAllocator
+    if type(pool.allocator) is not HostTensorAllocator:
+        raise LayoutError(f"{name}: SGLang's storage backend brings its own host allocator "
+                          f"({type(pool.allocator).__name__}), which kvtier's would replace; "
+                          f"use one or the other (unset {ENV})")
     if getattr(pool, "_layer_shard_enabled", False) or \
             getattr(pool, "_native_buffers", None) is not None:
         raise LayoutError(f"{name}: layer-sharded or split MLA buffers are not served by "
