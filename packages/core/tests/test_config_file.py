@@ -86,7 +86,8 @@ def test_unknown_environment_variables_are_refused_with_a_did_you_mean() -> None
 
 def test_reserved_kvtier_variables_pass() -> None:
     env = {"KVTIER_NAME": "m", "KVTIER_CONFIG": "/etc/kvtier.toml", "KVTIER_TORCH": "x",
-           "KVTIER_MOONCAKE_MASTER_ADDRESS": "127.0.0.1:1", "KVTIER_TEST_MORI_DIR": "/t"}
+           "KVTIER_MOONCAKE_MASTER_ADDRESS": "127.0.0.1:1", "KVTIER_TEST_MORI_DIR": "/t",
+           "KVTIER_SGLANG_HICACHE": '{"host_allocator": "mmap"}'}     # the SGLang plugin's
     assert config_from_env(Conf, "KVTIER_", env).name == "m"
     # a backend's own prefix is checked as strictly against its own fields
     with pytest.raises(ConfigError, match="KVTIER_MOONCAKE_MASTER_ADDRESS"):

@@ -188,7 +188,8 @@ def keys_for(cls: type, data: Mapping[str, Any]) -> dict[str, Any]:
 ENV_RESERVED = frozenset({"KVTIER_CONFIG", "KVTIER_CACHE_DIR", "KVTIER_TORCH", "KVTIER_TRACE",
                           "KVTIER_LOG_LEVEL", "KVTIER_MOONCAKE_NETNS"})
 ENV_RESERVED_PREFIXES = ("KVTIER_MOONCAKE_", "KVTIER_TEST_", "KVTIER_NOX_", "KVTIER_UMBP_",
-                         "KVTIER_MEMFABRIC_", "KVTIER_NVIDIA_", "KVTIER_BENCH_")
+                         "KVTIER_MEMFABRIC_", "KVTIER_NVIDIA_", "KVTIER_BENCH_",
+                         "KVTIER_SGLANG_")
 
 
 def config_from_env(cls: type[T], prefix: str, environ: Mapping[str, str] | None = None,
