@@ -156,6 +156,35 @@ class CacheConfig:
             object.__setattr__(self, "l3_store", None)
 
     # ----- builders ------------------------------------------------------------------------
+    #: Fields an engine integration decides (its parallel layout): a user may not set them.
+    ENGINE_DECIDED = ("tp_rank", "tp_size", "pp_rank", "pp_size")
+
+    @classmethod
+    def inside_engine(cls, extra: Any, *, where: str, engine: str,
+                      **decided: Any) -> "CacheConfig":
+        """The config of kvtier inside an engine: ``extra`` is the user's part of it (the
+        engine's setting ``where``); ``decided`` are what the engine knows -- its model id
+        and revision fill keys the user did not set, its parallel layout
+        (`ENGINE_DECIDED`) may not be set by the user. One-line ConfigErrors name the key
+        (an unknown one with the nearest known key)."""
+        if extra is None:
+            extra = {}
+        if not isinstance(extra, Mapping):
+            raise ConfigError(f"{where} must be a mapping, got {type(extra).__name__}",
+                              key=where)
+        extra = dict(extra)
+        for name in cls.ENGINE_DECIDED:
+            if name in extra:
+                raise ConfigError(f"{where}.{name}: the {engine} integration takes it from "
+                                  f"{engine}'s parallel config; remove it", key=name,
+                                  value=extra[name])
+        for k, v in decided.items():
+            if k in ("model_id", "model_revision"):
+                extra.setdefault(k, v)
+            else:
+                extra[k] = v
+        return cls.from_dict(extra)
+
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | "CacheConfig") -> "CacheConfig":
         return build_config(cls, data, section="cache")

@@ -72,8 +72,6 @@ __all__ = ["KvtierLinker", "linker_config", "linker_key", "FORMAT_VERSION"]
 
 #: Version of what a stored page means to this linker (bump on any change of its bytes).
 FORMAT_VERSION = 1
-#: CacheConfig fields the linker takes from SGLang, not from ``linker_extra_config``.
-_FROM_SGLANG = ("tp_rank", "tp_size", "pp_rank", "pp_size")
 #: Why each tree component other than full attention is not served (one line each).
 _REFUSED = {
     "SWA": "sliding-window pages are restorable only as a window ending on an offloaded node "
@@ -100,25 +98,10 @@ def linker_key(root: bytes, page_hash: str) -> bytes:
 
 
 def check_extra_config(extra: Any, **from_sglang: Any) -> CacheConfig:
-    """kvtier's CacheConfig from ``linker_extra_config`` and what SGLang decides: an unknown
-    key is the config layer's ConfigError (naming the nearest known key); a key SGLang decides
-    is refused likewise."""
-    if extra is None:
-        extra = {}
-    if not isinstance(extra, Mapping):
-        raise ConfigError(f"linker_extra_config must be a JSON object, got "
-                          f"{type(extra).__name__}", key="linker_extra_config")
-    extra = dict(extra)
-    for name in _FROM_SGLANG:
-        if name in extra:
-            raise ConfigError(f"linker_extra_config.{name}: the linker takes it from SGLang's "
-                              "parallel config; remove it", key=name, value=extra[name])
-    for k, v in from_sglang.items():
-        if k in ("model_id", "model_revision"):
-            extra.setdefault(k, v)
-        else:
-            extra[k] = v
-    cfg = CacheConfig.from_dict(extra)
+    """kvtier's CacheConfig from ``linker_extra_config`` and what SGLang decides
+    (`CacheConfig.inside_engine`), refusing what the linker cannot serve."""
+    cfg = CacheConfig.inside_engine(extra, where="linker_extra_config", engine="SGLang",
+                                    **from_sglang)
     if cfg.host_layout != "page_first":
         raise ConfigError("the SGLang linker needs host_layout='page_first'",
                           key="host_layout", value=cfg.host_layout)

@@ -19,8 +19,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-#: CacheConfig fields the connector does not take from the user (vLLM decides them).
-_FROM_VLLM = ("tp_rank", "tp_size", "pp_rank", "pp_size")
 #: Write policies whose L3 writes follow backups only (no write-backs inside load plans).
 _WRITE_POLICIES = ("write_through", "write_through_selective")
 #: vLLM's block layout per platform, as `DeviceKVPool.from_blocks` names it, and its byte order.
@@ -30,24 +28,9 @@ _DEFAULT_LAYOUT = ("vllm_flash", "nhd")
 
 def check_extra_config(extra: Any, **from_vllm: Any) -> CacheConfig:
     """kvtier's typed CacheConfig from ``kv_connector_extra_config`` and what vLLM decides
-    (``from_vllm``): an unknown key is a ConfigError naming it (with the nearest known key),
-    a key vLLM decides or a setting the connector cannot serve likewise."""
-    if extra is None:
-        extra = {}
-    if not isinstance(extra, dict):
-        raise ConfigError(f"kv_connector_extra_config must be a mapping, got "
-                          f"{type(extra).__name__}", key="kv_connector_extra_config")
-    extra = dict(extra)
-    for name in _FROM_VLLM:
-        if name in extra:
-            raise ConfigError(f"kv_connector_extra_config.{name}: the connector takes it from "
-                              "vLLM's parallel config; remove it", key=name, value=extra[name])
-    for k, v in from_vllm.items():
-        if k in ("model_id", "model_revision"):
-            extra.setdefault(k, v)
-        else:
-            extra[k] = v
-    cfg = CacheConfig.from_dict(extra)
+    (``from_vllm``; `CacheConfig.inside_engine`), refusing what the connector cannot serve."""
+    cfg = CacheConfig.inside_engine(extra, where="kv_connector_extra_config", engine="vLLM",
+                                    **from_vllm)
     if cfg.write_policy not in _WRITE_POLICIES:
         raise ConfigError(f"write_policy={cfg.write_policy!r} is not supported by the vLLM "
                           f"connector; supported: {list(_WRITE_POLICIES)}", key="write_policy",
