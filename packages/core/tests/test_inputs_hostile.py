@@ -338,6 +338,21 @@ def test_simulate_hostile_l3_config_is_one_line_exit_2(text, capsys):
     assert "ConfigError" in line and "--l3-config" in line and len(line) < 600
 
 
+@pytest.mark.parametrize("text", ["[" * DEEP + "]" * DEEP, '{"capacity_bytes": ' + BIG + "}",
+                                  "{"], ids=["deep", "huge-int", "not-json"])
+def test_demo_hostile_l3_config_is_a_usage_error(text):
+    """``kvtier demo --l3-config`` is read as every config value is: a usage error naming the
+    flag, before anything is built."""
+    import argparse
+
+    from kvtier.demo.command import add_arguments
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    with pytest.raises(SystemExit) as ei:
+        p.parse_args(["--l3-config", text])
+    assert ei.value.code == 2
+
+
 # --------------------------------------------------------------------------------------------
 # 14. huge values are not echoed whole
 # --------------------------------------------------------------------------------------------

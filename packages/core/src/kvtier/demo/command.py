@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import argparse
-import json
 import math
 
 
 def _json_object(text: str) -> dict:
+    """``--l3-config``: a JSON object, read as every config value is (`parse_json`: bounded
+    nesting and integers, one-line errors)."""
+    from ..config import parse_json
+    from ..errors import ConfigError
     try:
-        v = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+        v = parse_json(text, "--l3-config")
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     if not isinstance(v, dict):
         raise argparse.ArgumentTypeError("must be a JSON object")
     return v
