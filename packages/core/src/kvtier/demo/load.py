@@ -122,24 +122,16 @@ class LoadRun:
             util = (self.level.rate or 0.0) * service
         else:
             util = sum(x.done - x.dispatch for x in s) / span if span > 0 else 0.0
-        pct = lambda x: 100.0 * x / tokens if tokens else 0.0  # noqa: E731
-        q = lambda p: float(np.percentile(ttft, p)) if len(ttft) else 0.0  # noqa: E731
         return {
             "setup": self.setup, "level": self.level.label, "kind": self.level.kind,
             "load": self.level.load, "rate_per_s": self.level.rate, "users": self.level.users,
             "think_ms": 1e3 * self.level.think_s, "requests": len(s), "prompt_tokens": tokens,
             "utilisation": util, "overloaded": self.level.kind == "open" and util >= 1.0,
-            "ttft_mean_ms": float(ttft.mean()) if len(ttft) else 0.0,
-            "ttft_p50_ms": q(50), "ttft_p90_ms": q(90), "ttft_p99_ms": q(99),
+            **_ttft_and_hits(ttft, res, tokens),
             "wait_mean_ms": 1e3 * float(np.mean([x.wait_s for x in s])) if s else 0.0,
             "service_mean_ms": 1e3 * service, "max_queue": self.max_queue,
             "requests_per_s": len(s) / span if span > 0 else 0.0,
             "tokens_per_s": tokens / span if span > 0 else 0.0,
-            "hit_rate_pct": pct(sum(r.hit_tokens for r in res)),
-            "l1_hit_pct": pct(sum(r.l1_tokens for r in res)),
-            "l2_hit_pct": pct(sum(r.l2_tokens for r in res)),
-            "l3_hit_pct": pct(sum(r.l3_tokens for r in res)),
-            "l3_prefetched_pct": pct(sum(r.l3_prefetched_tokens for r in res)),
             "l3_wait_mean_ms": 1e3 * float(np.mean([r.l3_wait_s for r in res])) if res else 0.0,
             "computed_tokens": sum(r.computed_tokens for r in res),
             "restored_pages_checked": sum(r.restored_checked for r in res),
@@ -326,26 +318,35 @@ def levels(loads: tuple[float, ...], rates: tuple[float, ...], concurrency: tupl
     return out
 
 
+def _ttft_and_hits(ttft_ms: Any, results: list[Any], tokens: int) -> dict[str, float]:
+    """TTFT mean and percentiles (ms) and hit rates per tier (% of prompt tokens), as both
+    the load table's rows and its serial row report them."""
+    def pct(x: int) -> float:
+        return 100.0 * x / tokens if tokens else 0.0
+
+    def q(p: float) -> float:
+        return float(np.percentile(ttft_ms, p)) if len(ttft_ms) else 0.0
+    return {"ttft_mean_ms": float(ttft_ms.mean()) if len(ttft_ms) else 0.0,
+            "ttft_p50_ms": q(50), "ttft_p90_ms": q(90), "ttft_p99_ms": q(99),
+            "hit_rate_pct": pct(sum(r.hit_tokens for r in results)),
+            "l1_hit_pct": pct(sum(r.l1_tokens for r in results)),
+            "l2_hit_pct": pct(sum(r.l2_tokens for r in results)),
+            "l3_hit_pct": pct(sum(r.l3_tokens for r in results)),
+            "l3_prefetched_pct": pct(sum(r.l3_prefetched_tokens for r in results))}
+
+
 def serial_summary(name: str, results: list[RequestResult], busy_s: float) -> dict[str, Any]:
     """The serial replay as the zero-load point of the load table: every request alone."""
     ttft = np.array([r.ttft_s for r in results]) * 1e3
     tokens = sum(r.tokens for r in results)
-    pct = lambda x: 100.0 * x / tokens if tokens else 0.0  # noqa: E731
     return {
         "setup": name, "level": "serial", "kind": "serial", "load": 0.0, "utilisation": 0.0,
         "overloaded": False, "requests": len(results), "prompt_tokens": tokens,
-        "ttft_mean_ms": float(ttft.mean()) if len(ttft) else 0.0,
-        "ttft_p50_ms": float(np.percentile(ttft, 50)) if len(ttft) else 0.0,
-        "ttft_p90_ms": float(np.percentile(ttft, 90)) if len(ttft) else 0.0,
-        "ttft_p99_ms": float(np.percentile(ttft, 99)) if len(ttft) else 0.0,
+        **_ttft_and_hits(ttft, results, tokens),
         "wait_mean_ms": 0.0, "max_queue": 1,
         "requests_per_s": len(results) / busy_s if busy_s > 0 else 0.0,
         "tokens_per_s": tokens / busy_s if busy_s > 0 else 0.0,
-        "hit_rate_pct": pct(sum(r.hit_tokens for r in results)),
-        "l1_hit_pct": pct(sum(r.l1_tokens for r in results)),
-        "l2_hit_pct": pct(sum(r.l2_tokens for r in results)),
-        "l3_hit_pct": pct(sum(r.l3_tokens for r in results)),
-        "l3_prefetched_pct": 0.0, "l3_wait_mean_ms": 0.0,
+        "l3_wait_mean_ms": 0.0,
     }
 
 
