@@ -162,7 +162,7 @@ class WriteTask:
                     [self.host_pages[i] for i in todo], self.cache.config.l3_batch_pages,
                     task=self):
                 for j, i in enumerate(todo[start:start + count]):
-                    results[i] = got is not None and got[j]  # type: ignore[index]
+                    results[i] = got is not None and got[j]
         finally:
             for i in todo:
                 if results[i] is None:
