@@ -103,11 +103,7 @@ def _pwrite_all(fd: int, bufs: list[memoryview], offset: int = 0) -> None:
         if n <= 0:
             raise OSError(errno.EIO, "pwritev wrote nothing")
         offset += n
-        while bufs and n >= len(bufs[0]):
-            n -= len(bufs[0])
-            bufs = bufs[1:]
-        if n:
-            bufs = [bufs[0][n:]] + bufs[1:]
+        bufs = _skip(bufs, n)
         if bufs and offset % DIRECT_ALIGN:
             flags = fcntl.fcntl(fd, fcntl.F_GETFL)
             if flags & getattr(os, "O_DIRECT", 0):
@@ -129,12 +125,16 @@ def _pread_all(fd: int, bufs: list[memoryview], offset: int = 0) -> int:
             return total
         total += n
         offset += n
-        while bufs and n >= len(bufs[0]):
-            n -= len(bufs[0])
-            bufs = bufs[1:]
-        if n:
-            bufs = [bufs[0][n:]] + bufs[1:]
+        bufs = _skip(bufs, n)
     return total
+
+
+def _skip(bufs: list[memoryview], n: int) -> list[memoryview]:
+    """``bufs`` less their first ``n`` bytes (what a short pwritev/preadv already moved)."""
+    while bufs and n >= len(bufs[0]):
+        n -= len(bufs[0])
+        bufs = bufs[1:]
+    return [bufs[0][n:]] + bufs[1:] if n else bufs
 
 
 def _current_umask() -> int:
