@@ -14,6 +14,7 @@ deliberately broken subclass to show that it catches the break.
 from __future__ import annotations
 
 import hashlib
+import random
 import threading
 import time
 from pathlib import Path
@@ -295,17 +296,68 @@ def test_linker_layer_order_l2(tmp_path: Path) -> None:
         linker.close()
 
 
-def test_layer_order_check_catches_an_eager_counter(tmp_path: Path) -> None:
+def test_linker_layer_order_l3_fed_streams_per_layer(tmp_path: Path) -> None:
+    """A load an L3 read feeds (a restarted linker, empty L2): each layer is on the device when
+    the counter marks it, and the counter marks layer 0 before anything waits for the whole
+    plan (the layers stream; they are not released together at the end)."""
+    rng = random.Random(11)
     pool = make_pool()
-    keys, src, dst = hashes(3, "eager"), [1, 2, 3], [6, 7, 8]
+    keys = hashes(5, "l3-order")
+    src = rng.sample(range(1, PAGES), 5)
+    dst = rng.sample(range(1, PAGES), 5)
+    fill(pool, src, seed=11)
+    want = [read(pool, src, layer) for layer in range(pool.layer_num)]
+    first = make_linker(pool, extra(tmp_path))
+    try:
+        assert offload(first, src, keys)
+    finally:
+        first.close()
+    pool2 = make_pool()
+    linker = make_linker(pool2, extra(tmp_path))
+    events: list[str] = []
+    counter, ex = linker.layer_done_counter, linker.executor
+    complete, wait = counter.complete, ex.wait
+
+    def marked(index: int, layer: int) -> None:
+        events.append(f"layer {layer}")
+        complete(index, layer)
+
+    def waited(plan_id: int, timeout: float | None = None) -> bool:
+        events.append("whole plan")
+        return wait(plan_id, timeout)
+
+    try:
+        assert linker.lookup("r", lookup_keys(keys)) == [1, 2, 3, 4, 5]
+        counter.complete, ex.wait = marked, waited
+        check_layer_order(pool2, linker, dst, keys, want)
+        assert linker.planner.metrics()["l3_hit_pages"] == 5
+        assert events[0] == "layer 0", f"the counter waited for the whole plan: {events}"
+        assert torch.equal(read(pool2, dst), read(pool, src))
+    finally:
+        counter.__dict__.pop("complete", None)
+        ex.__dict__.pop("wait", None)
+        linker.close()
+
+
+@pytest.mark.parametrize("source", ["l2", "l3"])
+def test_layer_order_check_catches_an_eager_counter(tmp_path: Path, source: str) -> None:
+    pool = make_pool()
+    keys, src, dst = hashes(3, "eager-" + source), [1, 2, 3], [6, 7, 8]
     fill(pool, src, seed=3)
     want = [read(pool, src, layer) for layer in range(pool.layer_num)]
     linker = make_linker(pool, extra(tmp_path), cls=EagerCounterLinker)
     try:
         assert offload(linker, src, keys)
+        if source == "l3":                        # a restart: the load reads L3 first
+            linker.close()
+            pool = make_pool()
+            linker = make_linker(pool, extra(tmp_path), cls=EagerCounterLinker)
+            assert linker.lookup("r", lookup_keys(keys)) == [1, 2, 3]
         with pytest.raises(AssertionError, match="ran ahead"):
             check_layer_order(pool, linker, dst, keys, want)
         time.sleep(0.3)                           # its late copies end before close
+        planned = linker.planner.metrics()
+        assert planned["planned_l3_load_pages"] == (3 if source == "l3" else 0)
     finally:
         linker.close()
 

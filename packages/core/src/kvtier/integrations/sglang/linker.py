@@ -21,7 +21,8 @@ How SGLang's calls map onto kvtier:
 * ``load`` -- the planner plans the load at once (its L2 pages are pinned from here on); the
   executor runs it from ``start_layer_wise_loading``; a load thread advances SGLang's
   ``LayerWiseLoadCounter`` for layer ``i`` only after layer ``i`` of every copy of the batch
-  has landed (the executor's ``wait_layer``; a plan that first reads L3 is waited for whole).
+  has landed (the executor's ``wait_layer``, which also waits for the copies an L3 read feeds:
+  those start once the read is in L2, then land layer by layer like the others).
   ``finish_layer_wise_loading`` is False when any page of the batch did not land: SGLang then
   drops those requests' output (its contract); a store that fails is not offered again.
 * ``cancel_queued_load`` / ``reset`` -- a queued plan is failed back to the planner (pins and
@@ -483,12 +484,9 @@ class KvtierLinker(UnifiedCacheLinker):
         counter = self.layer_done_counter
         ex = self.executor
         try:
-            for ld in batch.loads:          # an L3 read feeds a load: wait for the whole plan
-                if ld.plan.l3_reads:
-                    ex.wait(ld.plan.plan_id)
             for layer in range(self.num_layers):
-                for ld in batch.loads:
-                    if ld.plan.loads and not ld.plan.l3_reads:
+                for ld in batch.loads:      # loads from L2 and those an L3 read feeds alike
+                    if ld.plan.loads:
                         ex.wait_layer(ld.plan.plan_id, layer)
                 counter.complete(batch.index, layer)
             ok = True
