@@ -7,6 +7,10 @@ config through `UnifiedCacheLinkerConfig`), `PoolTransfer`, and the `LayerWiseLo
 registered on the pool the way SGLang's registry does, waited on through the pool's own
 ``get_key_buffer`` / ``get_value_buffer`` as a forward does.
 
+Tensor parallelism is simulated in one process: each linker gets its rank the way SGLang gives
+it (its attention-TP cache group, read through ``torch.distributed``), and the ranks' lookups
+are intersected by SGLang's own ``UnifiedCacheLinkerWrapper._sync_restorable_prefix``.
+
 The ``check_*`` functions are the linker's contract; each is also run against a small,
 deliberately broken subclass to show that it catches the break.
 """
@@ -17,9 +21,12 @@ import hashlib
 import random
 import threading
 import time
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Iterator
+from unittest import mock
 
 import pytest
 import torch
@@ -31,7 +38,11 @@ from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer  # noqa:
 from sglang.srt.mem_cache.unified_cache.components import ComponentType  # noqa: E402
 
 from kvtier.errors import ConfigError, LayoutError  # noqa: E402
-from kvtier.integrations.sglang.linker import KvtierLinker, linker_config  # noqa: E402
+from kvtier.integrations.sglang.linker import (  # noqa: E402
+    KvtierLinker,
+    linker_config,
+    linker_key,
+)
 
 MODEL = "test-org/tiny-model"
 PS = 4                  # tokens per page
@@ -50,25 +61,85 @@ def make_pool(kind: str = "mha") -> Any:
                             enable_memory_saver=False)
 
 
+@dataclass(frozen=True)
+class RankGroup:
+    """Stands for SGLang's attention-TP cache group as one simulated rank sees it."""
+
+    rank: int
+    size: int
+
+
+@contextmanager
+def as_rank(group: RankGroup | None) -> Iterator[None]:
+    """torch.distributed as a worker of ``group`` sees it (initialised, its rank and size in
+    that group): what the linker reads its TP rank through. None: one process, no group."""
+    if group is None:
+        yield
+        return
+
+    def rank(group: RankGroup) -> int:
+        return group.rank
+
+    def size(group: RankGroup) -> int:
+        return group.size
+
+    with mock.patch.multiple(torch.distributed, is_initialized=lambda: True, get_rank=rank,
+                             get_world_size=size):
+        yield
+
+
 def make_linker(pool: Any, extra: dict, *, cls: type = KvtierLinker,
-                components: set | None = None, model: str = MODEL) -> Any:
+                components: set | None = None, model: str = MODEL,
+                tp: tuple[int, int] | None = None) -> Any:
     """What SGLang's registry does: the factory (dynamic backend, launch config parsed by
-    SGLang), then the linker's counter registered on the device pool."""
+    SGLang), then the linker's counter registered on the device pool. ``tp``: (rank, size)
+    of a simulated worker, given as SGLang gives it (its attention-TP cache group)."""
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.unified_cache.linker_factory import create_unified_cache_linker
     alloc = PagedTokenToKVPoolAllocator(size=pool.size, page_size=PS, dtype=pool.dtype,
                                         device="cpu", kvcache=pool, need_sort=False)
+    group = RankGroup(*tp) if tp is not None else None
     params = CacheInitParams(disable=False, req_to_token_pool=None,
-                             token_to_kv_pool_allocator=alloc, page_size=PS)
+                             token_to_kv_pool_allocator=alloc, page_size=PS,
+                             attn_tp_cache_group=group)
     server_args = SimpleNamespace(model_path=model, revision=None, kv_cache_dtype="auto")
     config = linker_config(**extra)
     config["linker"] = cls.__name__
     config["linker_module_path"] = cls.__module__
-    linker = create_unified_cache_linker(server_args, params, backend="dynamic", config=config,
-                                         components=components or {ComponentType.FULL})
+    with as_rank(group):
+        linker = create_unified_cache_linker(server_args, params, backend="dynamic",
+                                             config=config,
+                                             components=components or {ComponentType.FULL})
     pool.register_layer_transfer_counter(linker.layer_done_counter)
     return linker
+
+
+def tree_hit_pages(lookups: list[list[int]], num_pages: int) -> list[int]:
+    """The hit each rank's tree takes from its linker's lookup, computed by SGLang's own
+    ``UnifiedCacheLinkerWrapper._sync_restorable_prefix``: each rank's 0/1 mask of restorable
+    lengths, all-reduced with MIN over the attention-TP group, the longest length left. The
+    all-reduce is played in two passes: every rank's mask first, then each rank's reduction."""
+    from sglang.srt.mem_cache.unified_cache.unified_cache_linker import (
+        UnifiedCacheLinkerWrapper,
+    )
+    sync = UnifiedCacheLinkerWrapper._sync_restorable_prefix
+    masks: list[torch.Tensor] = []
+
+    def gather(mask: torch.Tensor, op: Any) -> None:
+        assert op == torch.distributed.ReduceOp.MIN
+        masks.append(mask.clone())
+
+    def reduce(mask: torch.Tensor, op: Any) -> None:
+        mask.copy_(torch.stack(masks).min(dim=0).values)
+
+    def tree(all_reduce: Any) -> Any:
+        return SimpleNamespace(cache=SimpleNamespace(_all_reduce_attn_groups=all_reduce))
+
+    for hits in lookups:
+        sync(tree(gather), hits, num_pages=num_pages, device_hit_pages=0)
+    return [sync(tree(reduce), hits, num_pages=num_pages, device_hit_pages=0)
+            for hits in lookups]
 
 
 def extra(tmp_path: Path, **kw: Any) -> dict:
@@ -475,3 +546,109 @@ def test_launch_config_parses_as_sglang_does() -> None:
                                                    "kvtier.integrations.sglang.linker")
     assert cfg.linker_extra_config == {"l3_store": "file",
                                        "l3_config": {"root": "/mnt/nvme/kvtier"}}
+
+
+def test_linker_tp2_mha_each_rank_its_own_shard(tmp_path: Path) -> None:
+    """Two MHA ranks of tp_size 2 over one file store, each pool holding its half of the
+    heads: each rank stores its shard under its own keys and reads back only its own; for
+    the same history both lookups agree; when one rank lost a page, SGLang's intersection of
+    the lookups restores only the prefix both hold, on each rank bitwise its own shard."""
+    rng = random.Random(21)
+    keys = hashes(4, "tp2")
+    src = rng.sample(range(1, PAGES), 4)
+    dst = rng.sample(range(1, PAGES), 4)
+    pools = [make_pool(), make_pool()]
+    for rank, pool in enumerate(pools):
+        fill(pool, src, seed=21 + rank)
+    want = [read(pool, src) for pool in pools]
+    assert not torch.equal(want[0], want[1])
+    ranks = [make_linker(pools[r], extra(tmp_path), tp=(r, 2)) for r in (0, 1)]
+    try:
+        assert ranks[0].root == ranks[1].root              # one chain; the rank is in the key
+        for linker in ranks:
+            assert offload(linker, src, keys)
+        hits = [linker.lookup("q", lookup_keys(keys)) for linker in ranks]
+        assert hits == [[1, 2, 3, 4]] * 2
+        assert tree_hit_pages(hits, 4) == [4, 4]
+        # rank 1 loses its shard of page 2 (rank 0's, under its own key, stays)
+        kv_key = linker_key(ranks[1].root, keys[2])
+        assert ranks[1].executor.store.delete([kv_key]) == 1
+        assert ranks[0].executor.store.batch_exists([linker_key(ranks[0].root, k)
+                                                     for k in keys]) == 4
+    finally:
+        for linker in ranks:
+            linker.close()
+    # both ranks restarted (empty L2): everything comes from the store
+    pools2 = [make_pool(), make_pool()]
+    fresh = [make_linker(pools2[r], extra(tmp_path), tp=(r, 2)) for r in (0, 1)]
+    try:
+        hits = [linker.lookup("r", lookup_keys(keys)) for linker in fresh]
+        assert hits == [[1, 2, 3, 4], [1, 2]]
+        common = tree_hit_pages(hits, 4)
+        assert common == [2, 2]
+        for rank, (pool, linker) in enumerate(zip(pools2, fresh)):
+            zero(pool, dst)
+            assert run_load(pool, linker, "r", dst[:2], keys[:2])
+            assert torch.equal(read(pool, dst[:2]), read(pools[rank], src[:2])), \
+                f"rank {rank} did not restore its own shard"
+            assert not read(pool, dst[2:]).any(), "pages past the common prefix loaded"
+            assert linker.planner.metrics()["l3_hit_pages"] == 2
+            assert not linker.planner.pending_plans()
+    finally:
+        for linker in fresh:
+            linker.close()
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_linker_mla_rank0_single_writer(tmp_path: Path, policy: str) -> None:
+    """MLA over tp_size 2: the latent is the same on every rank, so rank 1 backs pages up to
+    its L2 but writes nothing to L3 (write-through writes, or write-back ones as its small L2
+    evicts); rank 0 writes one object per page; a restarted rank 1 loads them bitwise."""
+    rng = random.Random(31)
+    keys = hashes(6, "mla-" + policy)
+    src = rng.sample(range(1, PAGES), 6)
+    dst = rng.sample(range(1, PAGES), 6)
+    pools = [make_pool("mla"), make_pool("mla")]
+    fill(pools[0], src, seed=31)
+    fill(pools[1], src, seed=31)                             # the same latent on both ranks
+    cfg = extra(tmp_path, write_policy=policy, host_pool_pages=3)
+    ranks = [make_linker(pools[r], cfg, tp=(r, 2)) for r in (0, 1)]
+    planned: list[int] = []
+    plan_save = ranks[1].planner.plan_save
+
+    def counted(*args: Any, **kw: Any) -> Any:
+        plan = plan_save(*args, **kw)
+        planned.append(len(plan.l3_writes))
+        return plan
+
+    ranks[1].planner.plan_save = counted
+    store_keys = [linker_key(ranks[0].root, k) for k in keys]
+    try:
+        assert ranks[0].root == ranks[1].root
+        for i in range(0, 6, 2):                              # three offloads of two pages
+            assert offload(ranks[1], src[i:i + 2], keys[i:i + 2])
+        ranks[1].executor.wait_idle(10)
+        assert sum(planned) > 0, "rank 1's planner planned no L3 write: nothing was tested"
+        store = ranks[1].executor.store
+        written = [k for k in store_keys if store.batch_exists([k])]
+        assert not written, f"rank 1 wrote {len(written)} MLA pages to L3"
+        assert not ranks[1].planner.pending_plans()
+        ranks[1].planner.check()
+        for i in range(0, 6, 2):
+            assert offload(ranks[0], src[i:i + 2], keys[i:i + 2])
+        ranks[0].executor.wait_idle(10)
+        stored = store.batch_exists(store_keys)          # leading pages rank 0 wrote
+        assert stored == 6 if policy == "write_through" else stored >= 2
+    finally:
+        for linker in ranks:
+            linker.close()
+    pool1 = make_pool("mla")
+    fresh = make_linker(pool1, extra(tmp_path), tp=(1, 2))
+    try:
+        assert fresh.lookup("r", lookup_keys(keys)) == list(range(1, stored + 1))
+        zero(pool1, dst)
+        assert run_load(pool1, fresh, "r", dst[:stored], keys[:stored])
+        assert torch.equal(read(pool1, dst[:stored]), read(pools[0], src[:stored]))
+        assert fresh.planner.metrics()["l3_hit_pages"] == stored
+    finally:
+        fresh.close()

@@ -30,12 +30,20 @@ How SGLang's calls map onto kvtier:
 * ``offload`` -- the planner's save plan (backups, then L3 writes under the write policy) runs
   on the executor; completions are reported in offload order.
 
+Tensor parallelism: rank and size are this worker's in SGLang's attention-TP cache group. MHA:
+a rank holds its own heads; ``tp_size`` is in the key namespace and each rank stores and reads
+its shard under its own object keys (`kvtier.cache.keying.rank_key`), so a lookup counts this
+rank's shards only and SGLang's tree intersects the ranks' lengths. MLA: the latent is the same
+on every rank: one object per page, read by every rank, written by rank 0 alone (another
+rank's L3 writes, write-through and write-back, are left to rank 0 and booked done).
+
 Components: full attention (MHA ``MHATokenToKVPool`` and MLA ``MLATokenToKVPool``) is handled;
 every other tree component (SWA, Mamba, ...) is refused at start with one line per component.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import queue
@@ -241,6 +249,7 @@ class KvtierLinker(UnifiedCacheLinker):
         self._queued: dict[str, _Load] = {}
         self._batches: dict[int, _Batch] = {}
         self._watch: dict[int, PlanResult | None] = {}       # plan id -> result once done
+        self._unwritten: dict[int, int] = {}    # plan id -> L3 writes left to rank 0 (MLA)
         self._offloads: deque[_Offload] = deque()
         self._jobs: queue.Queue[_Batch | None] = queue.Queue()
         self._closed = False
@@ -320,8 +329,7 @@ class KvtierLinker(UnifiedCacheLinker):
         # the forward may still be writing the pages: the offload thread waits for these
         events = self.record_offload_ready() if self.forward_stream is not None else []
         self._drain()
-        plan = self.planner.plan_save(keys, pages, 0,
-                                      l3_write=None if self.writes_l3 else False)
+        plan = self.planner.plan_save(keys, pages, 0)
         entry = _Offload(plan)
         with self._lock:
             self._offloads.append(entry)
@@ -416,13 +424,20 @@ class KvtierLinker(UnifiedCacheLinker):
         return [int(p) for p in (first // ps).tolist()]
 
     def _run(self, plan: Plan, watch: bool = False) -> None:
-        if watch:                               # a load: its result judges the batch
-            with self._lock:
+        sent = plan
+        with self._lock:
+            if watch:                           # a load: its result judges the batch
                 self._watch[plan.plan_id] = None
+            if plan.l3_writes and not self.writes_l3:
+                # MLA, rank > 0: rank 0 writes the same latent (write-back evictions too)
+                sent = dataclasses.replace(plan, l3_writes=())
+                self._unwritten[plan.plan_id] = len(plan.l3_writes)
         try:
-            self.executor.submit(plan)
+            self.executor.submit(sent)
         except Exception as exc:                # a plan the data path refuses: it failed
             log.warning("kvtier linker: plan %d refused: %s", plan.plan_id, exc)
+            with self._lock:
+                self._unwritten.pop(plan.plan_id, None)
             self._book(plan.failed())
 
     def _drain(self) -> None:
@@ -430,6 +445,11 @@ class KvtierLinker(UnifiedCacheLinker):
             self._book(res)
 
     def _book(self, res: PlanResult, run: bool = True) -> None:
+        if not res.released_host_pages:
+            with self._lock:
+                unwritten = self._unwritten.pop(res.plan_id, 0)
+            if unwritten:                       # this rank's part of rank 0's writes: done
+                res = dataclasses.replace(res, l3_writes=(True,) * unwritten)
         try:
             self.planner.complete(res)
         except Exception as exc:             # a result the planner does not know: log only
