@@ -187,6 +187,81 @@ def test_pending_pages_are_neither_hits_nor_evicted(split):
     assert split.pl.lookup(keys).l2_pages == 2
 
 
+def _two_part(split, plan):
+    """Run a save as vLLM's worker does: the backups, reported at once with their writes
+    pending, then the L3 writes, reported alone."""
+    ex = split.ex
+    ex.submit(wire(Plan(plan.plan_id, backups=plan.backups)))
+    assert ex.wait(plan.plan_id, 10)
+    (bres,) = ex.poll()
+    ex.submit(wire(Plan(-plan.plan_id, l3_writes=plan.l3_writes)))
+    first = PlanResult(plan.plan_id, backups=bres.backups, writes_pending=True)
+    split.pl.complete(wire(first))
+    split.pl.check()
+    assert ex.wait(-plan.plan_id, 10)
+    (wres,) = ex.poll()
+    return PlanResult(plan.plan_id, l3_writes=wres.l3_writes)
+
+
+def test_backed_up_pages_hit_while_their_l3_writes_run(split):
+    """A save reported in two results: its pages serve L2 hits from the first (the backups),
+    stay pinned -- not evicted, not written twice -- until the second (the writes) books
+    them in L3; a load of them meanwhile is bitwise."""
+    keys = split.pl.keys(toks(4 * 4, 21))
+    src = random.Random(7).sample(range(16), 4)
+    want = [split.page(p).clone() for p in src]
+    plan = split.pl.plan_save(keys, src)
+    assert len(plan.l3_writes) == 4
+    final = _two_part(split, plan)
+    assert split.pl.lookup(keys) == Lookup(0, 4, 0)              # hits now
+    again = split.pl.plan_save(keys, [20, 21, 22, 23])
+    assert again.empty
+    split.pl.complete(again.failed())
+    ev = split.pl.plan_evict(8)
+    assert not ev.l3_writes and split.pl.lookup(keys).l2_pages == 4   # pinned for the writes
+    split.run(ev)
+    dst = [24, 25, 26, 27]
+    assert split.run(split.pl.plan_load(keys, dst)).loaded_prefix == 4
+    for w, d in zip(want, dst):
+        assert torch.equal(split.page(d), w)
+    assert split.pl.metrics()["l3_written_pages"] == 0
+    split.pl.complete(wire(final))
+    split.pl.check()
+    assert split.pl.metrics()["l3_written_pages"] == 4 and not split.pl.pending_plans()
+    split.run(split.pl.plan_evict(8))                           # unpinned: evictable now
+    assert split.pl.lookup(keys) == Lookup(0, 0, 4)             # and in L3
+    with pytest.raises(InvalidArgumentError):
+        split.pl.complete(final)                                # booked once
+
+
+def test_two_part_results_are_checked(split):
+    keys = split.pl.keys(toks(4 * 2, 22))
+    plan = split.pl.plan_save(keys, [0, 1])
+    ok2 = (True, True)
+    bad = [PlanResult(plan.plan_id, backups=ok2, l3_writes=ok2, writes_pending=True),
+           PlanResult(plan.plan_id, backups=(True,), writes_pending=True),
+           PlanResult(plan.plan_id, backups=ok2, writes_pending=1)]
+    for res in bad:
+        with pytest.raises(InvalidArgumentError):
+            split.pl.complete(res)
+    assert plan.plan_id in split.pl.pending_plans()             # nothing booked
+    split.pl.complete(PlanResult(plan.plan_id, backups=ok2, writes_pending=True))
+    for res in [PlanResult(plan.plan_id, backups=ok2, writes_pending=True),   # twice
+                PlanResult(plan.plan_id, backups=ok2, l3_writes=ok2),         # backups again
+                PlanResult(plan.plan_id, l3_writes=(True,))]:
+        with pytest.raises(InvalidArgumentError):
+            split.pl.complete(res)
+    no_writes = split.pl.plan_save(split.pl.keys(toks(4, 23)), [5], l3_write=False)
+    with pytest.raises(InvalidArgumentError, match="pending"):
+        split.pl.complete(PlanResult(no_writes.plan_id, backups=(True,), writes_pending=True))
+    split.pl.fail(no_writes.plan_id)
+    split.pl.fail(plan.plan_id)                                 # its writes never came
+    split.pl.check()
+    assert split.pl.lookup(keys).l2_pages == 2 and not split.pl.pending_plans()
+    split.run(split.pl.plan_evict(8))                           # unpinned
+    assert split.pl.lookup(keys) == Lookup(0, 0, 0)             # never written to L3
+
+
 def test_failed_plan_returns_its_pages(split):
     keys = split.pl.keys(toks(4 * 8, 13))
     plan = split.pl.plan_save(keys, list(range(8)))

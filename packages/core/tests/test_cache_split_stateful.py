@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvtier import KVSpec
-from kvtier.cache import CacheExecutor, CachePlanner
+from kvtier.cache import CacheExecutor, CachePlanner, Plan, PlanResult
 from kvtier.device_pool import DeviceKVPool
 from kvtier.testing import fill_random
 from test_cache_stateful import device_page_bytes, write_device_page
@@ -71,6 +71,8 @@ class SplitMachine(RuleBasedStateMachine):
         for res in self.ex.poll():
             self.arrived[res.plan_id] = wire(res)
         res = self.arrived.pop(pid)
+        if pid < 0:          # the L3 writes of a save booked in two parts (as vLLM's worker)
+            res = PlanResult(-pid, l3_writes=res.l3_writes, held_host_pages=res.held_host_pages)
         self.pl.complete(res)
         plan, verify = self.outstanding.pop(pid)
         for (_hp, d), ok, key in zip(plan.loads, res.loads, verify):
@@ -80,8 +82,8 @@ class SplitMachine(RuleBasedStateMachine):
         self.busy -= set(plan.device_pages)
 
     # ----- rules ------------------------------------------------------------------------------
-    @rule(symbols=prompts, complete_now=st.booleans())
-    def save(self, symbols, complete_now):
+    @rule(symbols=prompts, complete_now=st.booleans(), two_part=st.booleans())
+    def save(self, symbols, complete_now, two_part):
         keys = self.keys_of(symbols)
         dev = self.free_device(len(keys))
         if dev is None:
@@ -95,6 +97,23 @@ class SplitMachine(RuleBasedStateMachine):
             else:
                 write_device_page(self.dpool, d, self.ref[key])
         plan = self.pl.plan_save(keys, dev)
+        if two_part and plan.l3_writes and not set(plan.device_pages) & self.busy:
+            # the backups now, booked with their writes pending (the pages hit from here),
+            # the writes as a plan of their own, booked whenever the rules say
+            pid = plan.plan_id
+            self.ex.submit(wire(Plan(pid, backups=plan.backups)))
+            assert self.ex.wait(pid, 10)
+            for res in self.ex.poll():
+                self.arrived[res.plan_id] = wire(res)
+            bres = self.arrived.pop(pid)
+            self.pl.complete(wire(PlanResult(pid, backups=bres.backups, writes_pending=True)))
+            assert all(bres.backups)       # (vLLM's worker writes the backed-up ones only)
+            writes = Plan(-pid, l3_writes=plan.l3_writes)
+            self.ex.submit(wire(writes))
+            self.outstanding[-pid] = (writes, [])
+            if complete_now:
+                self.finish(-pid)
+            return
         self.ex.submit(wire(plan))
         self.busy |= set(plan.device_pages)
         self.outstanding[plan.plan_id] = (plan, [])
@@ -162,6 +181,8 @@ class SplitMachine(RuleBasedStateMachine):
             self.finish(min(self.outstanding))
         self.pl.check()
         assert self.pl.pending_plans() == []
+        pinned = [nd for nd in self.pl.index.nodes.values() if nd.l2_pins]
+        assert not pinned, f"pages still pinned with no plan outstanding: {pinned}"
         self.ex.close()
 
 

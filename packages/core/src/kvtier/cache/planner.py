@@ -68,6 +68,11 @@ class _Pending:
     wb_write: list[bool] = field(default_factory=list)
     keys: list[bytes] = field(default_factory=list)            # pending keys it holds
     started: float = 0.0                # a load with L3 reads: when it was planned
+    #: The backed-up pages as booked (None: that backup failed), in backup order.
+    writing: list[Node | None] = field(default_factory=list)
+    #: Booked but for its L3 writes (a result with ``writes_pending``): the write-through
+    #: pages in ``writing`` stay pinned until the writes' result comes.
+    write_pins: bool = False
 
 
 class CachePlanner:
@@ -359,7 +364,8 @@ class CachePlanner:
         return plan
 
     def complete(self, result: PlanResult) -> None:
-        """Book what the data path did with a plan (once per plan)."""
+        """Book what the data path did with a plan (once per plan; a plan whose writes were
+        pending takes a second result with its ``l3_writes`` only)."""
         if not isinstance(result, PlanResult):
             raise InvalidArgumentError(f"complete needs a PlanResult, got "
                                        f"{type(result).__name__}", argument="result")
@@ -373,65 +379,118 @@ class CachePlanner:
                 raise InvalidArgumentError(f"plan {result.plan_id} is not pending",
                                            argument="result", value=result.plan_id)
             p = st.plan
+            if result.writes_pending and (st.write_pins or not p.l3_writes):
+                raise InvalidArgumentError(f"result of plan {p.plan_id} says its L3 writes "
+                                           "are pending, but it has none left",
+                                           argument="result", value=p.plan_id)
+            want = (len(p.l3_reads), len(p.loads), len(p.backups), len(p.l3_writes))
+            if st.write_pins:                  # the second result: the writes only
+                want = (0, 0, 0, len(p.l3_writes))
+            elif result.writes_pending:
+                want = want[:3] + (0,)
             if (len(result.l3_reads), len(result.loads), len(result.backups),
-                    len(result.l3_writes)) != (len(p.l3_reads), len(p.loads), len(p.backups),
-                                               len(p.l3_writes)):
+                    len(result.l3_writes)) != want:
                 raise InvalidArgumentError(f"result of plan {p.plan_id} does not match its "
                                            "operations", argument="result")
-            del self._plans[p.plan_id]
             free: list[int] = []
-            for nd in st.pinned:
+            unreadable = 0
+            first = not st.write_pins
+            if first:
+                unreadable = self._book_ops(st, result, free)
+            if result.writes_pending:
+                for k in st.keys:                 # in L2 now: a save skips them
+                    if self._pending.get(k) == p.plan_id:
+                        del self._pending[k]
+                if free:
+                    self.host.free(free)
+            else:
+                del self._plans[p.plan_id]
+                evicted = self._book_writes(st, result, free)
+        if first:
+            self._count_ops(st, result, unreadable)
+        if not result.writes_pending:
+            wrote = sum(result.l3_writes)
+            self.metrics_registry.add_many({
+                "l3_written_pages": wrote,
+                "l3_write_failed_pages": len(result.l3_writes) - wrote,
+                "l2_evictions": len(evicted)})
+
+    def _book_ops(self, st: _Pending, result: PlanResult, free: list[int]) -> int:
+        """Book a result's reads, loads and backups (lock held); with ``writes_pending`` the
+        backed-up pages stay pinned for their writes. Returns the keys marked unreadable."""
+        p = st.plan
+        for nd in st.pinned:
+            nd.l2_pins -= 1
+        landed: list[Node] = []
+        # the first read that failed is not offered again (a lookup stops there, so the
+        # reads after it, not tried, need no mark); a write that succeeded replaced it
+        miss = first_miss(result.l3_reads, len(result.l3_reads))
+        bad = [p.l3_reads[miss][0]] if miss < len(p.l3_reads) else []
+        unreadable = self.unreadable.add(bad)
+        for k in bad:                 # written to L3 again from L2 (write-back)
+            held = self.index.get(k)
+            if held is not None:
+                held.in_l3 = False
+        for (key, hp), parent, ok in zip(p.l3_reads, st.read_parents, result.l3_reads):
+            got = self._register(key, hp, parent) if ok else None
+            if got is None:
+                free.append(hp)
+            else:
+                got.in_l3 = True
+                landed.append(got)
+        backed: list[Node | None] = []
+        for (_, hp), key, parent, ok in zip(p.backups, st.backup_keys, st.backup_parents,
+                                            result.backups):
+            got = self._register(key, hp, parent) if ok else None
+            backed.append(got)
+            if got is None:
+                free.append(hp)
+            else:
+                landed.append(got)
+        self.index.touch_l2_up(landed)
+        if result.writes_pending:
+            for nd in backed[:st.wt_writes]:
+                if nd is not None:
+                    nd.l2_pins += 1       # its L3 write still reads the host page
+            st.write_pins = True
+        st.writing = backed
+        return unreadable
+
+    def _book_writes(self, st: _Pending, result: PlanResult, free: list[int]) -> list[int]:
+        """Book a plan's L3 writes and end it (lock held); returns the evicted host pages."""
+        p = st.plan
+        written = [k for (_, k), ok in zip(p.l3_writes, result.l3_writes) if ok]
+        if written:
+            self.unreadable.discard(written)
+        for nd, ok in zip(st.writing, result.l3_writes[:st.wt_writes]):
+            if nd is None:
+                continue
+            if st.write_pins:
                 nd.l2_pins -= 1
-            landed: list[Node] = []
-            # the first read that failed is not offered again (a lookup stops there, so the
-            # reads after it, not tried, need no mark); a write that succeeded replaced it
-            miss = first_miss(result.l3_reads, len(result.l3_reads))
-            bad = [p.l3_reads[miss][0]] if miss < len(p.l3_reads) else []
-            unreadable = self.unreadable.add(bad)
-            for k in bad:                 # written to L3 again from L2 (write-back)
-                held = self.index.get(k)
-                if held is not None:
-                    held.in_l3 = False
-            written = [k for (_, k), ok in zip(p.l3_writes, result.l3_writes) if ok]
-            if written:
-                self.unreadable.discard(written)
-            for (key, hp), parent, ok in zip(p.l3_reads, st.read_parents, result.l3_reads):
-                got = self._register(key, hp, parent) if ok else None
-                if got is None:
-                    free.append(hp)
-                else:
-                    got.in_l3 = True
-                    landed.append(got)
-            wt_ok = result.l3_writes[:st.wt_writes]
-            for i, ((_, hp), key, parent, ok) in enumerate(zip(
-                    p.backups, st.backup_keys, st.backup_parents, result.backups)):
-                got = self._register(key, hp, parent) if ok else None
-                if got is None:
-                    free.append(hp)
-                else:
-                    landed.append(got)
-                    if i < len(wt_ok) and wt_ok[i]:
-                        got.in_l3 = True
-            self.index.touch_l2_up(landed)
-            wb_res = list(result.l3_writes[st.wt_writes:])
-            ok_wb: list[bool | None] = []
-            it = iter(wb_res)
-            for w in st.wb_write:
-                ok_wb.append(next(it) if w else None)
-            evicted = after_l3_write(self.index, st.wb_nodes, ok_wb, evict_after=True)
-            free += evicted
-            for k in st.keys:
-                if self._pending.get(k) == p.plan_id:
-                    del self._pending[k]
-            if result.held_host_pages:
-                free = self._hold(p.plan_id, result.held_host_pages, free)
-            if free:
-                self.host.free(free)
+            if ok:
+                nd.in_l3 = True
+        wb_res = list(result.l3_writes[st.wt_writes:])
+        ok_wb: list[bool | None] = []
+        it = iter(wb_res)
+        for w in st.wb_write:
+            ok_wb.append(next(it) if w else None)
+        evicted = after_l3_write(self.index, st.wb_nodes, ok_wb, evict_after=True)
+        free += evicted
+        for k in st.keys:
+            if self._pending.get(k) == p.plan_id:
+                del self._pending[k]
+        if result.held_host_pages:
+            free = self._hold(p.plan_id, result.held_host_pages, free)
+        if free:
+            self.host.free(free)
+        return evicted
+
+    def _count_ops(self, st: _Pending, result: PlanResult, unreadable: int) -> None:
+        p = st.plan
         if st.started and any(result.loads):     # the request waited this long for L3
             pb = self.spec.page_bytes
             self.cost.observe_l3_wait(time.perf_counter() - st.started,
                                       len(p.l3_reads) * pb, len(p.loads) * pb)
-        wrote = sum(result.l3_writes)
         read_hp = {hp for _, hp in p.l3_reads}
         l3_hits = sum(1 for (hp, _), ok in zip(p.loads, result.loads) if ok and hp in read_hp)
         self.metrics_registry.add_many({
@@ -442,10 +501,7 @@ class CachePlanner:
             "load_failed_pages": len(result.loads) - sum(result.loads),
             "backup_pages": sum(result.backups),
             "backup_failed_pages": len(result.backups) - sum(result.backups),
-            "l3_written_pages": wrote,
-            "l3_write_failed_pages": len(result.l3_writes) - wrote,
-            "l3_unreadable_marked": unreadable,
-            "l2_evictions": len(evicted)})
+            "l3_unreadable_marked": unreadable})
 
     def fail(self, plan_id: int) -> None:
         """A plan that will never run (its worker is gone): book it as failed."""
@@ -454,7 +510,10 @@ class CachePlanner:
             if st is None:
                 raise InvalidArgumentError(f"plan {plan_id} is not pending",
                                            argument="plan_id", value=plan_id)
-        self.complete(st.plan.failed())
+            res = st.plan.failed()
+            if st.write_pins:                 # booked but for its writes
+                res = PlanResult(plan_id, l3_writes=res.l3_writes)
+        self.complete(res)
 
     # ----- helpers (lock held) ----------------------------------------------------------------
     def _hold(self, plan_id: int, held: Sequence[int], free: list[int]) -> list[int]:
@@ -506,6 +565,9 @@ class CachePlanner:
             if not isinstance(vals, tuple) or not all(v is True or v is False for v in vals):
                 raise InvalidArgumentError(f"result of plan {pid}: {name} must be a tuple of "
                                            "bools", argument="result", value=pid)
+        if not isinstance(result.writes_pending, bool):
+            raise InvalidArgumentError(f"result of plan {pid}: writes_pending must be a bool",
+                                       argument="result", value=pid)
         for name in ("held_host_pages", "released_host_pages"):
             vals = getattr(result, name)
             if not isinstance(vals, tuple) or not all(

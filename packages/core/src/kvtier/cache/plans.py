@@ -136,6 +136,10 @@ class PlanResult:
     ``held_host_pages``: host pages a store call past its deadline may still read or write;
     they must stay out of use until a later result for the same plan lists them in
     ``released_host_pages`` (that result has no operations).
+
+    ``writes_pending``: the plan's L3 writes still run; this result books every other
+    operation (its ``l3_writes`` is empty), so that backed-up pages serve hits at once, and a
+    later result for the same plan has only the ``l3_writes`` (every other list empty).
     """
 
     plan_id: int
@@ -145,6 +149,7 @@ class PlanResult:
     l3_writes: tuple[bool, ...] = ()
     held_host_pages: tuple[int, ...] = ()
     released_host_pages: tuple[int, ...] = ()
+    writes_pending: bool = False
 
     @property
     def ok(self) -> bool:

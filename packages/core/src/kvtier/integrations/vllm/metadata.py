@@ -72,11 +72,16 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
 
             def union(x: tuple[int, ...], y: tuple[int, ...]) -> tuple[int, ...]:
                 return tuple(sorted(set(x) | set(y)))
+            # a rank whose writes still run reports its save in two results (the backups
+            # now, the writes later): the merge waits for the writes too
+            pending = m.writes_pending or r.writes_pending
             out.append(PlanResult(
                 r.plan_id, l3_reads=both(m.l3_reads, r.l3_reads), loads=both(m.loads, r.loads),
-                backups=both(m.backups, r.backups), l3_writes=both(m.l3_writes, r.l3_writes),
+                backups=both(m.backups, r.backups),
+                l3_writes=() if pending else both(m.l3_writes, r.l3_writes),
                 held_host_pages=union(m.held_host_pages, r.held_host_pages),
-                released_host_pages=union(m.released_host_pages, r.released_host_pages)))
+                released_host_pages=union(m.released_host_pages, r.released_host_pages),
+                writes_pending=pending))
         out.extend(mine.values())
         return KVTierWorkerMetadata(results=out, rates=merge_rates(self.rates, other.rates),
                                     l3_state=worse_state(self.l3_state, other.l3_state))

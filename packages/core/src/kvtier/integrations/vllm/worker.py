@@ -197,6 +197,9 @@ class WorkerSide:
                                                  l3_writes=(False,) * len(plan.l3_writes)))
             return
         self._writes[wid] = (plan, res)
+        # the backed-up pages serve hits now; their writes' result follows
+        self._to_scheduler.append(PlanResult(plan.plan_id, backups=res.backups,
+                                             writes_pending=True))
 
     def _collect(self) -> None:
         if self.executor is None:
@@ -212,8 +215,7 @@ class WorkerSide:
                                  {hp for (_, hp), ok in zip(plan.backups, bres.backups) if ok}],
                                 res.l3_writes))
                 self._to_scheduler.append(PlanResult(
-                    plan.plan_id, backups=bres.backups,
-                    l3_writes=tuple(done.get(w, False) for w in plan.l3_writes),
+                    plan.plan_id, l3_writes=tuple(done.get(w, False) for w in plan.l3_writes),
                     held_host_pages=res.held_host_pages))
             elif res.plan_id in self._prefetch_ids:
                 self._prefetch_ids.discard(res.plan_id)
