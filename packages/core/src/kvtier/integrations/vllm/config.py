@@ -21,6 +21,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
 #: Write policies whose L3 writes follow backups only (no write-backs inside load plans).
 _WRITE_POLICIES = ("write_through", "write_through_selective")
+#: The id of vLLM's null block (its block pool's first, never handed to a request): where a
+#: sliding-window request's block table holds it, the page is outside the window.
+NULL_BLOCK = 0
 #: vLLM's block layout per platform, as `DeviceKVPool.from_blocks` names it, and its byte order.
 _LAYOUTS = {"cpu": ("vllm_cpu", "hkv")}
 _DEFAULT_LAYOUT = ("vllm_flash", "nhd")
@@ -66,21 +69,23 @@ def spec_from_kv_cache_config(kv_cache_config: "KVCacheConfig",
                               vllm_config: "VllmConfig | None" = None
                               ) -> tuple[KVSpec, list[str]]:
     """The KVSpec of vLLM's single KV cache group and its layer names: full attention (K and
-    V per KV head) or MLA (one latent row of ``kv_lora_rank + qk_rope_head_dim`` per token).
+    V per KV head), sliding-window attention (the same geometry; `sliding_window_of` says the
+    window) or MLA (one latent row of ``kv_lora_rank + qk_rope_head_dim`` per token).
     Anything else is refused, naming each group and why."""
     groups = kv_cache_config.kv_cache_groups
     kinds = ", ".join(f"group {i}: {type(g.kv_cache_spec).__name__} ({len(g.layer_names)} "
                       f"layers)" for i, g in enumerate(groups))
     if len(groups) != 1:
         raise LayoutError(f"kvtier's vLLM connector serves one KV cache group; this model has "
-                          f"{len(groups)} ({kinds}): hybrid and sliding-window models are not "
-                          "supported yet")
+                          f"{len(groups)} ({kinds}): several groups (vLLM's hybrid KV cache "
+                          "manager) are not supported yet")
     g = groups[0]
     s = g.kv_cache_spec
     kind = type(s).__name__
-    if kind not in ("FullAttentionSpec", "MLAAttentionSpec"):
-        raise LayoutError(f"kvtier's vLLM connector cannot serve {kinds}: only full attention "
-                          "and MLA layers are tiered")
+    if kind not in ("FullAttentionSpec", "MLAAttentionSpec", "SlidingWindowSpec"):
+        why = _WHY.get(kind, "only full attention, sliding-window attention and MLA layers "
+                             "are tiered")
+        raise LayoutError(f"kvtier's vLLM connector cannot serve {kinds}: {why}")
     if _is_mla(s):
         cache_dtype = getattr(s, "cache_dtype_str", None)
         if cache_dtype not in (None, "auto"):
@@ -98,6 +103,25 @@ def spec_from_kv_cache_config(kv_cache_config: "KVCacheConfig",
                       head_dim=int(s.head_size), page_size=int(s.block_size),
                       dtype=dtype_name(s.dtype))
     return spec, list(g.layer_names)
+
+
+#: Why a KV cache group of another kind is not served (one line each).
+_WHY = {
+    "MambaSpec": "a Mamba layer's state is one slot per request, not pages of tokens; kvtier "
+                 "stores pages",
+    "ChunkedLocalAttentionSpec": "chunked local attention is not tiered yet",
+}
+
+
+def sliding_window_of(kv_cache_config: "KVCacheConfig") -> int | None:
+    """The window (tokens) of a sliding-window model's KV cache group; None for full attention
+    and MLA. vLLM keeps only the blocks of the window and hands the null block for the pages
+    before it: the connector loads the window's pages only and saves each page while it is
+    in the window."""
+    s = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    if type(s).__name__ != "SlidingWindowSpec":
+        return None
+    return int(s.sliding_window)
 
 
 def block_layout(vllm_config: "VllmConfig", mla: bool = False) -> tuple[str, str]:
@@ -130,6 +154,9 @@ class EngineView:
     #: Does every rank write its pages to L3 (its own shard), or only rank 0 (MLA's latent,
     #: the same on every rank)?
     l3_writer: bool = True
+    #: A sliding-window model's window (tokens): vLLM holds the null block for the pages
+    #: before it (`NULL_BLOCK`); None: every page is held.
+    sliding_window: int | None = None
 
     @property
     def block_size(self) -> int:
@@ -150,6 +177,9 @@ def engine_view(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> 
         cfg = dataclasses.replace(cfg, tp_size=1, tp_rank=0)
     layout, page_order = block_layout(vllm_config, mla)
     identity = engine_identity(vllm_config)
+    window = sliding_window_of(kv_cache_config)
+    if window is not None:
+        identity["sliding_window"] = window
     return EngineView(
         cfg=cfg, spec=spec, layer_names=tuple(layer_names), layout=layout,
         page_order=page_order,
@@ -158,4 +188,4 @@ def engine_view(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> 
                                             engine=identity),
         num_host_pages=cfg.host_pages_for(spec.page_bytes, int(kv_cache_config.num_blocks)),
         tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
-        l3_writer=not mla)
+        l3_writer=not mla, sliding_window=window)

@@ -16,7 +16,7 @@ from ...cache.cost import pairs
 from ...cache.keying import open_store, rank_key
 from ...cache.l3io import L3IO
 from ...metrics import Metrics
-from .config import EngineView
+from .config import NULL_BLOCK, EngineView
 from .identity import request_root
 from .metadata import KVTierConnectorStats, KVTierMetadata, KVTierWorkerMetadata, LoadOrder
 
@@ -45,6 +45,29 @@ class _Req:
         #: a later lookup may offer (a failed page is retried at most once).
         self.max_pages: int | None = None
 
+
+
+def _outside_window(block_ids: list[int]) -> int:
+    """How many leading pages of a sliding-window request's external hit vLLM holds no block
+    for (the null block: before the window)."""
+    n = 0
+    while n < len(block_ids) and block_ids[n] == NULL_BLOCK:
+        n += 1
+    return n
+
+
+def _held_runs(block_ids: list[int], first: int) -> list[tuple[int, list[int]]]:
+    """The runs of held blocks (not the null block) in ``block_ids``, which start at page
+    ``first``: (page of the run's first block, its blocks)."""
+    out: list[tuple[int, list[int]]] = []
+    for i, b in enumerate(block_ids):
+        if b == NULL_BLOCK:
+            continue
+        if out and out[-1][0] + len(out[-1][1]) == first + i:
+            out[-1][1].append(b)
+        else:
+            out.append((first + i, [b]))
+    return out
 
 
 class SchedulerSide:
@@ -138,19 +161,24 @@ class SchedulerSide:
         offered = self._offers.pop(request.request_id, None)
         if offered is None or num_external_tokens == 0:
             return
-        start, _, l3 = offered
+        start, l2, l3 = offered
         n = num_external_tokens // self.block_size
         block_ids = list(blocks.get_block_ids()[0][start:start + n])
-        plan = self.planner.plan_load(r.keys, block_ids, start)
+        # a sliding-window model: vLLM gave the null block to the pages before the window;
+        # they count as computed and only the window's pages are loaded
+        skip = _outside_window(block_ids) if self.view.sliding_window else 0
+        first, block_ids = start + skip, block_ids[skip:]
+        plan = self.planner.plan_load(r.keys, block_ids, first)
         covered = {d for _, d in plan.loads}
         failed = [b for b in block_ids if b not in covered]     # recomputed by vLLM
         is_async = l3 > 0               # what vLLM was told: it waits for finished_recving
-        self._load_reqs[plan.plan_id] = (request.request_id, start)
+        self._load_reqs[plan.plan_id] = (request.request_id, first)
         if is_async:
             r.load_plan = plan.plan_id
             self._async_reqs[plan.plan_id] = request.request_id
-        n3 = len(plan.l3_reads)
-        n2 = len(plan.loads) - n3
+        # pages outside the window count as hits of the tier the offer found them in
+        n3 = len(plan.l3_reads) + max(0, skip - l2)
+        n2 = len(plan.loads) - len(plan.l3_reads) + min(skip, l2)
         self._hit_sources[request.request_id] = (n2, n - n2)
         for c in (self.totals, self._interval):
             c.update(hit_tokens_l2=n2 * self.block_size, hit_tokens_l3=n3 * self.block_size,
@@ -198,12 +226,16 @@ class SchedulerSide:
         if full <= r.saved:
             return
         keys = self._keys_upto(r, full)
-        plan = self.planner.plan_save(keys, r.block_ids[r.saved:full], r.saved)
+        ids = r.block_ids[r.saved:full]
+        runs = [(r.saved, ids)] if not self.view.sliding_window else \
+            _held_runs(ids, r.saved)    # pages outside the window are not held: not saved
         r.saved = full
-        if plan.empty:
-            self.planner.complete(plan.failed())       # nothing to run: book it now
-        else:
-            saves.append(plan)
+        for first, run in runs:
+            plan = self.planner.plan_save(keys, run, first)
+            if plan.empty:
+                self.planner.complete(plan.failed())       # nothing to run: book it now
+            else:
+                saves.append(plan)
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
         wm = connector_output.kv_connector_worker_meta
