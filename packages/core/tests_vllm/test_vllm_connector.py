@@ -402,3 +402,22 @@ def test_worker_results_of_ranks_are_anded_and_stats_summed():
     assert r["l3_read_bytes_per_s"] == 1e9
     s = KVTierConnectorStats(data={"x": 1}).aggregate(KVTierConnectorStats(data={"x": 2, "y": 1}))
     assert s.reduce() == {"x": 3, "y": 1} and not s.is_empty()
+
+
+def test_a_save_in_two_results_merges_part_by_part_across_ranks():
+    """A save is reported as its backups (writes pending) and later its writes: in one step
+    rank 0 may send both and rank 1 only the first; the firsts merge (and wait for the
+    writes), rank 0's writes stay whole and after them."""
+    from kvtier.cache import PlanResult
+    from kvtier.integrations.vllm import KVTierWorkerMetadata
+    t2, tf = (True, True), (True, False)
+    r0 = KVTierWorkerMetadata([PlanResult(7, backups=t2, writes_pending=True),
+                               PlanResult(7, l3_writes=t2)])
+    r1 = KVTierWorkerMetadata([PlanResult(7, backups=tf, writes_pending=True)])
+    for a, b in ((r0, r1), (r1, r0)):
+        got = a.aggregate(b).results
+        assert got == [PlanResult(7, backups=tf, writes_pending=True),
+                       PlanResult(7, l3_writes=t2)], got
+    full = KVTierWorkerMetadata([PlanResult(8, backups=t2, l3_writes=t2)])     # MLA rank 1
+    got = KVTierWorkerMetadata([PlanResult(8, backups=t2, writes_pending=True)]).aggregate(full)
+    assert got.results == [PlanResult(8, backups=t2, writes_pending=True)]

@@ -60,10 +60,19 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> "KVTierWorkerMetadata":
         assert isinstance(other, KVTierWorkerMetadata)
-        mine = {r.plan_id: r for r in self.results}
+        # a rank may report one plan twice in a step (a save's backups, then its writes):
+        # the n-th result of a plan merges with the other rank's n-th, in order
+        def numbered(results: list[PlanResult]) -> list[tuple[tuple[int, int], PlanResult]]:
+            seen: Counter[int] = Counter()
+            out = []
+            for r in results:
+                out.append(((r.plan_id, seen[r.plan_id]), r))
+                seen[r.plan_id] += 1
+            return out
+        mine = dict(numbered(self.results))
         out = []
-        for r in other.results:
-            m = mine.pop(r.plan_id, None)
+        for key, r in numbered(other.results):
+            m = mine.pop(key, None)
             if m is None:
                 out.append(r)
                 continue
