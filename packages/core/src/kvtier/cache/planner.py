@@ -449,9 +449,9 @@ class CachePlanner:
                 landed.append(got)
         self.index.touch_l2_up(landed)
         if result.writes_pending:
-            for nd in backed[:st.wt_writes]:
-                if nd is not None:
-                    nd.l2_pins += 1       # its L3 write still reads the host page
+            for pinned in backed[:st.wt_writes]:
+                if pinned is not None:
+                    pinned.l2_pins += 1   # its L3 write still reads the host page
             st.write_pins = True
         st.writing = backed
         return unreadable
