@@ -21,7 +21,7 @@ import torch
 from kvtier import DeviceKVPool, KVSpec
 from kvtier.cache import TieredKVCache
 from kvtier.prometheus import Source, serve
-from kvtier.simulate import PageAllocator
+from kvtier.page_allocator import PageAllocator
 
 SPEC = KVSpec.mha(num_layers=4, num_kv_heads=2, head_dim=16, page_size=16, dtype="float32")
 DEVICE_PAGES = 64

@@ -6,7 +6,8 @@ a 256 MiB transfer gathered (host rows into pinned staging) with each of the ops
 
 ``select``: one ``index_select`` per host run; ``parts``: the rows cut into parts under torch's
 CPU grain, one ``index_select`` each; ``index``: torch's advanced-index kernel; ``default``:
-the engine's own choice. Needs CUDA (the staging buffers are pinned).
+the engine's own choice. Needs CUDA (the staging buffers are pinned) and kvtier-tools (the
+transfer benchmark's cases).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from functools import partial
 import torch
 from _staged import host_copies, median_s, parse, pinned_allocator
 
-from kvtier.bench.transfer import CASES
+from kvtier_tools.bench.transfer import CASES
 from kvtier.device_pool import DeviceKVPool
 from kvtier.host_pool import HostKVPool
 from kvtier.testing.data import fill_random

@@ -4,8 +4,9 @@ Where CPU time plus the link's time add up to the whole, the two do not overlap.
 
     python packages/core/bench/torch_staged_timeline.py [--mib 256] [--json OUT.json]
 
-Needs CUDA (the staged path's other half is a device copy) and kvtier-nvidia-tma for the
-`cuda-host-register` host pool (else `torch-pinned`).
+Needs CUDA (the staged path's other half is a device copy), kvtier-tools (the transfer
+benchmark's cases) and kvtier-nvidia-tma for the `cuda-host-register` host pool (else
+`torch-pinned`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from functools import partial
 import torch
 from _staged import host_copies, median_s, parse, pinned_allocator
 
-from kvtier.bench.transfer import CASES
+from kvtier_tools.bench.transfer import CASES
 from kvtier.device_pool import DeviceKVPool
 from kvtier.host_pool import HostKVPool
 from kvtier.testing.data import fill_random

@@ -18,7 +18,7 @@ from kvtier import KVSpec
 from kvtier.cache import TieredKVCache
 from kvtier.device_pool import DeviceKVPool
 from kvtier.l3_stores.file import FileStore
-from kvtier.simulate import PageAllocator
+from kvtier.page_allocator import PageAllocator
 
 SPEC = KVSpec.mha(num_layers=4, num_kv_heads=4, head_dim=64, page_size=16, dtype="bfloat16")
 

@@ -15,7 +15,7 @@ from kvtier.cache import CacheConfig, FetchHandle, Match, TieredKVCache
 from kvtier.device_pool import DeviceKVPool
 from kvtier.errors import InvalidArgumentError, PageIndexError, TokensError
 from kvtier.l3_stores.memory import MemoryStore
-from kvtier.simulate import PageAllocator
+from kvtier.page_allocator import PageAllocator
 from kvtier.testing import fill_random, random_specs
 from kvtier.testing.contracts import raw_bytes
 from kvtier.testing.data import spec_id

@@ -12,7 +12,7 @@ import torch
 from kvtier import KVSpec
 from kvtier.cache import TieredKVCache
 from kvtier.device_pool import DeviceKVPool
-from kvtier.simulate import PageAllocator
+from kvtier.page_allocator import PageAllocator
 
 pytestmark = [pytest.mark.hardware,
               pytest.mark.skipif(not torch.cuda.is_available(),

@@ -17,7 +17,7 @@ from kvtier.device_pool import DeviceKVPool
 from kvtier.errors import TierFailureError, TransferError
 from kvtier.interfaces import TransferHandle
 from kvtier.l3_stores.memory import MemoryStore
-from kvtier.simulate import PageAllocator
+from kvtier.page_allocator import PageAllocator
 from kvtier.testing import fill_random
 from kvtier.testing.contracts import raw_bytes
 

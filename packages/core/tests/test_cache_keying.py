@@ -19,7 +19,7 @@ from kvtier.errors import InvalidArgumentError
 from kvtier.host_allocators.torch_pinned import TorchPinnedAllocator
 from kvtier.host_pool import HostKVPool
 from kvtier.l3_stores.memory import MemoryStore
-from kvtier.simulate import PageAllocator
+from kvtier.page_allocator import PageAllocator
 from kvtier.testing import fill_random
 from kvtier.transfer_engines.torch_engine import TorchTransferEngine
 

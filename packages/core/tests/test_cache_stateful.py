@@ -18,7 +18,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kvtier import KVSpec
 from kvtier.cache import TieredKVCache
 from kvtier.device_pool import DeviceKVPool
-from kvtier.simulate import PageAllocator
+from kvtier.page_allocator import PageAllocator
 from kvtier.testing import fill_random
 from kvtier.testing.contracts import raw_bytes
 

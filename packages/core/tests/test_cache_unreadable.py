@@ -25,7 +25,7 @@ from kvtier.errors import TierFailureError
 from kvtier.l3_stores import segments as seg_mod
 from kvtier.l3_stores.file import FileStore
 from kvtier.l3_stores.memory import MemoryStore
-from kvtier.simulate import PageAllocator
+from kvtier.page_allocator import PageAllocator
 from kvtier.testing import fill_random
 
 SPEC = KVSpec.mha(num_layers=3, num_kv_heads=2, head_dim=24, page_size=5, dtype="bfloat16")

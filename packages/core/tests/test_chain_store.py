@@ -186,7 +186,7 @@ def test_the_chain_under_a_cache(tmp_path, shm_name):
     """A cache configured with l3_store="chain" as with any store: pages pushed down to L3
     come back bitwise, and the cache's namespace reaches the members."""
     from kvtier.cache import TieredKVCache
-    from kvtier.simulate import PageAllocator
+    from kvtier.page_allocator import PageAllocator
     spec = SPEC
     dpool = DeviceKVPool.empty(spec, 16)
     for comp in dpool.layers:

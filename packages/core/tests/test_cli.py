@@ -1,6 +1,7 @@
 """The ``kvtier`` command: sub-commands from the ``kvtier.commands`` entry points, loaded
 lazily, so ``--version``/``--help`` import neither torch nor any tool; user mistakes are one
-line and exit 2."""
+line and exit 2; the tools' commands without kvtier-tools say how to install it. (The tools'
+own commands: kvtier-tools' test_commands.py.)"""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ import pytest
 from kvtier import cli
 
 #: Modules of the tools (and torch) that listing the commands must not import.
-HEAVY = ("torch", "numpy", "kvtier.bench.", "kvtier.demo", "kvtier.simulate", "kvtier.report",
-         "kvtier.registry", "kvtier.interfaces", "kvtier.cache", "kvtier_nvidia_tma.limits")
+HEAVY = ("torch", "numpy", "kvtier_tools.bench", "kvtier_tools.demo", "kvtier_tools.simulate",
+         "kvtier_tools.trace", "kvtier.report", "kvtier.registry", "kvtier.interfaces",
+         "kvtier.cache", "kvtier_nvidia_tma.limits")
 
 
 def _modules_after(argv: list[str], path: str | None = None) -> tuple[list[str], str, float]:
@@ -49,7 +51,7 @@ def _seconds(code: str) -> float:
     return time.perf_counter() - t0
 
 
-@pytest.mark.parametrize("argv", [["--version"], ["--help"], ["bench", "--help"]])
+@pytest.mark.parametrize("argv", [["--version"], ["--help"], ["backends", "--help"]])
 def test_version_and_help_import_no_torch_and_no_tool(argv):
     heavy, out, elapsed = _modules_after(argv)
     assert heavy == [], f"kvtier {' '.join(argv)} imported {heavy}"
@@ -60,25 +62,56 @@ def test_version_and_help_import_no_torch_and_no_tool(argv):
     assert elapsed < torch_s
 
 
-def test_help_lists_every_command_and_bench_children():
+def test_help_lists_every_command():
     _, out, _ = _modules_after(["--help"])
-    for name in ("backends", "bench", "demo", "simulate"):
+    assert "backends" in out
+    tools = "demo" in cli.discover_commands()
+    for name in ("bench", "demo", "simulate"):          # kvtier-tools' (or how to get them)
         assert name in out
-    _, out, _ = _modules_after(["bench", "--help"])
-    for name in ("keys", "transfer", "store", "control", "mooncake"):
-        assert name in out
+    assert ("come with kvtier-tools" in out) is not tools
 
 
-def test_a_command_help_loads_only_its_module():
-    heavy, out, _ = _modules_after(["bench", "keys", "--help"])
-    assert "kvtier.bench.keys" in heavy and "--json" in out or "usage" in out
-    assert not [m for m in heavy if m.startswith(("kvtier.bench.transfer", "kvtier.demo",
-                                                  "kvtier.simulate"))]
+def test_version_and_import_kvtier_load_no_tool_module():
+    """Not even kvtier-tools' command records (where it is installed): ``--version`` reads no
+    entry point."""
+    code = ("import sys, io, contextlib, kvtier; from kvtier.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()) as out: rc = main(['--version'])\n"
+            "print(rc, out.getvalue().strip(), sorted(m for m in sys.modules if m.split('.')[0] "
+            "in ('torch', 'numpy', 'kvtier_tools', 'kvtier_nvidia_tma')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    from kvtier import __version__
+    assert out == f"0 kvtier {__version__} []"
+
+
+def test_tool_commands_without_kvtier_tools_say_how_to_install_it(monkeypatch, capsys):
+    core_only = {n: f for n, f in cli.discover_commands().items() if n == "backends"}
+    monkeypatch.setattr(cli, "discover_commands", lambda: dict(core_only))
+    for argv, name in ((["demo", "--model-size", "tiny"], "demo"), (["simulate"], "simulate"),
+                       (["bench", "keys", "--json"], "bench keys"), (["bench"], "bench")):
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(f"kvtier {name}: error: not installed")
+        assert 'pip install "kvtier[demo]"' in err and "packages/tools[demo]" in err
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    assert "demo, simulate and bench come with kvtier-tools" in capsys.readouterr().out
+
+
+def test_a_vendor_benchmark_without_kvtier_tools_is_still_found():
+    """``bench`` is a group kvtier-tools fills; a vendor's ``bench limits`` does not need it,
+    while ``bench keys`` still says where it comes from."""
+    found = {"bench.limits": cli._Found("bench.limits", cli.Command("x", "m"), "vendor")}
+    assert cli.missing_tool(["bench", "limits"], found) is None
+    assert cli.missing_tool(["bench"], found) is None
+    assert cli.missing_tool(["bench", "keys"], found) == "bench keys"
+    assert cli.missing_tool(["demo"], found) == "demo"
+    assert cli.missing_tool(["backends"], {}) is None
 
 
 def test_import_kvtier_is_light_and_names_resolve_on_use():
-    code = ("import sys, kvtier; light = not any(m.split('.')[0] == 'torch' for m in "
-            "sys.modules); from kvtier import HostKVPool, KVTierError, Capabilities; "
+    code = ("import sys, kvtier; light = not any(m.split('.')[0] in ('torch', 'kvtier_tools') "
+            "for m in sys.modules); from kvtier import HostKVPool, KVTierError, Capabilities; "
             "print(light, HostKVPool.__module__, KVTierError.__module__, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.split()
@@ -167,14 +200,8 @@ def test_backends_fits_an_80_column_terminal():
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["simulate", "--trace", "t.jsonl", "--l1-pages", "1X", "--l2-pages", "4"],
-     "argument --l1-pages: invalid int value: '1X'"),
-    (["bench", "store", "--total", "1X"], "--total: '1X' is not a size"),
-    (["bench", "store", "--page-sizes", "4K,big"], "--page-sizes: 'big' is not a size"),
-    (["bench", "store", "--callers", "0"], "--callers must be >= 1, got 0"),
-    (["bench", "store", "--batch", "-3"], "--batch must be >= 1, got -3"),
-    (["bench", "store", "--io-depth", "-1"], "--io-depth must be >= 0, got -1"),
     (["backends", "--kind", "nope"], "argument --kind: invalid choice: 'nope'"),
+    (["backends", "--jsn"], "unrecognized arguments: --jsn"),
 ])
 def test_user_mistakes_are_one_line_exit_2(argv, words):
     out = subprocess.run([sys.executable, "-m", "kvtier", *argv], capture_output=True,
@@ -194,13 +221,6 @@ def test_parse_size():
     for bad in ("1X", "", "-4K", "0", "K", "nan", "1e3"):
         with pytest.raises(InvalidArgumentError):
             parse_size(bad, "--total")
-
-
-def test_help_shows_defaults():
-    _, out, _ = _modules_after(["simulate", "--help"])
-    assert "(default: write_through;" in out and "(default: wait_complete;" in out
-    assert "(default 64)" in out and "(default: 64)" not in out      # said once
-    assert "(default: None)" not in out and "(default: False)" not in out
 
 
 def test_progress_bar_stays_when_done():

@@ -56,3 +56,49 @@ def test_vendor_runtime_extra_is_named_runtime(pkg):
     for name, reqs in extras.items():       # the older names are aliases of runtime*
         if not name.startswith("runtime"):
             assert all(r.startswith(f"{proj['name']}[runtime") for r in reqs), (name, reqs)
+
+
+#: Modules of kvtier-tools (packages/tools) that kvtier-core must not ship.
+TOOL_MODULES = ("bench", "demo", "simulate", "trace")
+
+
+def test_core_wheel_ships_no_tool_code(tmp_path):
+    """``pip install packages/core`` installs no demo, benchmark or simulator: its wheel holds
+    none of their modules, registers only its own command and has no ``demo`` extra."""
+    import re
+    import subprocess
+    import zipfile
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet",
+                           "--wheel-dir", str(tmp_path), str(ROOT / "packages" / "core")],
+                          capture_output=True, text=True)
+    if proc.returncode != 0 and re.search(r"(No matching distribution|Could not find a "
+                                          r"version).*hatchling", proc.stderr):
+        pytest.skip(f"no hatchling to build with here: {proc.stderr.strip()[-200:]}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (wheel,) = tmp_path.glob("kvtier_core-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+        eps = z.read(next(n for n in names if n.endswith(".dist-info/entry_points.txt")))
+        meta = z.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+    tools = [n for n in names if n.startswith("kvtier/") and
+             n.split("/")[1].removesuffix(".py") in TOOL_MODULES]
+    assert tools == [] and not [n for n in names if n.startswith("kvtier_tools")], tools
+    assert "kvtier/cli.py" in names and "kvtier/page_allocator.py" in names
+    commands = eps.decode().split("[kvtier.commands]")[1].split("[")[0].split()
+    assert commands == ["backends", "=", "kvtier.cli:BACKENDS"], commands
+    assert "Provides-Extra: demo" not in meta and "transformers" not in meta
+
+
+def test_no_library_module_imports_a_tool():
+    """kvtier-tools builds on the library, never the other way round. The one exception is a
+    vendor package's own benchmark command (``kvtier bench limits``), which imports it lazily
+    and says to install it where it is missing."""
+    allowed = {ROOT / "packages/nvidia-tma/src/kvtier_nvidia_tma/limits.py"}
+    found = []
+    for pkg in PACKAGES:
+        if pkg.name == "tools":
+            continue
+        for f in (pkg / "src").rglob("*.py"):
+            if f not in allowed and "kvtier_tools" in f.read_text():
+                found.append(str(f.relative_to(ROOT)))
+    assert found == []

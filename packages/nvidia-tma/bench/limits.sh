@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # What limits nvidia-tma page transfers: the runs behind records/nvidia-h200-transfer-limits.md.
 # Usage: packages/nvidia-tma/bench/limits.sh OUTDIR   (on a machine with the GPU; ~5 minutes).
-# The probes are `kvtier bench limits PROBE` (this package adds that command to kvtier).
+# The probes are `kvtier bench limits PROBE` (this package adds that command to kvtier; it and
+# `kvtier bench transfer` need kvtier-tools).
 set -uo pipefail
 out=${1:?usage: limits.sh OUTDIR}
 mkdir -p "$out"

@@ -3,7 +3,8 @@ slices (``BatchCopier.__call__``, as `nvidia-copy-engine` queued per-layer trans
 both ways now share the driver call itself, so only the slicing differs) against
 ``BatchCopier.queue_layers`` (one pass, addresses by offset), with an event recorded after
 each layer either way. The two alternate in one process, so both see the same host;
-the ratio is the median of the paired runs. Needs CUDA.
+the ratio is the median of the paired runs. Needs CUDA and kvtier-tools (the transfer
+benchmark's cases).
 
     python packages/nvidia-tma/bench/queue_layers.py [--cases mla-p16,mha-32k,mla-p64,mha-128k]
         [--mib 256] [--repeat 20] [--json OUT.json]
@@ -27,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     import torch
     from kvtier import registry
-    from kvtier.bench.transfer import CASES
+    from kvtier_tools.bench.transfer import CASES
     from kvtier.testing.data import fill_random
     bad = [c for c in args.cases.split(",") if c not in CASES]
     if bad or args.mib < 1 or args.repeat < 1:
@@ -55,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
 def measure(torch, case: str, nbytes: int, buf, repeat: int) -> dict:
     """One case: ``repeat`` timed pairs after 4 warm-up pairs, alternating which goes first."""
     from kvtier import registry
-    from kvtier.bench.transfer import indices, make_pools
+    from kvtier_tools.bench.transfer import indices, make_pools
     from kvtier_nvidia_tma.transfer_engine import layer_copy_lists
     cls = registry.get_backend_class("kvtier.transfer_engines", "nvidia-copy-engine")
     pools: dict = {}

@@ -1,6 +1,8 @@
 """kvtier_nvidia_tma.limits: the parts that need no GPU (config-space and CSV parsing, argument
 checks)."""
 
+import sys
+
 import pytest
 
 from kvtier_nvidia_tma import limits
@@ -64,6 +66,18 @@ def test_bad_arguments_exit_2(argv, message, capsys):
         limits.main(argv)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_without_kvtier_tools_it_is_one_line_saying_to_install_it(monkeypatch, capsys):
+    """The probes share kvtier-tools' transfer cases; without it, ``kvtier bench limits`` says
+    so in one line (exit 2) instead of a traceback."""
+    from kvtier import cli
+    for name in ("kvtier_tools", "kvtier_tools.bench", "kvtier_tools.bench.transfer"):
+        monkeypatch.setitem(sys.modules, name, None)          # as if not installed
+    assert cli.main(["bench", "limits", "gemm"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert "needs kvtier-tools" in err and "pip install packages/tools" in err
 
 
 def test_ncu_rows_derive_request_and_header_sizes():

@@ -2,13 +2,16 @@
 
 Every sub-command, core's included, is an entry point of the group ``kvtier.commands`` that
 points at a `Command`: its one-line help and the module that implements it. ``kvtier --help``
-and ``--version`` read only those records; a command's module is imported when that command
-runs or its ``--help`` is asked, so the tools (and torch) stay off the import path. A name
-with a dot is a sub-command of a group: ``bench.limits`` is ``kvtier bench limits``. A vendor
-package adds its own commands the same way::
+reads only those records and ``--version`` none of them; a command's module is imported when
+that command runs or its ``--help`` is asked, so the tools (and torch) stay off the import
+path. A name with a dot is a sub-command of a group: ``bench.limits`` is ``kvtier bench
+limits``. A vendor package adds its own commands the same way::
 
     [project.entry-points."kvtier.commands"]
     "bench.limits" = "kvtier_nvidia_tma.commands:LIMITS"
+
+The demo, the benchmarks and the simulator are kvtier-tools' commands (``TOOL_COMMANDS``);
+asked for without it, ``kvtier`` says in one line how to install it.
 
 The module defines ``add_arguments(parser)`` and ``run(args) -> int``. A `KVTierError` raised
 by ``run`` is a one-line error and exit status 2. A module whose command builds no cache sets
@@ -46,28 +49,14 @@ class _Found:
     error: str = ""
 
 
-# ----- core's commands (registered in kvtier-core's pyproject.toml) -----------------------------
+# ----- core's command (registered in kvtier-core's pyproject.toml) ------------------------------
 BACKENDS = Command("list every discovered backend and whether it can run here",
                    "kvtier.backends_cli")
-DEMO = Command("replay a multi-turn workload through L1 / L1+L2 / L1+L2+L3 with a real model, "
-               "against every page kept in L1 (the measured ideal): hit rate, TTFT, bytes "
-               "moved", "kvtier.demo.command")
-SIMULATE = Command("replay a request trace through the tiers (no model): per-tier hit rates",
-                   "kvtier.simulate")
-BENCH = Command("run a benchmark (measures its own ceiling in the same run)")
-BENCH_KEYS = Command("page-key hashing and chaining throughput", "kvtier.bench.keys")
-BENCH_TRANSFER = Command("host<->device page transfers vs the pinned-memcpy ceiling",
-                         "kvtier.bench.transfer")
-BENCH_STORE = Command("file store batch_get/batch_set vs the disk's raw I/O",
-                      "kvtier.bench.store")
-BENCH_CONTROL = Command("controller match/fetch/commit overhead per page",
-                        "kvtier.bench.control")
-BENCH_MOONCAKE = Command("mooncake store batch_get/batch_set over loopback vs TCP and the file "
-                         "store", "kvtier.bench.mooncake_store")
-BENCH_PREFILL = Command("the demo model's prefill after a cached prefix vs recomputing all "
-                        "tokens (the recompute side of the physics)", "kvtier.bench.prefill")
-BENCH_VLLM = Command("a multi-turn workload inside vLLM, alone and with kvtier (needs vllm)",
-                     "kvtier.bench.vllm")
+#: The commands kvtier-tools adds: asked for without it, they say how to install it.
+TOOL_COMMANDS = ("demo", "simulate", "bench", "bench.keys", "bench.transfer", "bench.store",
+                 "bench.control", "bench.mooncake", "bench.vllm", "bench.prefill")
+TOOLS_HINT = ('kvtier-tools: pip install "kvtier[demo]" (from a clone: pip install '
+              '"packages/tools[demo]")')
 
 
 def discover_commands() -> dict[str, _Found]:
@@ -187,13 +176,28 @@ def _attach(p: argparse.ArgumentParser, path: str, f: _Found | None) -> None:
     p.set_defaults(_run=mod.run, _builds_cache=getattr(mod, "BUILDS_CACHE", True))
 
 
-def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+def missing_tool(words: list[str], commands: dict[str, _Found]) -> str | None:
+    """The tool command ``words`` asks for when kvtier-tools, which adds it, is not installed
+    (``"demo"``, ``"bench keys"``); None otherwise."""
+    for n in (2, 1):
+        name = ".".join(words[:n])
+        if len(words) >= n and name in TOOL_COMMANDS and not any(
+                c == name or c.startswith(name + ".") for c in commands):
+            return " ".join(words[:n])
+    return None
+
+
+def build_parser(argv: list[str] | None = None,
+                 commands: dict[str, _Found] | None = None) -> argparse.ArgumentParser:
     """The parser for ``argv``: every command is listed, only the one ``argv`` names (if any)
     gets its flags, which imports its module."""
     from ._version import __version__
     words = _positionals(list(sys.argv[1:] if argv is None else argv))
-    commands = discover_commands()
-    parser = _Parser(prog="kvtier", description="Tiered KV-cache offloading.")
+    if commands is None:
+        commands = discover_commands()
+    tools = "" if "demo" in commands else f"demo, simulate and bench come with {TOOLS_HINT}"
+    parser = _Parser(prog="kvtier", description="Tiered KV-cache offloading.",
+                     epilog=tools or None)
     parser.add_argument("--version", action="version", version=f"kvtier {__version__}")
     parser.add_argument("-v", "--verbose", action="count", default=0,
                         help="more log output (-v: info, -vv: debug)")
@@ -226,7 +230,17 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from .errors import KVTierError
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser(argv).parse_args(argv)
+    words = _positionals(argv)
+    if "--version" in (argv[:argv.index(words[0])] if words else argv):
+        from ._version import __version__
+        print(f"kvtier {__version__}")            # loads no command's entry point
+        return 0
+    commands = discover_commands()
+    tool = missing_tool(words, commands)
+    if tool is not None:
+        print(f"kvtier {tool}: error: not installed; it comes with {TOOLS_HINT}", file=sys.stderr)
+        return 2
+    args = build_parser(argv, commands).parse_args(argv)
     name = " ".join(x for x in (args.command, getattr(args, "subcommand", None)) if x)
     run: Any = getattr(args, "_run", None)
     if run is None:

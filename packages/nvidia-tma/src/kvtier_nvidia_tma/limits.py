@@ -57,13 +57,30 @@ from typing import Any
 GEMM_N = 8192
 
 
+def _transfer_bench(*names: str) -> tuple[Any, ...]:
+    """``names`` from kvtier-tools' transfer benchmark (``kvtier bench transfer``), whose cases,
+    pools and environment these probes share; without kvtier-tools, a one-line error."""
+    import importlib
+
+    from kvtier.errors import KVTierError
+    try:
+        mod = importlib.import_module("kvtier_tools.bench.transfer")
+    except ImportError as exc:
+        if not (exc.name or "").startswith("kvtier_tools"):
+            raise
+        raise KVTierError("kvtier bench limits needs kvtier-tools (its transfer cases): pip "
+                          "install kvtier-tools (from a clone: pip install packages/tools)"
+                          ) from None
+    return tuple(getattr(mod, n) for n in names)
+
+
 # ----------------------------------------------------------------------------------------------
 # Shared set-up
 # ----------------------------------------------------------------------------------------------
 def _setup(mib: int):
     import torch
     from kvtier import registry
-    from kvtier.bench.transfer import environment
+    (environment,) = _transfer_bench("environment")
     from kvtier.testing.data import fill_random
     if not torch.cuda.is_available():
         raise SystemExit("kvtier_nvidia_tma.limits: no CUDA device here")
@@ -139,7 +156,8 @@ def gemm_shape(torch, a, b, c) -> dict[str, Any]:
 
 
 def probe_gemm(args) -> dict[str, Any]:
-    from kvtier.bench.transfer import CASES, indices, make_pools, median_ms
+    from kvtier.timing import median_ms
+    CASES, indices, make_pools = _transfer_bench("CASES", "indices", "make_pools")
     torch, nbytes, host_buf, env = _setup(args.mib)
     with torch.cuda.stream(torch.cuda.Stream()):
         a = torch.randn(GEMM_N, GEMM_N, device="cuda", dtype=torch.bfloat16)
@@ -327,7 +345,7 @@ def _gpu_bus_id() -> str:
 
 
 def probe_pcie(args) -> dict[str, Any]:
-    from kvtier.bench.transfer import CASES, indices, make_pools
+    CASES, indices, make_pools = _transfer_bench("CASES", "indices", "make_pools")
     torch, nbytes, host_buf, env = _setup(args.mib)
     env["pcie_config"] = pcie_config(_gpu_bus_id())
     print(f"GPU PCIe configuration: {env['pcie_config']}")
@@ -388,7 +406,7 @@ def make_chain(words, slots: int, seed: int = 1):
 
 
 def probe_latency(args) -> dict[str, Any]:
-    from kvtier.bench.transfer import CASES, indices, make_pools
+    CASES, indices, make_pools = _transfer_bench("CASES", "indices", "make_pools")
     from kvtier.report import progress
     from . import _driver
     torch, nbytes, host_buf, env = _setup(args.mib)
@@ -498,7 +516,7 @@ def _metric_names(ncu: str) -> list[str]:
 
 def workload(args) -> None:
     """A few transfer launches for the profiler: TMA and register, loads and backups."""
-    from kvtier.bench.transfer import indices, make_pools
+    indices, make_pools = _transfer_bench("indices", "make_pools")
     torch, nbytes, host_buf, _ = _setup(args.mib)
     pools: dict[str, Any] = {}
     with torch.cuda.stream(torch.cuda.Stream()):
@@ -605,7 +623,7 @@ def probe_queue(args) -> dict[str, Any]:
     engines do once the host is out of the way)."""
     import numpy as np
     import torch
-    from kvtier.bench.transfer import CASES
+    (CASES,) = _transfer_bench("CASES")
     from . import _driver
     if not torch.cuda.is_available():
         raise SystemExit("kvtier_nvidia_tma.limits: no CUDA device here")
@@ -757,7 +775,7 @@ def probe_routes(args) -> dict[str, Any]:
     its tables, crossovers and routes, and a table of CE/SM ratios per chunk size."""
     import torch
     from kvtier import DeviceKVPool, HostKVPool
-    from kvtier.bench.transfer import CASES
+    (CASES,) = _transfer_bench("CASES")
     from kvtier.host_allocators.torch_pinned import TorchPinnedAllocator
     from .transfer_engine import RoutedTransferEngine
     if not torch.cuda.is_available():
@@ -876,7 +894,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def check_arguments(args: argparse.Namespace) -> None:
     """Reject bad values before any GPU work (InvalidArgumentError naming the flag)."""
-    from kvtier.bench.transfer import CASES, parse_value
+    CASES, parse_value = _transfer_bench("CASES", "parse_value")
     from kvtier.errors import InvalidArgumentError
     bad = [c for c in args.cases.split(",") if c not in CASES]
     if bad:

@@ -1,0 +1,199 @@
+"""`kvtier demo` under load: the queue (TTFT counts the wait), L3 prefetch from the arrival
+(a read that lands before dispatch costs nothing), overload reported as such, bad rates as
+one-line errors before any model is built, and the per-load table in results.json."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import numpy as np
+import pytest
+
+import kvtier_tools.demo.run as demo_run
+from kvtier.cli import main
+from kvtier_tools.demo.engine import RequestResult
+from kvtier_tools.demo.load import Level, LoadSweep, serial_summary, serve_queue
+from kvtier_tools.demo.run import IDEAL, DemoConfig
+from kvtier_tools.demo.workload import Request, Workload, multiturn
+from kvtier.errors import ConfigError
+
+SMALL = dict(model_size="tiny", page_size=16, clients=2, rounds=2, first_tokens=192,
+             turn_tokens=32, answer_tokens=16, l1_pages=17, l2_pages=20, threads=1,
+             progress=False, plot=False)
+
+
+class FixedEngine:
+    """An engine whose every request takes ``ttft_s`` to its first token, then
+    ``commit_s``; no cache, nothing prefetched."""
+
+    def __init__(self, ttft_s: float, commit_s: float = 0.0):
+        self.ttft_s, self.commit_s = ttft_s, commit_s
+        self.make_room = None
+        self.served: list[int] = []
+        self.waits: dict[int, float] = {}      # the expected wait each arrival was given
+
+    def arrive(self, request, expected_wait_s=0.0):
+        self.waits[request.index] = expected_wait_s
+        return None
+
+    def serve(self, request, check=False, *, queued=None):
+        self.served.append(request.index)
+        return RequestResult(index=request.index, round=request.round,
+                             tokens=request.num_tokens, l1_tokens=0, l2_tokens=0, l3_tokens=0,
+                             computed_tokens=request.num_tokens, ttft_s=self.ttft_s,
+                             match_s=0.0, load_s=0.0, prefill_s=self.ttft_s,
+                             commit_s=self.commit_s)
+
+
+def _workload(n: int, clients: int = 1) -> Workload:
+    reqs = tuple(Request(i, i % clients, i // clients, np.arange(10)) for i in range(n))
+    return Workload("w", reqs, max(1, n // clients))
+
+
+def test_a_request_arriving_while_the_engine_is_busy_waits_the_remaining_service():
+    eng = FixedEngine(ttft_s=0.010, commit_s=0.002)
+    run = serve_queue(eng, _workload(3), Level("open", rate=100.0), arrivals=[0.0, 0.004, 0.5],
+                      real_time_admission=False)
+    a, b, c = run.served
+    assert a.wait_s == 0 and a.ttft_s == pytest.approx(0.010)
+    # b arrives 4 ms into a's 12 ms of service: it waits the remaining 8 ms
+    assert b.dispatch == pytest.approx(0.012) and b.wait_s == pytest.approx(0.008)
+    assert b.ttft_s == pytest.approx(0.008 + 0.010)
+    assert c.wait_s == 0 and c.ttft_s == pytest.approx(0.010)      # the engine was idle
+    assert eng.served == [0, 1, 2] and run.max_queue == 1     # b waited alone
+
+
+def test_each_arrival_is_told_its_expected_wait_for_the_split():
+    """The queue-aware split: an arrival's prefetch is told how long it is expected to wait
+    (the rest of the service in progress plus the mean service of each request ahead)."""
+    eng = FixedEngine(ttft_s=0.010, commit_s=0.002)
+    serve_queue(eng, _workload(4), Level("open", rate=100.0),
+                arrivals=[0.0, 0.5, 0.503, 0.504], real_time_admission=False)
+    assert eng.waits[0] == 0.0                    # the engine is idle
+    assert eng.waits[1] == 0.0                    # idle again by then
+    # request 2 arrives 3 ms into request 1's 12 ms (the mean so far): 9 ms to go; request 3
+    # arrives a millisecond later with request 2 ahead of it: 8 ms + 12 ms
+    assert eng.waits[2] == pytest.approx(0.009)
+    assert eng.waits[3] == pytest.approx(0.008 + 0.012)
+
+
+def test_closed_loop_users_send_turns_one_after_another():
+    eng = FixedEngine(ttft_s=0.010)
+    run = serve_queue(eng, _workload(4, clients=2), Level("closed", users=2, think_s=0.005),
+                      real_time_admission=False)
+    by_index = {s.result.index: s for s in run.served}
+    for first, second in ((0, 2), (1, 3)):     # client c's turns: c, c + 2
+        assert by_index[second].arrival == pytest.approx(by_index[first].first_token + 0.005)
+    assert not run.summary()["overloaded"]
+
+
+def test_overload_is_detected_and_reported_without_a_mean():
+    from kvtier_tools.demo.output import load_table
+    eng = FixedEngine(ttft_s=0.010)
+    lv, ok = Level("open", rate=200.0, load=2.0), Level("open", rate=20.0, load=0.2)
+    over = serve_queue(eng, _workload(20), lv, seed=1, name="L1 only",
+                       real_time_admission=False)
+    fine = serve_queue(eng, _workload(20), ok, seed=1, name="L1 only",
+                       real_time_admission=False)
+    s = over.summary()
+    assert s["overloaded"] and s["utilisation"] == pytest.approx(2.0)
+    assert not fine.summary()["overloaded"] and fine.summary()["utilisation"] < 1
+    sweep = LoadSweep(100.0, [ok, lv], [serial_summary("L1 only", [], 1.0)], [fine, over])
+    rows = sweep.table(IDEAL)
+    bad = [r for r in rows if r["level"] == lv.label]
+    assert bad and all(r["ttft_speedup"] is None for r in bad)
+
+    class Report:
+        load = sweep
+    text = load_table(Report())                 # type: ignore[arg-type]
+    line = next(x for x in text.splitlines() if x.startswith(f"| {lv.label} "))
+    assert "overloaded" in line
+
+
+def test_prefetch_starts_at_arrival_and_a_landed_read_costs_nothing(tmp_path):
+    pytest.importorskip("transformers")
+    from kvtier_tools.demo.engine import DemoEngine
+    from kvtier_tools.demo.model import DemoModel
+    from kvtier_tools.demo.run import cache_config
+    model = DemoModel("tiny", page_size=16, seed=0)
+    cfg = DemoConfig.from_dict(SMALL)
+    cc = cache_config(cfg, "L1+L2+L3", model, 20, str(tmp_path))
+    eng = DemoEngine(model, cc, l1_pages=40)
+    try:
+        eng.warm_up(model.vocab_size)
+        w = multiturn(1, 2, first_tokens=128, turn_tokens=32, answer_tokens=16, seed=0,
+                      vocab_size=model.vocab_size)
+        first, second = w.requests
+        eng.serve(first)
+        eng.cache.wait_idle(timeout=60)
+        # only L3 holds the first turn now
+        eng.cache.evict(1000, "l1")
+        eng.cache.evict(1000, "l2")
+        m = eng.arrive(second)                     # queued: its read starts now
+        assert m is not None and m.l3_count > 0 and m.read is not None
+        deadline = time.monotonic() + 30
+        while not m.read.settled and time.monotonic() < deadline:
+            time.sleep(0.005)
+        res = eng.serve(second, True, queued=m)    # dispatched after the read landed
+        assert res.l3_wait_s == 0.0
+        assert res.l3_tokens > 0 and res.l3_prefetched_tokens == res.l3_tokens
+        assert res.l2_tokens == 0
+        assert res.restored_bad == 0 and res.restored_checked * 16 == res.l3_tokens
+        assert res.check is not None and res.check.passed
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("flag,value", [("--loads", "0"), ("--loads", "-0.5"),
+                                        ("--loads", "nan"), ("--load", "inf"),
+                                        ("--rate", "0"), ("--rate", "inf"),
+                                        ("--concurrency", "0"), ("--concurrency", "-2"),
+                                        ("--loads", "0.5,nan"), ("--think-ms", "nan")])
+def test_a_bad_rate_load_or_concurrency_is_a_one_line_error(flag, value, capsys, monkeypatch,
+                                                            tmp_path):
+    built = []
+    monkeypatch.setattr(demo_run, "DemoModel", lambda *a, **k: built.append(a))
+    with pytest.raises(SystemExit) as exc:
+        main(["demo", "--model-size", "tiny", "--out", str(tmp_path), flag, value])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert flag in err and "\n" not in err and built == []
+
+
+@pytest.mark.parametrize("data", [{"loads": (0.0,)}, {"loads": (math.nan,)},
+                                  {"rates": (math.inf,)}, {"concurrency": (0,)},
+                                  {"concurrency": (1.5,)}, {"think_ms": -1.0},
+                                  {"loads": (0.5,), "setups": ("L1+L2",)}])
+def test_bad_load_config_is_a_typed_error(data):
+    with pytest.raises(ConfigError):
+        DemoConfig.from_dict(data)
+
+
+def test_results_json_carries_the_per_load_table(tmp_path):
+    pytest.importorskip("transformers")
+    from kvtier_tools.demo.output import tables, write_outputs
+    from kvtier_tools.demo.run import run_demo
+    cfg = DemoConfig.from_dict(SMALL | {"check": "all", "plot": True, "out": str(tmp_path),
+                                        "loads": (0.5, 0.9), "concurrency": (2,),
+                                        "setups": ("L1 only", "L1+L2+L3", IDEAL)})
+    rep = run_demo(cfg, log=lambda *a: None)
+    files = write_outputs(rep, cfg.out)
+    data = json.loads(open(files["json"]).read())["load"]
+    assert data["capacity_per_s"] > 0
+    assert [lv["label"] for lv in data["levels"]] == ["50%", "90%", "closed 2"]
+    levels = [r["level"] for r in data["table"]]
+    assert levels == ["serial"] * 3 + ["50%"] * 3 + ["90%"] * 3 + ["closed 2"] * 3
+    for r in data["table"]:
+        for k in ("ttft_mean_ms", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms",
+                  "requests_per_s", "tokens_per_s", "l1_hit_pct", "l2_hit_pct", "l3_hit_pct",
+                  "ttft_speedup", "p99_speedup", "of_ideal_pct", "overloaded", "utilisation"):
+            assert k in r
+        assert r["requests"] == len(rep.workload)
+    # the tiers' hits under load are those of the serial replay (same order, FIFO)
+    under = [r for r in data["table"] if r["setup"] == "L1+L2+L3" and r["level"] == "50%"]
+    assert under[0]["hit_rate_pct"] > 0
+    assert "Under load" in tables(rep) and files["load_plot"].endswith("load.png")
+    # every restored page under load matched its digest (a mismatch fails the run)
+    assert sum(r.result.restored_checked for run in rep.load.runs for r in run.served) > 0
