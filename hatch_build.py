@@ -22,18 +22,22 @@ EXTRAS = {
     "ascend": ["ascend"],
     "nvidia-tma": ["nvidia-tma"],
     "native-keys": ["native-keys"],
+    "tools": ["tools"],
     "all": ["amd-umbp", "ascend", "nvidia-tma", "native-keys"],
 }
 #: extra -> an extra of kvtier-core it passes on.
-CORE_EXTRAS = ("demo", "test", "vllm", "prometheus", "mooncake")
+CORE_EXTRAS = ("test", "vllm", "prometheus", "mooncake")
+#: extra -> an extra of kvtier-tools it passes on (``kvtier[demo]``: the demo's model too).
+TOOLS_EXTRAS = ("demo",)
 DISTS = {"core": ("kvtier-core", "src/kvtier/_version.py"),
          "amd-umbp": ("kvtier-amd-umbp", "src/kvtier_amd_umbp/_version.py"),
          "ascend": ("kvtier-ascend", "src/kvtier_ascend/_version.py"),
          "nvidia-tma": ("kvtier-nvidia-tma", "src/kvtier_nvidia_tma/_version.py"),
-         "native-keys": ("kvtier-native-keys", "src/kvtier_native_keys/_version.py")}
+         "native-keys": ("kvtier-native-keys", "src/kvtier_native_keys/_version.py"),
+         "tools": ("kvtier-tools", "src/kvtier_tools/_version.py")}
 #: Released versions of the packages when building from an sdist (kept by the release build).
 RELEASED = {"kvtier-core": "0.1.0", "kvtier-amd-umbp": "0.1.0", "kvtier-ascend": "0.1.0",
-            "kvtier-nvidia-tma": "0.1.0", "kvtier-native-keys": "0.1.0"}
+            "kvtier-nvidia-tma": "0.1.0", "kvtier-native-keys": "0.1.0", "kvtier-tools": "0.1.0"}
 
 
 def _version(root: Path, folder: str) -> str:
@@ -65,4 +69,6 @@ class KVTierMetadataHook(MetadataHookInterface):
                     for name, folders in EXTRAS.items() if name}
         for extra in CORE_EXTRAS:
             optional[extra] = [requirement(root, "core", extra, release=release)]
+        for extra in TOOLS_EXTRAS:
+            optional[extra] = [requirement(root, "tools", extra, release=release)]
         metadata["optional-dependencies"] = optional

