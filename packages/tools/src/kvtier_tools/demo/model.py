@@ -221,7 +221,7 @@ def default_tolerance(device: torch.device, dtype: torch.dtype) -> float:
     return 1e-3 if dtype == torch.float32 else 2e-2
 
 
-#: The transformers releases the demo was tested with (kvtier-core[demo] asks for them). Older
+#: The transformers releases the demo was tested with (kvtier-tools[demo] asks for them). Older
 #: 5.x releases ran it but their prefill on restored pages differed from a full recompute in
 #: the last bit of the logits (6e-8), so the bitwise check failed; 5.17 also crashed on GPUs.
 TESTED_TRANSFORMERS = ((5, 24), (5, 25))
@@ -238,7 +238,7 @@ def check_transformers(version: str | None = None) -> None:
     if m is None or not lo <= (int(m.group(1)), int(m.group(2))) < hi:
         raise ConfigError(f"the demo was tested with transformers >={lo[0]}.{lo[1]},"
                           f"<{hi[0]}.{hi[1]}; this is {version} (pip install "
-                          f"'kvtier-core[demo]')", key="transformers", value=version)
+                          f"'kvtier-tools[demo]')", key="transformers", value=version)
 
 
 class DemoModel:
@@ -252,7 +252,7 @@ class DemoModel:
             from transformers import DeepseekV2ForCausalLM, LlamaConfig, LlamaForCausalLM
         except (ImportError, OSError, RuntimeError) as exc:
             raise ConfigError(f"the demo needs transformers: {exc} (pip install "
-                              f"'kvtier-core[demo]')", key="model") from None
+                              f"'kvtier-tools[demo]')", key="model") from None
         check_transformers()
         if isinstance(size, str):
             if size not in MODEL_SIZES:
