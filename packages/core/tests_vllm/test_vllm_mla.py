@@ -16,8 +16,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvtier_tools.bench.vllm import make_deepseek_v2, multiturn, run_in_subprocess  # noqa: E402
 from kvtier.integrations.vllm import kv_transfer_config  # noqa: E402
+from kvtier_tools.bench.vllm import make_deepseek_v2, multiturn, run_in_subprocess  # noqa: E402
 
 rng = random.Random(29)
 CONVS = multiturn(3, 3, system_tokens=160, user_tokens=70, seed=5)

@@ -21,8 +21,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvtier_tools.bench.vllm import make_llama, run_in_subprocess  # noqa: E402
 from kvtier.integrations.vllm import kv_transfer_config  # noqa: E402
+from kvtier_tools.bench.vllm import make_llama, run_in_subprocess  # noqa: E402
 
 BLOCK = 128
 rng = random.Random(17)
