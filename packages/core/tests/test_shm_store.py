@@ -664,21 +664,3 @@ def test_a_zeroed_arena_is_one_whose_creator_died_and_is_made_again(name, spec, 
     with ShmStore(cfg(name), spec=spec) as s:
         s.attach(pool)
         assert s.arena.created and s.batch_set([b"k"], [0]) == [True]
-
-
-def test_bench_store_measures_the_shm_store_against_memcpy(tmp_path, capsys):
-    from kvtier.cli import main
-    out = tmp_path / "shm.json"
-    assert main(["bench", "store", "--store", "shm", "--dir", str(tmp_path), "--total", "2M",
-                 "--page-sizes", "256K,1M", "--batch", "3", "--callers", "2", "--repeat", "2",
-                 "--json", str(out)]) == 0
-    printed = capsys.readouterr().out
-    assert "every page read back bitwise identical" in printed and "batch=3, callers=2" in printed
-    data = json.loads(out.read_text())
-    assert data["store"] == "shm" and data["failures"] == 0
-    assert [r["page_bytes"] for r in data["results"]] == [256 << 10, 1 << 20]
-    for r in data["results"]:
-        assert r["set"] > 0 and r["get"] > 0 and len(r["samples"]["get"]) == 2
-        assert r["get_ratio"] == r["get"] / max(r["memcpy_r_calls"], r["memcpy_r_one"])
-        assert r["set_ratio"] == r["set"] / max(r["memcpy_w_calls"], r["memcpy_w_one"])
-    assert sorted(os.listdir(tmp_path)) == ["shm.json"], "the arena and raw file are gone"

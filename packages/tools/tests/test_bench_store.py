@@ -4,6 +4,7 @@ several threads at once) beside raw ceilings with as many I/O calls in flight.""
 from __future__ import annotations
 
 import json
+import os
 import statistics
 
 
@@ -113,3 +114,20 @@ def test_raw_modes_move_the_data_through_memory_as_large_as_the_data(tmp_path):
     bench.raw_read(path, total, dst, False, 2, False, piece, hot=True)
     assert dst[:2 * piece] == src[:2 * piece] and dst[2 * piece:] == bytes(total - 2 * piece)
 
+
+def test_bench_store_measures_the_shm_store_against_memcpy(tmp_path, capsys):
+    from kvtier.cli import main
+    out = tmp_path / "shm.json"
+    assert main(["bench", "store", "--store", "shm", "--dir", str(tmp_path), "--total", "2M",
+                 "--page-sizes", "256K,1M", "--batch", "3", "--callers", "2", "--repeat", "2",
+                 "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "every page read back bitwise identical" in printed and "batch=3, callers=2" in printed
+    data = json.loads(out.read_text())
+    assert data["store"] == "shm" and data["failures"] == 0
+    assert [r["page_bytes"] for r in data["results"]] == [256 << 10, 1 << 20]
+    for r in data["results"]:
+        assert r["set"] > 0 and r["get"] > 0 and len(r["samples"]["get"]) == 2
+        assert r["get_ratio"] == r["get"] / max(r["memcpy_r_calls"], r["memcpy_r_one"])
+        assert r["set_ratio"] == r["set"] / max(r["memcpy_w_calls"], r["memcpy_w_one"])
+    assert sorted(os.listdir(tmp_path)) == ["shm.json"], "the arena and raw file are gone"
