@@ -133,6 +133,7 @@ class CachePlanner:
         m.gauge("l2_free_pages", lambda: self.host.free_count)
         m.gauge("l2_capacity_pages", lambda: self.host.num_pages)
         m.gauge("plans_pending", lambda: len(self._plans))
+        m.gauge("l2_pinned_pages", self._pinned_pages)
         m.gauge("l3_unreadable_keys", lambda: len(self.unreadable))
         m.gauge("l3_state", lambda: self.l3_state)
 
@@ -514,6 +515,11 @@ class CachePlanner:
             if st.write_pins:                 # booked but for its writes
                 res = PlanResult(plan_id, l3_writes=res.l3_writes)
         self.complete(res)
+
+    def _pinned_pages(self) -> int:
+        """L2 pages a plan still reads or writes (none once every plan is booked)."""
+        with self._lock:
+            return sum(1 for _, nd in self.index.l2_lru.items() if nd.l2_pins)
 
     # ----- helpers (lock held) ----------------------------------------------------------------
     def _hold(self, plan_id: int, held: Sequence[int], free: list[int]) -> list[int]:

@@ -201,6 +201,8 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
                         res["requests"].append(r)
                         history[ci] = prompt + r["output"]
             res["wall_s"] = time.perf_counter() - t_phase
+        if "abort" in ph:
+            res.update(_abort(llm, ph["abort"], int(ph.get("steps", 1)), sp, len(phases)))
         phases.append(res)
     out: dict[str, Any] = {"start_s": start_s, "phases": phases}
     core = getattr(llm.llm_engine.engine_core, "engine_core", None)
@@ -217,6 +219,43 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
                 out["kvtier_worker"] = dict(w.totals)
     except Exception as exc:   # reporting only
         out["worker_error"] = repr(exc)
+    return out
+
+
+def _abort(llm: Any, prompts: list[list[int]], steps: int, sp: Any, phase: int
+           ) -> dict[str, Any]:
+    """Clients that leave mid-request: add ``prompts``, run ``steps`` engine steps, abort
+    them all, run until vLLM has nothing left; then what the scheduler's planner still pins
+    (``l2_pinned_pages``) and how many of its plans are still pending."""
+    from vllm.inputs import TokensPrompt
+    eng = llm.llm_engine
+    ids = [f"abort-{phase}-{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts):
+        eng.add_request(rid, TokensPrompt(prompt_token_ids=p), sp)
+    for _ in range(steps):
+        eng.step()
+    eng.abort_request(ids)
+    deadline = time.perf_counter() + 120
+    while eng.has_unfinished_requests() and time.perf_counter() < deadline:
+        eng.step()
+    out: dict[str, Any] = {"aborted": len(ids), "unfinished": eng.has_unfinished_requests()}
+    core = getattr(eng.engine_core, "engine_core", None)
+    conn = getattr(getattr(core, "scheduler", None), "connector", None)
+    planner = getattr(conn, "planner", None)
+    if planner is None:
+        return out
+    # an idle engine takes no steps, so a load that was still running at the abort is booked
+    # at the next one: serve a one-token request until nothing is pending (or 30 s)
+    one = type(sp)(max_tokens=1, temperature=0.0, detokenize=False)
+    follow = 0
+    while planner.metrics()["plans_pending"] and follow < 60:
+        llm.generate([TokensPrompt(prompt_token_ids=[7 + (follow + i) % 400 for i in range(40)])], one,
+                     use_tqdm=False)
+        follow += 1
+        time.sleep(0.5)
+    m = planner.metrics()
+    out.update(l2_pinned_pages=m["l2_pinned_pages"], plans_pending=m["plans_pending"],
+               follow_up_requests=follow)
     return out
 
 

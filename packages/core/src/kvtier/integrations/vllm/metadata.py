@@ -35,9 +35,6 @@ class LoadOrder:
 class KVTierMetadata(KVConnectorMetadata):
     loads: list[LoadOrder] = field(default_factory=list)
     saves: list[Plan] = field(default_factory=list)
-    #: Requests that finished while their asynchronous load ran: report them as sent once the
-    #: load is done, so vLLM frees their blocks only then.
-    finished_while_loading: list[str] = field(default_factory=list)
     #: L3 -> L2 reads that no request waits for (probes that keep the L3 rate measured).
     prefetches: list[Plan] = field(default_factory=list)
     #: A step to time for the recompute rate (0: not timed -- no prefill, or loads the

@@ -101,7 +101,9 @@ class SchedulerSide:
         self._offers: dict[str, tuple[int, int, int]] = {}
         self._prefetches: list[Plan] = []
         self._loads: list[LoadOrder] = []
-        self._finished_loading: list[str] = []
+        #: Requests that ended while their asynchronous load ran: vLLM frees their blocks
+        #: when the load is reported received, and so the connector forgets them then.
+        self._ended_loading: set[str] = set()
         self._hit_sources: dict[str, tuple[int, int]] = {}
         self._interval: Counter[str] = Counter()
         self._async_reqs: dict[int, str] = {}                    # plan id -> request
@@ -186,9 +188,8 @@ class SchedulerSide:
         self._loads.append(LoadOrder(request.request_id, plan, failed, is_async))
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVTierMetadata:
-        meta = KVTierMetadata(loads=self._loads, finished_while_loading=self._finished_loading,
-                              prefetches=self._prefetches)
-        self._loads, self._finished_loading, self._prefetches = [], [], []
+        meta = KVTierMetadata(loads=self._loads, prefetches=self._prefetches)
+        self._loads, self._prefetches = [], []
         sched = scheduler_output.num_scheduled_tokens
         step: list[tuple[int, int]] = []           # (scheduled, computed before) per request
         for new in scheduler_output.scheduled_new_reqs:
@@ -250,8 +251,10 @@ class SchedulerSide:
         if stats is not None and stats.data:
             self.totals.update({k: v for k, v in stats.data.items()
                                 if isinstance(v, (int, float))})
-        for req_id in connector_output.finished_sending or ():   # finished while loading
-            self.reqs.pop(req_id, None)
+        for req_id in connector_output.finished_recving or ():
+            if req_id in self._ended_loading:        # ended while loading: vLLM frees now
+                self._ended_loading.discard(req_id)
+                self.reqs.pop(req_id, None)
         if connector_output.invalid_block_ids:
             self.totals["invalid_blocks_reported"] += len(connector_output.invalid_block_ids)
 
@@ -278,7 +281,7 @@ class SchedulerSide:
         self._hit_sources.pop(request.request_id, None)
         r = self.reqs.get(request.request_id)
         if r is not None and r.load_plan is not None:
-            self._finished_loading.append(request.request_id)
+            self._ended_loading.add(request.request_id)
             return True
         self.reqs.pop(request.request_id, None)
         return False

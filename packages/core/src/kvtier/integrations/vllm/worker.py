@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections import Counter, OrderedDict
+from collections import Counter
 from typing import Any
 
 import torch
@@ -46,9 +46,6 @@ class WorkerSide:
         self._async: dict[int, LoadOrder] = {}
         self._writes: dict[int, tuple[Plan, PlanResult]] = {}   # write sub-plan -> save
         self._to_scheduler: list[PlanResult] = []
-        self._finish_after_load: set[str] = set()
-        self._send_now: set[str] = set()
-        self._recv_done: OrderedDict[str, None] = OrderedDict()   # recent finished loads
         self._last_counts: dict[str, int] = {}
         self._prefetch_ids: set[int] = set()
         self._timer = StepTimer(cuda=view.device_type == "cuda")
@@ -86,8 +83,6 @@ class WorkerSide:
         ex = self.executor
         if not isinstance(meta, KVTierMetadata) or ex is None:
             return
-        for rid in meta.finished_while_loading:   # free its blocks once its load is done
-            (self._send_now if rid in self._recv_done else self._finish_after_load).add(rid)
         for order in meta.loads:
             self._load_errors.update(order.failed_blocks)
             if order.plan.empty:
@@ -224,9 +219,10 @@ class WorkerSide:
                 self._results[res.plan_id] = res
 
     def get_transfer_results(self, out: Any) -> Any:
-        """Fill vLLM's ``KVConnectorTransferResults`` ``out``: loads finished, blocks free."""
-        out.finished_sending |= self._send_now
-        self._send_now = set()
+        """Fill vLLM's ``KVConnectorTransferResults`` ``out`` with the asynchronous loads that
+        finished. A request that ended while its load ran (a client gone) is reported like
+        any other: vLLM frees the blocks of a finished request when its receive is reported,
+        and a report of it as sent too would name a request vLLM no longer has."""
         self._collect()
         for pid in [p for p in self._async if p in self._results]:
             order = self._async.pop(pid)
@@ -235,12 +231,6 @@ class WorkerSide:
                                      if not ok)
             self._to_scheduler.append(res)
             out.finished_recving.add(order.req_id)
-            self._recv_done[order.req_id] = None
-            while len(self._recv_done) > 4096:
-                self._recv_done.popitem(last=False)
-            if order.req_id in self._finish_after_load:
-                self._finish_after_load.discard(order.req_id)
-                out.finished_sending.add(order.req_id)
         return out
 
     def get_block_ids_with_load_errors(self) -> set[int]:
