@@ -23,3 +23,6 @@ BENCH_PREFILL = Command("the demo model's prefill after a cached prefix vs recom
                         "kvtier_tools.bench.prefill")
 BENCH_VLLM = Command("a multi-turn workload inside vLLM, alone and with kvtier (needs vllm)",
                      "kvtier_tools.bench.vllm")
+BENCH_SERVE = Command("vLLM's OpenAI server under load (fixed concurrency and request rate), "
+                      "alone, with kvtier and with peers (needs vllm)",
+                      "kvtier_tools.bench.serve")

@@ -1,0 +1,103 @@
+"""`kvtier bench serve` without vLLM: its arguments, the figures of a level and the parts
+that read vLLM's logs and /metrics (the runs themselves are in tests_vllm)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from kvtier_tools.bench import serve
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--concurrency", "0"], "concurrency must be ints >= 1"),
+    (["--concurrency", "2,-1"], "concurrency must be ints >= 1"),
+    (["--rate", "nan"], "rates must be finite numbers > 0"),
+    (["--rate", "0"], "rates must be finite numbers > 0"),
+    (["--rate", "inf"], "rates must be finite numbers > 0"),
+    (["--setups", "vllm,sglang"], "unknown setup(s) ['sglang']"),
+    (["--repeat", "0"], "must be an int >= 1"),
+])
+def test_bad_flags_are_one_line_errors(flags, says):
+    p = subprocess.run([sys.executable, "-m", "kvtier_tools.bench.serve", *flags],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2
+    err = p.stderr.strip().splitlines()
+    assert says in err[-1], p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_a_pool_smaller_than_one_request_is_refused_before_anything_starts(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "kvtier_tools.bench.serve",
+                        "--device-blocks", "8", "--block-size", "32", "--max-model-len",
+                        "2048", "--out", str(tmp_path)], capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode != 0 and "cannot hold one request" in p.stderr
+    assert not any(tmp_path.iterdir())             # no model made, no server started
+
+
+def test_metrics_are_summed_over_their_labels():
+    text = "\n".join([
+        "# HELP vllm:num_requests_running x",
+        'vllm:num_requests_running{engine="0",model_name="m"} 3.0',
+        'vllm:num_requests_kv_fetch_by_stage{engine="0",stage="waiting_to_start"} 2.0',
+        'vllm:num_requests_kv_fetch_by_stage{engine="0",stage="completed_waiting"} 1.0',
+        "vllm:prefix_cache_hits_total 640.0",
+        "python_gc_objects_collected_total 7.0",
+        "vllm:broken{a=\"b\"} not-a-number"])
+    got = serve._scrape(text)
+    assert got == {"vllm:num_requests_running": 3.0,
+                   "vllm:num_requests_kv_fetch_by_stage": 3.0,
+                   "vllm:prefix_cache_hits_total": 640.0}
+
+
+def test_a_failed_start_reports_the_cause_not_vllms_wrappers(tmp_path):
+    log = tmp_path / "server.log"
+    log.write_text("\n".join([
+        "(APIServer pid=1) WARNING 12-05 01:46:53 [system_utils.py:255] Found ulimit of 20000 "
+        "and failed to automatically increase with error current limit exceeds maximum limit.",
+        "(EngineCore pid=2) ERROR 12-05 01:47:06 [core.py:1510] EngineCore failed to start.",
+        "Traceback (most recent call last):",
+        "ValueError: To serve at least one request with the model's max seq len (2048) ...",
+        "RuntimeError: Engine core initialization failed. See root cause above.",
+        ""]))
+    assert serve._last_error(str(log)).startswith("ValueError: To serve at least one request")
+    assert serve._last_error(str(tmp_path / "missing.log")) == ""
+
+
+def _level(kind, value, ttfts, outputs, wall=2.0, convs_per_s=1.0, cached=0):
+    reqs = [{"conv": i, "turn": 0, "prompt_len": 100, "ttft_s": t, "output": o,
+             "cached": cached} for i, (t, o) in enumerate(zip(ttfts, outputs))]
+    return {"kind": kind, "value": value, "requests": reqs, "wall_s": wall,
+            "conversations_per_s": convs_per_s, "counters": {}, "samples": [
+                {"fetch": 2.0, "running": 1.0, "waiting": 0.0},
+                {"fetch": 0.0, "running": 1.0, "waiting": 0.0}]}
+
+
+def test_a_level_row_against_vllm_alone_and_the_null_connector():
+    base = _level("concurrency", 4, [0.2, 0.2, 0.2, 0.2], [[1], [2], [3], [4]])
+    null = _level("concurrency", 4, [0.2] * 4, [[1], [2], [9], [4]])
+    mine = _level("concurrency", 4, [0.1, 0.1, 0.1, 0.1], [[1], [2], [9], [5]])
+    r = serve._row("vllm+kvtier-l2", mine, base, null)
+    assert r["ttft_mean_ratio"] == pytest.approx(2.0) and r["ttft_mean_ms"] == pytest.approx(100)
+    assert r["outputs_identical"] == 2 and r["outputs_identical_null_connector"] == 3
+    assert r["kv_fetch_waiting_max"] == 2 and r["kv_fetch_samples_with_others_running"] == 1
+    assert not r["overloaded"]
+    slow = _level("rate", 4.0, [0.3] * 4, [[1]] * 4, convs_per_s=2.0)
+    assert serve._row("vllm", slow, None)["overloaded"]          # finished at half the rate
+
+
+def test_rounds_give_medians_any_overload_and_the_fewest_identical():
+    def row(ttft, over, same):
+        return {"setup": "vllm+kvtier-l2", "load": "rate 2", "ttft_mean_ms": ttft,
+                "overloaded": over, "outputs_identical": same, "requests": 8}
+    got = serve._median_rows([[row(10.0, False, 8)], [row(30.0, True, 7)],
+                              [row(20.0, False, 8)],
+                              ])
+    assert len(got) == 1
+    assert got[0]["ttft_mean_ms"] == 20.0 and got[0]["overloaded"] is True
+    assert got[0]["outputs_identical"] == 7 and got[0]["rounds"] == 3
+    err = serve._median_rows([[{"setup": "vllm+offload", "error": "no"}]] * 2)
+    assert err == [{"setup": "vllm+offload", "error": "no"}]
