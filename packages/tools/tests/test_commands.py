@@ -21,7 +21,8 @@ COMMANDS = {"demo": "kvtier_tools.demo.command", "simulate": "kvtier_tools.simul
             "bench.control": "kvtier_tools.bench.control",
             "bench.mooncake": "kvtier_tools.bench.mooncake_store",
             "bench.vllm": "kvtier_tools.bench.vllm",
-            "bench.prefill": "kvtier_tools.bench.prefill"}
+            "bench.prefill": "kvtier_tools.bench.prefill",
+            "bench.serve": "kvtier_tools.bench.serve"}
 #: What listing the commands must not import (the records in kvtier_tools.commands it may).
 HEAVY = ("torch", "numpy", "kvtier_tools.bench", "kvtier_tools.demo", "kvtier_tools.simulate",
          "kvtier_tools.trace", "kvtier.cache", "kvtier.registry")

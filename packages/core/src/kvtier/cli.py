@@ -54,7 +54,8 @@ BACKENDS = Command("list every discovered backend and whether it can run here",
                    "kvtier.backends_cli")
 #: The commands kvtier-tools adds: asked for without it, they say how to install it.
 TOOL_COMMANDS = ("demo", "simulate", "bench", "bench.keys", "bench.transfer", "bench.store",
-                 "bench.control", "bench.mooncake", "bench.vllm", "bench.prefill")
+                 "bench.control", "bench.mooncake", "bench.vllm", "bench.prefill",
+                 "bench.serve")
 TOOLS_HINT = ('kvtier-tools: pip install "kvtier[demo]" (from a clone: pip install '
               '"packages/tools[demo]")')
 
