@@ -9,20 +9,16 @@ hang runs in a thread or a subprocess with a time limit and fails instead.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import threading
-from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
 from kvtier.cache import CacheConfig
 from kvtier.cli import main
+from kvtier.testing import hostile
 from kvtier.config import read_config_file
 from kvtier.errors import ConfigError, KVTierError
 
-LIMIT_S = 10.0
 DEEP = 5000                 # past the interpreter's recursion limit
 BIG = "1" * 5000            # past the interpreter's int digit limit (4300)
 
@@ -34,69 +30,16 @@ def _no_config_env(monkeypatch):
     monkeypatch.delenv("KVTIER_CONFIG")
 
 
-def _fifo(tmp_path: Path, name: str = "fifo") -> Path:
-    if not hasattr(os, "mkfifo"):
-        pytest.skip("no FIFOs on this platform")
-    p = tmp_path / name
-    os.mkfifo(p)
-    return p
-
-
-def _bounded(fn: Callable[[], Any], fifo: Path) -> BaseException | None:
-    """The exception ``fn()`` raises, run in a thread for at most LIMIT_S; if it is still
-    blocked on ``fifo`` then, a writer opens the FIFO to set it free and the test fails."""
-    out: dict[str, BaseException | None] = {"error": None}
-
-    def target() -> None:
-        try:
-            fn()
-        except BaseException as exc:        # noqa: BLE001 - handed to the test
-            out["error"] = exc
-
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    t.join(LIMIT_S)
-    if t.is_alive():
-        try:
-            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
-        except OSError:
-            pass
-        t.join(LIMIT_S)
-        pytest.fail(f"still blocked on the FIFO {fifo} after {LIMIT_S} s")
-    return out["error"]
-
-
-_MAIN = "import sys; from kvtier.cli import main; sys.exit(main())"
-
-
-def _kvtier(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """``kvtier ARGV`` in a new process, killed (and the test failed) past the time limit."""
-    full = {k: v for k, v in os.environ.items() if k != "KVTIER_CONFIG"}
-    full.update(env or {})
-    try:
-        return subprocess.run([sys.executable, "-c", _MAIN, *argv], env=full,
-                              capture_output=True, text=True, timeout=3 * LIMIT_S)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"kvtier {' '.join(argv)} did not finish in {3 * LIMIT_S} s")
-
-
-def _one_line(err: str) -> str:
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err[-2000:]
-    assert "Traceback" not in err
-    return lines[0]
-
-
 # --------------------------------------------------------------------------------------------
 # 1. a FIFO as the config file
 # --------------------------------------------------------------------------------------------
 def test_fifo_config_file_is_refused_not_waited_on(tmp_path):
-    fifo = _fifo(tmp_path)
+    fifo = hostile.fifo(tmp_path)
     for fn in (lambda: read_config_file(fifo, "cache"),
                lambda: CacheConfig.load({"model_id": "m"}, path=str(fifo), environ={}),
                lambda: CacheConfig.load({"model_id": "m"}, environ={"KVTIER_CONFIG": str(fifo)}),
                lambda: CacheConfig.from_file(str(fifo))):
-        err = _bounded(fn, fifo)
+        err = hostile.bounded(fn, fifo)
         assert isinstance(err, ConfigError), err
         assert str(fifo) in str(err) and "FIFO" in str(err) and "\n" not in str(err)
         assert err.key == "config"
@@ -110,10 +53,10 @@ def test_character_device_config_file_is_refused(tmp_path):
 
 
 def test_cli_fifo_config_is_one_line_exit_2(tmp_path):
-    fifo = _fifo(tmp_path)
-    p = _kvtier("--config", str(fifo), "backends", "--kind", "l3_store")
+    fifo = hostile.fifo(tmp_path)
+    p = hostile.run_kvtier("--config", str(fifo), "backends", "--kind", "l3_store")
     assert p.returncode == 2
-    line = _one_line(p.stderr)
+    line = hostile.one_line(p.stderr)
     assert "ConfigError" in line and str(fifo) in line and "FIFO" in line
 
 
@@ -156,7 +99,7 @@ def test_cli_deep_toml_is_one_line_exit_2(tmp_path, capsys):
     p = tmp_path / "deep.toml"
     p.write_text("[cache]\nx = " + "[" * DEEP + "]" * DEEP + "\n")
     assert main(["--config", str(p), "backends", "--kind", "l3_store"]) == 2
-    line = _one_line(capsys.readouterr().err)
+    line = hostile.one_line(capsys.readouterr().err)
     assert "ConfigError" in line and str(p) in line
 
 

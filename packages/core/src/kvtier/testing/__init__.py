@@ -18,7 +18,8 @@ with the registry's reason. Suites over FAKE vendor modules list their backends 
 `kvtier.testing.contracts`). Hardware-only tests carry the ``hardware`` marker.
 
 The suites need pytest; `kvtier.testing.data` (random KV data, small pools) does not, and
-importing this package loads neither until a name is used.
+importing this package loads neither until a name is used. `kvtier.testing.hostile` has the
+helpers of hostile-input tests (a FIFO where a file should be, bounded calls and commands).
 """
 
 from __future__ import annotations

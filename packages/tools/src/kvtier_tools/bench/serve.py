@@ -400,7 +400,9 @@ def _median_rows(per_round: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
                 row[k] = any(vals)
             elif k.startswith("outputs_identical") or k == "differing_with_same_cached":
                 row[k] = None if any(x is None for x in vals) else min(vals)
-            elif isinstance(v, (int, float)):
+            elif isinstance(v, int):
+                row[k] = int(round(statistics.median(vals)))
+            elif isinstance(v, float):
                 row[k] = statistics.median(vals)
             else:
                 row[k] = v

@@ -249,8 +249,8 @@ def _abort(llm: Any, prompts: list[list[int]], steps: int, sp: Any, phase: int
     one = type(sp)(max_tokens=1, temperature=0.0, detokenize=False)
     follow = 0
     while planner.metrics()["plans_pending"] and follow < 60:
-        llm.generate([TokensPrompt(prompt_token_ids=[7 + (follow + i) % 400 for i in range(40)])], one,
-                     use_tqdm=False)
+        tokens = [7 + (follow + i) % 400 for i in range(40)]
+        llm.generate([TokensPrompt(prompt_token_ids=tokens)], one, use_tqdm=False)
         follow += 1
         time.sleep(0.5)
     m = planner.metrics()

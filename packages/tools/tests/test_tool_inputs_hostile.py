@@ -10,20 +10,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
-import threading
 from pathlib import Path
-from typing import Any, Callable
 
 import pytest
 
 from kvtier.cli import main
+from kvtier.testing import hostile
 from kvtier.errors import ConfigError, KVTierError
 from kvtier_tools.trace import TraceError, TraceFormatError, read_trace
 
-LIMIT_S = 10.0
 DEEP = 5000                 # past the interpreter's recursion limit
 BIG = "1" * 5000            # past the interpreter's int digit limit (4300)
 
@@ -35,67 +30,14 @@ def _no_config_env(monkeypatch):
     monkeypatch.delenv("KVTIER_CONFIG")
 
 
-def _fifo(tmp_path: Path, name: str = "fifo") -> Path:
-    if not hasattr(os, "mkfifo"):
-        pytest.skip("no FIFOs on this platform")
-    p = tmp_path / name
-    os.mkfifo(p)
-    return p
-
-
-def _bounded(fn: Callable[[], Any], fifo: Path) -> BaseException | None:
-    """The exception ``fn()`` raises, run in a thread for at most LIMIT_S; if it is still
-    blocked on ``fifo`` then, a writer opens the FIFO to set it free and the test fails."""
-    out: dict[str, BaseException | None] = {"error": None}
-
-    def target() -> None:
-        try:
-            fn()
-        except BaseException as exc:        # noqa: BLE001 - handed to the test
-            out["error"] = exc
-
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    t.join(LIMIT_S)
-    if t.is_alive():
-        try:
-            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
-        except OSError:
-            pass
-        t.join(LIMIT_S)
-        pytest.fail(f"still blocked on the FIFO {fifo} after {LIMIT_S} s")
-    return out["error"]
-
-
-_MAIN = "import sys; from kvtier.cli import main; sys.exit(main())"
-
-
-def _kvtier(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """``kvtier ARGV`` in a new process, killed (and the test failed) past the time limit."""
-    full = {k: v for k, v in os.environ.items() if k != "KVTIER_CONFIG"}
-    full.update(env or {})
-    try:
-        return subprocess.run([sys.executable, "-c", _MAIN, *argv], env=full,
-                              capture_output=True, text=True, timeout=3 * LIMIT_S)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"kvtier {' '.join(argv)} did not finish in {3 * LIMIT_S} s")
-
-
-def _one_line(err: str) -> str:
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err[-2000:]
-    assert "Traceback" not in err
-    return lines[0]
-
-
 # --------------------------------------------------------------------------------------------
 # 1. a FIFO as the config file
 # --------------------------------------------------------------------------------------------
 def test_cli_fifo_config_is_one_line_exit_2(tmp_path):
-    fifo = _fifo(tmp_path)
-    p = _kvtier("simulate", "--l1-pages", "8", "--l2-pages", "8", "--limit", "1",
+    fifo = hostile.fifo(tmp_path)
+    p = hostile.run_kvtier("simulate", "--l1-pages", "8", "--l2-pages", "8", "--limit", "1",
                 env={"KVTIER_CONFIG": str(fifo)})
-    assert p.returncode == 2 and str(fifo) in _one_line(p.stderr)
+    assert p.returncode == 2 and str(fifo) in hostile.one_line(p.stderr)
 
 
 # --------------------------------------------------------------------------------------------
@@ -103,18 +45,18 @@ def test_cli_fifo_config_is_one_line_exit_2(tmp_path):
 # --------------------------------------------------------------------------------------------
 def test_fifo_trace_is_refused_not_waited_on(tmp_path):
     from kvtier_tools.simulate import load_trace
-    fifo = _fifo(tmp_path)
+    fifo = hostile.fifo(tmp_path)
     for fn in (lambda: read_trace(fifo), lambda: load_trace(str(fifo))):
-        err = _bounded(fn, fifo)
+        err = hostile.bounded(fn, fifo)
         assert isinstance(err, TraceError) and not isinstance(err, TraceFormatError), err
         assert str(fifo) in str(err) and "FIFO" in str(err) and err.source == str(fifo)
 
 
 def test_cli_fifo_trace_is_one_line_exit_2(tmp_path):
-    fifo = _fifo(tmp_path)
-    p = _kvtier("simulate", "--trace", str(fifo), "--l1-pages", "8", "--l2-pages", "8")
+    fifo = hostile.fifo(tmp_path)
+    p = hostile.run_kvtier("simulate", "--trace", str(fifo), "--l1-pages", "8", "--l2-pages", "8")
     assert p.returncode == 2
-    line = _one_line(p.stderr)
+    line = hostile.one_line(p.stderr)
     assert "TraceError" in line and str(fifo) in line and "FIFO" in line
 
 
@@ -125,7 +67,7 @@ def test_cli_fifo_trace_is_one_line_exit_2(tmp_path):
 def test_simulate_limit_below_one_is_refused(limit, capsys):
     assert main(["simulate", "--l1-pages", "8", "--l2-pages", "8", "--limit", limit]) == 2
     captured = capsys.readouterr()
-    assert "limit" in _one_line(captured.err) and "ConfigError" in captured.err
+    assert "limit" in hostile.one_line(captured.err) and "ConfigError" in captured.err
     assert "requests" not in captured.out          # refused before any replay
 
 
@@ -145,7 +87,7 @@ def test_simulate_with_a_pool_no_machine_holds_is_one_line_exit_2(capsys):
         argv = ["simulate", "--l1-pages", "8", "--l2-pages", "8", "--limit", "1"]
         argv[argv.index(flag) + 1] = str(2**63 - 1)
         assert main(argv) == 2
-        line = _one_line(capsys.readouterr().err)
+        line = hostile.one_line(capsys.readouterr().err)
         assert "ConfigError" in line and flag[2:].replace("-", "_") in line
 
 
@@ -155,7 +97,7 @@ def test_cli_huge_host_pool_pages_in_the_config_file_is_one_line_exit_2(tmp_path
     for argv in (["bench", "control", "--tokens", "128"],
                  ["simulate", "--l1-pages", "8", "--l2-pages", "8", "--limit", "1"]):
         assert main(["--config", str(p), *argv]) == 2
-        assert "host_pool_pages" in _one_line(capsys.readouterr().err)
+        assert "host_pool_pages" in hostile.one_line(capsys.readouterr().err)
 
 
 # --------------------------------------------------------------------------------------------
@@ -190,7 +132,7 @@ def test_hostile_trace_line_is_a_format_error_naming_line_and_field(tmp_path, ca
     assert ei.value.line == 2 and ei.value.field == field and ei.value.source == str(p)
     assert f"{p}:2:" in str(ei.value) and len(str(ei.value)) < 400
     assert main(["simulate", "--trace", str(p), "--l1-pages", "8", "--l2-pages", "8"]) == 2
-    err = _one_line(capsys.readouterr().err)
+    err = hostile.one_line(capsys.readouterr().err)
     assert "TraceFormatError" in err and f"{p}:2:" in err
 
 
@@ -202,7 +144,7 @@ def test_hash_id_past_what_simulate_maps_to_tokens_names_the_line(tmp_path, caps
         load_trace(p)
     assert ei.value.line == 2 and ei.value.field == "hash_ids"
     assert main(["simulate", "--trace", str(p), "--l1-pages", "8", "--l2-pages", "8"]) == 2
-    assert f"{p}:2:" in _one_line(capsys.readouterr().err)
+    assert f"{p}:2:" in hostile.one_line(capsys.readouterr().err)
 
 
 @pytest.mark.parametrize("text", ["[" * DEEP + "]" * DEEP, '{"a": ' * 40 + "1" + "}" * 40,
@@ -210,7 +152,7 @@ def test_hash_id_past_what_simulate_maps_to_tokens_names_the_line(tmp_path, caps
 def test_simulate_hostile_l3_config_is_one_line_exit_2(text, capsys):
     assert main(["simulate", "--l1-pages", "8", "--l2-pages", "8", "--l3", "memory",
                  "--limit", "1", "--l3-config", text]) == 2
-    line = _one_line(capsys.readouterr().err)
+    line = hostile.one_line(capsys.readouterr().err)
     assert "ConfigError" in line and "--l3-config" in line and len(line) < 600
 
 
@@ -265,7 +207,7 @@ def test_simulate_refuses_bad_config_file_values(tmp_path, capsys, body, field):
     assert main(["--config", str(p), "simulate", "--l1-pages", "8", "--l2-pages", "8",
                  "--sample-requests", "5"]) == 2
     captured = capsys.readouterr()
-    assert field in _one_line(captured.err) and "requests" not in captured.out
+    assert field in hostile.one_line(captured.err) and "requests" not in captured.out
 
 
 def test_bench_control_builds_its_caches_from_the_config_file(tmp_path, capsys):
@@ -283,7 +225,7 @@ def test_bench_control_builds_its_caches_from_the_config_file(tmp_path, capsys):
         rig.close()
     p = _toml(tmp_path, 'key_hash = "md5"\n')
     assert main(["--config", str(p), "bench", "control", "--tokens", "128"]) == 2
-    assert "key_hash" in _one_line(capsys.readouterr().err)
+    assert "key_hash" in hostile.one_line(capsys.readouterr().err)
 
 
 def test_bench_store_takes_batch_and_callers_from_the_config_file(tmp_path, monkeypatch,
@@ -298,7 +240,7 @@ def test_bench_store_takes_batch_and_callers_from_the_config_file(tmp_path, monk
     bad = _toml(tmp_path, "l3_batch_pages = 0\n")
     assert main(["--config", str(bad), "bench", "store", "--dir", str(tmp_path / "d"),
                  "--total", "1M", "--page-sizes", "256K"]) == 2
-    assert "l3_batch_pages" in _one_line(capsys.readouterr().err)
+    assert "l3_batch_pages" in hostile.one_line(capsys.readouterr().err)
     assert not (tmp_path / "d").exists()                      # refused before the run
 
 
