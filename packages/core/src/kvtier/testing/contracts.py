@@ -415,10 +415,13 @@ class L3StoreContract(_Suite):
         """Byte keys a store must round-trip bitwise or refuse with a typed error; the ones
         that would name a path resolve (if joined to a directory naively) into ``tmp_path``."""
         big = os.urandom(4096)
+        one = os.urandom(1)
+        while one in (b"\x00", b".", b"/"):    # another key below: keys must be distinct
+            one = os.urandom(1)
         keys = {
             "32-random": os.urandom(32),
             "empty": b"",
-            "1-byte": os.urandom(1),
+            "1-byte": one,
             "4096-bytes": big,
             "4096-bytes-last-differs": big[:-1] + bytes([big[-1] ^ 0xFF]),
             "slash": b"kv/" + os.urandom(8).hex().encode(),
@@ -435,6 +438,7 @@ class L3StoreContract(_Suite):
             "newline": b"k\n\r\t",
         }
         assert tuple(keys) == self.ODD_KEYS
+        assert len(set(keys.values())) == len(keys), "odd keys must be distinct"
         return keys
 
     ODD_KEYS = ("32-random", "empty", "1-byte", "4096-bytes", "4096-bytes-last-differs", "slash",
