@@ -70,6 +70,7 @@ def run_kvtier(*argv: str, env: dict[str, str] | None = None, limit_s: float = 3
                               capture_output=True, text=True, timeout=limit_s)
     except subprocess.TimeoutExpired:
         pytest.fail(f"kvtier {' '.join(argv)} did not finish in {limit_s} s")
+        raise                      # (pytest.fail raises; for type checkers without pytest)
 
 
 def one_line(err: str) -> str:

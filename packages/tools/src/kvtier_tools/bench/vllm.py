@@ -177,7 +177,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     def generate(prompt: list[int]) -> dict[str, Any]:
         return generate_many([prompt])[0]
 
-    phases = []
+    phases: list[dict[str, Any]] = []
     for ph in job["phases"]:
         for action in ph.get("before", []):
             _do_action(action)
