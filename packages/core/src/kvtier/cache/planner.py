@@ -399,9 +399,7 @@ class CachePlanner:
             if first:
                 unreadable = self._book_ops(st, result, free)
             if result.writes_pending:
-                for k in st.keys:                 # in L2 now: a save skips them
-                    if self._pending.get(k) == p.plan_id:
-                        del self._pending[k]
+                self._unpend(st)                  # in L2 now: a save skips them
                 if free:
                     self.host.free(free)
             else:
@@ -477,9 +475,7 @@ class CachePlanner:
             ok_wb.append(next(it) if w else None)
         evicted = after_l3_write(self.index, st.wb_nodes, ok_wb, evict_after=True)
         free += evicted
-        for k in st.keys:
-            if self._pending.get(k) == p.plan_id:
-                del self._pending[k]
+        self._unpend(st)
         if result.held_host_pages:
             free = self._hold(p.plan_id, result.held_host_pages, free)
         if free:
@@ -522,6 +518,12 @@ class CachePlanner:
             return sum(1 for _, nd in self.index.l2_lru.items() if nd.l2_pins)
 
     # ----- helpers (lock held) ----------------------------------------------------------------
+    def _unpend(self, st: _Pending) -> None:
+        """The plan no longer holds its keys pending (another plan may back them up)."""
+        for k in st.keys:
+            if self._pending.get(k) == st.plan.plan_id:
+                del self._pending[k]
+
     def _hold(self, plan_id: int, held: Sequence[int], free: list[int]) -> list[int]:
         """Keep host pages a late store call may touch out of use: not freed, and pinned
         where they hold an L2 page. Returns the pages free now."""

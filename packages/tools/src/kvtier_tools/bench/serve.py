@@ -50,7 +50,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .vllm import _kvtier_config, _pct, make_llama, multiturn
+from .vllm import _kvtier_config, _pct, _positive, make_llama, multiturn
 
 SETUPS = ("vllm", "vllm-rerun", "vllm+null-connector", "vllm+kvtier-l2", "vllm+kvtier-l3",
           "vllm+offload", "vllm+lmcache")
@@ -539,16 +539,6 @@ def _counts(text: str) -> list[int]:
             raise argparse.ArgumentTypeError(f"concurrency must be ints >= 1, got {text!r}")
         out.append(n)
     return out
-
-
-def _positive(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text!r}")
-    return n
 
 
 def _rates(text: str) -> list[float]:

@@ -227,6 +227,7 @@ def _abort(llm: Any, prompts: list[list[int]], steps: int, sp: Any, phase: int
     """Clients that leave mid-request: add ``prompts``, run ``steps`` engine steps, abort
     them all, run until vLLM has nothing left; then what the scheduler's planner still pins
     (``l2_pinned_pages``) and how many of its plans are still pending."""
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
     eng = llm.llm_engine
     ids = [f"abort-{phase}-{i}" for i in range(len(prompts))]
@@ -246,7 +247,7 @@ def _abort(llm: Any, prompts: list[list[int]], steps: int, sp: Any, phase: int
         return out
     # an idle engine takes no steps, so a load that was still running at the abort is booked
     # at the next one: serve a one-token request until nothing is pending (or 30 s)
-    one = type(sp)(max_tokens=1, temperature=0.0, detokenize=False)
+    one = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
     follow = 0
     while planner.metrics()["plans_pending"] and follow < 60:
         tokens = [7 + (follow + i) % 400 for i in range(40)]
