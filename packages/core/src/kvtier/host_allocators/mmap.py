@@ -289,6 +289,11 @@ class MmapAllocator(HostAllocator):
     # ----------------------------------------------------------------------------------------
     def _allocate(self, nbytes: int) -> HostBuffer:
         c = self.config
+        if nbytes > sys.maxsize:
+            # mmap's length is a size_t: ctypes would wrap a larger count to a small one, and
+            # some kernels map that (seen on the H200 machine for 2**64).
+            raise AllocationError(f"{self.name}: {nbytes} bytes exceed the address space",
+                                  backend=self.name, nbytes=nbytes)
         libc = _libc()
         attempts: list[dict[str, Any]] = []
         order = {"auto": ["hugetlb", "thp", "base"], "hugetlb": ["hugetlb", "thp", "base"],
