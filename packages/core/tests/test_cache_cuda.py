@@ -143,3 +143,31 @@ def test_concurrent_requests_on_cuda():
                 assert torch.equal(r.page(dev).cpu(), r.ref[key])
     finally:
         r.cache.close()
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=["mha", "mla"])
+def test_a_second_cache_loads_shm_pages_in_place_on_cuda(spec):
+    """Two caches on one shm arena (as two engine processes): the second loads the first's
+    pages straight from the arena, registered with CUDA, into its device pages, bitwise
+    (mha: 32 KiB pages, a slot each; mla: 27 KiB pages, through L2)."""
+    import os
+    name = f"kvtier-test-cuda-inplace-{os.getpid()}-{os.urandom(3).hex()}"
+    l3 = {"l3_store": "shm", "l3_config": {"name": name, "capacity_pages": 64,
+                                           "remove_when_unused": True}}
+    a, b = CudaRig(spec, **l3), CudaRig(spec, **l3)
+    try:
+        t = torch.randint(0, 30000, (6 * spec.page_size + 3,)).tolist()
+        a.request(t)
+        assert a.cache.wait_idle(30)
+        b.ref = a.ref                             # b checks against a's bytes
+        m, h = b.request(t, layerwise=True)       # asserts every page bitwise
+        assert (m.l3_count, h.pages_loaded) == (6, 6)
+        in_place = b.cache.metrics()["l3_in_place_pages"]
+        if spec.page_bytes % 4096 == 0:
+            assert b.cache.in_place_why_not == "" and in_place == 6
+        else:
+            assert "not exactly a page" in b.cache.in_place_why_not and in_place == 0
+        b.cache.check_invariants()
+    finally:
+        b.cache.close()
+        a.cache.close()

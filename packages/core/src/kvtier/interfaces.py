@@ -253,6 +253,12 @@ class L3Store(Backend):
         one), once attached: the page itself unless the store adds framing or padding."""
         return self.spec.page_bytes
 
+    def in_place_reads(self) -> "InPlaceReads | None":
+        """Where the store's objects sit in host memory that a transfer engine can read
+        directly (a shared-memory arena), the region and how to hold objects in it while
+        they are copied; None (the default) where reads go through a host pool page."""
+        return None
+
     def _check_batch(self, keys: Sequence[bytes], host_pages: Sequence[int] | None = None,
                      *, distinct_pages: bool = False) -> list[int]:
         """Validate a batch before anything is touched; returns the pages as ints.
@@ -292,6 +298,26 @@ class L3Store(Backend):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class InPlaceReads(abc.ABC):
+    """A store's objects read in place: ``buffer`` is host memory laid out as ``num_slots``
+    page-first pages of ``spec.page_bytes`` each (slot i at ``i * page_bytes``), so a host
+    pool over it lets a transfer engine load slot i into a device page with no copy through
+    another host page. ``pin`` holds the slots of the leading run of keys it finds so that
+    no writer (of any process) changes them until ``unpin``."""
+
+    buffer: "HostBuffer"
+    num_slots: int
+
+    @abc.abstractmethod
+    def pin(self, keys: Sequence[bytes]) -> list[int]:
+        """The slots holding the leading run of ``keys`` (stops at the first miss), each
+        held until `unpin`; counted as reads by the store."""
+
+    @abc.abstractmethod
+    def unpin(self, slots: Sequence[int]) -> None:
+        """Let go of slots `pin` returned (each once)."""
 
 
 def check_keys(keys: Sequence[bytes], backend: str = "") -> None:

@@ -108,6 +108,11 @@ class CacheConfig:
     #: False: drop write-through L3 writes while reading a page from L3 is measured slower
     #: than recomputing it (counted in ``cost_skipped_l3_writes``).
     l3_write_when_slow: bool = True
+    #: Load L3 pages straight from a store's shared-memory arena into device pages where
+    #: the store offers it (``shm``) and the engine can read the arena (registered with the
+    #: device): no copy into L2 first, layer by layer beside the L2 hit
+    #: (`kvtier.cache.inplace`). False: every L3 read goes through L2.
+    l3_in_place_loads: bool = True
 
     def __post_init__(self) -> None:
         for name in _DICT_FIELDS:

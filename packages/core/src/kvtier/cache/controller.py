@@ -53,7 +53,7 @@ from ..interfaces import CompletedHandle, L3Store, TransferEngine, TransferHandl
 from ..keys import PageKeyer
 from ..metrics import Metrics
 from ..policies import PrefetchPolicy, WritePolicy, make_prefetch_policy, make_write_policy
-from . import eviction, handles, l3tasks, lifecycle, transfers
+from . import eviction, handles, inplace, l3tasks, lifecycle, transfers
 from .config import CacheConfig
 from .cost import CostModel, TimedStore, load_seconds
 from .handles import CommitResult, FetchHandle, Match
@@ -123,6 +123,19 @@ class TieredKVCache:
                             threads=cfg.l3_io_threads, error_limit=cfg.l3_error_limit,
                             call_timeout_s=cfg.l3_call_timeout_s,
                             metrics=self.metrics_registry, on_failure=self._l3_failed)
+        self._in_place: inplace.InPlace | None = None
+        #: Why L3 pages are not loaded in place ("" when they are).
+        self.in_place_why_not = ""
+        try:
+            self._in_place, self.in_place_why_not = inplace.open_in_place(self)
+        except BaseException:
+            for obj in reversed(self._owned):
+                obj.close()
+            raise
+        inner: L3Store | None = getattr(store, "inner", store)
+        if self.in_place_why_not and inner is not None and \
+                type(inner).in_place_reads is not L3Store.in_place_reads:
+            log.info("kvtier cache: L3 pages load through L2: %s", self.in_place_why_not)
         lifecycle.register_gauges(self)
         lifecycle.close_on_exit(self)
 
@@ -202,8 +215,8 @@ class TieredKVCache:
             raise InvalidArgumentError(f"expected_wait_s must be a finite number >= 0, got "
                                        f"{expected_wait_s!r}", argument="expected_wait_s",
                                        value=expected_wait_s)
-        if match.l3_count == 0 or match.read is not None:
-            return
+        if match.l3_count == 0 or match.read is not None or self._in_place is not None:
+            return            # in place: a fetch loads straight from the arena
         limit = self._first_read_cap(match.l3_count)
         if self.cost.enabled and limit == match.l3_count:
             ready = self.cost.pages_readable_in(expected_wait_s, self.spec.page_bytes,
@@ -275,50 +288,73 @@ class TieredKVCache:
         n2 = min(match.l2_count, len(dev))
         n3_want = min(match.l3_count, len(dev) - n2)
         skip2 = skip3 = 0
+        direct = self._in_place if n3_want and self._l3_usable() else None
         if self.cost.enabled and n2 + n3_want:
-            k = self._pages_to_load(match, n2, n3_want, l3_ready=match.l3_pages_landed)
+            if direct is not None:            # in place: L3 pages load as L2 pages do
+                k = self._pages_to_load(match, n2 + n3_want, 0, l3_ready=0)
+            else:
+                k = self._pages_to_load(match, n2, n3_want, l3_ready=match.l3_pages_landed)
             skip2, skip3 = n2 - min(n2, k), n3_want - max(0, k - n2)
             n2, n3_want = n2 - skip2, n3_want - skip3
-            if skip3 and match.read is None and self.cost.wants_l3_probe():
+            if skip3 and direct is None and match.read is None and self.cost.wants_l3_probe():
                 l3tasks.start_read(self, match, self.cost.L3_PROBE_PAGES)  # keeps it measured
-        if n3_want:
+        slots: list[int] = []
+        if n3_want and direct is not None:
+            start = match.l1_count + match.l2_count
+            slots = direct.pin(match.keys[start:start + n3_want])
+            if len(slots) < n3_want:
+                self.metrics_registry.add("l3_read_miss_pages", n3_want - len(slots))
+        elif n3_want:
             l3tasks.start_read(self, match, self._first_read_cap(n3_want))
             l3tasks.wait_read(self, match, n3_want)
         with self._lock:
-            self._check_match(match)
-            self._check_engine_pages(dev, "device_pages")      # again: a fetch may have begun
+            try:
+                self._check_match(match)
+                self._check_engine_pages(dev, "device_pages")  # again: a fetch may have begun
+            except BaseException:
+                if slots:
+                    direct.unpin(slots)              # type: ignore[union-attr]
+                raise
             task = match.read
             landed: list[Node] = []
             rest: list[Node] = []
-            if task is not None and not skip3:
+            if task is not None and not skip3 and not slots:
                 task.cancelled = True             # later pages land unpinned, for others
                 landed, rest = task.landed[:n3_want], task.landed[n3_want:]
             nodes = match.hand_over_l2(n2, landed, rest)
             match.give(dev)
-            load, unused = dev[:len(nodes)], dev[len(nodes):]
+            n_load = len(nodes) + len(slots)
+            load, unused = dev[:n_load], dev[n_load:]
             t_load = time.perf_counter()
-            if nodes:
-                try:
-                    handle: TransferHandle = self.engine.load(
-                        [nd.host_page for nd in nodes], load)
-                except BaseException:
-                    match.take_back_l2(nodes)
-                    raise
-            else:
-                handle = CompletedHandle(self.spec.num_layers)
+            try:
+                handle: TransferHandle = self.engine.load(
+                    [nd.host_page for nd in nodes], load[:len(nodes)]) if nodes else \
+                    CompletedHandle(self.spec.num_layers)
+                if slots:
+                    h3 = direct.engine.load(slots, load[len(nodes):])  # type: ignore[union-attr]
+                    handle = inplace.BothHandles(handle, h3) if nodes else h3
+            except BaseException:
+                match.take_back_l2(nodes)
+                if slots:
+                    direct.unpin(slots)              # type: ignore[union-attr]
+                raise
             fh = FetchHandle(self._finish_fetch, match, handle, nodes, load, unused,
-                             self.spec.num_layers, from_l2=n2)
+                             self.spec.num_layers, from_l2=n2,
+                             in_place=(direct, slots) if slots else None)
             match.attach_fetch(fh)
             for d in load:
                 self._loading[d] = fh
         self.metrics_registry.add_many({
-            "fetch_calls": 1, "fetched_l2_pages": n2, "fetched_l3_pages": len(landed),
-            "prefetch_cut_pages": n3_want - len(landed) + (match.l3_count - n3_want - skip3),
+            "fetch_calls": 1, "fetched_l2_pages": n2,
+            "fetched_l3_pages": len(landed) + len(slots), "l3_in_place_pages": len(slots),
+            "l3_loaded_pages": len(slots), "bytes_l3_read": len(slots) * self.spec.page_bytes,
+            "prefetch_cut_pages": n3_want - len(landed) - len(slots)
+            + (match.l3_count - n3_want - skip3),
             "cost_skipped_pages_l2": skip2, "cost_skipped_pages_l3": skip3,
-            "bytes_h2d": len(nodes) * self.spec.page_bytes})
+            "bytes_h2d": n_load * self.spec.page_bytes})
         self.metrics_registry.observe("fetch", time.perf_counter() - t0)
-        if nodes:
-            nbytes = len(nodes) * self.spec.page_bytes
+        if n_load:
+            nbytes = n_load * self.spec.page_bytes
 
             def landed_cb(err: BaseException | None) -> None:
                 if err is None:

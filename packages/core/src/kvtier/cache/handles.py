@@ -176,8 +176,11 @@ class FetchHandle:
     def __init__(self, on_finish: Callable[["FetchHandle", BaseException | None], None],
                  match: Match, handle: TransferHandle, nodes: list[Node],
                  device_pages: list[int], unused: list[int], num_layers: int, *,
-                 from_l2: int = 0):
+                 from_l2: int = 0, in_place: tuple[Any, list[int]] | None = None):
         self._on_finish = on_finish
+        #: (the cache's `InPlace`, the arena slots pinned) when the pages after ``nodes`` load
+        #: straight from a store's arena
+        self.in_place = in_place
         self.match = match
         self._handle = handle
         self._nodes = nodes

@@ -16,7 +16,7 @@ import hashlib
 import json
 from typing import Any, Mapping, Sequence
 
-from ..interfaces import INTERFACE_VERSION, Availability, L3Store
+from ..interfaces import INTERFACE_VERSION, Availability, InPlaceReads, L3Store
 from ..keys import PageKeyer
 from ..spec import KVSpec
 from .config import CacheConfig
@@ -112,11 +112,27 @@ class RankKeyStore(L3Store):
     def clear(self) -> None:
         self.inner.clear()
 
+    def in_place_reads(self) -> InPlaceReads | None:
+        inner = self.inner.in_place_reads()
+        return None if inner is None else _RankInPlace(inner, self._map)
+
     def stats(self) -> dict[str, Any]:
         return self.inner.stats()
 
     def close(self) -> None:
         self.inner.close()
+
+
+class _RankInPlace(InPlaceReads):
+    def __init__(self, inner: InPlaceReads, key_map: Any):
+        self.inner, self._map = inner, key_map
+        self.buffer, self.num_slots = inner.buffer, inner.num_slots
+
+    def pin(self, keys: Sequence[bytes]) -> list[int]:
+        return self.inner.pin(self._map(keys))
+
+    def unpin(self, slots: Sequence[int]) -> None:
+        self.inner.unpin(slots)
 
 
 def rank_view(store: L3Store, config: CacheConfig) -> L3Store:

@@ -205,16 +205,36 @@ def finish_fetch(c: "TieredKVCache", fh: "FetchHandle", err: BaseException | Non
             c._loading.pop(d, None)
         for nd in fh.nodes:            # the load no longer reads the host pages
             nd.l2_pins -= 1
+        if fh.in_place is not None:    # nor the arena's slots
+            fh.in_place[0].unpin(fh.in_place[1])
         if err is not None:
             c.metrics_registry.add("transfer_errors")
             log.warning("kvtier cache: L2 -> L1 load failed: %s", err)
             return
         fresh: list[Node] = []
-        for nd, d in zip(fh.nodes, fh.device_pages):
+        loaded = list(zip(fh.nodes, fh.device_pages))
+        if fh.in_place is not None:
+            # pages loaded in place: in the index from now on (L1, and L3 where they came
+            # from), under the node before them
+            start = m.l1_count + m.l2_count
+            keys = m.keys[start:start + len(fh.device_pages) - len(fh.nodes)]
+            pkey = m.keys[start - 1] if start else None
+            parent = idx.get(pkey) if pkey is not None else None
+            if pkey is not None and parent is None:
+                for d in fh.device_pages[len(fh.nodes):]:
+                    fh.reject(d)           # the prefix went: these would be orphans
+            else:
+                for key, d in zip(keys, fh.device_pages[len(fh.nodes):]):
+                    nd = idx.node(key, parent)
+                    nd.in_l3 = True
+                    loaded.append((nd, d))
+                    parent = nd
+        for nd, d in loaded:
             if nd.device_page is None:
                 parent = nd.parent
                 if parent is not None and parent.device_page is None:
                     fh.reject(d)           # cannot happen while the prefix is pinned
+                    idx.maybe_drop(nd)     # a node made for an in-place page: no tier
                     continue
                 idx.l1_add(nd, d)
                 fresh.append(nd)

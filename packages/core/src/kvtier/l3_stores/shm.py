@@ -42,7 +42,8 @@ from dataclasses import dataclass
 from typing import Any, Literal, Sequence
 
 from ..errors import ConfigError, StoreError
-from ..interfaces import INTERFACE_VERSION, Availability, L3Store
+from ..interfaces import (INTERFACE_VERSION, Availability, HostBuffer, InPlaceReads,
+                          L3Store)
 from ..layout import PAGE_FIRST, page_ranges
 from . import shm_arena
 from .shm_arena import BUSY, HIT, OK, TIMEOUT, TORN, Arena, ArenaRefused
@@ -351,6 +352,19 @@ class ShmStore(L3Store):
             value = self._crc(raw[base + off:base + off + ln], value)
         return value & 0xFFFFFFFF
 
+    # ----- reads in place -----------------------------------------------------------------------
+    def in_place_reads(self) -> "_ShmInPlace | None":
+        """The arena's slots as page-first host pages, for loads straight from the arena
+        into device pages (no copy into L2 first); None where a slot is not exactly one page
+        (pages that are not a multiple of 4 KiB)."""
+        geo = self.arena.geo
+        if geo.stride != self.spec.page_bytes:
+            self.in_place_why_not = f"a slot ({geo.stride} B) is not exactly a page " \
+                f"({self.spec.page_bytes} B): pages of a multiple of 4 KiB only"
+            return None
+        with self._use():
+            return _ShmInPlace(self)
+
     # ----- public API -------------------------------------------------------------------------
     def batch_exists(self, keys: Sequence[bytes]) -> int:
         self._check_batch(keys)
@@ -512,6 +526,64 @@ class ShmStore(L3Store):
         arena = getattr(self, "arena", None)
         if arena is not None and arena.fd >= 0 and not getattr(self, "_users", 0):
             arena.close()
+
+
+class _ShmInPlace(InPlaceReads):
+    """`ShmStore.in_place_reads`: the arena's slot region as a host buffer; a pinned slot
+    holds a shared lock that keeps every writer off it, and keeps the arena mapped."""
+
+    def __init__(self, store: ShmStore):
+        import torch
+        self.store = store
+        arena, geo = store.arena, store.arena.geo
+        self.num_slots = geo.slots
+        n = geo.slots * geo.stride
+        # over the address, not an export of the mapping: an export would keep the arena
+        # mapped (and its open file, with every lock on it) past close(); the store unmaps
+        # only once no pinned slot is left, and pins nothing once closed
+        import ctypes
+        view = torch.frombuffer((ctypes.c_uint8 * n).from_address(arena.data_base),
+                                dtype=torch.uint8)
+        self.buffer = HostBuffer(arena.data_base, n, view, f"shm arena ({store.backing})",
+                                 details={"path": store.path})
+
+    def pin(self, keys: Sequence[bytes]) -> list[int]:
+        s = self.store
+        s._check_batch(keys)
+        slots: list[int] = []
+        with s._lock:
+            if s._closed:
+                return slots
+            s._users += 1                 # held while any slot is pinned: no unmap under a copy
+        arena = s.arena
+        now = time.monotonic_ns()
+        try:
+            for j, key in enumerate(keys):
+                slot = arena.pin(arena.digest(key))
+                if slot < 0:
+                    break
+                arena.touch(slot, now - j)
+                slots.append(slot)
+        except (OSError, ValueError, TypeError) as exc:   # a broken mapping or lock call
+            log.debug("shm: pinning failed: %s", exc)
+            s._count(errors=1)
+        finally:
+            if not slots:
+                _InUse(s).__exit__()
+        s._count(gets=min(len(keys), len(slots) + 1), get_hits=len(slots),
+                 bytes_read=len(slots) * s.spec.page_bytes)
+        s._bump({"in_place_reads": len(slots)})
+        return slots
+
+    def unpin(self, slots: Sequence[int]) -> None:
+        if not slots:
+            return
+        s = self.store
+        try:
+            for slot in slots:
+                s.arena.unpin(slot)
+        finally:
+            _InUse(s).__exit__()
 
 
 class _InUse:

@@ -154,6 +154,8 @@ class Arena:
         self.created = False
         self.fd = -1
         self._writing: set[int] = set()          # slots this open file is filling
+        self._pins: dict[int, int] = {}          # slots read in place: count of readers
+        self._pin_lock = threading.Lock()        # _writing vs _pins, in this process
         self._stripes = [threading.Lock() for _ in range(_STRIPES)]
         self.fd = self._open(open_timeout_s)
         try:
@@ -326,6 +328,8 @@ class Arena:
         for their own."""
         self._stripes = [threading.Lock() for _ in range(_STRIPES)]
         self._writing = set()
+        self._pins = {}
+        self._pin_lock = threading.Lock()
         old = self.fd
         if old < 0:
             return
@@ -427,21 +431,63 @@ class Arena:
 
     def _take(self, slot: int) -> bool:
         """Own ``slot`` for writing: no thread of this open file and no other open file is
-        writing it (a lock free with the slot odd is a dead writer's)."""
-        if slot in self._writing:
-            return False
-        if not try_lock(self.fd, self._slot_lock(slot)):
-            return False
-        self._writing.add(slot)
-        return True
+        writing it or reading it in place (a lock free with the slot odd is a dead
+        writer's)."""
+        with self._pin_lock:
+            if slot in self._writing or slot in self._pins:
+                return False
+            if not try_lock(self.fd, self._slot_lock(slot)):
+                return False
+            self._writing.add(slot)
+            return True
 
     def _release(self, slot: int) -> None:
         # unlock before forgetting: another thread of this open file that sees the slot
         # free would otherwise "take" a lock this open file still holds, and lose it here
-        try:
-            unlock(self.fd, self._slot_lock(slot))
-        finally:
-            self._writing.discard(slot)
+        with self._pin_lock:
+            try:
+                unlock(self.fd, self._slot_lock(slot))
+            finally:
+                self._writing.discard(slot)
+
+    # ----- readers in place: a shared slot lock ---------------------------------------------
+    def pin(self, d: Digest) -> int:
+        """Hold key ``d``'s complete slot so that no writer of any process can change it
+        until `unpin`: a shared OFD lock on the slot's lock byte (a writer needs it
+        exclusively; the kernel drops it if this process dies). The slot, or -1 when the key
+        is absent, being written, or its lock is held by a writer."""
+        i = self.find(d)
+        if i < 0:
+            return -1
+        with self._pin_lock:
+            if i in self._writing:
+                return -1
+            n = self._pins.get(i, 0)
+            if n == 0 and not try_lock(self.fd, self._slot_lock(i), fcntl.F_RDLCK):
+                return -1
+            self._pins[i] = n + 1
+        # held now: the generation and key can no longer change; check they are this key's
+        # complete object (a writer may have finished with another key before the lock)
+        m, b = self.m, 8 * i
+        if m[b] & 1 or not self._holds(i, d):
+            self.unpin(i)
+            return -1
+        return i
+
+    def unpin(self, slot: int) -> None:
+        with self._pin_lock:
+            n = self._pins.get(slot, 0)
+            if n <= 1:
+                self._pins.pop(slot, None)
+                if n == 1 and self.fd >= 0:
+                    unlock(self.fd, self._slot_lock(slot))
+            else:
+                self._pins[slot] = n - 1
+
+    def pinned(self) -> int:
+        """Slots this open file holds for in-place reads."""
+        with self._pin_lock:
+            return len(self._pins)
 
     def claim(self, d: Digest, stamp: int, timeout: float) -> tuple[int, int, int, str]:
         """Take a slot for key ``d`` and make it odd: (OK, slot, odd generation, what was

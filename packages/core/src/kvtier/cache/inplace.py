@@ -1,0 +1,141 @@
+"""L3 pages loaded in place: straight from a store's shared-memory arena into device pages.
+
+A store whose objects sit in host memory (`L3Store.in_place_reads`, the `shm` store) lets the
+controller skip the L3 -> L2 copy: the arena's slots are seen as a page-first host pool, a
+second transfer engine of the cache's own kind is bound to it (the memory registered with the
+device where the device needs that: CUDA's page-locked registration), and a fetch loads the
+match's L3 run from the slots it pins, beside its L2 hit, layer by layer. A pinned slot holds
+a shared lock that keeps every writer (of any process) off it until the load has landed; a
+slot that is absent or being written ends the run there (the rest is recomputed).
+
+Where any part is missing (another store, a slot that is not exactly one page, a device whose
+memory cannot be registered, an engine that refuses the region) the cache reads through L2
+as before and says why once (``in_place_why_not``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+from ..interfaces import TransferHandle
+from ..layout import PAGE_FIRST
+
+if TYPE_CHECKING:
+    from .controller import TieredKVCache
+    from ..interfaces import InPlaceReads, TransferEngine
+    from ..host_pool import HostKVPool
+
+log = logging.getLogger("kvtier.cache")
+
+__all__ = ["InPlace", "open_in_place", "register_host_memory", "BothHandles"]
+
+
+class _Registration:
+    def __init__(self, release: Callable[[], None] | None):
+        self._release = release
+
+    def close(self) -> None:
+        release, self._release = self._release, None
+        if release is not None:
+            release()
+
+
+def register_host_memory(ptr: int, nbytes: int, device: Any) -> tuple[Any, str]:
+    """Make ``nbytes`` of host memory at ``ptr`` readable by ``device``'s copies: (an object
+    whose ``close()`` undoes it, "") or (None, why not). CPU devices need nothing; CUDA (and
+    ROCm's HIP through torch.cuda) takes a page-locked registration."""
+    kind = getattr(device, "type", str(device))
+    if kind == "cpu":
+        return _Registration(None), ""
+    if kind != "cuda":
+        return None, f"registering host memory with a {kind} device is not supported here"
+    try:
+        import torch
+        rt = torch.cuda.cudart()
+        err = rt.cudaHostRegister(ptr, nbytes, 0)
+        code = int(getattr(err, "value", err))
+        if code != 0:
+            return None, f"cudaHostRegister of {nbytes} B failed (error {code})"
+    except Exception as exc:            # no CUDA runtime binding in this torch
+        return None, f"cudaHostRegister unavailable: {exc}"
+
+    def release() -> None:
+        try:
+            rt.cudaHostUnregister(ptr)
+        except Exception as exc:        # pragma: no cover (a runtime torn down at exit)
+            log.debug("kvtier cache: cudaHostUnregister failed: %s", exc)
+    return _Registration(release), ""
+
+
+class InPlace:
+    """The in-place path of one cache: the store's region, the pool over it and its engine."""
+
+    def __init__(self, reads: "InPlaceReads", pool: "HostKVPool", engine: "TransferEngine"):
+        self.reads = reads
+        self.pool = pool
+        self.engine = engine
+
+    def pin(self, keys: Sequence[bytes]) -> list[int]:
+        return self.reads.pin(keys)
+
+    def unpin(self, slots: Sequence[int]) -> None:
+        self.reads.unpin(slots)
+
+
+def open_in_place(c: "TieredKVCache") -> tuple[InPlace | None, str]:
+    """Build the cache's in-place path, appending what it creates to ``c._owned`` (closed
+    before the store); (None, why not) where it cannot be had."""
+    from ..host_pool import HostKVPool
+    from ..registry import create_transfer_engine
+    cfg = c.config
+    if not cfg.l3_in_place_loads:
+        return None, "off (l3_in_place_loads)"
+    store = c.store
+    if store is None:
+        return None, "no L3 store"
+    reads = store.in_place_reads()
+    if reads is None:
+        why = getattr(getattr(store, "inner", store), "in_place_why_not", "")
+        return None, why or f"the {store.name} store reads through a host page"
+    buf = reads.buffer
+    reg, why = register_host_memory(buf.ptr, buf.nbytes, c.device_pool.device)
+    if reg is None:
+        return None, why
+    c._owned.append(reg)
+    buf.device_addressable = True
+    try:
+        pool = HostKVPool(c.spec, reads.num_slots, layout=PAGE_FIRST, buffer=buf)
+        c._owned.append(pool)
+        engine = create_transfer_engine(c.engine.name, c.device_pool, pool,
+                                        cfg.transfer_config)
+        c._owned.append(engine)
+    except Exception as exc:
+        return None, f"the {c.engine.name} engine over the arena: {exc}"
+    return InPlace(reads, pool, engine), ""
+
+
+class BothHandles(TransferHandle):
+    """Two loads of one fetch (from L2 and from the arena) as one handle."""
+
+    def __init__(self, a: TransferHandle, b: TransferHandle):
+        self.parts = (a, b)
+
+    def wait(self) -> None:
+        for h in self.parts:
+            h.wait()
+
+    def wait_layer(self, layer: int) -> None:
+        for h in self.parts:
+            h.wait_layer(layer)
+
+    def done(self) -> bool:
+        return all(h.done() for h in self.parts)
+
+    def synchronize(self) -> None:
+        for h in self.parts:
+            h.synchronize()
+
+    def busy_seconds(self) -> float | None:
+        got = [h.busy_seconds() for h in self.parts]
+        return None if any(s is None for s in got) else sum(got)  # type: ignore[misc]
