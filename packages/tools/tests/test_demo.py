@@ -334,3 +334,75 @@ def test_without_the_cost_model_load_all_is_l1_l2_l3_and_not_run_twice():
                                         "setups": ("L1+L2+L3", LOAD_ALL)})
     rep = run_demo(cfg, log=lambda *a: None)
     assert [r.name for r in rep.runs] == ["L1+L2+L3"] and rep.split() is None
+
+
+def test_a_second_process_on_one_shm_arena_hits_its_first_turns(tmp_path):
+    """Two demo runs (as two processes would) on one shm arena and one digests file: the
+    second finds the first's pages from its first round on, and checks them against the
+    digests the first recorded."""
+    import glob
+    import os
+    name = f"kvtier-test-demo-{os.getpid()}-{os.urandom(3).hex()}"
+    digests = str(tmp_path / "digests.json")
+    base = SMALL | {"setups": ("L1+L2+L3",), "l3_store": "shm", "digests": digests,
+                    "l3_config": {"name": name, "capacity_pages": 256}}
+    try:
+        first = run_demo(DemoConfig.from_dict(base), log=lambda *a: None)
+        assert os.path.getsize(digests) > 2
+        second = run_demo(DemoConfig.from_dict(base), log=lambda *a: None)
+    finally:
+        for f in glob.glob(f"/dev/shm/{name}-*.arena"):
+            os.unlink(f)
+    round0 = lambda rep: sum(r.l3_tokens for r in rep.runs[0].results if r.round == 0)  # noqa
+    assert round0(first) == 0 and round0(second) > 0
+    assert all(r.restored_bad == 0 for r in second.runs[0].results)
+
+
+def test_digests_of_another_process_vouch_for_its_version_of_a_page(tmp_path):
+    """A page the first process computed and the second recomputed with other rounding: the
+    second's own digest alone refuses the first's bytes; with the shared file they pass."""
+    import torch
+    from kvtier import KVSpec
+    from kvtier.device_pool import DeviceKVPool
+    from kvtier_tools.demo.digest import PageDigests, load_known, save_known
+    spec = KVSpec.mha(num_layers=2, num_kv_heads=1, head_dim=8, page_size=4,
+                      dtype="float32")
+    pool = DeviceKVPool.empty(spec, 3)
+    for comp in pool.layers:
+        for t in comp:
+            t.copy_(torch.randn(t.shape))
+    key, path = b"k" * 16, str(tmp_path / "d.json")
+    one = PageDigests(pool)
+    one.record([key], [0])                       # process 1's version: page 0
+    save_known(path, one._known)
+    for comp in pool.layers:                     # process 2's version differs in one value
+        comp[0][4 * 1] += 1e-3
+    two = PageDigests(pool)
+    two.record([key], [1])
+    assert two.mismatches([key], [0]) == [0]     # its own digest refuses page 0's bytes
+    shared = PageDigests(pool, known=load_known(path))
+    shared.record([key], [1])
+    assert shared.mismatches([key], [0]) == [] and shared.mismatches([key], [1]) == []
+    save_known(path, shared._known)
+    assert len(load_known(path)[key]) == 2
+
+
+@pytest.mark.parametrize("what", ["fifo", "not-json", "a-list", "no-directory"])
+def test_a_bad_digests_file_is_a_one_line_error_before_the_model(tmp_path, capsys, what):
+    import os
+    path = tmp_path / "d.json"
+    if what == "fifo":
+        os.mkfifo(path)
+    elif what == "not-json":
+        path.write_text("{not json")
+    elif what == "a-list":
+        path.write_text("[1, 2]")
+    else:
+        path = tmp_path / "missing" / "d.json"
+    with pytest.raises(SystemExit) as ei:
+        main(["demo", "--model-size", "tiny", "--digests", str(path), "--no-progress",
+              "--out", str(tmp_path / "out")])
+    assert ei.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) >= 1 and "--digests" in err[-1]
+    assert not (tmp_path / "out").exists()

@@ -173,9 +173,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(bound before the model is built: a port in use fails at once)")
     g.add_argument("--metrics-host", default="127.0.0.1",
                    help="address the metrics exporter binds to (loopback unless told)")
+    g.add_argument("--digests", type=_digests, default=None, metavar="PATH",
+                   help="page digests read at start (if the file exists) and merged into at "
+                   "the end: demo processes sharing one L3 (a shm arena, a file store root) "
+                   "check the pages each other computed bit for bit")
     g.add_argument("--corrupt-restore", action="store_true",
                    help="testing: flip one bit of the first page each request restores "
                    "from L2/L3, to show that the digest check fails the run (exit 2)")
+
+
+def _digests(text: str) -> str:
+    """``--digests``: a digests file that reads (or none yet), checked before the model is
+    built."""
+    import os
+
+    from .digest import load_known
+    where = os.path.dirname(os.path.abspath(text))
+    if not os.path.isdir(where) or not os.access(where, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"--digests {text}: {where} is not a directory this "
+                                         "process can write")
+    try:
+        load_known(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def config_from_args(args: argparse.Namespace):
@@ -201,6 +222,7 @@ def config_from_args(args: argparse.Namespace):
         "metrics_port": args.metrics_port, "metrics_host": args.metrics_host,
         "loads": tuple(args.loads), "rates": tuple(args.rate),
         "concurrency": tuple(args.concurrency), "think_ms": args.think_ms,
+        "digests": args.digests,
     }
     return DemoConfig.from_dict(data)
 

@@ -12,23 +12,32 @@ first token (not in the TTFT).
 A key may have several digests: the same page recomputed by another forward pass may round
 differently in its last bits, and both versions are correct. A restored page must match one
 of its key's digests; a key never recorded (a page from another run's L3) counts as unknown.
+Processes that share one L3 (a `shm` arena, a file store's directory) share their digests
+through a file (`load_known` / `save_known`, the demo's ``--digests``): a page another process
+computed and this one recomputed differently is then checked against both versions.
 """
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Sequence
 
 import torch
 
 from kvtier.device_pool import DeviceKVPool
 
-__all__ = ["PageDigests"]
+__all__ = ["PageDigests", "load_known", "save_known"]
+
+#: Largest digests file read (a demo's pages number in the thousands).
+MAX_FILE_BYTES = 256 << 20
 
 
 class PageDigests:
     """Per page key, the digests of the page contents committed under it."""
 
-    def __init__(self, pool: DeviceKVPool, seed: int = 0):
+    def __init__(self, pool: DeviceKVPool, seed: int = 0,
+                 known: dict[bytes, set[int]] | None = None):
         self.pool = pool
         spec = pool.spec
         words = max(pool.chunk_nbytes) // 2
@@ -37,7 +46,8 @@ class PageDigests:
                                 dtype=torch.int64).to(pool.device)
         n = len(pool.chunk_nbytes)
         self._salt = [[2 * (n * i + c) + 1 for c in range(n)] for i in range(spec.num_layers)]
-        self._known: dict[bytes, set[int]] = {}
+        #: key -> digests; a map given by the caller is shared (and filled) by reference
+        self._known: dict[bytes, set[int]] = {} if known is None else known
         self.recorded = 0
         self.verified = 0
         self.unknown = 0
@@ -72,3 +82,39 @@ class PageDigests:
             else:
                 bad.append(j)
         return bad
+
+
+def load_known(path: str) -> dict[bytes, set[int]]:
+    """The digests in ``path`` (a JSON object of hex key -> list of ints), {} if there is no
+    such file; anything else there is a one-line `ValueError` naming the file."""
+    from kvtier.config import open_regular_file
+    try:
+        f = open_regular_file(path)
+    except FileNotFoundError:
+        return {}
+    except OSError as exc:
+        raise ValueError(f"--digests {path}: {exc.strerror or exc}") from None
+    with f:
+        text = f.read(MAX_FILE_BYTES + 1)
+    if len(text) > MAX_FILE_BYTES:
+        raise ValueError(f"--digests {path}: larger than {MAX_FILE_BYTES} bytes")
+    try:
+        raw = json.loads(text)
+        if not isinstance(raw, dict):
+            raise TypeError("not an object")
+        return {bytes.fromhex(k): {int(d) for d in v if isinstance(d, int)
+                                   and not isinstance(d, bool)} for k, v in raw.items()}
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise ValueError(f"--digests {path}: not a digests file ({exc})") from None
+
+
+def save_known(path: str, known: dict[bytes, set[int]]) -> None:
+    """Merge ``known`` into ``path`` (what another process saved there meanwhile is kept),
+    replacing the file atomically."""
+    merged = load_known(path)
+    for k, v in known.items():
+        merged.setdefault(k, set()).update(v)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({k.hex(): sorted(v) for k, v in merged.items()}, f)
+    os.replace(tmp, path)

@@ -64,7 +64,8 @@ class DemoEngine:
     """
 
     def __init__(self, model: DemoModel, cache_config: Mapping[str, Any], *, l1_pages: int,
-                 lower_tiers: bool = True, prefill_mode: str = "fast"):
+                 lower_tiers: bool = True, prefill_mode: str = "fast",
+                 digests: dict[bytes, set[int]] | None = None):
         self.model = model
         self.prefill_mode = prefill_mode
         #: False: reuse L1 hits only, never load from L2/L3 (the L1-only baseline)
@@ -83,7 +84,7 @@ class DemoEngine:
         #: under load: called when L1 is short of evictable pages; it releases what queued
         #: requests pinned at arrival (their prefetch stops) and says whether it freed any
         self.make_room: Callable[[], bool] | None = None
-        self.digests = PageDigests(self.pool)
+        self.digests = PageDigests(self.pool, known=digests)
 
     # ----- the device page allocator ------------------------------------------------------
     def _take(self, n: int) -> list[int] | None:

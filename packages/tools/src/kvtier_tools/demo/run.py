@@ -26,6 +26,7 @@ from kvtier.cache.cost import pairs
 from kvtier.config import build_config
 from kvtier.errors import ConfigError
 from kvtier.keys import PageKeyer
+from .digest import load_known, save_known
 from .engine import DemoEngine, RequestResult
 from .model import MODEL_SIZES, CheckFailedError, DemoModel
 from .workload import Workload, multiturn
@@ -104,6 +105,10 @@ class DemoConfig:
     #: runs (0: any free port; None: off).
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
+    #: A file of page digests read at start (if it exists) and merged into at the end, so
+    #: that demo processes sharing one L3 check each other's pages bitwise (None: this
+    #: process's own digests only).
+    digests: str | None = None
     #: Under load (`kvtier_tools.demo.load`), after the serial replay: Poisson arrivals at these
     #: fractions of the L1-only capacity, at these rates (requests/s), and closed loops of
     #: these many users thinking ``think_ms`` between a first token and their next turn.
@@ -226,6 +231,8 @@ class SetupRun:
             "recompute_tokens_per_s": self.recompute_rate(),
             "l2_load_bytes_per_s": float(m.get("l2_load_bytes_per_s") or 0.0) or None,
             "l3_read_bytes_per_s": float(m.get("l3_read_bytes_per_s") or 0.0) or None,
+            # L3 pages loaded straight from a shared-memory arena (no L3 -> L2 read)
+            "l3_in_place_pages": int(m.get("l3_in_place_pages") or 0),
         }
 
     def recompute_rate(self) -> float | None:
@@ -528,7 +535,7 @@ def cache_config(cfg: DemoConfig, setup: str, model: DemoModel, l2_pages: int,
     base["host_pool_pages"] = l2_pages
     if setup == "L1+L2":
         return base
-    l3_config = dict(cfg.l3_config)
+    l3_config = {**_shared_memory_config(cfg), **cfg.l3_config}
     if l3_root is not None:
         l3_config.setdefault("root", l3_root)
     if cfg.l3_bytes is not None:
@@ -556,15 +563,33 @@ def host_allocator(cfg: DemoConfig) -> str:
     return "mmap" if cfg.device.split(":")[0] == "cpu" else "torch-pinned"
 
 
-def _store_takes_root(name: str) -> bool:
-    """Does the named store's Config have a ``root`` directory field?"""
+def _store_fields(name: str) -> set[str]:
     import dataclasses
 
     from kvtier.registry import get_backend_class
     cls = get_backend_class("kvtier.l3_stores", name)
     conf = getattr(cls, "Config", None)
-    return conf is not None and dataclasses.is_dataclass(conf) and \
-        "root" in {f.name for f in dataclasses.fields(conf)}
+    return {f.name for f in dataclasses.fields(conf)} \
+        if conf is not None and dataclasses.is_dataclass(conf) else set()
+
+
+def _store_takes_root(name: str) -> bool:
+    """Does the named store keep its objects under a ``root`` directory the demo gives it (a
+    temporary one)? Not a shared-memory store (``remove_when_unused``): its root is a tmpfs
+    and its arena is named instead (`_shared_memory_config`)."""
+    fields = _store_fields(name)
+    return "root" in fields and "remove_when_unused" not in fields
+
+
+def _shared_memory_config(cfg: "DemoConfig") -> dict[str, Any]:
+    """A shared-memory store's settings for this run: an arena of its own, removed at the
+    end, unless the user named one (``name`` or ``root``: to share it with another process,
+    which then keeps it)."""
+    if "remove_when_unused" not in _store_fields(cfg.l3_store) or \
+            {"name", "root"} & set(cfg.l3_config):
+        return {}
+    return {"name": f"kvtier-demo-{os.getpid()}-{os.urandom(3).hex()}",
+            "remove_when_unused": True}
 
 
 def _check_failed(name: str, req: Any, res: RequestResult) -> CheckFailedError:
@@ -623,7 +648,8 @@ def run_setups(names: list[str], model: DemoModel, workload: Workload,
                prefill_mode: str = "fast",
                metrics_host: str = "127.0.0.1",
                on_metrics: Callable[[str], None] | None = None,
-               exporter: SetupExporter | None = None) -> list[SetupRun]:
+               exporter: SetupExporter | None = None,
+               digests: dict[bytes, set[int]] | None = None) -> list[SetupRun]:
     """Serve every request on every setup, interleaved request by request (in a rotating
     order), so that all setups see the same machine load; after each request the setup's
     background work (backups, L3 writes) is drained, untimed, so that it never runs during
@@ -643,7 +669,7 @@ def run_setups(names: list[str], model: DemoModel, workload: Workload,
         for name in names:
             engines[name] = eng = DemoEngine(model, cache_cfgs[name], l1_pages=l1[name],
                                              lower_tiers=loads_below_l1(name),
-                                             prefill_mode=prefill_mode)
+                                             prefill_mode=prefill_mode, digests=digests)
             eng.corrupt_restore = corrupt_restore
             eng.warm_up(model.vocab_size)
         if exporter is not None:
@@ -749,6 +775,7 @@ def _run_demo(cfg: DemoConfig, names: list[str], exporter: SetupExporter | None,
         f"L1 {l1} pages, L2 {l2} pages ({host_allocator(cfg)}), L3 {cfg.l3_store} "
         f"({'no limit' if cfg.l3_bytes is None else f'{cfg.l3_bytes} B'})"
         + (f"; the ideal: L1 {l1_of[IDEAL]} pages" if IDEAL in names else ""))
+    digests = load_known(cfg.digests) if cfg.digests else None
     with tempfile.TemporaryDirectory(prefix="kvtier-demo-l3-") as tmp:
         root = tmp if any(map(has_l3, names)) and _store_takes_root(cfg.l3_store) else None
         cfgs = {n: cache_config(cfg, n, model, l2, root) for n in names}
@@ -763,19 +790,23 @@ def _run_demo(cfg: DemoConfig, names: list[str], exporter: SetupExporter | None,
         runs = run_setups(names, model, workload, cfgs, l1_of, checks, progress=cfg.progress,
                           corrupt_restore=corrupt_restore, exporter=exporter,
                           prefill_mode="paged" if cfg.check_mode == "bitwise" else "fast",
-                          metrics_host=cfg.metrics_host,
+                          metrics_host=cfg.metrics_host, digests=digests,
                           on_metrics=on_metrics or (lambda url: log(
                               f"kvtier demo: metrics of every setup at {url}")))
         sweep = None
         if cfg.loads or cfg.rates or cfg.concurrency:
             sweep = run_loads(cfg, [n for n in names if n != LOAD_ALL], model, workload,
-                              l1_of, l2, tmp, runs, corrupt_restore=corrupt_restore, log=log)
+                              l1_of, l2, tmp, runs, corrupt_restore=corrupt_restore, log=log,
+                              digests=digests)
+        if cfg.digests:
+            save_known(cfg.digests, digests or {})
     return DemoReport(cfg, workload, minfo, runs, distinct, load=sweep)
 
 
 def run_loads(cfg: DemoConfig, names: list[str], model: DemoModel, workload: Workload,
               l1_of: dict[str, int], l2: int, tmp: str, serial: list[SetupRun], *,
-              corrupt_restore: bool = False, log: Callable[..., None] = lambda *a: None):
+              corrupt_restore: bool = False, log: Callable[..., None] = lambda *a: None,
+              digests: dict[bytes, set[int]] | None = None):
     """Every load level on every setup (`kvtier_tools.demo.load`), each on a fresh engine and cache
     (an L3 store of its own). The serial replay's L1-only requests per second of busy time
     are the capacity the load fractions are of."""
@@ -797,7 +828,8 @@ def run_loads(cfg: DemoConfig, names: list[str], model: DemoModel, workload: Wor
                 root = None  # type: ignore[assignment]
             cc = cache_config(cfg, name, model, l2, root)
             eng = DemoEngine(model, cc, l1_pages=l1_of[name], lower_tiers=loads_below_l1(name),
-                             prefill_mode="paged" if cfg.check_mode == "bitwise" else "fast")
+                             prefill_mode="paged" if cfg.check_mode == "bitwise" else "fast",
+                             digests=digests)
             eng.corrupt_restore = corrupt_restore
             try:
                 eng.warm_up(model.vocab_size)
