@@ -197,3 +197,29 @@ def test_results_json_carries_the_per_load_table(tmp_path):
     assert "Under load" in tables(rep) and files["load_plot"].endswith("load.png")
     # every restored page under load matched its digest (a mismatch fails the run)
     assert sum(r.result.restored_checked for run in rep.load.runs for r in run.served) > 0
+
+
+def test_each_load_level_gets_a_shm_arena_of_its_own(tmp_path):
+    """A user-named shm arena is the serial replay's; every load level starts on an empty
+    arena of its own (not warmed by the replay), and each is removed at the end."""
+    pytest.importorskip("transformers")
+    import glob
+    import os
+    from kvtier_tools.demo.run import run_demo
+    name = f"kvtier-test-lv-{os.getpid()}-{os.urandom(3).hex()}"
+    cfg = DemoConfig.from_dict(SMALL | {"loads": (0.5,), "setups": ("L1 only", "L1+L2+L3"),
+                                        "l3_store": "shm",
+                                        "l3_config": {"name": name, "capacity_pages": 256}})
+    try:
+        rep = run_demo(cfg, log=lambda *a: None)
+        left = sorted(os.path.basename(f) for f in glob.glob(f"/dev/shm/{name}*"))
+    finally:
+        for f in glob.glob(f"/dev/shm/{name}*"):
+            os.unlink(f)
+    assert len(left) == 1 and "-load" not in left[0]           # the serial replay's, kept
+    serial = next(r for r in rep.runs if r.name == "L1+L2+L3")
+    assert sum(r.l3_tokens for r in serial.results if r.round == 0) == 0
+    for run in rep.load.runs:
+        if run.setup == "L1+L2+L3":
+            assert sum(s.result.l3_tokens for s in run.served if s.result.round == 0) == 0
+            assert sum(s.result.l3_tokens for s in run.served) > 0

@@ -827,6 +827,10 @@ def run_loads(cfg: DemoConfig, names: list[str], model: DemoModel, workload: Wor
             else:
                 root = None  # type: ignore[assignment]
             cc = cache_config(cfg, name, model, l2, root)
+            if has_l3(name) and "remove_when_unused" in _store_fields(cfg.l3_store):
+                # a shared-memory arena of this level's own, as a store root of its own is
+                lc = cc["l3_config"]
+                lc.update(name=f"{lc.get('name', 'kvtier')}-load{i}", remove_when_unused=True)
             eng = DemoEngine(model, cc, l1_pages=l1_of[name], lower_tiers=loads_below_l1(name),
                              prefill_mode="paged" if cfg.check_mode == "bitwise" else "fast",
                              digests=digests)
