@@ -421,3 +421,64 @@ def test_a_save_in_two_results_merges_part_by_part_across_ranks():
     full = KVTierWorkerMetadata([PlanResult(8, backups=t2, l3_writes=t2)])     # MLA rank 1
     got = KVTierWorkerMetadata([PlanResult(8, backups=t2, writes_pending=True)]).aggregate(full)
     assert got.results == [PlanResult(8, backups=t2, writes_pending=True)]
+
+
+def test_backups_run_past_their_step_and_land_before_the_next_step_touches_a_block():
+    """A step's backups are not waited for in wait_for_save (the first token does not wait
+    for them); the next step's start_load_kv waits for them before its loads (and its
+    forward) can write a block vLLM gave away, and books them then, on every rank alike."""
+    from collections import Counter
+    from types import SimpleNamespace
+
+    import torch
+
+    from kvtier import KVSpec
+    from kvtier.cache import CacheConfig, CacheExecutor, Plan
+    from kvtier.device_pool import DeviceKVPool
+    from kvtier.integrations.vllm.metadata import KVTierMetadata
+    from kvtier.integrations.vllm.worker import WorkerSide
+    spec = KVSpec.mha(num_layers=2, num_kv_heads=2, head_dim=16, page_size=16,
+                      dtype="bfloat16")
+    cfg = CacheConfig.from_dict({"model_id": "backups", "host_pool_pages": 8})
+    view = SimpleNamespace(cfg=cfg, spec=spec, l3_writer=False, layer_names=["l0", "l1"],
+                           device_type="cpu")
+    side = WorkerSide(view, Counter(), tp_rank=0)
+    pool = DeviceKVPool.empty(spec, 8)
+    for comp in pool.layers:
+        for t in comp:
+            t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape,
+                                                    dtype=torch.uint8))
+    ex = CacheExecutor.from_config(cfg, device_pool=pool, num_host_pages=8)
+    side.executor = ex
+    calls: list[tuple[str, int]] = []
+    submit, wait = ex.submit, ex.wait
+    ex.submit = lambda plan: (calls.append(("submit", plan.plan_id)), submit(plan))[1]
+    ex.wait = lambda pid, timeout=None: (calls.append(("wait", pid)), wait(pid, timeout))[1]
+
+    def page(d):
+        return torch.cat([pool.page(c, i, d).reshape(-1).view(torch.uint8).clone()
+                          for i in range(spec.num_layers) for c in range(spec.num_components)])
+    want = [page(3), page(5)]
+    try:
+        meta = KVTierMetadata(saves=[Plan(11, backups=((3, 0), (5, 1)))])
+        side.bind(meta)
+        side.start_load_kv(meta)
+        side.wait_for_save()
+        assert ("submit", 11) in calls and ("wait", 11) not in calls
+        early = side.build_connector_worker_meta()
+        assert early is None or all(r.plan_id != 11 for r in early.results)
+        nxt = KVTierMetadata()
+        side.bind(nxt)
+        side.start_load_kv(nxt)                    # the next step: waits, then books
+        assert ("wait", 11) in calls
+        for comp in pool.layers:                   # vLLM reuses the blocks now
+            for t in comp:
+                t.zero_()
+        got = side.build_connector_worker_meta()
+        res = [r for r in got.results if r.plan_id == 11]
+        assert res and res[0].backups == (True, True)
+        host = ex.host_pool
+        for hp, w in zip((0, 1), want):
+            assert torch.equal(torch.cat([s.reshape(-1) for s in host.page_segments(hp)]), w)
+    finally:
+        side.shutdown()

@@ -45,6 +45,8 @@ class WorkerSide:
         self._results: dict[int, PlanResult] = {}        # finished, not yet handled
         self._async: dict[int, LoadOrder] = {}
         self._writes: dict[int, tuple[Plan, PlanResult]] = {}   # write sub-plan -> save
+        #: saves whose backups run past the step that planned them (plan id -> plan)
+        self._backing: dict[int, Plan] = {}
         self._to_scheduler: list[PlanResult] = []
         self._last_counts: dict[str, int] = {}
         self._prefetch_ids: set[int] = set()
@@ -81,6 +83,10 @@ class WorkerSide:
 
     def start_load_kv(self, meta: Any) -> None:
         ex = self.executor
+        # last step's backups read blocks that vLLM may have given to another request, which
+        # this step's loads and forward write: they land first. Booked here, in the same
+        # step on every rank (results of ranks merge per step).
+        self._finish_backups(wait=True)
         if not isinstance(meta, KVTierMetadata) or ex is None:
             return
         for order in meta.loads:
@@ -159,18 +165,36 @@ class WorkerSide:
             self._save(plan)
 
     def _save(self, plan: Plan) -> None:
-        """Backups now (vLLM may reuse the blocks once this returns); the L3 writes of the
-        backed-up pages after, off the forward path, as a second plan of the executor."""
+        """Start the backups; they run past this step (the first token does not wait for
+        them) and land before the next step's loads and forward touch a block
+        (`_finish_backups`). The L3 writes of the backed-up pages follow, off the forward
+        path, as a second plan of the executor."""
         ex = self.executor
         assert ex is not None
         backups = Plan(plan.plan_id, backups=plan.backups)
         try:
             ex.submit(backups)
-            ex.wait(plan.plan_id)
         except Exception as exc:
             log.warning("kvtier: backup plan %d failed: %s", plan.plan_id, exc)
+            self._after_backups(plan, backups.failed())
+            return
+        self._backing[plan.plan_id] = plan
+
+    def _finish_backups(self, wait: bool) -> None:
+        """Book the saves whose backups landed (with ``wait``: every one, waited for)."""
+        ex = self.executor
+        if not self._backing or ex is None:
+            return
+        if wait:
+            for pid in list(self._backing):
+                ex.wait(pid)
         self._collect()
-        res = self._results.pop(plan.plan_id, None) or backups.failed()
+        for pid in [p for p in self._backing if p in self._results]:
+            self._after_backups(self._backing.pop(pid), self._results.pop(pid))
+
+    def _after_backups(self, plan: Plan, res: PlanResult) -> None:
+        ex = self.executor
+        assert ex is not None
         ok_hp = {hp for (_, hp), ok in zip(plan.backups, res.backups) if ok}
         if not self.writes_l3:
             # rank 0 writes the page every rank holds; results are ANDed across ranks, so
@@ -276,5 +300,6 @@ class WorkerSide:
 
     def shutdown(self) -> None:
         if self.executor is not None:
+            self._finish_backups(wait=True)
             self.executor.close(self.cfg.close_timeout_s)
             self.executor = None
