@@ -9,6 +9,7 @@ Pages are random bytes, device pages random indices; page sizes exact multiples 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import subprocess
@@ -103,6 +104,19 @@ class Engine:
         self.store.close()
 
 
+@contextlib.contextmanager
+def two_engines(spec: KVSpec, seed: int, **b_config):
+    """Two caches on one new arena, as two engine processes hold them; closed after."""
+    name = arena_name()
+    a = Engine(spec, shm(spec, name), seed=seed, **b_config.pop("a_config", {}))
+    b = Engine(spec, shm(spec, name), seed=seed + 1, **b_config)
+    try:
+        yield a, b
+    finally:
+        b.close()
+        a.close()
+
+
 def tokens(seed: int, pages: int = PAGES, spec: KVSpec = SPEC) -> list[int]:
     r = random.Random(seed)
     return [r.randrange(1, 30000) for _ in range(pages * spec.page_size + 3)]
@@ -110,10 +124,8 @@ def tokens(seed: int, pages: int = PAGES, spec: KVSpec = SPEC) -> list[int]:
 
 @pytest.mark.parametrize("host_layout", ["page_first", "layer_first"])
 def test_a_second_cache_loads_the_first_ones_pages_in_place_bitwise(host_layout):
-    name = arena_name()
-    a = Engine(SPEC, shm(SPEC, name), seed=1, host_layout=host_layout)
-    b = Engine(SPEC, shm(SPEC, name), seed=2, host_layout=host_layout)
-    try:
+    with two_engines(SPEC, 1, host_layout=host_layout,
+                     a_config={"host_layout": host_layout}) as (a, b):
         assert a.cache.in_place_why_not == "" and b.cache.in_place_why_not == ""
         toks = tokens(7)
         want = a.compute(toks)
@@ -128,19 +140,13 @@ def test_a_second_cache_loads_the_first_ones_pages_in_place_bitwise(host_layout)
         assert m.l1_count == PAGES
         b.alloc.free(b.cache.release(m))
         b.cache._index.check()
-    finally:
-        b.close()
-        a.close()
     # nothing of the in-place path keeps the arena mapped: the last store removed it
     assert not os.path.exists(a.store.path)
 
 
 def test_in_place_pages_follow_an_l2_hit_in_one_fetch():
     """The first pages from L2, the rest in place: one handle, layer by layer, bitwise."""
-    name = arena_name()
-    a = Engine(SPEC, shm(SPEC, name), seed=3)
-    b = Engine(SPEC, shm(SPEC, name), seed=4)
-    try:
+    with two_engines(SPEC, 3) as (a, b):
         toks = tokens(11)
         want = a.compute(toks)
         # b computes the first 2 pages itself (its L2 holds them), the rest are a's
@@ -152,16 +158,10 @@ def test_in_place_pages_follow_an_l2_hit_in_one_fetch():
         assert got[:2] == b_head and got[2:] == want[2:]
         mb = b.cache.metrics()
         assert mb["l2_hit_pages"] == 2 and mb["l3_in_place_pages"] == PAGES - 2
-    finally:
-        b.close()
-        a.close()
 
 
 def test_a_page_missing_from_the_arena_ends_the_in_place_run():
-    name = arena_name()
-    a = Engine(SPEC, shm(SPEC, name), seed=5)
-    b = Engine(SPEC, shm(SPEC, name), seed=6)
-    try:
+    with two_engines(SPEC, 5) as (a, b):
         toks = tokens(13)
         want = a.compute(toks)
         m = b.cache.match(toks)
@@ -175,9 +175,6 @@ def test_a_page_missing_from_the_arena_ends_the_in_place_run():
         b.alloc.free(b.cache.release(m))
         assert b.store.arena.pinned() == 0
         b.cache._index.check()
-    finally:
-        b.close()
-        a.close()
 
 
 def test_a_pinned_slot_keeps_writers_of_any_open_file_off_it():
@@ -248,26 +245,17 @@ def test_a_pinned_slot_is_not_evicted_by_another_process():
 
 
 def test_pages_that_are_not_a_slot_go_through_l2():
-    name = arena_name()
-    a = Engine(ODD, shm(ODD, name), seed=10)
-    b = Engine(ODD, shm(ODD, name), seed=11)
-    try:
+    with two_engines(ODD, 10) as (a, b):
         assert "not exactly a page" in b.cache.in_place_why_not
         toks = tokens(23, spec=ODD)
         want = a.compute(toks)
         loaded, got = b.load(toks)
         assert loaded == PAGES and got == want
         assert b.cache.metrics()["l3_in_place_pages"] == 0
-    finally:
-        b.close()
-        a.close()
 
 
 def test_in_place_loads_off_read_through_l2():
-    name = arena_name()
-    a = Engine(SPEC, shm(SPEC, name), seed=12)
-    b = Engine(SPEC, shm(SPEC, name), seed=13, l3_in_place_loads=False)
-    try:
+    with two_engines(SPEC, 12, l3_in_place_loads=False) as (a, b):
         assert "off" in b.cache.in_place_why_not
         toks = tokens(29)
         want = a.compute(toks)
@@ -275,6 +263,3 @@ def test_in_place_loads_off_read_through_l2():
         assert loaded == PAGES and got == want
         m = b.cache.metrics()
         assert m["l3_in_place_pages"] == 0 and m["l3_hit_pages"] == PAGES
-    finally:
-        b.close()
-        a.close()
