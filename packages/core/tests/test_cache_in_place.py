@@ -263,3 +263,16 @@ def test_in_place_loads_off_read_through_l2():
         assert loaded == PAGES and got == want
         m = b.cache.metrics()
         assert m["l3_in_place_pages"] == 0 and m["l3_hit_pages"] == PAGES
+
+
+def test_a_device_that_cannot_read_host_memory_is_a_reason_not_an_error():
+    from kvtier.cache.inplace import register_host_memory
+    buf = torch.zeros(4096, dtype=torch.uint8)
+    reg, why = register_host_memory(buf.data_ptr(), 4096, torch.device("cpu"))
+    assert reg is not None and why == ""
+    reg.close()
+    reg, why = register_host_memory(buf.data_ptr(), 4096, torch.device("meta"))
+    assert reg is None and "meta device" in why
+    if not torch.cuda.is_available():           # a CPU build: no CUDA runtime to register with
+        reg, why = register_host_memory(buf.data_ptr(), 4096, torch.device("cuda"))
+        assert reg is None and why
