@@ -290,6 +290,11 @@ def test_modelled_split_on_hand_made_numbers():
     t3 = modelled_ttft(tokens=7041, l1_tokens=0, l2_tokens=0, l3_tokens=640, h2d_bps=1e12,
                        l3_bps=2e9, **kw)
     assert t3 == pytest.approx(10 * (1 << 20) / 2e9 + 6401 / 64_000, rel=1e-3)
+    # loaded in place, L3 pages cost what L2 pages do (no read before the prefill), even
+    # where no L3 read rate was measured
+    t3 = modelled_ttft(tokens=641, l1_tokens=0, l2_tokens=0, l3_tokens=640, h2d_bps=1e9,
+                       l3_bps=None, in_place=True, **kw)
+    assert t3 == pytest.approx(5 * (1 << 20) / 1e9)
     # L1 hits are free; no rate, no use of the tier
     assert modelled_ttft(tokens=641, l1_tokens=640, l2_tokens=0, l3_tokens=0, h2d_bps=None,
                          l3_bps=None, **kw) == pytest.approx(1 / 64_000)

@@ -290,7 +290,8 @@ class DemoReport:
                 s["modelled_speedup"] = modelled_speedup(
                     run.results, base_run.results, recompute_tps=rate, page_size=ps,
                     page_bytes=pb, h2d_bps=s["l2_load_bytes_per_s"],
-                    l3_bps=s["l3_read_bytes_per_s"], attn=attn, overhead_s=over)
+                    l3_bps=s["l3_read_bytes_per_s"], attn=attn, overhead_s=over,
+                    in_place=bool(s.get("l3_in_place_pages")))
             s["slower_pct"] = 100.0 * slower_share(run.results, base_run.results)
             s["slower_same_work_pct"] = 100.0 * slower_share(run.results, base_run.results,
                                                              same_work=True)
@@ -370,7 +371,7 @@ def fit_prefill_cost(results: list[RequestResult]) -> tuple[float, float, float]
 def modelled_ttft(*, tokens: int, l1_tokens: int, l2_tokens: int, l3_tokens: int,
                   page_size: int, page_bytes: int, recompute_tps: float,
                   h2d_bps: float | None, l3_bps: float | None, attn: float = 0.0,
-                  overhead_s: float = 0.0) -> float:
+                  overhead_s: float = 0.0, in_place: bool = False) -> float:
     """The modelled split, a diagnostic (the measured ideal is the `IDEAL` setup, and a real
     run can beat this model): the least time to the first token of one request at the
     measured rates: over every
@@ -381,8 +382,11 @@ def modelled_ttft(*, tokens: int, l1_tokens: int, l2_tokens: int, l3_tokens: int
     and an L3 object holds all layers of its page, so the prefill's first layer waits for the
     last page read. L1 hits cost nothing; computing positions ``s..n`` costs ``overhead_s +
     (n - s) / recompute_tps + attn (n^2 - s^2) / 2`` (`fit_prefill_cost`). A rate not
-    measured (None) makes its tier's pages unusable (recomputed)."""
+    measured (None) makes its tier's pages unusable (recomputed). ``in_place``: the L3 pages
+    load straight from the store's memory, as L2 pages do (`kvtier.cache.inplace`)."""
     n2, n3 = l2_tokens // page_size, l3_tokens // page_size
+    if in_place:
+        n2, n3 = n2 + n3, 0
     if h2d_bps is None:
         n2 = n3 = 0
     if l3_bps is None:
@@ -401,14 +405,14 @@ def modelled_ttft(*, tokens: int, l1_tokens: int, l2_tokens: int, l3_tokens: int
 def modelled_speedup(results: list[RequestResult], base: list[RequestResult], *,
                      recompute_tps: float, page_size: int, page_bytes: int,
                      h2d_bps: float | None, l3_bps: float | None, attn: float = 0.0,
-                     overhead_s: float = 0.0) -> float:
+                     overhead_s: float = 0.0, in_place: bool = False) -> float:
     """Mean modelled TTFT of L1 only over this setup's, both at the measured rates (L1 only:
     its own L1 hits reused, the rest recomputed). A diagnostic, not a bound."""
     ours = sum(modelled_ttft(tokens=r.tokens, l1_tokens=r.l1_tokens,
                              l2_tokens=r.l2_hit_tokens, l3_tokens=r.l3_hit_tokens,
                              page_size=page_size, page_bytes=page_bytes,
                              recompute_tps=recompute_tps, h2d_bps=h2d_bps, l3_bps=l3_bps,
-                             attn=attn, overhead_s=overhead_s)
+                             attn=attn, overhead_s=overhead_s, in_place=in_place)
                for r in results)
     ref = sum(modelled_ttft(tokens=b.tokens, l1_tokens=b.l1_tokens, l2_tokens=0, l3_tokens=0,
                             page_size=page_size, page_bytes=page_bytes,
