@@ -276,3 +276,24 @@ def test_a_device_that_cannot_read_host_memory_is_a_reason_not_an_error():
     if not torch.cuda.is_available():           # a CPU build: no CUDA runtime to register with
         reg, why = register_host_memory(buf.data_ptr(), 4096, torch.device("cuda"))
         assert reg is None and why
+
+
+def test_an_in_place_load_that_fails_to_start_lets_every_slot_go():
+    with two_engines(SPEC, 14) as (a, b):
+        toks = tokens(31)
+        want = a.compute(toks)
+        engine = b.cache._in_place.engine
+
+        def refuse(*args, **kw):
+            raise RuntimeError("engine refused the copy")
+        real, engine.load = engine.load, refuse
+        m = b.cache.match(toks)
+        dev = b.pages(m.pages_to_load)
+        with pytest.raises(RuntimeError, match="refused"):
+            b.cache.fetch(m, dev)
+        assert b.store.arena.pinned() == 0
+        b.alloc.free(b.cache.release(m))            # the pages given come back
+        engine.load = real
+        loaded, got = b.load(toks)                     # and the next fetch loads in place
+        assert loaded == PAGES and got == want
+        b.cache._index.check()

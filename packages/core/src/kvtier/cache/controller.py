@@ -326,14 +326,17 @@ class TieredKVCache:
             n_load = len(nodes) + len(slots)
             load, unused = dev[:n_load], dev[n_load:]
             t_load = time.perf_counter()
+            handle: TransferHandle | None = None
             try:
-                handle: TransferHandle = self.engine.load(
+                handle = self.engine.load(
                     [nd.host_page for nd in nodes], load[:len(nodes)]) if nodes else \
                     CompletedHandle(self.spec.num_layers)
                 if slots:
                     h3 = direct.engine.load(slots, load[len(nodes):])  # type: ignore[union-attr]
                     handle = inplace.BothHandles(handle, h3) if nodes else h3
             except BaseException:
+                if handle is not None and nodes:
+                    transfers.host_wait(handle)      # the L2 part started: let it land first
                 match.take_back_l2(nodes)
                 if slots:
                     direct.unpin(slots)              # type: ignore[union-attr]
