@@ -392,7 +392,7 @@ def test_digests_of_another_process_vouch_for_its_version_of_a_page(tmp_path):
     assert len(load_known(path)[key]) == 2
 
 
-@pytest.mark.parametrize("what", ["fifo", "not-json", "a-list", "no-directory"])
+@pytest.mark.parametrize("what", ["fifo", "not-json", "a-list", "nested", "no-directory"])
 def test_a_bad_digests_file_is_a_one_line_error_before_the_model(tmp_path, capsys, what):
     import os
     path = tmp_path / "d.json"
@@ -402,6 +402,8 @@ def test_a_bad_digests_file_is_a_one_line_error_before_the_model(tmp_path, capsy
         path.write_text("{not json")
     elif what == "a-list":
         path.write_text("[1, 2]")
+    elif what == "nested":
+        path.write_text('{"00": ' + "[" * 100_000 + "]" * 100_000 + "}")
     else:
         path = tmp_path / "missing" / "d.json"
     with pytest.raises(SystemExit) as ei:

@@ -87,7 +87,7 @@ class PageDigests:
 def load_known(path: str) -> dict[bytes, set[int]]:
     """The digests in ``path`` (a JSON object of hex key -> list of ints), {} if there is no
     such file; anything else there is a one-line `ValueError` naming the file."""
-    from kvtier.config import open_regular_file
+    from kvtier.config import open_regular_file, parse_json
     try:
         f = open_regular_file(path)
     except FileNotFoundError:
@@ -99,7 +99,7 @@ def load_known(path: str) -> dict[bytes, set[int]]:
     if len(text) > MAX_FILE_BYTES:
         raise ValueError(f"--digests {path}: larger than {MAX_FILE_BYTES} bytes")
     try:
-        raw = json.loads(text)
+        raw = parse_json(text.decode("utf-8", "replace"), f"--digests {path}")
         if not isinstance(raw, dict):
             raise TypeError("not an object")
         return {bytes.fromhex(k): {int(d) for d in v if isinstance(d, int)
