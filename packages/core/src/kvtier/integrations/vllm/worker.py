@@ -86,7 +86,7 @@ class WorkerSide:
         # last step's backups read blocks that vLLM may have given to another request, which
         # this step's loads and forward write: they land first. Booked here, in the same
         # step on every rank (results of ranks merge per step).
-        self._finish_backups(wait=True)
+        self._finish_backups()
         if not isinstance(meta, KVTierMetadata) or ex is None:
             return
         for order in meta.loads:
@@ -180,14 +180,13 @@ class WorkerSide:
             return
         self._backing[plan.plan_id] = plan
 
-    def _finish_backups(self, wait: bool) -> None:
-        """Book the saves whose backups landed (with ``wait``: every one, waited for)."""
+    def _finish_backups(self) -> None:
+        """Wait for every save's backups to land, then book them."""
         ex = self.executor
         if not self._backing or ex is None:
             return
-        if wait:
-            for pid in list(self._backing):
-                ex.wait(pid)
+        for pid in list(self._backing):
+            ex.wait(pid)
         self._collect()
         for pid in [p for p in self._backing if p in self._results]:
             self._after_backups(self._backing.pop(pid), self._results.pop(pid))
@@ -300,6 +299,6 @@ class WorkerSide:
 
     def shutdown(self) -> None:
         if self.executor is not None:
-            self._finish_backups(wait=True)
+            self._finish_backups()
             self.executor.close(self.cfg.close_timeout_s)
             self.executor = None
