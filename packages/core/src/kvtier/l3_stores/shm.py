@@ -501,6 +501,21 @@ class ShmStore(L3Store):
     def _use(self) -> "_InUse":
         return _InUse(self)
 
+    def _enter(self) -> None:
+        """One more user of the mapping (a call, or slots pinned for reads in place)."""
+        with self._lock:
+            if self._closed:
+                raise StoreError("shm: store is closed", backend=self.name)
+            self._users += 1
+
+    def _leave(self) -> None:
+        """One user fewer; the last one after close() unmaps the arena."""
+        with self._lock:
+            self._users -= 1
+            last = self._closed and self._users == 0
+        if last:
+            self._release()
+
     def _bump(self, counts: dict[str, int]) -> None:
         with self._stats_lock:
             extra = self._stats.extra
@@ -551,10 +566,10 @@ class _ShmInPlace(InPlaceReads):
         s = self.store
         s._check_batch(keys)
         slots: list[int] = []
-        with s._lock:
-            if s._closed:
-                return slots
-            s._users += 1                 # held while any slot is pinned: no unmap under a copy
+        try:
+            s._enter()                    # held while any slot is pinned: no unmap under a copy
+        except StoreError:                # closed: nothing to read in place
+            return slots
         arena = s.arena
         now = time.monotonic_ns()
         try:
@@ -569,7 +584,7 @@ class _ShmInPlace(InPlaceReads):
             s._count(errors=1)
         finally:
             if not slots:
-                _InUse(s).__exit__()
+                s._leave()
         s._count(gets=min(len(keys), len(slots) + 1), get_hits=len(slots),
                  bytes_read=len(slots) * s.spec.page_bytes)
         s._bump({"in_place_reads": len(slots)})
@@ -583,7 +598,7 @@ class _ShmInPlace(InPlaceReads):
             for slot in slots:
                 s.arena.unpin(slot)
         finally:
-            _InUse(s).__exit__()
+            s._leave()
 
 
 class _InUse:
@@ -594,16 +609,7 @@ class _InUse:
         self.store = store
 
     def __enter__(self) -> None:
-        s = self.store
-        with s._lock:
-            if s._closed:
-                raise StoreError("shm: store is closed", backend=s.name)
-            s._users += 1
+        self.store._enter()
 
     def __exit__(self, *exc: object) -> None:
-        s = self.store
-        with s._lock:
-            s._users -= 1
-            last = s._closed and s._users == 0
-        if last:
-            s._release()
+        self.store._leave()
