@@ -279,10 +279,11 @@ async def _level(server: Server, model: str, convs: list[list[list[int]]], kind:
 # --------------------------------------------------------------------------------------------
 def _setup_args(name: str, model: str, work: str, args: argparse.Namespace,
                 file: dict[str, Any] | None) -> list[str] | None:
+    blocks = args.device_blocks * (ALL_CACHED_FACTOR if name == "vllm+null-all-cached" else 1)
     common = ["--model", model, "--skip-tokenizer-init", "--enforce-eager",
               "--dtype", "bfloat16", "--max-model-len", str(args.max_model_len),
               "--block-size", str(args.block_size),
-              "--num-gpu-blocks-override", str(args.device_blocks),
+              "--num-gpu-blocks-override", str(blocks),
               "--gpu-memory-utilization", str(args.memory_utilization),
               "--enable-prefix-caching", "--enable-prompt-tokens-details"]
     kt = {"host_pool_pages": args.host_pages}
@@ -298,10 +299,6 @@ def _setup_args(name: str, model: str, work: str, args: argparse.Namespace,
         return common + ["--kv-offloading-backend", "native",
                          "--kv-offloading-size", str(args.offload_gib)]
     if name in ("vllm+null-connector", "vllm+null-all-cached"):
-        if name == "vllm+null-all-cached":
-            i = common.index("--num-gpu-blocks-override")
-            common = common[:i + 1] + [str(ALL_CACHED_FACTOR * args.device_blocks)] + \
-                common[i + 2:]
         return common + ["--kv-transfer-config", json.dumps(
             {"kv_connector": "NullConnector", "kv_role": "kv_both",
              "kv_connector_module_path": "kvtier_tools.bench.null_connector"})]

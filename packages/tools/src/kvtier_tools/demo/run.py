@@ -581,16 +581,19 @@ def _store_takes_root(name: str) -> bool:
     """Does the named store keep its objects under a ``root`` directory the demo gives it (a
     temporary one)? Not a shared-memory store (``remove_when_unused``): its root is a tmpfs
     and its arena is named instead (`_shared_memory_config`)."""
-    fields = _store_fields(name)
-    return "root" in fields and "remove_when_unused" not in fields
+    return "root" in _store_fields(name) and not _shared_memory_store(name)
+
+
+def _shared_memory_store(name: str) -> bool:
+    """Is the named store a shared-memory arena (named, not given a directory)?"""
+    return "remove_when_unused" in _store_fields(name)
 
 
 def _shared_memory_config(cfg: "DemoConfig") -> dict[str, Any]:
     """A shared-memory store's settings for this run: an arena of its own, removed at the
     end, unless the user named one (``name`` or ``root``: to share it with another process,
     which then keeps it)."""
-    if "remove_when_unused" not in _store_fields(cfg.l3_store) or \
-            {"name", "root"} & set(cfg.l3_config):
+    if not _shared_memory_store(cfg.l3_store) or {"name", "root"} & set(cfg.l3_config):
         return {}
     return {"name": f"kvtier-demo-{os.getpid()}-{os.urandom(3).hex()}",
             "remove_when_unused": True}
@@ -831,7 +834,7 @@ def run_loads(cfg: DemoConfig, names: list[str], model: DemoModel, workload: Wor
             else:
                 root = None  # type: ignore[assignment]
             cc = cache_config(cfg, name, model, l2, root)
-            if has_l3(name) and "remove_when_unused" in _store_fields(cfg.l3_store):
+            if has_l3(name) and _shared_memory_store(cfg.l3_store):
                 # a shared-memory arena of this level's own, as a store root of its own is
                 lc = cc["l3_config"]
                 lc.update(name=f"{lc.get('name', 'kvtier')}-load{i}", remove_when_unused=True)
