@@ -332,7 +332,8 @@ def test_in_process_cache_and_planner_share_the_connectors_keys(model, store, fi
 def test_two_engine_processes_share_prefixes_through_the_shm_store(model, reference):
     """The first engine's pages land in the host's shared-memory arena (`shm`); a second
     engine process, started after the first has exited, gets them as L3 hits with vLLM's
-    outputs. The arena lives in a directory of its own and is removed afterwards."""
+    outputs, loaded in place (from the arena's slots into its blocks). The arena lives in a
+    directory of its own and is removed afterwards."""
     import shutil
     import tempfile
     if not os.path.isdir("/dev/shm"):
@@ -349,6 +350,9 @@ def test_two_engine_processes_share_prefixes_through_the_shm_store(model, refere
     assert one["kvtier"]["l3_set_ok"] >= 4, one["kvtier"]
     assert _cached(two, 0) == [4 * BLOCK]
     assert two["kvtier"]["hit_tokens_l3"] == 4 * BLOCK, two["kvtier"]
+    # loaded in place: straight from the arena into vLLM's blocks, no copy into L2
+    assert two["kvtier"]["planner"]["l3_in_place_pages"] == 4, two["kvtier"]
+    assert two["kvtier"]["l3_in_place_reads"] == 4
     assert _outputs(one, 0) == _outputs(two, 0) == _outputs(reference, 0)[:1]
 
 
@@ -400,6 +404,13 @@ def test_worker_results_of_ranks_are_anded_and_stats_summed():
     r = a.aggregate(b).rates                       # the slowest rank's rates
     assert r["recompute_tokens_per_s"] == 1e4 and r["l2_load_bytes_per_s"] == 5e9
     assert r["l3_read_bytes_per_s"] == 1e9
+    a.in_place, b.in_place = True, None                # only one rank has said so far
+    assert a.aggregate(b).in_place is True and b.aggregate(a).in_place is True
+    b.in_place = False                                 # a rank that cannot: none loads in place
+    assert a.aggregate(b).in_place is False and b.aggregate(a).in_place is False
+    a.results = [PlanResult(4, loads=(True,), l3_loads=(True, True))]
+    b.results = [PlanResult(4, loads=(True,), l3_loads=(True, False))]
+    assert a.aggregate(b).results == [PlanResult(4, loads=(True,), l3_loads=(True, False))]
     s = KVTierConnectorStats(data={"x": 1}).aggregate(KVTierConnectorStats(data={"x": 2, "y": 1}))
     assert s.reduce() == {"x": 3, "y": 1} and not s.is_empty()
 

@@ -127,15 +127,13 @@ class TieredKVCache:
         #: Why L3 pages are not loaded in place ("" when they are).
         self.in_place_why_not = ""
         try:
-            self._in_place, self.in_place_why_not = inplace.open_in_place(self)
+            self._in_place, self.in_place_why_not = inplace.open_in_place(
+                cfg, store, device_pool, self.engine.name, self._owned)
         except BaseException:
             for obj in reversed(self._owned):
                 obj.close()
             raise
-        inner: L3Store | None = getattr(store, "inner", store)
-        if self.in_place_why_not and inner is not None and \
-                type(inner).in_place_reads is not L3Store.in_place_reads:
-            log.info("kvtier cache: L3 pages load through L2: %s", self.in_place_why_not)
+        inplace.says_why_not(self.in_place_why_not, store)
         lifecycle.register_gauges(self)
         lifecycle.close_on_exit(self)
 

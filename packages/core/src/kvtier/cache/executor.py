@@ -2,9 +2,10 @@
 
 It runs `Plan` s made by a `CachePlanner` (in this process or another): host <-> device copies
 through a `TransferEngine`, L3 reads and writes through an `L3Store` on a worker pool with
-deadlines (`kvtier.cache.l3io`), and hands back a `PlanResult` per plan (one bool per
-operation). It keeps no index and makes no decision: host page ids come from the planner,
-whose `PageIdPool` mirrors this executor's `HostKVPool`.
+deadlines (`kvtier.cache.l3io`), loads straight from a store's shared memory where the store
+allows it (`kvtier.cache.inplace`; ``in_place_why_not`` says why not), and hands back a
+`PlanResult` per plan (one bool per operation). It keeps no index and makes no decision:
+host page ids come from the planner, whose `PageIdPool` mirrors this executor's `HostKVPool`.
 
 Usage (vLLM's worker-side connector)::
 
@@ -41,6 +42,7 @@ from ..interfaces import L3Store, TransferEngine, TransferHandle
 from ..metrics import Metrics
 from .config import CacheConfig
 from .cost import CostModel, TimedStore, load_seconds
+from .inplace import InPlace, open_in_place, says_why_not
 from .keying import make_keyer
 from .parts import build_parts
 from .l3io import L3IO, store_batches
@@ -99,6 +101,7 @@ class _Run:
         self.loads = [False] * len(plan.loads)
         self.backups = [False] * len(plan.backups)
         self.writes = [False] * len(plan.l3_writes)
+        self.in_place = [False] * len(plan.l3_loads)
         self.parts = 0
         self.held: list[int] = []           # host pages a call past its deadline may touch
         self.handles: list[TransferHandle] = []
@@ -125,7 +128,7 @@ class _Run:
     def result(self) -> PlanResult:
         return PlanResult(self.plan.plan_id, tuple(self.reads), tuple(self.loads),
                           tuple(self.backups), tuple(self.writes),
-                          held_host_pages=tuple(self.held))
+                          held_host_pages=tuple(self.held), l3_loads=tuple(self.in_place))
 
 
 class _StoreTask:
@@ -206,8 +209,13 @@ class CacheExecutor:
                  store: L3Store | None = None, l3_io_threads: int = 2,
                  l3_batch_pages: int = 64, l3_error_limit: int = 8,
                  l3_call_timeout_s: float = 30.0, owned: tuple[Any, ...] = (),
-                 cost: CostModel | None = None):
+                 cost: CostModel | None = None, in_place: InPlace | None = None,
+                 in_place_why_not: str = ""):
         self.host_pool = host_pool
+        #: The store's memory seen as a host pool, for plans' ``l3_loads`` (None: those fail,
+        #: and ``in_place_why_not`` says why).
+        self.in_place = in_place
+        self.in_place_why_not = in_place_why_not if in_place is None else ""
         #: The rates this data path achieves (its loads, its store's reads), for a planner
         #: elsewhere (`rates`); recompute observations go in it too.
         self.cost = cost if cost is not None else CostModel()
@@ -246,11 +254,18 @@ class CacheExecutor:
         keyer = make_keyer(cfg, device_pool.spec, device_layout=device_pool.page_order,
                            engine=engine_identity)
         p = build_parts(cfg, device_pool, keyer, num_host_pages=num_host_pages)
+        try:
+            direct, why = open_in_place(cfg, p.store, device_pool, p.engine.name, p.owned)
+        except BaseException:
+            for obj in reversed(p.owned):
+                obj.close()
+            raise
+        says_why_not(why, p.store)
         return cls(host_pool=p.host_pool, engine=p.engine, store=p.store,
                    l3_io_threads=cfg.l3_io_threads, l3_batch_pages=cfg.l3_batch_pages,
                    l3_error_limit=cfg.l3_error_limit,
                    l3_call_timeout_s=cfg.l3_call_timeout_s, owned=tuple(p.owned),
-                   cost=CostModel.from_config(cfg))
+                   cost=CostModel.from_config(cfg), in_place=direct, in_place_why_not=why)
 
     @property
     def l3_state(self) -> str:
@@ -279,6 +294,8 @@ class CacheExecutor:
                 self._start_store(run, list(range(len(plan.l3_reads))), is_read=True)
             if run.now_loads:
                 self._start_loads(run, run.now_loads)
+            if plan.l3_loads:
+                self._start_in_place(run)
             run.load_group_started()
             if run.now_writes:
                 self._start_store(run, run.now_writes, is_read=False)
@@ -424,6 +441,56 @@ class CacheExecutor:
         finally:
             self._part_done(run, "loads")
 
+    def _start_in_place(self, run: _Run) -> None:
+        """Load the plan's ``l3_loads`` from the slots of the leading run the store holds,
+        pinned (no writer of any process changes them) until the load has landed."""
+        p = run.plan
+        m = self.metrics_registry
+        with self._lock:
+            run.parts += 1
+        direct = self.in_place
+        if direct is None or self.l3 is None or not self.l3.usable():
+            m.add("l3_in_place_refused_pages", len(p.l3_loads))
+            self._part_done(run, "in_place")
+            return
+        keys = [k for k, _ in p.l3_loads]
+        try:
+            slots = direct.pin(keys)
+        except Exception as exc:
+            log.warning("kvtier executor: pinning %d L3 pages failed: %s", len(keys), exc)
+            m.add("l3_read_failed_call_pages", len(keys))
+            self._part_done(run, "in_place")
+            return
+        m.add("l3_read_missed_pages", len(keys) - len(slots))   # gone since the lookup
+        if not slots:
+            self._part_done(run, "in_place")
+            return
+        t0 = time.perf_counter()
+        try:
+            h = direct.engine.load(slots, [d for _, d in p.l3_loads[:len(slots)]])
+        except Exception as exc:
+            log.warning("kvtier executor: in-place load failed to start: %s", exc)
+            self._in_place_done(run, slots, exc)
+            return
+        run.handles.append(h)
+        self._completer.submit(h, lambda err: self._in_place_done(run, slots, err, h, t0))
+
+    def _in_place_done(self, run: _Run, slots: list[int], err: BaseException | None,
+                       handle: TransferHandle | None = None, t0: float = 0.0) -> None:
+        try:
+            self.in_place.unpin(slots)          # type: ignore[union-attr]
+            if err is None:
+                run.in_place[:len(slots)] = [True] * len(slots)
+                nbytes = len(slots) * self.host_pool.spec.page_bytes
+                self.metrics_registry.add_many({"l3_in_place_pages": len(slots),
+                                                "loaded_pages": len(slots)})
+                if handle is not None:
+                    self.cost.observe_load(nbytes, load_seconds(handle, t0))
+            else:
+                self.metrics_registry.add("transfer_errors")
+        finally:
+            self._part_done(run, "in_place")
+
     def _part_done(self, run: _Run, part: str) -> None:
         if part == "reads" and run.late_loads:
             ok_hp = {hp for (_, hp), ok in zip(run.plan.l3_reads, run.reads) if ok}
@@ -480,13 +547,16 @@ class CacheExecutor:
             if len(set(vals)) != len(vals):
                 raise PageIndexError(f"plan {plan.plan_id}: {what}s repeat")
 
+        if plan.l3_loads and self.store is None:
+            raise InvalidArgumentError("the plan loads L3 pages in place but this executor "
+                                       "has no L3 store", argument="plan", value=plan.plan_id)
         pages([hp for _, hp in plan.l3_reads], nh, "L3 read host page")
         pages([hp for hp, _ in plan.loads], nh, "load host page")
-        pages([d for _, d in plan.loads], nd, "load device page")
+        pages(list(plan.load_pages), nd, "load device page")
         pages([d for d, _ in plan.backups], nd, "backup device page")
         pages([hp for _, hp in plan.backups], nh, "backup host page")
         pages([hp for hp, _ in plan.l3_writes], nh, "L3 write host page")
-        if set(d for _, d in plan.loads) & set(d for d, _ in plan.backups):
+        if set(plan.load_pages) & set(d for d, _ in plan.backups):
             raise PageIndexError(f"plan {plan.plan_id}: a device page is both loaded and "
                                  "backed up")
         # Host pages: an L3 read -> load and a backup -> L3 write are ordered (plans module

@@ -18,17 +18,19 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from ..interfaces import TransferHandle
+from ..interfaces import L3Store, TransferHandle
 from ..layout import PAGE_FIRST
 
 if TYPE_CHECKING:
-    from .controller import TieredKVCache
+    from .config import CacheConfig
+    from ..device_pool import DeviceKVPool
     from ..interfaces import InPlaceReads, TransferEngine
     from ..host_pool import HostKVPool
 
 log = logging.getLogger("kvtier.cache")
 
-__all__ = ["InPlace", "open_in_place", "register_host_memory", "BothHandles"]
+__all__ = ["InPlace", "open_in_place", "store_loads_in_place", "says_why_not",
+           "register_host_memory", "BothHandles"]
 
 
 class _Registration:
@@ -83,15 +85,15 @@ class InPlace:
         self.reads.unpin(slots)
 
 
-def open_in_place(c: "TieredKVCache") -> tuple[InPlace | None, str]:
-    """Build the cache's in-place path, appending what it creates to ``c._owned`` (closed
-    before the store); (None, why not) where it cannot be had."""
+def open_in_place(cfg: "CacheConfig", store: "L3Store | None", device_pool: "DeviceKVPool",
+                  engine_name: str, owned: list[Any]) -> tuple[InPlace | None, str]:
+    """Build the in-place path of a data path whose loads run on ``engine_name``, appending
+    what it creates to ``owned`` (closed before the store); (None, why not) where it cannot
+    be had. The controller and the executor both build theirs here."""
     from ..host_pool import HostKVPool
     from ..registry import create_transfer_engine
-    cfg = c.config
     if not cfg.l3_in_place_loads:
         return None, "off (l3_in_place_loads)"
-    store = c.store
     if store is None:
         return None, "no L3 store"
     reads = store.in_place_reads()
@@ -99,20 +101,38 @@ def open_in_place(c: "TieredKVCache") -> tuple[InPlace | None, str]:
         why = getattr(getattr(store, "inner", store), "in_place_why_not", "")
         return None, why or f"the {store.name} store reads through a host page"
     buf = reads.buffer
-    reg, why = register_host_memory(buf.ptr, buf.nbytes, c.device_pool.device)
+    reg, why = register_host_memory(buf.ptr, buf.nbytes, device_pool.device)
     if reg is None:
         return None, why
-    c._owned.append(reg)
+    owned.append(reg)
     buf.device_addressable = True
     try:
-        pool = HostKVPool(c.spec, reads.num_slots, layout=PAGE_FIRST, buffer=buf)
-        c._owned.append(pool)
-        engine = create_transfer_engine(c.engine.name, c.device_pool, pool,
-                                        cfg.transfer_config)
-        c._owned.append(engine)
+        pool = HostKVPool(device_pool.spec, reads.num_slots, layout=PAGE_FIRST, buffer=buf)
+        owned.append(pool)
+        engine = create_transfer_engine(engine_name, device_pool, pool, cfg.transfer_config)
+        owned.append(engine)
     except Exception as exc:
-        return None, f"the {c.engine.name} engine over the arena: {exc}"
+        return None, f"the {engine_name} engine over the arena: {exc}"
     return InPlace(reads, pool, engine), ""
+
+
+def store_loads_in_place(cfg: "CacheConfig", store: "L3Store | None") -> bool:
+    """Can a data path on ``store`` load in place, as far as the store and the config say?
+    (What a planner may assume before its data path reports; the device may still refuse.)"""
+    if not cfg.l3_in_place_loads or store is None:
+        return False
+    try:
+        return store.in_place_reads() is not None
+    except Exception as exc:           # a broken store: its reads say so
+        log.debug("kvtier: in_place_reads failed: %s", exc)
+        return False
+
+
+def says_why_not(why: str, store: "L3Store | None") -> None:
+    """Log once, at start, why a store that can load in place does not here."""
+    inner = getattr(store, "inner", store)
+    if why and inner is not None and type(inner).in_place_reads is not L3Store.in_place_reads:
+        log.info("kvtier: L3 pages load through L2: %s", why)
 
 
 class BothHandles(TransferHandle):

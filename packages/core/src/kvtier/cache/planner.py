@@ -127,6 +127,10 @@ class CachePlanner:
         #: The data path's L3 health as last reported (`set_l3_state`); "failed" stops the
         #: existence checks (nothing could be read).
         self.l3_state = "ok" if l3_exists is not None else "none"
+        #: Does the data path load L3 pages in place (`set_in_place`)? Then a load plans
+        #: ``l3_loads`` instead of L3 reads into host pages, and the split counts those pages
+        #: at the L2 rate.
+        self.in_place = False
         self.metrics_registry = Metrics()
         m = self.metrics_registry
         m.gauge("l2_pages", lambda: self.index.l2_count)
@@ -182,17 +186,19 @@ class CachePlanner:
         l2, l3 = hit.l2_pages, hit.l3_pages
         if not cost.enabled or not hit.pages:
             return Offer(hit, l2, l3)
-        if l3 and cost.l3_bytes_per_s is None:
+        direct = self.in_place             # L3 pages load as L2 pages do: no read to measure
+        if l3 and cost.l3_bytes_per_s is None and not direct:
             l3 = min(l3, cost.L3_PROBE_PAGES)
         ps = self.spec.page_size
         total = len(keys) * ps if num_tokens is None else num_tokens
-        k = cost.pages_to_load(l2_pages=l2, l3_pages=l3, l3_ready=0,
+        k = cost.pages_to_load(l2_pages=l2 + l3 if direct else l2, l3_pages=0 if direct else l3,
+                               l3_ready=0,
                                compute_tokens=max(1, total - (start + l2 + l3) * ps),
                                page_size=ps, page_bytes=self.spec.page_bytes,
                                layers=self.spec.num_layers, context=total)
         k2, k3 = min(l2, k), max(0, k - l2)
         probe = None
-        if k3 < l3 and cost.wants_l3_probe():
+        if k3 < l3 and not direct and cost.wants_l3_probe():
             probe = self.plan_prefetch(keys, start + l2, cost.L3_PROBE_PAGES)
             if probe.empty:
                 self.complete(probe.failed())
@@ -227,6 +233,14 @@ class CachePlanner:
         was, self.l3_state = self.l3_state, state
         log.warning("kvtier planner: the data path's L3 tier went from %s to %s", was, state)
 
+    def set_in_place(self, in_place: bool) -> None:
+        """The data path loads L3 pages straight from its store's memory
+        (`CacheExecutor.in_place`; across ranks, only if every rank does)."""
+        if not isinstance(in_place, bool):
+            raise InvalidArgumentError(f"in_place must be a bool, got {in_place!r}",
+                                       argument="in_place", value=in_place)
+        self.in_place = in_place and self._l3_exists is not None
+
     def _l3_usable(self) -> bool:
         return self._l3_exists is not None and not self.l3_state.startswith("failed")
 
@@ -253,8 +267,9 @@ class CachePlanner:
     def plan_load(self, keys: Sequence[bytes], device_pages: Sequence[int], start: int = 0
                   ) -> Plan:
         """Load ``keys[start:start + len(device_pages)]`` into ``device_pages``: the leading
-        L2 run directly, the rest through L3 reads into newly allocated host pages. The plan
-        may cover fewer pages (``len(plan.loads)``) when L2 changed or has no room; a page L3
+        L2 run directly, the rest through L3 reads into newly allocated host pages, or straight
+        from the store's memory (``l3_loads``) where the data path loads in place. The plan
+        may cover fewer pages (``plan.load_pages``) when L2 changed or has no room; a page L3
         no longer holds fails in the result (use `PlanResult.loaded_prefix`)."""
         dev = self._span(keys, device_pages, start, "plan_load")
         with self._lock:
@@ -265,17 +280,24 @@ class CachePlanner:
                 nd.hits += 1
             st.pinned = l2
             self.index.touch_l2_up(l2)
-            reads = self._reads(st, keys, start + len(l2), len(dev) - len(l2))
+            first, n = start + len(l2), len(dev) - len(l2)
+            direct: list[tuple[bytes, int]] = []
+            reads: list[tuple[bytes, int]] = []
+            if self.in_place and n > 0 and self._l3_usable():
+                n = self.unreadable.readable_prefix(keys[first:first + n])
+                direct = list(zip(keys[first:first + n], dev[len(l2):]))
+            else:
+                reads = self._reads(st, keys, first, n)
             loads = [(nd.host_page, d) for nd, d in zip(l2, dev)]
             loads += [(h, d) for (_, h), d in zip(reads, dev[len(l2):])]
             plan = Plan(st.plan.plan_id, l3_reads=tuple(reads), loads=tuple(loads),  # type: ignore[arg-type]
-                        l3_writes=self._wb_ops(st))
+                        l3_writes=self._wb_ops(st), l3_loads=tuple(direct))
             st.plan = plan
             if reads:
                 st.started = time.perf_counter()
             self._plans[plan.plan_id] = st
         self.metrics_registry.add_many({"planned_l2_load_pages": len(l2),
-                                        "planned_l3_load_pages": len(reads)})
+                                        "planned_l3_load_pages": len(reads) + len(direct)})
         return plan
 
     def plan_prefetch(self, keys: Sequence[bytes], start: int = 0, num_pages: int = 1
@@ -384,13 +406,14 @@ class CachePlanner:
                 raise InvalidArgumentError(f"result of plan {p.plan_id} says its L3 writes "
                                            "are pending, but it has none left",
                                            argument="result", value=p.plan_id)
-            want = (len(p.l3_reads), len(p.loads), len(p.backups), len(p.l3_writes))
+            want = (len(p.l3_reads), len(p.loads), len(p.backups), len(p.l3_loads),
+                    len(p.l3_writes))
             if st.write_pins:                  # the second result: the writes only
-                want = (0, 0, 0, len(p.l3_writes))
+                want = (0, 0, 0, 0, len(p.l3_writes))
             elif result.writes_pending:
-                want = want[:3] + (0,)
+                want = want[:4] + (0,)
             if (len(result.l3_reads), len(result.loads), len(result.backups),
-                    len(result.l3_writes)) != want:
+                    len(result.l3_loads), len(result.l3_writes)) != want:
                 raise InvalidArgumentError(f"result of plan {p.plan_id} does not match its "
                                            "operations", argument="result")
             free: list[int] = []
@@ -490,12 +513,16 @@ class CachePlanner:
                                       len(p.l3_reads) * pb, len(p.loads) * pb)
         read_hp = {hp for _, hp in p.l3_reads}
         l3_hits = sum(1 for (hp, _), ok in zip(p.loads, result.loads) if ok and hp in read_hp)
+        in_place = sum(result.l3_loads)
+        loaded = result.load_results
         self.metrics_registry.add_many({
-            "l2_hit_pages": sum(result.loads) - l3_hits, "l3_hit_pages": l3_hits,
-            "l3_loaded_pages": sum(result.l3_reads),
-            "l3_read_failed_pages": len(result.l3_reads) - sum(result.l3_reads),
-            "loaded_pages": sum(result.loads),
-            "load_failed_pages": len(result.loads) - sum(result.loads),
+            "l2_hit_pages": sum(result.loads) - l3_hits, "l3_hit_pages": l3_hits + in_place,
+            "l3_loaded_pages": sum(result.l3_reads) + in_place,
+            "l3_in_place_pages": in_place,
+            "l3_read_failed_pages": len(result.l3_reads) - sum(result.l3_reads)
+            + len(result.l3_loads) - in_place,
+            "loaded_pages": sum(loaded),
+            "load_failed_pages": len(loaded) - sum(loaded),
             "backup_pages": sum(result.backups),
             "backup_failed_pages": len(result.backups) - sum(result.backups),
             "l3_unreadable_marked": unreadable})
@@ -568,7 +595,7 @@ class CachePlanner:
             raise InvalidArgumentError(f"result of plan {pid!r} is not from this planner "
                                        f"(another planner instance or a restart); dropped",
                                        argument="result", value=pid)
-        for name in ("l3_reads", "loads", "backups", "l3_writes"):
+        for name in ("l3_reads", "loads", "backups", "l3_writes", "l3_loads"):
             vals = getattr(result, name)
             if not isinstance(vals, tuple) or not all(v is True or v is False for v in vals):
                 raise InvalidArgumentError(f"result of plan {pid}: {name} must be a tuple of "

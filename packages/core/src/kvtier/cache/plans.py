@@ -5,12 +5,18 @@ The index/policy half (`CachePlanner`, no tensors, no I/O) decides what moves; t
 Between them go only these frozen dataclasses of ints, bytes and bools, so they pickle and can
 cross a process boundary (vLLM's scheduler -> worker metadata, and back).
 
-A `Plan` lists four kinds of operation, each an ordered tuple of pairs:
+A `Plan` lists five kinds of operation, each an ordered tuple of pairs:
 
 * ``l3_reads``  ``(key, host_page)``: read the object ``key`` from L3 into ``host_page``;
 * ``loads``     ``(host_page, device_page)``: copy a host page into a device page (L2 -> L1);
 * ``backups``   ``(device_page, host_page)``: copy a device page into a host page (L1 -> L2);
-* ``l3_writes`` ``(host_page, key)``: write ``host_page`` to L3 as the object ``key``.
+* ``l3_writes`` ``(host_page, key)``: write ``host_page`` to L3 as the object ``key``;
+* ``l3_loads``  ``(key, device_page)``: load the object ``key`` straight from the store's
+  memory into ``device_page`` (a store whose objects sit in host memory, loaded in place:
+  `kvtier.cache.inplace`); the leading run the store holds loads, the rest fail.
+
+A request's pages are loaded in the order ``loads`` then ``l3_loads`` (`Plan.load_pages`,
+`PlanResult.load_results`): a planner puts the L2 hit first and the L3 hit after it.
 
 Order inside one plan: backups and L3 reads start at once; a load from a host page that an
 L3 read of the same plan fills starts after that read and fails with it; an L3 write of a host
@@ -89,10 +95,12 @@ class Plan:
     loads: tuple[tuple[int, int], ...] = ()
     backups: tuple[tuple[int, int], ...] = ()
     l3_writes: tuple[tuple[int, bytes], ...] = ()
+    l3_loads: tuple[tuple[bytes, int], ...] = ()
 
     @property
     def empty(self) -> bool:
-        return not (self.l3_reads or self.loads or self.backups or self.l3_writes)
+        return not (self.l3_reads or self.loads or self.backups or self.l3_writes
+                    or self.l3_loads)
 
     def check_shape(self) -> None:
         """Raise a one-line `InvalidArgumentError` unless the plan is well formed: an int id,
@@ -103,7 +111,7 @@ class Plan:
             raise InvalidArgumentError(f"plan id {pid!r} is not an int", argument="plan_id",
                                        value=pid)
         for name, key_at in (("l3_reads", 0), ("loads", None), ("backups", None),
-                             ("l3_writes", 1)):
+                             ("l3_writes", 1), ("l3_loads", 0)):
             ops = getattr(self, name)
             if not isinstance(ops, (tuple, list)):
                 raise InvalidArgumentError(f"plan {pid}: {name} is a {type(ops).__name__}, "
@@ -120,13 +128,19 @@ class Plan:
     def device_pages(self) -> tuple[int, ...]:
         """Device pages the plan reads or writes (the engine must keep them until the plan
         completes)."""
-        return tuple(d for _, d in self.loads) + tuple(d for d, _ in self.backups)
+        return self.load_pages + tuple(d for d, _ in self.backups)
+
+    @property
+    def load_pages(self) -> tuple[int, ...]:
+        """The device pages the plan loads, in the request's order (``loads``, then
+        ``l3_loads``)."""
+        return tuple(d for _, d in self.loads) + tuple(d for _, d in self.l3_loads)
 
     def failed(self) -> "PlanResult":
         """The result of this plan when nothing of it ran (a worker gone, a plan dropped)."""
         return PlanResult(self.plan_id, (False,) * len(self.l3_reads),
                           (False,) * len(self.loads), (False,) * len(self.backups),
-                          (False,) * len(self.l3_writes))
+                          (False,) * len(self.l3_writes), l3_loads=(False,) * len(self.l3_loads))
 
 
 @dataclass(frozen=True)
@@ -150,17 +164,23 @@ class PlanResult:
     held_host_pages: tuple[int, ...] = ()
     released_host_pages: tuple[int, ...] = ()
     writes_pending: bool = False
+    l3_loads: tuple[bool, ...] = ()
 
     @property
     def ok(self) -> bool:
         return all(self.l3_reads) and all(self.loads) and all(self.backups) \
-            and all(self.l3_writes)
+            and all(self.l3_writes) and all(self.l3_loads)
+
+    @property
+    def load_results(self) -> tuple[bool, ...]:
+        """One bool per page of `Plan.load_pages`, in the same order."""
+        return self.loads + self.l3_loads
 
     @property
     def loaded_prefix(self) -> int:
         """How many leading loads succeeded (the pages an engine may use as a prefix)."""
         n = 0
-        for ok in self.loads:
+        for ok in self.load_results:
             if not ok:
                 break
             n += 1

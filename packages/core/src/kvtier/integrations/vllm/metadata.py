@@ -54,6 +54,9 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
     #: The data path's L3 health (`CacheExecutor.l3_state`) when it changed; across ranks
     #: the worst.
     l3_state: str | None = None
+    #: Whether the data path loads L3 pages in place (`CacheExecutor.in_place`), sent once;
+    #: across ranks, only if every rank does.
+    in_place: bool | None = None
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> "KVTierWorkerMetadata":
         assert isinstance(other, KVTierWorkerMetadata)
@@ -87,10 +90,13 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
                 l3_writes=() if pending else both(m.l3_writes, r.l3_writes),
                 held_host_pages=union(m.held_host_pages, r.held_host_pages),
                 released_host_pages=union(m.released_host_pages, r.released_host_pages),
-                writes_pending=pending))
+                writes_pending=pending, l3_loads=both(m.l3_loads, r.l3_loads)))
         out.extend(mine.values())
+        in_place = other.in_place if self.in_place is None else \
+            self.in_place if other.in_place is None else self.in_place and other.in_place
         return KVTierWorkerMetadata(results=out, rates=merge_rates(self.rates, other.rates),
-                                    l3_state=worse_state(self.l3_state, other.l3_state))
+                                    l3_state=worse_state(self.l3_state, other.l3_state),
+                                    in_place=in_place)
 
 
 class KVTierConnectorStats(KVConnectorStats):

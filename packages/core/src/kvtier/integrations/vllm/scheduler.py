@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...cache import CachePlanner, Plan
 from ...cache.cost import pairs
+from ...cache.inplace import store_loads_in_place
 from ...cache.keying import open_store, rank_key
 from ...cache.l3io import L3IO
 from ...metrics import Metrics
@@ -96,9 +97,12 @@ class SchedulerSide:
                                     num_host_pages=view.num_host_pages, l3_exists=exists,
                                     engine_identity=view.identity)
         self.keyer = self.planner.keyer
+        # loads in place where the store can (the workers' first report corrects this where
+        # a device cannot): a new engine's first requests already skip the copy into L2
+        self.planner.set_in_place(store_loads_in_place(cfg, store))
         self.reqs: dict[str, _Req] = {}
-        #: req -> (start, L2 pages, L3 pages offered)
-        self._offers: dict[str, tuple[int, int, int]] = {}
+        #: req -> (start, L2 pages, L3 pages offered, whether vLLM was told the load is async)
+        self._offers: dict[str, tuple[int, int, int, bool]] = {}
         self._prefetches: list[Plan] = []
         self._loads: list[LoadOrder] = []
         #: Requests that ended while their asynchronous load ran: vLLM frees their blocks
@@ -145,8 +149,11 @@ class SchedulerSide:
         for c in (self.totals, self._interval):     # pages the split left to vLLM
             c.update(cost_skipped_pages_l2=offer.skipped_l2,
                      cost_skipped_pages_l3=offer.skipped_l3)
-        self._offers[request.request_id] = (start, offer.l2_pages, offer.l3_pages)
-        return offer.pages * self.block_size, offer.l3_pages > 0
+        # asynchronous (vLLM schedules the request once it is reported received) unless the
+        # L3 pages load in place, as L2 pages do: layer by layer before the forward
+        is_async = offer.l3_pages > 0 and not self.planner.in_place
+        self._offers[request.request_id] = (start, offer.l2_pages, offer.l3_pages, is_async)
+        return offer.pages * self.block_size, is_async
 
     def hit_sources(self, request: "Request", num_external_tokens: int,
                     host: Any, disk: Any) -> dict[Any, int] | None:
@@ -163,7 +170,7 @@ class SchedulerSide:
         offered = self._offers.pop(request.request_id, None)
         if offered is None or num_external_tokens == 0:
             return
-        start, l2, l3 = offered
+        start, l2, l3, is_async = offered
         n = num_external_tokens // self.block_size
         block_ids = list(blocks.get_block_ids()[0][start:start + n])
         # a sliding-window model: vLLM gave the null block to the pages before the window;
@@ -171,15 +178,14 @@ class SchedulerSide:
         skip = _outside_window(block_ids) if self.view.sliding_window else 0
         first, block_ids = start + skip, block_ids[skip:]
         plan = self.planner.plan_load(r.keys, block_ids, first)
-        covered = {d for _, d in plan.loads}
+        covered = set(plan.load_pages)
         failed = [b for b in block_ids if b not in covered]     # recomputed by vLLM
-        is_async = l3 > 0               # what vLLM was told: it waits for finished_recving
         self._load_reqs[plan.plan_id] = (request.request_id, first)
         if is_async:
             r.load_plan = plan.plan_id
             self._async_reqs[plan.plan_id] = request.request_id
         # pages outside the window count as hits of the tier the offer found them in
-        n3 = len(plan.l3_reads) + max(0, skip - l2)
+        n3 = len(plan.l3_reads) + len(plan.l3_loads) + max(0, skip - l2)
         n2 = len(plan.loads) - len(plan.l3_reads) + min(skip, l2)
         self._hit_sources[request.request_id] = (n2, n - n2)
         for c in (self.totals, self._interval):
@@ -245,6 +251,8 @@ class SchedulerSide:
                 self.planner.adopt_rates(wm.rates)
             if wm.l3_state is not None:
                 self.planner.set_l3_state(wm.l3_state)
+            if wm.in_place is not None:
+                self.planner.set_in_place(wm.in_place)
             for res in wm.results:
                 self._book(res)
         stats = connector_output.kv_connector_stats

@@ -53,6 +53,7 @@ class WorkerSide:
         self._timer = StepTimer(cuda=view.device_type == "cuda")
         self._sent_rates: dict[str, Any] | None = None
         self._sent_state: str | None = None
+        self._sent_in_place = False
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         v = self.view
@@ -102,7 +103,7 @@ class WorkerSide:
                 ex.submit(order.plan)
             except Exception as exc:       # malformed plan: its blocks are recomputed
                 log.warning("kvtier: load plan %d refused: %s", order.plan.plan_id, exc)
-                self._load_errors.update(d for _, d in order.plan.loads)
+                self._load_errors.update(order.plan.load_pages)
                 self._to_scheduler.append(order.plan.failed())
                 self._async.pop(order.plan.plan_id, None)
                 continue
@@ -147,14 +148,14 @@ class WorkerSide:
                     log.warning("kvtier: layer %d's load was not awaited before its forward; "
                                 "its blocks are recomputed", i)
                     for order, _ in self._sync:
-                        self._load_errors.update(d for _, d in order.plan.loads)
+                        self._load_errors.update(order.plan.load_pages)
                     self._wait_layer(i)
             for _, pid in self._sync:
                 ex.wait(pid)
         self._collect()
         for order, pid in self._sync:
             res = self._results.pop(pid, None) or order.plan.failed()
-            self._load_errors.update(d for (_, d), ok in zip(order.plan.loads, res.loads)
+            self._load_errors.update(d for d, ok in zip(order.plan.load_pages, res.load_results)
                                      if not ok)
             self._to_scheduler.append(res)
         self._sync, self._waited = [], set()
@@ -250,7 +251,7 @@ class WorkerSide:
         for pid in [p for p in self._async if p in self._results]:
             order = self._async.pop(pid)
             res = self._results.pop(pid)
-            self._load_errors.update(d for (_, d), ok in zip(order.plan.loads, res.loads)
+            self._load_errors.update(d for d, ok in zip(order.plan.load_pages, res.load_results)
                                      if not ok)
             self._to_scheduler.append(res)
             out.finished_recving.add(order.req_id)
@@ -271,10 +272,15 @@ class WorkerSide:
             state = None
         else:
             self._sent_state = state
-        if not self._to_scheduler and rates is None and state is None:
+        in_place = None
+        if self.executor is not None and not self._sent_in_place:
+            self._sent_in_place = True       # once: whether this rank loads in place
+            in_place = self.executor.in_place is not None
+        if not self._to_scheduler and rates is None and state is None and in_place is None:
             return None
         out, self._to_scheduler = self._to_scheduler, []
-        return KVTierWorkerMetadata(results=out, rates=rates, l3_state=state)
+        return KVTierWorkerMetadata(results=out, rates=rates, l3_state=state,
+                                    in_place=in_place)
 
     def stats(self) -> KVTierConnectorStats | None:
         """The executor's and the store's counters since the last call."""
