@@ -19,6 +19,8 @@ from kvtier_tools.bench import serve
     (["--rate", "inf"], "rates must be finite numbers > 0"),
     (["--setups", "vllm,sglang"], "unknown setup(s) ['sglang']"),
     (["--repeat", "0"], "must be an int >= 1"),
+    (["--shm-gib", "0"], "must be a finite number of GiB > 0"),
+    (["--shm-gib", "nan"], "must be a finite number of GiB > 0"),
 ])
 def test_bad_flags_are_one_line_errors(flags, says):
     p = subprocess.run([sys.executable, "-m", "kvtier_tools.bench.serve", *flags],
@@ -27,6 +29,19 @@ def test_bad_flags_are_one_line_errors(flags, says):
     err = p.stderr.strip().splitlines()
     assert says in err[-1], p.stderr
     assert "Traceback" not in p.stderr
+
+
+def test_the_shm_setup_gets_an_arena_of_its_own(tmp_path):
+    import argparse
+    import json
+    p = argparse.ArgumentParser()
+    serve.add_arguments(p)
+    argv = serve._setup_args("vllm+kvtier-shm", "m", str(tmp_path),
+                             p.parse_args(["--shm-gib", "0.5"]), None)
+    cfg = json.loads(argv[argv.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
+    assert cfg["l3_store"] == "shm" and cfg["l3_config"]["capacity_bytes"] == 1 << 29
+    assert cfg["l3_config"]["remove_when_unused"] is True      # gone with its server
+    assert cfg["l3_config"]["name"].startswith("kvtier-bench-serve-")
 
 
 def test_a_pool_smaller_than_one_request_is_refused_before_anything_starts(tmp_path):

@@ -20,7 +20,8 @@ connector adds), ``vllm+null-all-cached`` (the null connector with a device pool
 the size: vLLM's own cache keeps every page -- the measured ideal a tiered cache can approach
 on the same code path, each setup's mean TTFT shown as a share of it), ``vllm+kvtier-l2``
 (kvtier's host pool),
-``vllm+kvtier-l3`` (and a file L3), and the peers where they run here: ``vllm+offload``
+``vllm+kvtier-l3`` (and a file L3), ``vllm+kvtier-shm`` (a shared-memory L3 of its own,
+loaded in place), and the peers where they run here: ``vllm+offload``
 (vLLM's native CPU offloading) and ``vllm+lmcache`` (LMCache's connector); a setup whose
 server does not start is reported with the last error line of its own log. Each level uses
 its own conversations (another system prompt), so levels do not feed each other.
@@ -56,7 +57,8 @@ from typing import Any
 from .vllm import _kvtier_config, _pct, _positive, make_llama, multiturn
 
 SETUPS = ("vllm", "vllm-rerun", "vllm+null-connector", "vllm+null-all-cached",
-          "vllm+kvtier-l2", "vllm+kvtier-l3", "vllm+offload", "vllm+lmcache")
+          "vllm+kvtier-l2", "vllm+kvtier-l3", "vllm+kvtier-shm", "vllm+offload",
+          "vllm+lmcache")
 #: The ideal's device pool, as a multiple of ``--device-blocks``.
 ALL_CACHED_FACTOR = 10
 
@@ -295,6 +297,12 @@ def _setup_args(name: str, model: str, work: str, args: argparse.Namespace,
         l3 = {"host_pool_pages": args.l3_host_pages, "l3_store": "file",
               "l3_config": {"root": os.path.join(work, "l3")}}
         return common + ["--kv-transfer-config", json.dumps(_kvtier_config(l3, file))]
+    if name == "vllm+kvtier-shm":       # an arena of this run's own, gone with its server
+        shm = {"host_pool_pages": args.l3_host_pages, "l3_store": "shm",
+               "l3_config": {"name": f"kvtier-bench-serve-{os.getpid()}",
+                             "capacity_bytes": int(args.shm_gib * (1 << 30)),
+                             "remove_when_unused": True}}
+        return common + ["--kv-transfer-config", json.dumps(_kvtier_config(shm, file))]
     if name == "vllm+offload":
         return common + ["--kv-offloading-backend", "native",
                          "--kv-offloading-size", str(args.offload_gib)]
@@ -569,6 +577,16 @@ def _rates(text: str) -> list[float]:
     return out
 
 
+def _gib(text: str) -> float:
+    try:
+        g = float(text)
+    except ValueError:
+        g = float("nan")
+    if not (g > 0 and math.isfinite(g)):
+        raise argparse.ArgumentTypeError(f"must be a finite number of GiB > 0, got {text!r}")
+    return g
+
+
 def _setups(text: str) -> list[str]:
     out = [s.strip() for s in text.split(",") if s.strip()]
     bad = [s for s in out if s not in SETUPS]
@@ -604,6 +622,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-utilization", type=float, default=0.1,
                    help="vLLM's --gpu-memory-utilization (on the CPU: of host memory)")
     p.add_argument("--offload-gib", type=float, default=1.0)
+    p.add_argument("--shm-gib", type=_gib, default=1.0,
+                   help="the shm L3's arena (vllm+kvtier-shm), GiB (default 1)")
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument("--repeat", type=_positive, default=1,
