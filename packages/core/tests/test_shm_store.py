@@ -193,7 +193,7 @@ def test_stats_say_backing_path_and_capacity(name, spec, pool):
     with ShmStore(cfg(name), spec=spec) as s:
         st = s.stats()
         assert st["path"] == arena_path(name) and st["backing"].startswith("tmpfs")
-        assert "hugepages off" in st["backing_reason"]
+        assert st["backing_reason"].startswith("not hugepages: ")
         assert st["slots"] == 32 and st["slot_bytes"] % 4096 == 0
         assert st["slot_bytes"] >= spec.page_bytes and st["capacity_bytes"] == 32 * st[
             "slot_bytes"]
@@ -318,6 +318,28 @@ def test_hugepages_on_without_a_mount_is_refused_and_auto_says_why(name, spec, t
             "hugetlbfs" in st["backing_reason"] or "free 2 MiB pages" in st["backing_reason"])
     with pytest.raises(StoreError):
         ShmStore(cfg(name, hugepages="on", hugetlbfs=str(tmp_path)), spec=spec)
+
+
+def test_auto_takes_hugepages_where_the_host_has_them_but_joins_an_arena_in_root(
+        name, spec, pool, tmp_path, monkeypatch):
+    """The default, "auto": a mount with enough free 2 MiB pages takes a new arena (a
+    directory stands in for the hugetlbfs mount); an arena another process made in ``root``
+    (when it found no free pages) is joined there, so processes never split into two."""
+    assert shm_mod.ShmStore.Config().hugepages == "auto"
+    monkeypatch.setattr(shm_mod, "hugetlbfs_mount", lambda wanted="": (str(tmp_path), ""))
+    monkeypatch.setattr(shm_mod, "free_huge_pages", lambda: 1 << 20)
+    with ShmStore(cfg(name + "-a"), spec=spec) as s:
+        assert s.stats()["backing"] == "hugetlbfs-2MiB"
+        assert s.path.startswith(str(tmp_path))
+    with ShmStore(cfg(name, hugepages="off"), spec=spec) as first:      # found no pages
+        first.attach(pool)
+        assert first.batch_set([b"k"], [1]) == [True]
+        with ShmStore(cfg(name), spec=spec) as second:
+            st = second.stats()
+            assert second.path == first.path == arena_path(name)
+            assert "already" in st["backing_reason"] and st["backing"].startswith("tmpfs")
+            assert second.batch_exists([b"k"]) == 1
+    assert os.listdir(tmp_path) == []                    # removed when unused, as in root
 
 
 def test_hugepages_when_present(name, spec, pool):

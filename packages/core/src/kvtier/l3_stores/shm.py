@@ -144,8 +144,9 @@ class ShmStore(L3Store):
         #: to this user (mode 0600).
         group: str = ""
         #: "auto": 2 MiB hugetlbfs pages when a mount with enough free pages is there, else
-        #: ``root`` (stats say why); "on": hugepages or a StoreError; "off": ``root``.
-        hugepages: Literal["off", "auto", "on"] = "off"
+        #: ``root`` (stats say why), but an arena already in ``root`` is joined there (so
+        #: processes share one); "on": hugepages or a StoreError; "off": ``root``.
+        hugepages: Literal["off", "auto", "on"] = "auto"
         #: The hugetlbfs mount to use ("" : the first of 2 MiB pages in /proc/mounts).
         hugetlbfs: str = ""
         #: CRC-32 of key digest and payload, written and checked: "auto" is off on x86-64
@@ -240,7 +241,10 @@ class ShmStore(L3Store):
         kw = dict(fingerprint=self.spec.fingerprint, namespace=c.namespace, mode=mode, gid=gid,
                   populate=c.populate, open_timeout_s=c.open_timeout_s)
         why = "hugepages off (shm.hugepages)"
-        if c.hugepages != "off":
+        in_root = os.path.join(os.path.abspath(c.root), self.file_name)
+        if c.hugepages == "auto" and os.path.exists(in_root):
+            why = f"the arena is in {c.root} already (shared by the processes that use it)"
+        elif c.hugepages != "off":
             mount, why = hugetlbfs_mount(c.hugetlbfs)
             geo = Geometry.plan(self.spec.page_bytes, slots, c.ways, HUGE_PAGE)
             free = free_huge_pages()
