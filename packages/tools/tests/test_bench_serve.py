@@ -3,6 +3,7 @@ that read vLLM's logs and /metrics (the runs themselves are in tests_vllm)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -36,12 +37,37 @@ def test_the_shm_setup_gets_an_arena_of_its_own(tmp_path):
     import json
     p = argparse.ArgumentParser()
     serve.add_arguments(p)
-    argv = serve._setup_args("vllm+kvtier-shm", "m", str(tmp_path),
-                             p.parse_args(["--shm-gib", "0.5"]), None)
+    argv = serve._setup_args("vllm+kvtier-shm", "m", str(tmp_path / "work"),
+                             p.parse_args(["--shm-gib", "0.5"]), None, str(tmp_path))
     cfg = json.loads(argv[argv.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
     assert cfg["l3_store"] == "shm" and cfg["l3_config"]["capacity_bytes"] == 1 << 29
-    assert cfg["l3_config"]["remove_when_unused"] is True      # gone with its server
-    assert cfg["l3_config"]["name"].startswith("kvtier-bench-serve-")
+    assert cfg["l3_config"]["root"] == str(tmp_path)
+
+
+def test_each_shm_server_starts_on_an_empty_arena_removed_after(tmp_path, monkeypatch):
+    """Rounds must not feed each other: every start of the shm setup gets a new directory
+    for its arena, removed once the server has stopped, started or not."""
+    import argparse
+    shm_dir = tmp_path / "shm"
+    shm_dir.mkdir()
+    monkeypatch.setattr(serve, "SHM_DIR", str(shm_dir))
+    roots = []
+
+    def fake(name, model, work, tag, rnd, levels, workloads, args, file, shm_root):
+        roots.append(shm_root)
+        if shm_root:
+            assert os.path.isdir(shm_root) and os.listdir(shm_root) == []
+            (shm_dir / os.path.basename(shm_root) / "x.arena").write_bytes(b"")
+        return {"error": "not started"}
+    monkeypatch.setattr(serve, "_serve_in", fake)
+    args = argparse.Namespace()
+    for rnd in (0, 1):
+        assert serve._serve("vllm+kvtier-shm", "m", str(tmp_path), rnd, [], [], args,
+                            None) == {"error": "not started"}
+    assert len(set(roots)) == 2 and all(r.startswith(str(shm_dir)) for r in roots)
+    assert os.listdir(shm_dir) == []
+    serve._serve("vllm+kvtier-l3", "m", str(tmp_path), 0, [], [], args, None)
+    assert roots[-1] == ""                       # other setups get none
 
 
 def test_a_pool_smaller_than_one_request_is_refused_before_anything_starts(tmp_path):

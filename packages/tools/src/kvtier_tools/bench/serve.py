@@ -44,6 +44,7 @@ import math
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import statistics
@@ -59,6 +60,8 @@ from .vllm import _kvtier_config, _pct, _positive, make_llama, multiturn
 SETUPS = ("vllm", "vllm-rerun", "vllm+null-connector", "vllm+null-all-cached",
           "vllm+kvtier-l2", "vllm+kvtier-l3", "vllm+kvtier-shm", "vllm+offload",
           "vllm+lmcache")
+#: Where a shm L3 setup's arena goes: the host's shared memory.
+SHM_DIR = "/dev/shm"
 #: The ideal's device pool, as a multiple of ``--device-blocks``.
 ALL_CACHED_FACTOR = 10
 
@@ -280,7 +283,7 @@ async def _level(server: Server, model: str, convs: list[list[list[int]]], kind:
 # The benchmark
 # --------------------------------------------------------------------------------------------
 def _setup_args(name: str, model: str, work: str, args: argparse.Namespace,
-                file: dict[str, Any] | None) -> list[str] | None:
+                file: dict[str, Any] | None, shm_root: str = "") -> list[str] | None:
     blocks = args.device_blocks * (ALL_CACHED_FACTOR if name == "vllm+null-all-cached" else 1)
     common = ["--model", model, "--skip-tokenizer-init", "--enforce-eager",
               "--dtype", "bfloat16", "--max-model-len", str(args.max_model_len),
@@ -297,9 +300,9 @@ def _setup_args(name: str, model: str, work: str, args: argparse.Namespace,
         l3 = {"host_pool_pages": args.l3_host_pages, "l3_store": "file",
               "l3_config": {"root": os.path.join(work, "l3")}}
         return common + ["--kv-transfer-config", json.dumps(_kvtier_config(l3, file))]
-    if name == "vllm+kvtier-shm":       # an arena of this run's own, gone with its server
+    if name == "vllm+kvtier-shm":       # an arena of this server's own (`_serve` removes it)
         shm = {"host_pool_pages": args.l3_host_pages, "l3_store": "shm",
-               "l3_config": {"name": f"kvtier-bench-serve-{os.getpid()}",
+               "l3_config": {"root": shm_root or work, "name": "kvtier-bench-serve",
                              "capacity_bytes": int(args.shm_gib * (1 << 30)),
                              "remove_when_unused": True}}
         return common + ["--kv-transfer-config", json.dumps(_kvtier_config(shm, file))]
@@ -375,7 +378,23 @@ def _serve(name: str, model: str, work: str, rnd: int, levels: list[tuple[str, f
            ) -> dict[str, Any]:
     """Start one setup's server and drive every level through it; its levels or its error."""
     tag = f"{name.replace('+', '-')}-{rnd}"
-    sargs = _setup_args(name, model, os.path.join(work, tag), args, file)
+    # a shm L3 starts empty every time, as a file L3 does in its own directory: an arena of
+    # its own in a new directory of the host's shared memory, removed once the server is
+    # stopped (a server stopped by a signal may not remove it)
+    shm_root = tempfile.mkdtemp(prefix="kvtier-bench-serve-", dir=SHM_DIR) \
+        if name == "vllm+kvtier-shm" and os.path.isdir(SHM_DIR) else ""
+    try:
+        return _serve_in(name, model, work, tag, rnd, levels, workloads, args, file, shm_root)
+    finally:
+        if shm_root:
+            shutil.rmtree(shm_root, ignore_errors=True)
+
+
+def _serve_in(name: str, model: str, work: str, tag: str, rnd: int,
+              levels: list[tuple[str, float]], workloads: list[Any],
+              args: argparse.Namespace, file: dict[str, Any] | None, shm_root: str
+              ) -> dict[str, Any]:
+    sargs = _setup_args(name, model, os.path.join(work, tag), args, file, shm_root)
     assert sargs is not None
     server = Server(name, sargs, os.path.join(work, f"{tag}.log"))
     why = server.start(args.start_timeout)
