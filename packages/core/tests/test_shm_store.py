@@ -686,3 +686,18 @@ def test_a_zeroed_arena_is_one_whose_creator_died_and_is_made_again(name, spec, 
     with ShmStore(cfg(name), spec=spec) as s:
         s.attach(pool)
         assert s.arena.created and s.batch_set([b"k"], [0]) == [True]
+
+
+def test_a_closed_store_holds_no_lock_even_if_its_mapping_outlives_it(name, spec):
+    """A view of the mapping that escaped keeps the open file alive past close(); its locks
+    (the init lock its close took, its users lock) must go anyway, or the last user cannot
+    remove the arena and a new opener waits on the init lock."""
+    a = ShmStore(cfg(name), spec=spec)
+    b = ShmStore(cfg(name), spec=spec)
+    escaped = memoryview(b.arena.mm)             # keeps b's mapping, and its open file
+    try:
+        b.close()
+        a.close()                                 # the last user: removes the arena
+        assert not os.path.exists(arena_path(name))
+    finally:
+        escaped.release()

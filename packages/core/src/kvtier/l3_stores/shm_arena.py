@@ -97,6 +97,11 @@ def unlock(fd: int, start: int) -> None:
     fcntl.fcntl(fd, F_OFD_SETLK, _FLOCK.pack(fcntl.F_UNLCK, os.SEEK_SET, start, 1, 0))
 
 
+def unlock_all(fd: int) -> None:
+    """Drop every lock this open file holds (the whole file: length 0 reaches its end)."""
+    fcntl.fcntl(fd, F_OFD_SETLK, _FLOCK.pack(fcntl.F_UNLCK, os.SEEK_SET, 0, 0, 0))
+
+
 def lock_within(fd: int, start: int, timeout: float, kind: int = fcntl.F_WRLCK,
                 longest_sleep: float = 1e-3) -> bool:
     """``try_lock`` until it succeeds or ``timeout`` seconds passed (never blocks in the
@@ -632,5 +637,12 @@ class Arena:
         except OSError:
             pass
         finally:
+            # closing the fd drops its locks only if nothing else holds the open file: a view
+            # of the mapping that escaped does, and would keep the init lock taken above (no
+            # one could open or remove the arena) and the users lock (no one could remove it)
+            try:
+                unlock_all(fd)
+            except OSError:
+                pass
             os.close(fd)
         return removed
