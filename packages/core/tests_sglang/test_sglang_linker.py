@@ -18,6 +18,7 @@ deliberately broken subclass to show that it catches the break.
 from __future__ import annotations
 
 import hashlib
+import os
 import random
 import threading
 import time
@@ -352,6 +353,47 @@ def test_linker_round_trip_l2_and_file_l3(tmp_path: Path, kind: str) -> None:
                           [read(pool2, dst, layer) for layer in range(pool2.layer_num)])
     finally:
         fresh.close()
+
+
+def test_linker_shm_l3_loads_in_place(tmp_path: Path) -> None:
+    """A `shm` L3 is read in place: a second linker (another SGLang process on the host, its
+    L2 empty) loads every page straight from the arena into SGLang's pool, bitwise, layer by
+    layer; nothing is read into a host page."""
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    def pool_4k() -> Any:              # 2 layers x K,V x 4 tokens x 2 heads x 64 x 2 B = 4 KiB
+        return MHATokenToKVPool(size=PAGES * PS, page_size=PS, dtype=torch.bfloat16,
+                                head_num=2, head_dim=64, layer_num=2, device="cpu",
+                                enable_memory_saver=False, enable_alt_stream=False)
+    arena = f"kvtier-test-linker-{os.getpid()}-{os.urandom(4).hex()}"
+    shm = extra(tmp_path, l3_store="shm",
+                l3_config={"name": arena, "capacity_pages": 32, "remove_when_unused": True})
+    pool = pool_4k()
+    keys, src, dst = hashes(4, "shm"), [1, 2, 3, 4], [7, 8, 9, 10]
+    fill(pool, src, seed=5)
+    want = read(pool, src)
+    first = make_linker(pool, shm)
+    try:
+        assert first.executor.in_place is not None and first.planner.in_place
+        assert offload(first, src, keys)
+        deadline = time.monotonic() + 20
+        while first.executor.store.batch_exists(first._keys(keys)) < 4:     # written through
+            assert time.monotonic() < deadline, "the L3 writes never landed"
+            time.sleep(0.01)
+        pool2 = pool_4k()
+        second = make_linker(pool2, shm)
+        try:
+            check_round_trip(pool2, second, keys, src, dst, want)
+            m = second.planner.metrics()
+            assert m["l3_in_place_pages"] == 4 and m["l3_hit_pages"] == 4
+            assert second.executor.metrics().get("l3_read_missed_pages", 0) == 0
+            assert second.executor.store.stats()["in_place_reads"] == 4
+            check_layer_order(pool2, second, [2, 3, 5, 6], keys,
+                              [read(pool2, dst, layer) for layer in range(pool2.layer_num)])
+        finally:
+            second.close()
+    finally:
+        first.close()
 
 
 def test_linker_layer_order_l2(tmp_path: Path) -> None:

@@ -242,6 +242,8 @@ class KvtierLinker(UnifiedCacheLinker):
         except BaseException:
             self.executor.close(cfg.close_timeout_s)
             raise
+        # both halves in this process: L3 hits load in place where this data path can
+        self.planner.set_in_place(self.executor.in_place is not None)
         self.root = self.planner.keyer.root
         self.pools: dict[Any, Any] = {PoolName.KV: kvcache}
         self.layer_done_counter = LayerWiseLoadCounter(self.num_layers)
@@ -505,14 +507,14 @@ class KvtierLinker(UnifiedCacheLinker):
         ex = self.executor
         try:
             for layer in range(self.num_layers):
-                for ld in batch.loads:      # loads from L2 and those an L3 read feeds alike
-                    if ld.plan.loads:
+                for ld in batch.loads:      # from L2, fed by an L3 read, or in place alike
+                    if ld.plan.load_pages:
                         ex.wait_layer(ld.plan.plan_id, layer)
                 counter.complete(batch.index, layer)
             ok = True
             for ld in batch.loads:
                 res = self._result(ld.plan)
-                if len(res.loads) != ld.pages or not all(res.loads):
+                if len(res.load_results) != ld.pages or not all(res.load_results):
                     ok = False
             batch.ok = ok
         except BaseException as exc:            # noqa: BLE001 - the counter must resolve
