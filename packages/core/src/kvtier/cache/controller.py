@@ -123,17 +123,9 @@ class TieredKVCache:
                             threads=cfg.l3_io_threads, error_limit=cfg.l3_error_limit,
                             call_timeout_s=cfg.l3_call_timeout_s,
                             metrics=self.metrics_registry, on_failure=self._l3_failed)
-        self._in_place: inplace.InPlace | None = None
+        self._in_place: inplace.InPlace | None = parts.in_place
         #: Why L3 pages are not loaded in place ("" when they are).
-        self.in_place_why_not = ""
-        try:
-            self._in_place, self.in_place_why_not = inplace.open_in_place(
-                cfg, store, device_pool, self.engine.name, self._owned)
-        except BaseException:
-            for obj in reversed(self._owned):
-                obj.close()
-            raise
-        inplace.says_why_not(self.in_place_why_not, store)
+        self.in_place_why_not = parts.in_place_why_not
         lifecycle.register_gauges(self)
         lifecycle.close_on_exit(self)
 

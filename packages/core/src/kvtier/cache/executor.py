@@ -42,7 +42,7 @@ from ..interfaces import L3Store, TransferEngine, TransferHandle
 from ..metrics import Metrics
 from .config import CacheConfig
 from .cost import CostModel, TimedStore, load_seconds
-from .inplace import InPlace, open_in_place, says_why_not
+from .inplace import InPlace
 from .keying import make_keyer
 from .parts import build_parts
 from .l3io import L3IO, store_batches
@@ -254,18 +254,12 @@ class CacheExecutor:
         keyer = make_keyer(cfg, device_pool.spec, device_layout=device_pool.page_order,
                            engine=engine_identity)
         p = build_parts(cfg, device_pool, keyer, num_host_pages=num_host_pages)
-        try:
-            direct, why = open_in_place(cfg, p.store, device_pool, p.engine.name, p.owned)
-        except BaseException:
-            for obj in reversed(p.owned):
-                obj.close()
-            raise
-        says_why_not(why, p.store)
         return cls(host_pool=p.host_pool, engine=p.engine, store=p.store,
                    l3_io_threads=cfg.l3_io_threads, l3_batch_pages=cfg.l3_batch_pages,
                    l3_error_limit=cfg.l3_error_limit,
                    l3_call_timeout_s=cfg.l3_call_timeout_s, owned=tuple(p.owned),
-                   cost=CostModel.from_config(cfg), in_place=direct, in_place_why_not=why)
+                   cost=CostModel.from_config(cfg), in_place=p.in_place,
+                   in_place_why_not=p.in_place_why_not)
 
     @property
     def l3_state(self) -> str:

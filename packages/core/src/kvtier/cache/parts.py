@@ -1,6 +1,7 @@
 """The data path's parts built from a config, in one place: the host pool, the transfer engine
 and the L3 store (opened in the keyer's namespace, seen as this tensor-parallel rank sees it),
-each either given by the caller or created here, and closed together if any step fails.
+each either given by the caller or created here, the store's in-place path where it has one
+(`kvtier.cache.inplace`), and closed together if any step fails.
 
 `TieredKVCache` and `CacheExecutor.from_config` both build theirs here.
 """
@@ -16,6 +17,7 @@ from ..host_pool import HostKVPool
 from ..interfaces import L3Store, TransferEngine
 from ..keys import PageKeyer
 from .config import CacheConfig
+from .inplace import InPlace, open_in_place, says_why_not
 from .keying import open_store, rank_view
 
 __all__ = ["Parts", "build_parts"]
@@ -27,6 +29,8 @@ class Parts:
     engine: TransferEngine
     store: L3Store | None          # the rank's view of it, attached to ``host_pool``
     owned: list[Any]               # what was created here, in creation order: close reversed
+    in_place: InPlace | None = None           # loads straight from the store's memory
+    in_place_why_not: str = ""                # why not ("" when they are)
 
 
 def build_parts(cfg: CacheConfig, device_pool: DeviceKVPool, keyer: PageKeyer, *,
@@ -57,8 +61,10 @@ def build_parts(cfg: CacheConfig, device_pool: DeviceKVPool, keyer: PageKeyer, *
         if store is not None:
             store = rank_view(store, cfg)
             store.attach(host_pool)
+        in_place, why = open_in_place(cfg, store, device_pool, engine.name, owned)
     except BaseException:
         for obj in reversed(owned):
             obj.close()
         raise
-    return Parts(host_pool, engine, store, owned)
+    says_why_not(why, store)
+    return Parts(host_pool, engine, store, owned, in_place, why)
