@@ -147,6 +147,35 @@ def test_l3_miss_fails_only_those_loads(split):
     assert keys[1] not in split.pl.l2_pages()
 
 
+def test_a_read_never_tried_marks_nothing_unreadable(split):
+    """Only a read the store was asked for says an object cannot be read: a load plan that
+    never ran (failed by the integration) or ran while L3 was off leaves its L3 pages offered,
+    while a real miss still marks its key."""
+    keys = split.pl.keys(toks(4 * 3, 15))
+    assert split.run(split.pl.plan_save(keys, [0, 1, 2])).ok
+    split.run(split.pl.plan_evict(8))
+    assert split.pl.lookup(keys) == Lookup(0, 0, 3)
+    plan = split.pl.plan_load(keys, [10, 11, 12])
+    assert len(plan.l3_reads) == 3
+    split.pl.fail(plan.plan_id)                         # a worker gone: never ran
+    assert split.pl.lookup(keys) == Lookup(0, 0, 3)
+    assert split.pl.metrics().get("l3_unreadable_marked", 0) == 0
+    split.ex.l3.fail("test: the tier is down", None)    # the data path cannot read L3
+    res = split.run(split.pl.plan_load(keys, [10, 11, 12]))
+    assert res.l3_reads == (False,) * 3 and res.l3_reads_tried == 0
+    split.ex.l3.restart()
+    assert split.pl.lookup(keys) == Lookup(0, 0, 3)
+    split.ex.store.delete([keys[1]])                    # a real miss: that key is marked
+    res = split.run(split.pl.plan_load(keys, [10, 11, 12]))
+    assert res.l3_reads == (True, False, True) and res.l3_reads_tried == 3
+    assert split.pl.metrics()["l3_unreadable_marked"] == 1
+    assert split.pl.lookup(keys[1:]) == Lookup(0, 0, 0)
+    with pytest.raises(InvalidArgumentError, match="l3_reads_tried"):
+        bad = split.pl.plan_load(keys[:1], [20])
+        split.pl.complete(PlanResult(bad.plan_id, l3_reads=(False,), loads=(False,),
+                                     l3_reads_tried=2))
+
+
 def test_write_back_writes_to_l3_on_l2_eviction():
     s = Split(write_policy="write_back", host_pages=4)
     try:

@@ -411,6 +411,12 @@ def test_worker_results_of_ranks_are_anded_and_stats_summed():
     a.results = [PlanResult(4, loads=(True,), l3_loads=(True, True))]
     b.results = [PlanResult(4, loads=(True,), l3_loads=(True, False))]
     assert a.aggregate(b).results == [PlanResult(4, loads=(True,), l3_loads=(True, False))]
+    # the reads every rank asked its store for (None: all of them)
+    a.results = [PlanResult(5, l3_reads=(True, False, False), l3_reads_tried=None)]
+    b.results = [PlanResult(5, l3_reads=(True, False, False), l3_reads_tried=1)]
+    assert a.aggregate(b).results[0].l3_reads_tried == 1
+    b.results = [PlanResult(5, l3_reads=(True, True, False))]
+    assert a.aggregate(b).results[0].l3_reads_tried is None
     s = KVTierConnectorStats(data={"x": 1}).aggregate(KVTierConnectorStats(data={"x": 2, "y": 1}))
     assert s.reduce() == {"x": 3, "y": 1} and not s.is_empty()
 

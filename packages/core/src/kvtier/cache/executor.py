@@ -102,6 +102,7 @@ class _Run:
         self.backups = [False] * len(plan.backups)
         self.writes = [False] * len(plan.l3_writes)
         self.in_place = [False] * len(plan.l3_loads)
+        self.reads_tried = 0                # leading L3 reads the store was asked for
         self.parts = 0
         self.held: list[int] = []           # host pages a call past its deadline may touch
         self.handles: list[TransferHandle] = []
@@ -128,7 +129,8 @@ class _Run:
     def result(self) -> PlanResult:
         return PlanResult(self.plan.plan_id, tuple(self.reads), tuple(self.loads),
                           tuple(self.backups), tuple(self.writes),
-                          held_host_pages=tuple(self.held), l3_loads=tuple(self.in_place))
+                          held_host_pages=tuple(self.held), l3_loads=tuple(self.in_place),
+                          l3_reads_tried=self.reads_tried if self.plan.l3_reads else None)
 
 
 class _StoreTask:
@@ -165,6 +167,8 @@ class _StoreTask:
                     self.ex.batch_pages, task=self, calling=self._calling,
                     stop=lambda: self._gave_up):
                 tried = start + count
+                if self.is_read:
+                    self.run_.reads_tried = tried
                 if got is None:         # raised, refused or past its deadline (io counts why)
                     if self.is_read:
                         m.add("l3_read_failed_call_pages", count)

@@ -445,9 +445,10 @@ class CachePlanner:
             nd.l2_pins -= 1
         landed: list[Node] = []
         # the first read that failed is not offered again (a lookup stops there, so the
-        # reads after it, not tried, need no mark); a write that succeeded replaced it
+        # reads after it, not tried, need no mark), if the store was asked for it (a plan
+        # that never ran says nothing of its objects); a write that succeeded replaced it
         miss = first_miss(result.l3_reads, len(result.l3_reads))
-        bad = [p.l3_reads[miss][0]] if miss < len(p.l3_reads) else []
+        bad = [p.l3_reads[miss][0]] if miss < result.tried_reads else []
         unreadable = self.unreadable.add(bad)
         for k in bad:                 # written to L3 again from L2 (write-back)
             held = self.index.get(k)
@@ -602,6 +603,12 @@ class CachePlanner:
                                            "bools", argument="result", value=pid)
         if not isinstance(result.writes_pending, bool):
             raise InvalidArgumentError(f"result of plan {pid}: writes_pending must be a bool",
+                                       argument="result", value=pid)
+        tried = result.l3_reads_tried
+        if tried is not None and (isinstance(tried, bool) or not isinstance(tried, int)
+                                  or not 0 <= tried <= len(result.l3_reads)):
+            raise InvalidArgumentError(f"result of plan {pid}: l3_reads_tried must be None or "
+                                       f"an int in [0, {len(result.l3_reads)}]",
                                        argument="result", value=pid)
         for name in ("held_host_pages", "released_host_pages"):
             vals = getattr(result, name)

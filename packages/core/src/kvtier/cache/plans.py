@@ -137,10 +137,12 @@ class Plan:
         return tuple(d for _, d in self.loads) + tuple(d for _, d in self.l3_loads)
 
     def failed(self) -> "PlanResult":
-        """The result of this plan when nothing of it ran (a worker gone, a plan dropped)."""
+        """The result of this plan when nothing of it ran (a worker gone, a plan dropped): no
+        L3 read was tried, so none says anything of its object."""
         return PlanResult(self.plan_id, (False,) * len(self.l3_reads),
                           (False,) * len(self.loads), (False,) * len(self.backups),
-                          (False,) * len(self.l3_writes), l3_loads=(False,) * len(self.l3_loads))
+                          (False,) * len(self.l3_writes), l3_loads=(False,) * len(self.l3_loads),
+                          l3_reads_tried=0 if self.l3_reads else None)
 
 
 @dataclass(frozen=True)
@@ -154,6 +156,11 @@ class PlanResult:
     ``writes_pending``: the plan's L3 writes still run; this result books every other
     operation (its ``l3_writes`` is empty), so that backed-up pages serve hits at once, and a
     later result for the same plan has only the ``l3_writes`` (every other list empty).
+
+    ``l3_reads_tried``: how many leading L3 reads the data path asked the store for (None: all
+    of them). A failed read among those says its object cannot be read (a planner stops
+    offering it); one never asked for (the plan never ran, L3 was off, a call before it passed
+    its deadline) says nothing of its object.
     """
 
     plan_id: int
@@ -165,11 +172,18 @@ class PlanResult:
     released_host_pages: tuple[int, ...] = ()
     writes_pending: bool = False
     l3_loads: tuple[bool, ...] = ()
+    l3_reads_tried: int | None = None
 
     @property
     def ok(self) -> bool:
         return all(self.l3_reads) and all(self.loads) and all(self.backups) \
             and all(self.l3_writes) and all(self.l3_loads)
+
+    @property
+    def tried_reads(self) -> int:
+        """`l3_reads_tried`, None read as every read."""
+        n = len(self.l3_reads)
+        return n if self.l3_reads_tried is None else min(n, self.l3_reads_tried)
 
     @property
     def load_results(self) -> tuple[bool, ...]:

@@ -90,7 +90,9 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
                 l3_writes=() if pending else both(m.l3_writes, r.l3_writes),
                 held_host_pages=union(m.held_host_pages, r.held_host_pages),
                 released_host_pages=union(m.released_host_pages, r.released_host_pages),
-                writes_pending=pending, l3_loads=both(m.l3_loads, r.l3_loads)))
+                writes_pending=pending, l3_loads=both(m.l3_loads, r.l3_loads),
+                l3_reads_tried=None if m.l3_reads_tried is None and r.l3_reads_tried is None
+                else min(m.tried_reads, r.tried_reads)))
         out.extend(mine.values())
         in_place = other.in_place if self.in_place is None else \
             self.in_place if other.in_place is None else self.in_place and other.in_place
