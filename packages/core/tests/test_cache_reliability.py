@@ -186,6 +186,43 @@ def test_a_store_call_past_its_deadline_is_a_counted_failure_not_a_hang(policy):
         r.close()
 
 
+def test_a_prefetch_whose_read_passes_its_deadline_marks_nothing_unreadable():
+    """A read past its deadline is a slow store, not an unreadable object: once the late call
+    returns, its keys are still offered (the executor's reads count the same way)."""
+    store = BlockingStore(spec=SPEC)
+    r = Rig(store=store, l3_call_timeout_s=0.3, l3_io_threads=1, close_timeout_s=2.0,
+            cost_aware_fetch=False)
+    try:
+        c = r.cache
+        t = toks(3 * 4, seed=21)
+        _l3_only(r, t)
+        store.block_get = True
+        m = c.match(t)
+        c.prefetch(m)                                      # the read sticks, nobody fetches
+        deadline = time.monotonic() + 5
+        while c.metrics().get("l3_timeouts", 0) < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        store.block_get = False
+        store.release.set()                                # the stuck call returns late
+        while c.metrics().get("l3_late_returns", 0) < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert c.wait_idle(5)
+        r.alloc.free(c.release(m))
+        assert c.metrics().get("l3_unreadable_marked", 0) == 0 and not len(c.unreadable)
+        m = c.match(t)
+        assert m.l3_count == 3                             # still offered, and it loads
+        h = c.fetch(m, r.take(3))
+        h.wait()
+        assert h.pages_loaded == 3
+        r.verify(m.keys, h.device_pages)
+        r.alloc.free(c.release(m))
+    finally:
+        store.release.set()
+        r.close()
+
+
 def test_a_stuck_exists_call_costs_a_miss():
     store = BlockingStore(spec=SPEC)
     r = Rig(store=store, l3_call_timeout_s=0.3)

@@ -63,7 +63,9 @@ class ReadTask:
             for start, count, got in store_batches(
                     io, "batch_get", self.keys, self.host_pages,
                     self.cache.config.l3_batch_pages, task=self,
-                    stop=lambda: self.cancelled):
+                    stop=lambda: self.cancelled or self.gave_up):
+                # (a call past its deadline is slow, not unreadable: the read ends there
+                # and marks nothing, as the executor's)
                 lead = first_miss(got, count)
                 self._land(start, lead)
                 if lead < count:
