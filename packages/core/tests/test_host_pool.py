@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 
@@ -212,3 +213,29 @@ def test_allocator_and_buffer_together_are_refused():
     with pytest.raises(InvalidArgumentError, match="not both"):
         HostKVPool(SPEC, 2, allocator=alloc, buffer=buf)
     buf.close()
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux /proc")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="pinned memory is resident anyway")
+def test_torch_pinned_without_a_gpu_prefaults_unless_told_not_to():
+    """Fresh host memory costs a page fault at its first write: the allocator touches it at
+    creation by default, so a pool's first fill of backups does not pay it."""
+    n = 64 << 20
+    before = _rss_bytes()
+    buf = TorchPinnedAllocator().allocate(n)
+    grew = _rss_bytes() - before
+    lazy_before = _rss_bytes()
+    lazy = TorchPinnedAllocator(TorchPinnedAllocator.Config(prefault=False)).allocate(n)
+    lazy_grew = _rss_bytes() - lazy_before
+    try:
+        assert grew >= n * 0.9, grew
+        assert lazy_grew < n * 0.5, lazy_grew
+        assert buf.tensor.eq(0).all()
+    finally:
+        buf.close()
+        lazy.close()
