@@ -517,3 +517,28 @@ def test_l3_wait_is_not_learnt_before_the_rates_are_known():
     m = ReportedCostModel()
     m.observe_l3_wait(0.5, 1 << 20, 1 << 20)
     assert m.l3_fixed_s == 0.0
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_recompute_fit_keeps_the_long_prompts_of_a_multi_turn_run(seed):
+    """A multi-turn run prefills long first prompts, then short suffixes for many requests:
+    the fit must still tell the fixed cost from the per-token one (the H200's MLA shape:
+    36 ms + 80K tokens/s; with the rates' alpha it settled at 6.4K tokens/s and loaded a
+    disk slower than recomputing)."""
+    import random
+    rng = random.Random(seed)
+    m = CostModel(alpha=0.3)
+
+    def prefill(tokens: int, context: int) -> None:
+        pairs = (context ** 2 - (context - tokens) ** 2) / 2
+        s = 0.036 + tokens / 80_000 + 2e-10 * pairs
+        m.observe_recompute(tokens, s * (1 + rng.uniform(-0.05, 0.05)), context)
+
+    for _ in range(8):                       # the first round: whole prompts
+        t = rng.randint(900, 1100)
+        prefill(t, t)
+    for _ in range(56):                      # then each turn's suffix after its history
+        t = rng.randint(150, 260)
+        prefill(t, t + rng.randint(1000, 4000))
+    assert 55_000 < m.recompute_tokens_per_s < 120_000, m.recompute_tokens_per_s
+    assert 0.025 < m.recompute_fixed_s < 0.045, m.recompute_fixed_s

@@ -166,7 +166,19 @@ class _Marginal:
     ``(n^2 - s^2) / 2`` query-key pairs, which makes a token at position 30K several times
     dearer than one at 1K (on the H200, 8B shape: 33K tokens/s from position 0, 13K at 24K).
     It is fitted only when the engine reports the context (``pairs``); every coefficient
-    stays >= 0 (the best fit over the subsets of terms that keeps them so)."""
+    stays >= 0 (the best fit over the subsets of terms that keeps them so).
+
+    The fit remembers long (its moving averages weigh a new prefill at most `FIT_ALPHA`):
+    telling a fixed cost from a per-token one needs prefills of different lengths, and in a
+    multi-turn run the long first prompts come early, the short suffixes after. With the
+    rates' usual 0.3 the fit forgot the long ones within a dozen requests and the slope
+    became noise: on the H200 (DeepSeek-V2-Lite shape, 36 ms fixed + 72-86K tokens/s) it
+    settled at 6.4K tokens/s with no fixed cost, and let a 52K-tokens/s disk through (1.24x
+    slower than loading nothing from it); fed the same shape, 0.3 gave 6K-611K tokens/s over
+    five seeds and 0.05 gave 73-90K."""
+
+    #: The most weight a new observation gets in the fit (the engine's speed changes slowly).
+    FIT_ALPHA = 0.05
 
     #: feature scales (kilo-tokens, mega-pairs) keep the normal equations well conditioned
     _SCALE = (1.0, 1e-3, 1e-6)
@@ -184,7 +196,7 @@ class _Marginal:
     def observe(self, tokens: float, seconds: float, pairs: float = 0.0) -> None:
         if tokens <= 0:
             return
-        a = 1.0 if not self.samples else self.alpha
+        a = 1.0 if not self.samples else min(self.alpha, self.FIT_ALPHA)
         x = [f * v for f, v in zip(self._SCALE, (1.0, tokens, max(0.0, pairs)))]
         for i in range(3):
             for j in range(3):
