@@ -182,6 +182,11 @@ def test_results_json_carries_the_per_load_table(tmp_path):
     files = write_outputs(rep, cfg.out)
     data = json.loads(open(files["json"]).read())["load"]
     assert data["capacity_per_s"] > 0
+    # the capacity is L1 only saturated (every conversation at once), not the serial replay
+    cap = data["capacity_run"]
+    assert cap["setup"] == "L1 only" and cap["kind"] == "closed"
+    assert cap["users"] == len(rep.workload) and cap["requests"] == len(rep.workload)
+    assert data["capacity_per_s"] == pytest.approx(1e3 / cap["service_mean_ms"])
     assert [lv["label"] for lv in data["levels"]] == ["50%", "90%", "closed 2"]
     levels = [r["level"] for r in data["table"]]
     assert levels == ["serial"] * 3 + ["50%"] * 3 + ["90%"] * 3 + ["closed 2"] * 3

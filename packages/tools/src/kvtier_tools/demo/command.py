@@ -141,7 +141,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--loads", "--load", type=_numbers(float, "--loads"), nargs="?",
                    const=(0.5, 0.8, 0.95), default=(), metavar="F[,F...]",
                    help="open loop: Poisson arrivals at these fractions of the L1-only "
-                   "capacity the serial replay measures (--load alone: 0.5,0.8,0.95); requests "
+                   "capacity (its service time with every conversation sending at once, measured "
+                   "first; --load alone: 0.5,0.8,0.95); requests "
                    "queue FIFO, TTFT counts the wait, L3 prefetch starts at arrival")
     g.add_argument("--rate", type=_numbers(float, "--rate"), default=(), metavar="R[,R...]",
                    help="open loop: Poisson arrivals at these rates (requests/s)")

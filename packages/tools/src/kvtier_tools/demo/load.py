@@ -373,10 +373,12 @@ def with_speedups(rows: list[dict[str, Any]], ideal: str) -> list[dict[str, Any]
 class LoadSweep:
     """Every load level's runs, and the serial replay as the zero-load point."""
 
-    capacity_per_s: float | None          # L1 only, serial: requests per second of busy time
+    capacity_per_s: float | None          # L1 only saturated: 1 / its mean service time
     levels: list[Level]
     serial: list[dict[str, Any]]
     runs: list[LoadRun]
+    #: The saturated L1-only run the capacity was measured on (None: no load fractions).
+    calibration: LoadRun | None = None
 
     def table(self, ideal: str) -> list[dict[str, Any]]:
         """One row per setup and level (the serial replay first), with speedups within

@@ -134,8 +134,9 @@ def load_table(report: DemoReport) -> str:
           f"{r['l3_hit_pct']:.1f} ({r['l3_prefetched_pct']:.1f})",
           f"{r['l3_wait_mean_ms']:.1f}", _ratio(r["ttft_speedup"]), _ratio(r["p99_speedup"]),
           "" if r["of_ideal_pct"] is None else f"{r['of_ideal_pct']:.0f}%"] for r in rows])
-    cap = "" if sweep.capacity_per_s is None else \
-        f"L1-only capacity {sweep.capacity_per_s:.2f} requests/s (its serial replay); "
+    cap = "" if sweep.capacity_per_s is None else (
+        f"L1-only capacity {sweep.capacity_per_s:.2f} requests/s (saturated: every "
+        "conversation at once); ")
     return (f"Under load ({cap}FIFO, one request at a time; util = arrival rate x mean "
             f"service, >= 1 is overloaded: the queue grows without bound):\n\n" + body)
 
@@ -159,7 +160,9 @@ def write_outputs(report: DemoReport, out_dir: str) -> dict[str, str]:
         "l3_store_stats": {r.name: r.store_stats for r in report.runs if r.store_stats},
     }
     if report.load is not None:
+        cal = report.load.calibration
         data["load"] = {"capacity_per_s": report.load.capacity_per_s,
+                        "capacity_run": None if cal is None else cal.summary(),
                         "levels": [asdict(lv) | {"label": lv.label}
                                    for lv in report.load.levels],
                         "table": report.load.table(IDEAL)}

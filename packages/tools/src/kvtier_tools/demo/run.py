@@ -815,54 +815,67 @@ def run_loads(cfg: DemoConfig, names: list[str], model: DemoModel, workload: Wor
               corrupt_restore: bool = False, log: Callable[..., None] = lambda *a: None,
               digests: dict[bytes, set[int]] | None = None):
     """Every load level on every setup (`kvtier_tools.demo.load`), each on a fresh engine and cache
-    (an L3 store of its own). The serial replay's L1-only requests per second of busy time
-    are the capacity the load fractions are of."""
-    from .load import LoadSweep, levels, serial_summary, serve_queue
-    base = next((r for r in serial if r.name == "L1 only"), None)
-    capacity = len(base.results) / base.busy_s if base is not None and base.busy_s > 0 \
-        else None
+    (an L3 store of its own). The load fractions are of L1 only's capacity saturated: one
+    request over its mean service time when every conversation sends at once (a closed loop,
+    no think time), measured first. (The serial replay's busy time is not it: there the
+    setups take turns request by request, and on the H200 a prefill after another setup's
+    took up to 1.9x as long per token as under load, so fractions of it offered 0.5-0.6 of
+    the engine at a nominal 0.8-0.95.)"""
+    from .load import Level, LoadSweep, levels, serial_summary, serve_queue
+
+    def serve(name: str, lv: Any, tag: str, seed: int) -> Any:
+        root = os.path.join(tmp, f"load-{tag}-{names.index(name)}")
+        if has_l3(name) and _store_takes_root(cfg.l3_store):
+            os.makedirs(root, exist_ok=True)
+        else:
+            root = None  # type: ignore[assignment]
+        cc = cache_config(cfg, name, model, l2, root)
+        if has_l3(name) and _shared_memory_store(cfg.l3_store):
+            # a shared-memory arena of this level's own, as a store root of its own is
+            lc = cc["l3_config"]
+            lc.update(name=f"{lc.get('name', 'kvtier')}-load{tag}", remove_when_unused=True)
+        eng = DemoEngine(model, cc, l1_pages=l1_of[name], lower_tiers=loads_below_l1(name),
+                         prefill_mode="paged" if cfg.check_mode == "bitwise" else "fast",
+                         digests=digests)
+        eng.corrupt_restore = corrupt_restore
+        try:
+            eng.warm_up(model.vocab_size)
+            # under load the checks are the digests of every restored page and a full
+            # recompute of the first L1 reuse and the first load: a check's time is real
+            # time the queue does not count, and reads in flight would gain it
+            check = CheckPolicy(cfg.check, 0.0, seed * 1000)
+
+            def verify(req: Any, res: RequestResult,
+                       where: str = f"{name} at {lv.label}") -> None:
+                if res.restored_bad:
+                    raise _digest_failed(where, req, res)
+                if res.check is not None and not res.check.passed:
+                    raise _check_failed(where, req, res)
+
+            return serve_queue(eng, workload, lv, check, seed=seed, name=name,
+                               on_result=verify)
+        finally:
+            eng.close()
+
+    capacity = cal = None
+    if cfg.loads and "L1 only" in names:
+        cal = serve("L1 only", Level("closed", users=len(workload)), "capacity", cfg.seed)
+        service = cal.summary()["service_mean_ms"] / 1e3
+        capacity = 1.0 / service if service > 0 else None
     lvls = levels(cfg.loads, cfg.rates, cfg.concurrency, cfg.think_ms, capacity)
     if capacity is not None:
-        log(f"kvtier demo: L1-only capacity {capacity:.2f} requests/s (serial replay); under "
+        base = next((r for r in serial if r.name == "L1 only"), None)
+        was = f"; the serial replay's busy time gave {len(base.results) / base.busy_s:.2f}" \
+            if base is not None and base.busy_s > 0 else ""
+        log(f"kvtier demo: L1-only capacity {capacity:.2f} requests/s (saturated{was}); under "
             f"load: {', '.join(lv.label for lv in lvls)}")
     runs = []
     for i, lv in enumerate(lvls):
         for name in names:
-            root = os.path.join(tmp, f"load-{i}-{names.index(name)}")
-            if has_l3(name) and _store_takes_root(cfg.l3_store):
-                os.makedirs(root, exist_ok=True)
-            else:
-                root = None  # type: ignore[assignment]
-            cc = cache_config(cfg, name, model, l2, root)
-            if has_l3(name) and _shared_memory_store(cfg.l3_store):
-                # a shared-memory arena of this level's own, as a store root of its own is
-                lc = cc["l3_config"]
-                lc.update(name=f"{lc.get('name', 'kvtier')}-load{i}", remove_when_unused=True)
-            eng = DemoEngine(model, cc, l1_pages=l1_of[name], lower_tiers=loads_below_l1(name),
-                             prefill_mode="paged" if cfg.check_mode == "bitwise" else "fast",
-                             digests=digests)
-            eng.corrupt_restore = corrupt_restore
-            try:
-                eng.warm_up(model.vocab_size)
-                # under load the checks are the digests of every restored page and a full
-                # recompute of the first L1 reuse and the first load: a check's time is real
-                # time the queue does not count, and reads in flight would gain it
-                check = CheckPolicy(cfg.check, 0.0, cfg.seed * 1000 + i)
-
-                def verify(req: Any, res: RequestResult,
-                           where: str = f"{name} at {lv.label}") -> None:
-                    if res.restored_bad:
-                        raise _digest_failed(where, req, res)
-                    if res.check is not None and not res.check.passed:
-                        raise _check_failed(where, req, res)
-
-                runs.append(serve_queue(eng, workload, lv, check, seed=cfg.seed + i,
-                                        name=name, on_result=verify))
-            finally:
-                eng.close()
+            runs.append(serve(name, lv, str(i), cfg.seed + i))
             s = runs[-1].summary()
             log(f"kvtier demo: {lv.label}: {name}: TTFT mean {s['ttft_mean_ms']:.1f} ms, "
                 f"utilisation {s['utilisation']:.2f}"
                 + (" (OVERLOADED)" if s["overloaded"] else ""))
     ser = [serial_summary(r.name, r.results, r.busy_s) for r in serial if r.name in names]
-    return LoadSweep(capacity, lvls, ser, runs)
+    return LoadSweep(capacity, lvls, ser, runs, cal)
