@@ -823,7 +823,7 @@ def run_loads(cfg: DemoConfig, names: list[str], model: DemoModel, workload: Wor
     the engine at a nominal 0.8-0.95.)"""
     from .load import Level, LoadSweep, levels, serial_summary, serve_queue
 
-    def serve(name: str, lv: Any, tag: str, seed: int) -> Any:
+    def serve(name: str, lv: Any, tag: str, seed: int, check_seed: int) -> Any:
         root = os.path.join(tmp, f"load-{tag}-{names.index(name)}")
         if has_l3(name) and _store_takes_root(cfg.l3_store):
             os.makedirs(root, exist_ok=True)
@@ -843,7 +843,7 @@ def run_loads(cfg: DemoConfig, names: list[str], model: DemoModel, workload: Wor
             # under load the checks are the digests of every restored page and a full
             # recompute of the first L1 reuse and the first load: a check's time is real
             # time the queue does not count, and reads in flight would gain it
-            check = CheckPolicy(cfg.check, 0.0, seed * 1000)
+            check = CheckPolicy(cfg.check, 0.0, check_seed)
 
             def verify(req: Any, res: RequestResult,
                        where: str = f"{name} at {lv.label}") -> None:
@@ -859,7 +859,8 @@ def run_loads(cfg: DemoConfig, names: list[str], model: DemoModel, workload: Wor
 
     capacity = cal = None
     if cfg.loads and "L1 only" in names:
-        cal = serve("L1 only", Level("closed", users=len(workload)), "capacity", cfg.seed)
+        cal = serve("L1 only", Level("closed", users=len(workload)), "capacity", cfg.seed,
+                    cfg.seed * 1000)
         service = cal.summary()["service_mean_ms"] / 1e3
         capacity = 1.0 / service if service > 0 else None
     lvls = levels(cfg.loads, cfg.rates, cfg.concurrency, cfg.think_ms, capacity)
@@ -872,7 +873,7 @@ def run_loads(cfg: DemoConfig, names: list[str], model: DemoModel, workload: Wor
     runs = []
     for i, lv in enumerate(lvls):
         for name in names:
-            runs.append(serve(name, lv, str(i), cfg.seed + i))
+            runs.append(serve(name, lv, str(i), cfg.seed + i, cfg.seed * 1000 + i))
             s = runs[-1].summary()
             log(f"kvtier demo: {lv.label}: {name}: TTFT mean {s['ttft_mean_ms']:.1f} ms, "
                 f"utilisation {s['utilisation']:.2f}"
