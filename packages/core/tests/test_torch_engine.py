@@ -177,7 +177,7 @@ def test_layer_i_waits_only_for_its_group(spec, group, monkeypatch):
     back; with groups of one layer, layer 0 alone."""
     import threading
     dpool, hpool = make_device_pool(spec, 13), make_host_pool(spec, 17)
-    engine = TorchTransferEngine(dpool, hpool, {"group_layers": group})
+    engine = TorchTransferEngine(dpool, hpool, {"group_layers": group, "worker_thread": "always"})
     gate = threading.Event()
     real = engine._load_group
     firsts = []
@@ -209,6 +209,67 @@ def test_layer_i_waits_only_for_its_group(spec, group, monkeypatch):
         hpool.close()
     caps = TorchTransferEngine.capabilities()
     assert not caps.host_indices and caps.row_alignment == 1
+
+
+def test_cpu_copies_run_on_the_callers_thread(spec):
+    """On the CPU the default engine copies on the caller's thread (no second thread copying
+    beside the engine's compute): the handle is finished on return and the bytes are there;
+    ``worker_thread="always"`` keeps the worker thread; anything else is a ConfigError."""
+    import threading
+    dpool, hpool = make_device_pool(spec, 13), make_host_pool(spec, 17)
+    seen = []
+    engine = TorchTransferEngine(dpool, hpool)
+    real = engine._load_group
+    engine._load_group = lambda *a: (seen.append(threading.current_thread()), real(*a))[1]
+    try:
+        assert engine.on_caller and engine._worker is None
+        fill_random(hpool.raw)
+        for layer in dpool.chunks:
+            for chunk in layer:
+                fill_random(chunk)
+        src = [11, 3, 16, 0]
+        dst = [7, 12, 1, 5]
+        h = engine.load(src, dst)
+        assert h.done() and seen and set(seen) == {threading.current_thread()}
+        for s_, d_ in zip(src, dst):
+            for layer in range(spec.num_layers):
+                for c in range(spec.num_components):
+                    assert_bitwise_equal(dpool.page(c, layer, d_), hpool.view[s_, layer, c])
+        before = hpool.raw.clone()
+        h = engine.backup([2, 9], [4, 13])
+        assert h.done()
+        assert not torch.equal(hpool.raw, before)
+        for d_, s_ in zip([2, 9], [4, 13]):
+            for layer in range(spec.num_layers):
+                for c in range(spec.num_components):
+                    assert_bitwise_equal(hpool.view[s_, layer, c], dpool.page(c, layer, d_))
+    finally:
+        engine.close()
+    threaded = TorchTransferEngine(dpool, hpool, {"worker_thread": "always"})
+    try:
+        assert not threaded.on_caller and threaded._worker.is_alive()
+    finally:
+        threaded.close()
+    with pytest.raises(ConfigError, match="worker_thread"):
+        TorchTransferEngine(dpool, hpool, {"worker_thread": "never"})
+    hpool.close()
+
+
+def test_a_failing_copy_on_the_callers_thread_fails_its_handle(spec):
+    dpool, hpool = make_device_pool(spec, 5), make_host_pool(spec, 5)
+    engine = TorchTransferEngine(dpool, hpool)
+
+    def broken(*a):
+        raise RuntimeError("copy failed")
+
+    engine._backup_group = broken
+    try:
+        h = engine.backup([1], [2])          # no exception here: the handle carries it
+        with pytest.raises(Exception, match="copy failed"):
+            h.wait()
+    finally:
+        engine.close()
+        hpool.close()
 
 
 # ----- byte chunks: every device layout, fp8, the staged path ---------------------------------

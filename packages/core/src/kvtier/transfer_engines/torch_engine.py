@@ -23,7 +23,11 @@ one layer:
   Two staging pairs are allocated when the engine is built, so the CPU fills one while the
   other is on the link.
 
-Each call becomes one job on the engine's worker thread (jobs run in submission order). On an
+On an accelerator each call becomes one job on the engine's worker thread (jobs run in
+submission order). On the CPU (``worker_thread="auto"``) a call copies on the caller's thread
+and returns a finished handle: a second thread copying beside the engine's compute on the same
+cores costs the compute more than the copy (vLLM on CPU: 15% of its throughput one request at
+a time, against 4-5% copied by the caller, `records/vllm-cpu-serve.md`). On an
 accelerator the copies run on a side stream ordered after the caller's stream at call time;
 each group's layers signal as soon as the group is queued (staged backups: once its rows are
 in the host pool), and ``wait_layer(i)`` then makes the caller's stream wait on the event of
@@ -212,6 +216,9 @@ class TorchTransferEngine(TransferEngine):
         #: transfer's pages; 1: one layer per op). Groups need the device pool's layers at one
         #: stride; ``wait_layer(i)`` waits for ``i``'s whole group.
         group_layers: int = 0
+        #: Where copies run: ``auto`` on the engine's worker thread with an accelerator and
+        #: on the caller's thread on the CPU; ``always``: on the worker thread everywhere.
+        worker_thread: str = "auto"
 
     @classmethod
     def probe(cls) -> Availability:
@@ -235,6 +242,10 @@ class TorchTransferEngine(TransferEngine):
         if isinstance(g, bool) or not isinstance(g, int) or g < 0:
             raise ConfigError(f"{self.name}: group_layers must be an integer >= 0, got {g!r}",
                               key="group_layers", value=g)
+        if c.worker_thread not in ("auto", "always"):
+            raise ConfigError(f"{self.name}: worker_thread must be 'auto' or 'always', got "
+                              f"{c.worker_thread!r}", key="worker_thread",
+                              value=c.worker_thread)
         if host_pool.raw.device.type != "cpu":
             raise LayoutError(f"{self.name}: host pool must be in host memory, got "
                               f"{host_pool.raw.device}")
@@ -267,9 +278,14 @@ class TorchTransferEngine(TransferEngine):
         self._next = 0
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
-        self._worker = threading.Thread(target=self._run, name="kvtier-torch-engine",
-                                        daemon=True)
-        self._worker.start()
+        #: Copies run on the caller's thread (the CPU, ``worker_thread="auto"``).
+        self.on_caller = self._dm is None and c.worker_thread == "auto"
+        self._inline = threading.Lock()     # one caller's copies at a time, in call order
+        self._worker: threading.Thread | None = None
+        if not self.on_caller:
+            self._worker = threading.Thread(target=self._run, name="kvtier-torch-engine",
+                                            daemon=True)
+            self._worker.start()
 
     # ----- public API -----------------------------------------------------------------------
     def load(self, host_pages, device_pages) -> TransferHandle:
@@ -292,8 +308,9 @@ class TorchTransferEngine(TransferEngine):
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self._jobs.put(None)
-            self._worker.join(timeout=30)
+            if self._worker is not None:
+                self._jobs.put(None)
+                self._worker.join(timeout=30)
 
     def _device_module(self, device: torch.device) -> Any:
         """torch's module for ``device`` (``torch.cuda``, ...), None for the CPU; a device
@@ -477,7 +494,12 @@ class TorchTransferEngine(TransferEngine):
         if self._dm is not None:   # order the side stream after the caller's work so far
             start = self._dm.Event()
             start.record(self._dm.current_stream(self.device))
-        self._jobs.put((per_group, h_idx, d_idx, handle, start))
+        job = (per_group, h_idx, d_idx, handle, start)
+        if self.on_caller:
+            with self._inline:
+                self._job(*job)
+        else:
+            self._jobs.put(job)
         return handle
 
     def _run(self) -> None:
@@ -485,30 +507,35 @@ class TorchTransferEngine(TransferEngine):
             job = self._jobs.get()
             if job is None:
                 return
-            per_group, h_idx, d_idx, handle, start = job
-            pending: list[tuple] = []
-            L = self.spec.num_layers
-            g = self._group_size(len(h_idx))
-            try:
-                h_np = h_idx if self.zero_copy else h_idx.cpu().numpy()
-                if self._dm is None:        # host copies: their own time is measured
-                    handle._begin()
+            self._job(*job)
+
+    def _job(self, per_group: Callable, h_idx: torch.Tensor, d_idx: torch.Tensor,
+             handle: "LayerwiseHandle", start: Any) -> None:
+        pending: list[tuple] = []
+        L = self.spec.num_layers
+        g = self._group_size(len(h_idx))
+        try:
+            h_np = h_idx if self.zero_copy else h_idx.cpu().numpy()
+            if self._dm is None:        # host copies: their own time is measured
+                handle._begin()
+                for a in range(0, L, g):
+                    per_group(a, min(g, L - a), h_np, d_idx, handle, pending)
+            else:
+                dm = self._dm
+                stream = self._stream or dm.current_stream(self.device)
+                with dm.device(self.device), dm.stream(stream):
+                    stream.wait_event(start)
+                    for t in (h_np, d_idx):
+                        if isinstance(t, torch.Tensor) and t.device.type != "cpu":
+                            t.record_stream(stream)
                     for a in range(0, L, g):
                         per_group(a, min(g, L - a), h_np, d_idx, handle, pending)
-                else:
-                    dm = self._dm
-                    stream = self._stream or dm.current_stream(self.device)
-                    with dm.device(self.device), dm.stream(stream):
-                        stream.wait_event(start)
-                        for t in (h_np, d_idx):
-                            if isinstance(t, torch.Tensor) and t.device.type != "cpu":
-                                t.record_stream(stream)
-                        for a in range(0, L, g):
-                            per_group(a, min(g, L - a), h_np, d_idx, handle, pending)
-                        while pending:
-                            self._finish_backup(pending.pop(0), handle)
-            except BaseException as exc:  # surfaced to the caller by the handle
-                handle._fail(exc)
+                    while pending:
+                        self._finish_backup(pending.pop(0), handle)
+        except BaseException as exc:  # surfaced to the caller by the handle
+            handle._fail(exc)
+            if self.on_caller and not isinstance(exc, Exception):
+                raise                     # an interrupt of the caller's own thread
 
     def _batches(self, n: int, g: int):
         step = n if self._dm is None else max(1, self.staging_size // (g * self.layer_bytes))
