@@ -543,3 +543,29 @@ def test_the_recompute_fit_keeps_the_long_prompts_of_a_multi_turn_run(seed):
         prefill(t, t + rng.randint(1000, 4000))
     assert 55_000 < m.recompute_tokens_per_s < 120_000, m.recompute_tokens_per_s
     assert 0.025 < m.recompute_fixed_s < 0.045, m.recompute_fixed_s
+
+
+def test_one_split_for_every_path():
+    """`CostModel.split` is the split every path makes: L3 pages loaded in place count as L2
+    pages (no read), a read L3 page counts as ready, nothing is offered beyond what was hit,
+    a model that is off loads everything, and a first read is capped until the L3 rate is
+    known. The planner's offer and the in-process cache's fetch both go through it."""
+    pb, ps, layers = 64 * 128 * 1024, 64, 32           # an 8B-shaped page
+    m = CostModel(recompute_tokens_per_s=30_000)
+    kw = dict(compute_tokens=100, page_size=ps, page_bytes=pb, layers=layers, context=4096)
+    assert m.first_read_cap(500) == CostModel.L3_PROBE_PAGES   # no L3 rate yet
+    for _ in range(3):
+        m.observe_load(pb * 8, pb * 8 / 48e9)                  # L2 -> L1 at 48 GB/s
+        m._l3.observe(pb * 8, pb * 8 / 1.5e9)                  # reads of a 1.5 GB/s disk
+    assert m.first_read_cap(500) == 500
+    k2, k3 = m.split(l2_pages=10, l3_pages=40, **kw)
+    assert (k2, k3) == (10, 0)                # the disk loses to recompute; L2 is loaded
+    direct = m.split(l2_pages=10, l3_pages=40, in_place=True, **kw)
+    assert direct[0] == 10 and direct[1] >= 35   # in place: at the link's speed, like L2
+    # pages already read into L2 are loaded as L2 pages are
+    assert m.split(l2_pages=10, l3_pages=40, l3_ready=40, **kw) == direct
+    assert m.split(l2_pages=50, l3_pages=0, **kw) == (direct[0] + direct[1], 0)
+    assert m.split(l2_pages=0, l3_pages=0, **kw) == (0, 0)
+    off = CostModel(enabled=False)
+    assert off.split(l2_pages=3, l3_pages=5, **kw) == (3, 5)
+    assert off.first_read_cap(500) == 500

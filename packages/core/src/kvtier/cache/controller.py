@@ -207,37 +207,27 @@ class TieredKVCache:
                                        value=expected_wait_s)
         if match.l3_count == 0 or match.read is not None or self._in_place is not None:
             return            # in place: a fetch loads straight from the arena
-        limit = self._first_read_cap(match.l3_count)
+        limit = self.cost.first_read_cap(match.l3_count)
         if self.cost.enabled and limit == match.l3_count:
             ready = self.cost.pages_readable_in(expected_wait_s, self.spec.page_bytes,
                                                 match.l3_count)
-            k = self._pages_to_load(match, match.l2_count, match.l3_count, l3_ready=ready)
-            limit = max(0, k - match.l2_count)
+            _, limit = self._split(match, match.l2_count, match.l3_count, l3_ready=ready)
             if limit < match.l3_count and self.cost.wants_l3_probe():
                 limit = max(limit, min(match.l3_count, self.cost.L3_PROBE_PAGES))
             self.metrics_registry.add("cost_skipped_prefetch_pages", match.l3_count - limit)
         if limit:
             l3tasks.start_read(self, match, limit)
 
-    def _pages_to_load(self, match: Match, l2_pages: int, l3_pages: int, *,
-                       l3_ready: int) -> int:
-        """The cost model's split of ``l2_pages + l3_pages`` hit pages of ``match``: how
-        many leading ones to load (the rest and the match's misses are recomputed)."""
+    def _split(self, match: Match, l2_pages: int, l3_pages: int, *, l3_ready: int = 0,
+               in_place: bool = False) -> tuple[int, int]:
+        """`CostModel.split` of ``l2_pages + l3_pages`` hit pages of ``match`` (the rest and
+        the match's misses are recomputed)."""
         ps = self.spec.page_size
-        return self.cost.pages_to_load(
-            l2_pages=l2_pages, l3_pages=l3_pages, l3_ready=l3_ready,
+        return self.cost.split(
+            l2_pages=l2_pages, l3_pages=l3_pages, in_place=in_place, l3_ready=l3_ready,
             compute_tokens=max(1, match.num_tokens - match.total_pages * ps),
             page_size=ps, page_bytes=self.spec.page_bytes, layers=self.spec.num_layers,
             context=match.num_tokens)
-
-    def _first_read_cap(self, pages: int) -> int:
-        """Until the L3 rate is measured, a read takes only `CostModel.L3_PROBE_PAGES` pages:
-        the first L3 hit of a slow store must not stall a request on a long prefix (on the
-        H200, 2.9 GB from a 1.35 GB/s disk held one request 2.2 s); the probe measures the
-        rate, and the rest of the hit is recomputed this once."""
-        if self.cost.enabled and self.cost.l3_bytes_per_s is None:
-            return min(pages, self.cost.L3_PROBE_PAGES)
-        return pages
 
     def prefetch_ready(self, match: Match) -> bool:
         """Would `fetch` return without waiting on L3 now, under the prefetch policy?"""
@@ -280,12 +270,10 @@ class TieredKVCache:
         skip2 = skip3 = 0
         direct = self._in_place if n3_want and self._l3_usable() else None
         if self.cost.enabled and n2 + n3_want:
-            if direct is not None:            # in place: L3 pages load as L2 pages do
-                k = self._pages_to_load(match, n2 + n3_want, 0, l3_ready=0)
-            else:
-                k = self._pages_to_load(match, n2, n3_want, l3_ready=match.l3_pages_landed)
-            skip2, skip3 = n2 - min(n2, k), n3_want - max(0, k - n2)
-            n2, n3_want = n2 - skip2, n3_want - skip3
+            k2, k3 = self._split(match, n2, n3_want, in_place=direct is not None,
+                                 l3_ready=0 if direct is not None else match.l3_pages_landed)
+            skip2, skip3 = n2 - k2, n3_want - k3
+            n2, n3_want = k2, k3
             if skip3 and direct is None and match.read is None and self.cost.wants_l3_probe():
                 l3tasks.start_read(self, match, self.cost.L3_PROBE_PAGES)  # keeps it measured
         slots: list[int] = []
@@ -295,7 +283,7 @@ class TieredKVCache:
             if len(slots) < n3_want:
                 self.metrics_registry.add("l3_read_miss_pages", n3_want - len(slots))
         elif n3_want:
-            l3tasks.start_read(self, match, self._first_read_cap(n3_want))
+            l3tasks.start_read(self, match, self.cost.first_read_cap(n3_want))
             l3tasks.wait_read(self, match, n3_want)
         with self._lock:
             try:

@@ -187,16 +187,14 @@ class CachePlanner:
         if not cost.enabled or not hit.pages:
             return Offer(hit, l2, l3)
         direct = self.in_place             # L3 pages load as L2 pages do: no read to measure
-        if l3 and cost.l3_bytes_per_s is None and not direct:
-            l3 = min(l3, cost.L3_PROBE_PAGES)
+        if not direct:
+            l3 = cost.first_read_cap(l3)
         ps = self.spec.page_size
         total = len(keys) * ps if num_tokens is None else num_tokens
-        k = cost.pages_to_load(l2_pages=l2 + l3 if direct else l2, l3_pages=0 if direct else l3,
-                               l3_ready=0,
-                               compute_tokens=max(1, total - (start + l2 + l3) * ps),
-                               page_size=ps, page_bytes=self.spec.page_bytes,
-                               layers=self.spec.num_layers, context=total)
-        k2, k3 = min(l2, k), max(0, k - l2)
+        k2, k3 = cost.split(l2_pages=l2, l3_pages=l3, in_place=direct,
+                            compute_tokens=max(1, total - (start + l2 + l3) * ps),
+                            page_size=ps, page_bytes=self.spec.page_bytes,
+                            layers=self.spec.num_layers, context=total)
         probe = None
         if k3 < l3 and not direct and cost.wants_l3_probe():
             probe = self.plan_prefetch(keys, start + l2, cost.L3_PROBE_PAGES)
