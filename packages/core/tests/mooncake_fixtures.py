@@ -185,8 +185,21 @@ class MasterProcess:
         self.start()
 
     def pause(self) -> None:
-        """SIGSTOP: connections stay open, nothing answers (a hung master)."""
+        """SIGSTOP: connections stay open, nothing answers (a hung master). Returns once the
+        kernel shows the process stopped: the signal is delivered asynchronously, and a
+        master still running on another core could answer one more call."""
         self.proc.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                with open(f"/proc/{self.proc.pid}/stat") as f:
+                    state = f.read().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                return                        # no /proc: as before
+            if state in ("T", "t"):
+                return
+            time.sleep(0.005)
+        raise AssertionError(f"mooncake_master {self.proc.pid} did not stop after SIGSTOP")
 
     def resume(self) -> None:
         self.proc.send_signal(signal.SIGCONT)
