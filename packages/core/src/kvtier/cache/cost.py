@@ -416,14 +416,11 @@ class CostModel:
         L2 pages do (no read to wait for); ``l3_ready``: L3 pages already read into L2."""
         if not self.enabled or l2_pages + l3_pages == 0:
             return l2_pages, l3_pages
-        if in_place:
-            k = self.pages_to_load(l2_pages=l2_pages + l3_pages, l3_pages=0, l3_ready=0,
-                                   compute_tokens=compute_tokens, page_size=page_size,
-                                   page_bytes=page_bytes, layers=layers, context=context)
-        else:
-            k = self.pages_to_load(l2_pages=l2_pages, l3_pages=l3_pages, l3_ready=l3_ready,
-                                   compute_tokens=compute_tokens, page_size=page_size,
-                                   page_bytes=page_bytes, layers=layers, context=context)
+        l2, l3, ready = (l2_pages + l3_pages, 0, 0) if in_place else \
+            (l2_pages, l3_pages, l3_ready)
+        k = self.pages_to_load(l2_pages=l2, l3_pages=l3, l3_ready=ready,
+                               compute_tokens=compute_tokens, page_size=page_size,
+                               page_bytes=page_bytes, layers=layers, context=context)
         return min(l2_pages, k), min(l3_pages, max(0, k - l2_pages))
 
     def first_read_cap(self, pages: int) -> int:
