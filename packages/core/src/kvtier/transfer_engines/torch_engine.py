@@ -27,7 +27,7 @@ On an accelerator each call becomes one job on the engine's worker thread (jobs 
 submission order). On the CPU (``worker_thread="auto"``) a call copies on the caller's thread
 and returns a finished handle: a second thread copying beside the engine's compute on the same
 cores costs the compute more than the copy (vLLM on CPU: 15% of its throughput one request at
-a time, against 4-5% copied by the caller, `records/vllm-cpu-serve.md`). On an
+a time, against 4-10% copied by the caller, `records/vllm-cpu-serve.md`). On an
 accelerator the copies run on a side stream ordered after the caller's stream at call time;
 each group's layers signal as soon as the group is queued (staged backups: once its rows are
 in the host pool), and ``wait_layer(i)`` then makes the caller's stream wait on the event of
