@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from kvtier import KVSpec
+from kvtier.errors import TransferError
 from kvtier.cache import TieredKVCache
 from kvtier.device_pool import DeviceKVPool
 from kvtier.l3_stores.shm import ShmStore
@@ -289,9 +290,10 @@ def test_an_in_place_load_that_fails_to_start_lets_every_slot_go():
         real, engine.load = engine.load, refuse
         m = b.cache.match(toks)
         dev = b.pages(m.pages_to_load)
-        with pytest.raises(RuntimeError, match="refused"):
-            b.cache.fetch(m, dev)
-        assert b.store.arena.pinned() == 0
+        fh = b.cache.fetch(m, dev)                     # a failed load is the handle's error
+        with pytest.raises(TransferError, match="load failed"):
+            fh.wait()
+        assert fh.error is not None and b.store.arena.pinned() == 0
         b.alloc.free(b.cache.release(m))            # the pages given come back
         engine.load = real
         loaded, got = b.load(toks)                     # and the next fetch loads in place

@@ -1,10 +1,12 @@
 """`TieredKVCache`: the controller an engine calls on every request, in one process.
 
 It keeps a `PageIndex` of KV pages by chained page key across L1 (the engine's device pool),
-L2 (a `HostKVPool` it owns) and L3 (any registered `L3Store`), moves pages with any registered
-`TransferEngine` and applies the write, prefetch and eviction policies (`kvtier.policies`,
-`kvtier.cache.eviction`). Engines whose scheduler and workers are separate processes use its
-two halves instead: `CachePlanner` and `CacheExecutor` (`kvtier.cache.planner`/`executor`).
+L2 (a `HostKVPool` it owns) and L3 (any registered `L3Store`) and applies the write, prefetch
+and eviction policies (`kvtier.policies`, `kvtier.cache.eviction`). It moves no data itself:
+every copy and store call runs as a `Plan` on its `CacheExecutor`, the same data path vLLM's
+worker runs (one store loop, one definition of a miss, one deadline, one bounded close).
+Engines whose scheduler and workers are separate processes use the index half there too:
+`CachePlanner` (`kvtier.cache.planner`).
 
 Usage: `docs/integrate.md` walks through a complete integration (`examples/integrate.py`):
 ``match`` (pins the hits) -> ``prefetch`` (optional, early) -> ``fetch`` (a `FetchHandle`:
@@ -40,14 +42,16 @@ Thread-safe.
 
 from __future__ import annotations
 
+import itertools
 import logging
+import secrets
 import threading
 import time
 from typing import Any, Callable, Literal, Mapping, Sequence
 
 from ..device_pool import DeviceKVPool
 from ..errors import (InvalidArgumentError, PageIndexError, TierFailureError,
-                      TokensError)
+                      TokensError, TransferError)
 from ..host_pool import HostKVPool
 from ..interfaces import CompletedHandle, L3Store, TransferEngine, TransferHandle
 from ..keys import PageKeyer
@@ -55,12 +59,14 @@ from ..metrics import Metrics
 from ..policies import PrefetchPolicy, WritePolicy, make_prefetch_policy, make_write_policy
 from . import eviction, handles, inplace, l3tasks, lifecycle, transfers
 from .config import CacheConfig
-from .cost import CostModel, TimedStore, load_seconds
+from .cost import CostModel
+from .executor import CacheExecutor
 from .handles import CommitResult, FetchHandle, Match
 from .index import Node, PageIndex
 from .keying import make_keyer
 from .parts import build_parts
 from .l3io import L3IO
+from .plans import Plan, PlanResult
 from .unreadable import UnreadableKeys
 
 log = logging.getLogger("kvtier.cache")
@@ -104,8 +110,6 @@ class TieredKVCache:
         parts = build_parts(cfg, device_pool, self.keyer, host_pool=host_pool, engine=engine,
                             store=store)
         self.host_pool, self.engine, self.store = parts.host_pool, parts.engine, parts.store
-        store = self.store
-        self._owned: list[Any] = parts.owned      # what close() closes, in reverse order
         self._lock = threading.RLock()
         self._index = PageIndex()
         #: Keys whose L3 read failed: not offered again until a write replaces them.
@@ -115,17 +119,23 @@ class TieredKVCache:
         self._closing = False
         self._failure: TierFailureError | None = None
         self._failure_reported = True
-        self._l3: L3IO | None = None
-        self._completer = transfers.Completer(self._completer_died)
         self.cost = CostModel.from_config(cfg)
-        if store is not None:
-            self._l3 = L3IO(TimedStore(store, self.cost, spec.page_bytes),
-                            threads=cfg.l3_io_threads, error_limit=cfg.l3_error_limit,
-                            call_timeout_s=cfg.l3_call_timeout_s,
-                            metrics=self.metrics_registry, on_failure=self._l3_failed)
+        #: The data path: every copy and store call of this cache runs as a `Plan` on it.
+        self._ex = CacheExecutor(
+            host_pool=parts.host_pool, engine=parts.engine, store=parts.store,
+            l3_io_threads=cfg.l3_io_threads, l3_batch_pages=cfg.l3_batch_pages,
+            l3_error_limit=cfg.l3_error_limit, l3_call_timeout_s=cfg.l3_call_timeout_s,
+            owned=tuple(parts.owned), cost=self.cost, in_place=parts.in_place,
+            in_place_why_not=parts.in_place_why_not,
+            l3_max_queued_pages=cfg.l3_max_queued_pages, metrics=self.metrics_registry,
+            l3_name="kvtier-l3-io", on_failure=self._tier_failed)
+        self._l3: L3IO | None = self._ex.l3
+        self._completer = self._ex._completer
+        self._plan_ids = itertools.count(1)
+        self._plan_base = secrets.randbits(30) << 32
         self._in_place: inplace.InPlace | None = parts.in_place
         #: Why L3 pages are not loaded in place ("" when they are).
-        self.in_place_why_not = parts.in_place_why_not
+        self.in_place_why_not = self._ex.in_place_why_not
         lifecycle.register_gauges(self)
         lifecycle.close_on_exit(self)
 
@@ -276,75 +286,76 @@ class TieredKVCache:
             n2, n3_want = k2, k3
             if skip3 and direct is None and match.read is None and self.cost.wants_l3_probe():
                 l3tasks.start_read(self, match, self.cost.L3_PROBE_PAGES)  # keeps it measured
-        slots: list[int] = []
-        if n3_want and direct is not None:
-            start = match.l1_count + match.l2_count
-            slots = direct.pin(match.keys[start:start + n3_want])
-            if len(slots) < n3_want:
-                self.metrics_registry.add("l3_read_miss_pages", n3_want - len(slots))
-        elif n3_want:
+        n_direct = n3_want if direct is not None else 0
+        if n3_want and direct is None:
             l3tasks.start_read(self, match, self.cost.first_read_cap(n3_want))
             l3tasks.wait_read(self, match, n3_want)
+        box: dict[str, Any] = {}
         with self._lock:
-            try:
-                self._check_match(match)
-                self._check_engine_pages(dev, "device_pages")  # again: a fetch may have begun
-            except BaseException:
-                if slots:
-                    direct.unpin(slots)              # type: ignore[union-attr]
-                raise
+            self._check_match(match)
+            self._check_engine_pages(dev, "device_pages")  # again: a fetch may have begun
             task = match.read
             landed: list[Node] = []
             rest: list[Node] = []
-            if task is not None and not skip3 and not slots:
+            if task is not None and not skip3 and not n_direct:
                 task.cancelled = True             # later pages land unpinned, for others
                 landed, rest = task.landed[:n3_want], task.landed[n3_want:]
             nodes = match.hand_over_l2(n2, landed, rest)
             match.give(dev)
-            n_load = len(nodes) + len(slots)
+            start = match.l1_count + match.l2_count
+            plan = Plan(self._new_plan_id(),
+                        loads=tuple(zip([nd.host_page for nd in nodes], dev)),  # type: ignore[arg-type]
+                        l3_loads=tuple(zip(match.keys[start:start + n_direct],
+                                           dev[len(nodes):])))
+            handle: TransferHandle = CompletedHandle(self.spec.num_layers)
+            n_load = 0
+            if not plan.empty:
+                try:
+                    ph = self._ex.submit(plan, on_done=lambda res: self._fetch_booked(box, res))
+                except BaseException:
+                    match.take_back_l2(nodes)
+                    raise
+                handle, n_load = ph, len(nodes) + ph.in_place_pages
             load, unused = dev[:n_load], dev[n_load:]
-            t_load = time.perf_counter()
-            handle: TransferHandle | None = None
-            try:
-                handle = self.engine.load(
-                    [nd.host_page for nd in nodes], load[:len(nodes)]) if nodes else \
-                    CompletedHandle(self.spec.num_layers)
-                if slots:
-                    h3 = direct.engine.load(slots, load[len(nodes):])  # type: ignore[union-attr]
-                    handle = inplace.BothHandles(handle, h3) if nodes else h3
-            except BaseException:
-                if handle is not None and nodes:
-                    transfers.host_wait(handle)      # the L2 part started: let it land first
-                match.take_back_l2(nodes)
-                if slots:
-                    direct.unpin(slots)              # type: ignore[union-attr]
-                raise
             fh = FetchHandle(self._finish_fetch, match, handle, nodes, load, unused,
                              self.spec.num_layers, from_l2=n2,
-                             in_place=(direct, slots) if slots else None)
+                             in_place_pages=n_load - len(nodes))
             match.attach_fetch(fh)
             for d in load:
                 self._loading[d] = fh
+            box["fh"] = fh
+            if n_direct > n_load - len(nodes):
+                self.metrics_registry.add("l3_read_miss_pages", n_direct - n_load + len(nodes))
+        n_in = n_load - len(nodes)
         self.metrics_registry.add_many({
             "fetch_calls": 1, "fetched_l2_pages": n2,
-            "fetched_l3_pages": len(landed) + len(slots), "l3_in_place_pages": len(slots),
-            "l3_loaded_pages": len(slots), "bytes_l3_read": len(slots) * self.spec.page_bytes,
-            "prefetch_cut_pages": n3_want - len(landed) - len(slots)
+            "fetched_l3_pages": len(landed) + n_in, "l3_loaded_pages": n_in,
+            "l3_in_place_pages": 0,          # (the data path counts those that land)
+            "bytes_l3_read": n_in * self.spec.page_bytes,
+            "prefetch_cut_pages": n3_want - len(landed) - n_in
             + (match.l3_count - n3_want - skip3),
             "cost_skipped_pages_l2": skip2, "cost_skipped_pages_l3": skip3,
             "bytes_h2d": n_load * self.spec.page_bytes})
         self.metrics_registry.observe("fetch", time.perf_counter() - t0)
-        if n_load:
-            nbytes = n_load * self.spec.page_bytes
-
-            def landed_cb(err: BaseException | None) -> None:
-                if err is None:
-                    self.cost.observe_load(nbytes, load_seconds(handle, t_load))
-                self._finish_fetch(fh, err)
-            self._completer.submit(handle, landed_cb)
-        else:
+        if plan.empty:
             self._finish_fetch(fh, None)
+        elif "res" in box:                   # finished before the handle existed
+            self._finish_fetch(fh, self._load_error(fh, box["res"]))
         return fh
+
+    def _fetch_booked(self, box: dict[str, Any], res: PlanResult) -> None:
+        """A fetch's plan finished: book it (on the data path's thread)."""
+        with self._lock:
+            fh = box.get("fh")
+            if fh is None:
+                box["res"] = res
+                return
+        self._finish_fetch(fh, self._load_error(fh, res))
+
+    @staticmethod
+    def _load_error(fh: FetchHandle, res: PlanResult) -> TransferError | None:
+        ok = all(res.loads) and all(res.l3_loads[:fh.in_place_pages])
+        return None if ok else TransferError("L2 -> L1 load failed")
 
     def commit(self, tokens: Any, device_pages: Sequence[int] | Any,
                match: Match | None = None) -> CommitResult:
@@ -462,15 +473,7 @@ class TieredKVCache:
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Block until no transfer completion or L3 I/O is queued or running (tests,
         benchmarks, deterministic replays); False on timeout."""
-        deadline = None if timeout is None else time.perf_counter() + timeout
-        left = lambda: None if deadline is None else max(0.0, deadline - time.perf_counter())  # noqa: E731
-        while True:
-            if not self._completer.wait_idle(left()):
-                return False
-            if self._l3 is not None and not self._l3.wait_idle(left()):
-                return False
-            if self._completer.depth() == 0:   # an L3 write may not queue new transfers
-                return True
+        return self._ex.wait_idle(timeout)
 
     def observe_recompute(self, tokens: int, seconds: float,
                           context: int | None = None) -> None:
@@ -537,11 +540,11 @@ class TieredKVCache:
     def _check(self, report: bool = True) -> None:
         lifecycle.check(self, report)
 
-    def _l3_failed(self, message: str, cause: BaseException | None) -> None:
-        lifecycle.tier_failed(self, "l3", message, cause)
+    def _tier_failed(self, tier: str, message: str, cause: BaseException | None) -> None:
+        lifecycle.tier_failed(self, tier, message, cause)
 
-    def _completer_died(self, exc: BaseException) -> None:
-        lifecycle.completer_died(self, exc)
+    def _new_plan_id(self) -> int:
+        return self._plan_base | next(self._plan_ids)
 
     def _l3_usable(self) -> bool:
         return self._l3 is not None and self._l3.usable()

@@ -13,7 +13,6 @@ functions after them are the controller's: they allocate, copy and give pages ba
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -240,23 +239,12 @@ def evict_l1_once(c: "TieredKVCache", n: int, *, keep_short: bool = False
         if len(pages) < len(demote) and keep_short:
             kept = {nd.key for nd in demote[len(pages):]}
         demote = demote[:len(pages)]
-        transfers.pin_backup(c, demote)
-        handle = None
-        if demote:
-            try:
-                handle = c.engine.backup([nd.device_page for nd in demote], pages)
-            except BaseException:
-                transfers.undo_backup(c, demote, pages)
-                raise
+        handle = transfers.submit_backup(c, demote, pages, l3=pol.l3_on_backup) \
+            if demote else None
     if handle is not None:
-        t0 = time.perf_counter()
-        err: BaseException | None = None
-        try:
-            transfers.host_wait(handle)
-        except Exception as exc:
-            err = exc
-        transfers.finish_backup(c, demote, pages, err, t0, l3=pol.l3_on_backup)
-        c.metrics_registry.add("l1_demotions", len(demote) if err is None else 0)
+        handle.synchronize()                # landed and booked
+        ok = handle.result is not None and all(handle.result.backups)
+        c.metrics_registry.add("l1_demotions", len(demote) if ok else 0)
     with c._lock:
         dev, host, dropped = release_l1(idx, victims, demote_on_evict=pol.demote_on_l1_evict,
                                         keep=kept)

@@ -33,7 +33,7 @@ import itertools
 import logging
 import threading
 import time
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from ..device_pool import DeviceKVPool
 from ..errors import InvalidArgumentError, PageIndexError
@@ -52,6 +52,13 @@ from .transfers import Completer
 log = logging.getLogger("kvtier.cache")
 
 __all__ = ["CacheExecutor"]
+
+
+def _close_one(obj: Any) -> None:
+    try:
+        obj.close()
+    except Exception as exc:
+        log.warning("kvtier executor: closing %s failed: %s", type(obj).__name__, exc)
 
 
 class _PlanIds:
@@ -95,8 +102,15 @@ class _PlanIds:
 class _Run:
     """One plan in flight: results so far and the parts still running."""
 
-    def __init__(self, plan: Plan):
+    def __init__(self, plan: Plan, on_done: Callable[[PlanResult], None] | None = None,
+                 on_read: Callable[[int, int, list[bool] | None], None] | None = None,
+                 stop: Callable[[], bool] | None = None):
         self.plan = plan
+        self.on_done = on_done
+        self.on_read = on_read
+        self.stop = stop
+        self.reported = False               # its result is made (held pages in it)
+        self.handle: "PlanHandle | None" = None
         self.reads = [False] * len(plan.l3_reads)
         self.loads = [False] * len(plan.loads)
         self.backups = [False] * len(plan.backups)
@@ -161,22 +175,28 @@ class _StoreTask:
             pages = [p.l3_writes[i][0] for i in self.idx]
         m = self.ex.metrics_registry
         tried = 0
+        hook = self.run_.stop
+        stop = (lambda: self._gave_up) if hook is None else \
+            (lambda: self._gave_up or hook())
         try:
             for start, count, got in store_batches(
                     io, "batch_get" if self.is_read else "batch_set", keys, pages,
-                    self.ex.batch_pages, task=self, calling=self._calling,
-                    stop=lambda: self._gave_up):
+                    self.ex.batch_pages, task=self, calling=self._calling, stop=stop):
                 tried = start + count
                 if self.is_read:
                     self.run_.reads_tried = tried
                 if got is None:         # raised, refused or past its deadline (io counts why)
-                    if self.is_read:
-                        m.add("l3_read_failed_call_pages", count)
-                    continue
-                for i, ok in zip(self.idx[start:start + count], got):
-                    out[i] = ok
-                if self.is_read:        # the store's stats say why (corrupted, errors, ...)
-                    m.add("l3_read_missed_pages", count - sum(got))
+                    m.add("l3_read_failed_call_pages" if self.is_read
+                          else "l3_write_failed_pages", count)
+                else:
+                    if not self.is_read:
+                        m.add("l3_write_failed_pages", count - sum(got))
+                    for i, ok in zip(self.idx[start:start + count], got):
+                        out[i] = ok
+                    if self.is_read:    # the store's stats say why (corrupted, errors, ...)
+                        m.add("l3_read_missed_pages", count - sum(got))
+                if self.is_read and self.run_.on_read is not None:
+                    self.run_.on_read(self.idx[start], count, got)
             if self.is_read and not self._gave_up and tried < len(keys):
                 m.add("l3_read_skipped_pages", len(keys) - tried)   # after a miss, or L3 off
         finally:
@@ -200,7 +220,36 @@ class _StoreTask:
         self.ex._part_done(self.run_, self._part)
 
     def abort(self, cancelled: bool) -> None:
+        if not self.is_read:
+            self.ex.metrics_registry.add("l3_writes_cancelled" if cancelled
+                                         else "l3_writes_dropped", self.num_pages)
         self.ex._part_done(self.run_, self._part)
+
+
+class PlanHandle(TransferHandle):
+    """A submitted plan as a transfer handle: ``wait_layer(i)`` (layer i of its loads is in
+    place, for the caller's stream), ``wait``/``synchronize`` (the calling thread waits until
+    the plan has finished and its ``on_done`` has returned), ``done``. ``in_place_pages``:
+    how many of its ``l3_loads`` load (the leading run the store held when it was
+    submitted); ``result`` once finished and booked."""
+
+    def __init__(self, ex: "CacheExecutor", run: _Run):
+        self._ex = ex
+        self.plan_id = run.plan.plan_id
+        self.in_place_pages = 0
+        self.result: PlanResult | None = None
+
+    def wait_layer(self, layer: int) -> None:
+        self._ex.wait_layer(self.plan_id, layer)
+
+    def wait(self) -> None:
+        self._ex.wait(self.plan_id)
+
+    def synchronize(self) -> None:
+        self._ex.wait(self.plan_id)
+
+    def done(self) -> bool:
+        return self.result is not None
 
 
 class CacheExecutor:
@@ -214,7 +263,9 @@ class CacheExecutor:
                  l3_batch_pages: int = 64, l3_error_limit: int = 8,
                  l3_call_timeout_s: float = 30.0, owned: tuple[Any, ...] = (),
                  cost: CostModel | None = None, in_place: InPlace | None = None,
-                 in_place_why_not: str = ""):
+                 in_place_why_not: str = "", l3_max_queued_pages: int | None = None,
+                 metrics: Metrics | None = None, l3_name: str = "kvtier-executor-l3",
+                 on_failure: Callable[[str, str, BaseException | None], None] | None = None):
         self.host_pool = host_pool
         #: The store's memory seen as a host pool, for plans' ``l3_loads`` (None: those fail,
         #: and ``in_place_why_not`` says why).
@@ -226,7 +277,13 @@ class CacheExecutor:
         self.engine = engine
         self.store = store
         self.batch_pages = l3_batch_pages
-        self.metrics_registry = Metrics()
+        #: L3 writes beyond this many queued pages are dropped (counted in
+        #: ``l3_writes_dropped``): a store slower than the saves never grows a backlog.
+        self.max_queued_write_pages = l3_max_queued_pages
+        self.metrics_registry = metrics if metrics is not None else Metrics()
+        #: ``on_failure(tier, message, cause)``: a tier failed (``"l3"``: `L3IO` marked the
+        #: store failed; ``"transfer"``: the completion thread died).
+        self._on_failure = on_failure
         self._owned = list(owned)
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
@@ -236,13 +293,14 @@ class CacheExecutor:
         self._submitted = _PlanIds(self.PLAN_IDS_REMEMBERED)
         self._serial = 0
         self._closed = False
+        self._closing = False
         self._completer = Completer(self._completer_died)
         self.l3: L3IO | None = None
         if store is not None:
             timed = TimedStore(store, self.cost, host_pool.spec.page_bytes)
             self.l3 = L3IO(timed, threads=l3_io_threads, error_limit=l3_error_limit,
                            call_timeout_s=l3_call_timeout_s, metrics=self.metrics_registry,
-                           name="kvtier-executor-l3")
+                           on_failure=self._l3_failed, name=l3_name)
         m = self.metrics_registry
         m.gauge("plans_running", lambda: len(self._runs))
         m.gauge("l3_state", lambda: self.l3_state)
@@ -263,18 +321,30 @@ class CacheExecutor:
                    l3_error_limit=cfg.l3_error_limit,
                    l3_call_timeout_s=cfg.l3_call_timeout_s, owned=tuple(p.owned),
                    cost=CostModel.from_config(cfg), in_place=p.in_place,
-                   in_place_why_not=p.in_place_why_not)
+                   in_place_why_not=p.in_place_why_not,
+                   l3_max_queued_pages=cfg.l3_max_queued_pages)
 
     @property
     def l3_state(self) -> str:
         return self.l3.state if self.l3 is not None else "none"
 
     # ----- plans ------------------------------------------------------------------------------
-    def submit(self, plan: Plan) -> None:
+    def submit(self, plan: Plan, *, on_done: Callable[[PlanResult], None] | None = None,
+               on_read: Callable[[int, int, list[bool] | None], None] | None = None,
+               stop: Callable[[], bool] | None = None) -> PlanHandle:
         """Start ``plan``; a malformed plan, or one whose id was submitted before (running,
-        finished or polled long ago), raises before anything starts."""
+        finished or polled long ago), raises before anything starts.
+
+        ``on_done(result)``: called with the plan's result (and with a later release of held
+        host pages) instead of queueing it for `poll`, on the thread that finished it.
+        ``on_read(first, count, got)``: called as each batch of the plan's L3 reads comes
+        back (reads ``first`` to ``first + count``; ``got`` None if the call failed), before
+        the loads that wait on them start. ``stop()``: checked before each L3 call of the
+        plan; True ends its store work there (the rest fail, untried)."""
         self._validate(plan)
-        run = _Run(plan)
+        run = _Run(plan, on_done, on_read, stop)
+        handle = PlanHandle(self, run)
+        run.handle = handle
         with self._lock:
             if self._closed:
                 raise InvalidArgumentError("the executor is closed", argument="executor")
@@ -299,6 +369,7 @@ class CacheExecutor:
                 self._start_store(run, run.now_writes, is_read=False)
         finally:
             self._part_done(run, "submit")
+        return handle
 
     def poll(self) -> list[PlanResult]:
         """Results of the plans finished since the last poll, in finishing order (and the
@@ -340,32 +411,60 @@ class CacheExecutor:
         reported."""
         return self.cost.rates()
 
-    def close(self, timeout: float = 30.0) -> None:
-        """Finish running plans (up to ``timeout``), stop the threads, close what
-        `from_config` created. Plans still running then are reported failed."""
+    def close(self, timeout: float = 30.0, *, cancel_writes: bool = False,
+              flush: Callable[[], None] | None = None) -> None:
+        """Finish running plans, stop the threads and close what `from_config` created, all
+        within ``timeout`` (idempotent). Transfers in flight land first (their bookings may
+        queue L3 writes); then queued L3 writes are cancelled (``cancel_writes``) or
+        ``flush()`` may submit last ones; queued L3 reads are cancelled (they would only fill
+        L2). Plans still running at the end are reported failed; a host pool that a store
+        call stuck past its deadline may still write into is left open, and an owned object
+        whose close does not return in time is left behind (logged)."""
         with self._lock:
-            if self._closed:
+            if self._closing:
                 return
-            self._closed = True
+            self._closing = True       # plans the bookings below submit still run
         deadline = time.monotonic() + timeout
-        self.wait_idle(timeout)
-        if self.l3 is not None:
-            self.l3.stop(max(0.0, deadline - time.monotonic()))
-        self._completer.stop(max(0.0, deadline - time.monotonic()))
+        left = lambda: max(0.0, deadline - time.monotonic())  # noqa: E731
+        self._completer.wait_idle(left())
+        io = self.l3
+        if io is not None:
+            for task in io.queue.drain() if cancel_writes else []:
+                task.abort(cancelled=True)
+            if flush is not None and not cancel_writes and io.usable():
+                flush()
+            for task in io.queue.drain(reads_only=True):
+                task.abort(cancelled=True)
+        with self._lock:
+            self._closed = True
+        if not self.wait_idle(left()):
+            log.error("kvtier executor: close timed out with plans in flight")
+        if io is not None:
+            io.stop(left())
+        self._completer.stop(left())
         with self._cv:                  # stuck past the timeout: reported failed
-            for pid, run in list(self._runs.items()):
-                self._done[pid] = run.plan.failed()
+            stuck_runs = list(self._runs.values())
             self._runs.clear()
+            for run in stuck_runs:
+                run.reported = True
+                if run.on_done is None:
+                    self._done[run.plan.plan_id] = run.plan.failed()
             self._cv.notify_all()
-        stuck = self.l3 is not None and self.l3.stuck_calls() > 0
+        for run in stuck_runs:
+            if run.on_done is not None:
+                self._deliver(run.on_done, run.plan.failed())
+        stuck = io is not None and io.stuck_calls() > 0
         for obj in reversed(self._owned):
             if stuck and obj is self.host_pool:
                 log.error("kvtier executor: an L3 call is stuck; the host pool is left open")
                 continue
-            try:
-                obj.close()
-            except Exception as exc:
-                log.warning("kvtier executor: closing %s failed: %s", type(obj).__name__, exc)
+            closer = threading.Thread(target=_close_one, args=(obj,), daemon=True,
+                                      name="kvtier-close")
+            closer.start()
+            closer.join(left())
+            if closer.is_alive():
+                log.error("kvtier executor: closing %s did not return in time",
+                          type(obj).__name__)
 
     def __enter__(self) -> "CacheExecutor":
         return self
@@ -405,7 +504,10 @@ class CacheExecutor:
         with self._lock:
             run.parts += 1
         task = _StoreTask(self, run, idx, is_read=is_read)
-        if self.l3 is None or not self.l3.usable():
+        limit = self.max_queued_write_pages
+        if self.l3 is None or not self.l3.usable() or (
+                not is_read and limit is not None
+                and self.l3.queue.queued_write_pages + len(idx) > limit):
             task.abort(cancelled=False)
             return
         self.l3.submit(task)
@@ -460,6 +562,8 @@ class CacheExecutor:
             self._part_done(run, "in_place")
             return
         m.add("l3_read_missed_pages", len(keys) - len(slots))   # gone since the lookup
+        if run.handle is not None:
+            run.handle.in_place_pages = len(slots)
         if not slots:
             self._part_done(run, "in_place")
             return
@@ -500,11 +604,27 @@ class CacheExecutor:
             run.parts -= 1
             if run.parts:
                 return
-            del self._runs[run.plan.plan_id]
-            self._done[run.plan.plan_id] = run.result()
+            run.reported = True
+            result = run.result()
             if run.held:
                 self._held[run.plan.plan_id] = list(run.held)
+        if run.on_done is not None:
+            self._deliver(run.on_done, result)
+        if run.handle is not None:
+            run.handle.result = result          # done() once booked
+        with self._cv:
+            del self._runs[run.plan.plan_id]
+            if run.on_done is None:
+                self._done[run.plan.plan_id] = result
             self._cv.notify_all()
+
+    @staticmethod
+    def _deliver(on_done: Callable[[PlanResult], None], result: PlanResult) -> None:
+        try:
+            on_done(result)
+        except Exception:
+            log.exception("kvtier executor: booking the result of plan %d failed",
+                          result.plan_id)
 
     def _release_held(self, run: _Run, pages: list[int]) -> None:
         """A call past its deadline came back: the host pages it held are free again."""
@@ -512,20 +632,31 @@ class CacheExecutor:
         with self._cv:
             for p in pages:
                 run.held.remove(p)
-            if pid in self._runs:       # not reported yet: the result will not hold them
+            if not run.reported:        # the result will not hold them
                 return
             held = self._held.get(pid, [])
             for p in pages:
                 held.remove(p)
             if not held:
                 self._held.pop(pid, None)
-            self._serial += 1
-            self._done[(pid, "released", self._serial)] = PlanResult(
-                pid, released_host_pages=tuple(pages))
+            released = PlanResult(pid, released_host_pages=tuple(pages))
+            if run.on_done is None:
+                self._serial += 1
+                self._done[(pid, "released", self._serial)] = released
             self._cv.notify_all()
+        if run.on_done is not None:
+            self._deliver(run.on_done, released)
 
     def _completer_died(self, exc: BaseException) -> None:
-        log.error("kvtier executor: completion thread died: %s: %s", type(exc).__name__, exc)
+        message = f"completion thread died: {type(exc).__name__}: {exc}"
+        self.metrics_registry.add("transfer_failures")
+        log.error("kvtier executor: transfer tier failed: %s", message, exc_info=exc)
+        if self._on_failure is not None:
+            self._on_failure("transfer", message, exc)
+
+    def _l3_failed(self, message: str, cause: BaseException | None) -> None:
+        if self._on_failure is not None:
+            self._on_failure("l3", message, cause)
 
     def _validate(self, plan: Plan) -> None:
         if not isinstance(plan, Plan):

@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..errors import InvalidArgumentError, PageIndexError, TransferError
+from ..errors import InvalidArgumentError, PageIndexError
 from ..interfaces import TransferHandle
 from .index import Node
 
@@ -176,11 +176,10 @@ class FetchHandle:
     def __init__(self, on_finish: Callable[["FetchHandle", BaseException | None], None],
                  match: Match, handle: TransferHandle, nodes: list[Node],
                  device_pages: list[int], unused: list[int], num_layers: int, *,
-                 from_l2: int = 0, in_place: tuple[Any, list[int]] | None = None):
+                 from_l2: int = 0, in_place_pages: int = 0):
         self._on_finish = on_finish
-        #: (the cache's `InPlace`, the arena slots pinned) when the pages after ``nodes`` load
-        #: straight from a store's arena
-        self.in_place = in_place
+        #: How many pages after ``nodes`` load straight from a store's arena.
+        self.in_place_pages = in_place_pages
         self.match = match
         self._handle = handle
         self._nodes = nodes
@@ -198,13 +197,12 @@ class FetchHandle:
         self._handle.wait_layer(layer)
 
     def wait(self) -> None:
-        try:
-            self._handle.wait()
-        except TransferError as exc:
-            self._on_finish(self, exc)
-            raise
-        if self._handle.done():
-            self._on_finish(self, None)
+        """Block until the load has landed and is booked; raises its `TransferError` if it
+        failed (none of its pages are then taken)."""
+        self._handle.wait()
+        self._on_finish(self, None)          # booked already when the load was a plan
+        if self._error is not None:
+            raise self._error
 
     def done(self) -> bool:
         if self._handle.done():

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from ..interfaces import L3Store, TransferHandle
+from ..interfaces import L3Store
 from ..layout import PAGE_FIRST
 
 if TYPE_CHECKING:
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvtier.cache")
 
 __all__ = ["InPlace", "open_in_place", "store_loads_in_place", "says_why_not",
-           "register_host_memory", "BothHandles"]
+           "register_host_memory"]
 
 
 class _Registration:
@@ -133,29 +133,3 @@ def says_why_not(why: str, store: "L3Store | None") -> None:
     inner = getattr(store, "inner", store)
     if why and inner is not None and type(inner).in_place_reads is not L3Store.in_place_reads:
         log.info("kvtier: L3 pages load through L2: %s", why)
-
-
-class BothHandles(TransferHandle):
-    """Two loads of one fetch (from L2 and from the arena) as one handle."""
-
-    def __init__(self, a: TransferHandle, b: TransferHandle):
-        self.parts = (a, b)
-
-    def wait(self) -> None:
-        for h in self.parts:
-            h.wait()
-
-    def wait_layer(self, layer: int) -> None:
-        for h in self.parts:
-            h.wait_layer(layer)
-
-    def done(self) -> bool:
-        return all(h.done() for h in self.parts)
-
-    def synchronize(self) -> None:
-        for h in self.parts:
-            h.synchronize()
-
-    def busy_seconds(self) -> float | None:
-        got = [h.busy_seconds() for h in self.parts]
-        return None if any(s is None for s in got) else sum(got)  # type: ignore[misc]

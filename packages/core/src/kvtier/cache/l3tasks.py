@@ -1,10 +1,10 @@
-"""The controller's L3 work, run by `L3IO` and booked into its index.
+"""The controller's L3 work: plans run by its `CacheExecutor`, booked into its index.
 
 `ReadTask` reads a match's L3 run into freshly allocated host pages and registers each page
-in L2 as it lands (pinned for the match while the match still wants it); a fetch waits on it
-within the prefetch policy's budget. `WriteTask` writes pinned L2 pages to L3 (write-through
-backups, write-backs before eviction, the flush at close) and unpins them, freeing evicted
-ones children first.
+in L2 as its batch lands (pinned for the match while the match still wants it); a fetch waits
+on it within the prefetch policy's budget. `WriteTask` writes pinned L2 pages to L3
+(write-through backups, write-backs before eviction, the flush at close) and unpins them,
+freeing evicted ones children first.
 """
 
 from __future__ import annotations
@@ -14,23 +14,22 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+from ..errors import InvalidArgumentError
 from . import eviction
 from .eviction import after_l3_write
 from .index import Node
-from .l3io import first_miss, store_batches
+from .l3io import first_miss
+from .plans import Plan, PlanResult
 
 if TYPE_CHECKING:
     from .controller import TieredKVCache
     from .handles import Match
-    from .l3io import L3IO
 
 __all__ = ["ReadTask", "WriteTask", "start_read", "wait_read", "enqueue_write"]
 
 
 class ReadTask:
     """L3 -> L2 read of a match's L3 run into freshly allocated host pages."""
-
-    is_read = True
 
     def __init__(self, cache: "TieredKVCache", match: "Match", keys: list[bytes],
                  host_pages: list[int], parent_key: bytes | None):
@@ -43,7 +42,6 @@ class ReadTask:
         self.used = 0                    # host pages consumed (registered or freed)
         self.cancelled = False           # the match no longer wants more pages
         self.finished = False
-        self.gave_up = False             # a store call passed its deadline: stop waiting
         self.cv = threading.Condition()
         self.n_landed = 0
         self.t0 = time.perf_counter()
@@ -54,35 +52,20 @@ class ReadTask:
 
     @property
     def settled(self) -> bool:
-        """Nothing more will land that a waiter should wait for."""
-        return self.finished or self.gave_up
+        """Nothing more will land that a waiter should wait for (a store call past its
+        deadline ends the plan at once)."""
+        return self.finished
 
-    def run(self, io: "L3IO") -> None:
-        n = self.num_pages
-        try:
-            for start, count, got in store_batches(
-                    io, "batch_get", self.keys, self.host_pages,
-                    self.cache.config.l3_batch_pages, task=self,
-                    stop=lambda: self.cancelled or self.gave_up):
-                # (a call past its deadline is slow, not unreadable: the read ends there
-                # and marks nothing, as the executor's)
-                lead = first_miss(got, count)
-                self._land(start, lead)
-                if lead < count:
-                    # the store said it had it: not offered again until rewritten (a lookup
-                    # stops there, so the pages after it need no mark)
-                    self.cache.forget_l3([self.keys[start + lead]])
-                    self.cache.metrics_registry.add("l3_read_miss_pages", n - start - lead)
-        finally:
-            self._end()
-
-    def deadline_passed(self) -> None:
-        with self.cv:
-            self.gave_up = True
-            self.cv.notify_all()
-
-    def abort(self, cancelled: bool) -> None:
-        self._end()
+    def batch(self, first: int, count: int, got: list[bool] | None) -> None:
+        """A batch of the plan's reads came back (`CacheExecutor.submit`'s ``on_read``)."""
+        lead = first_miss(got, count)
+        self._land(first, lead)
+        if lead < count:
+            # the store said it had it: not offered again until rewritten (a lookup stops
+            # there, so the pages after it need no mark)
+            self.cache.forget_l3([self.keys[first + lead]])
+            self.cache.metrics_registry.add("l3_read_miss_pages",
+                                            self.num_pages - first - lead)
 
     def _land(self, start: int, count: int) -> None:
         """Register pages read from L3 in L2 (pinned for the match while it wants them)."""
@@ -124,10 +107,16 @@ class ReadTask:
             self.n_landed += landed
             self.cv.notify_all()
 
-    def _end(self) -> None:
+    def done(self, result: PlanResult) -> None:
+        """The plan finished (or released host pages a late store call held): free the host
+        pages nothing landed in, but those a call past its deadline may still write into."""
         c = self.cache
         with c._lock:
-            rest = self.host_pages[self.used:]
+            if result.released_host_pages:
+                c.host_pool.free(list(result.released_host_pages))
+                return
+            held = set(result.held_host_pages)
+            rest = [hp for hp in self.host_pages[self.used:] if hp not in held]
             self.used = len(self.host_pages)
             if rest:
                 c.host_pool.free(rest)
@@ -141,8 +130,6 @@ class WriteTask:
     pages are freed afterwards, children before parents; ``write[i]`` False marks a clean
     page that only waits for its children's write-back before it is freed."""
 
-    is_read = False
-
     def __init__(self, cache: "TieredKVCache", nodes: list[Node], evict_after: bool,
                  write: list[bool] | None = None):
         self.cache = cache
@@ -151,36 +138,22 @@ class WriteTask:
         self.evict_after = evict_after
         self.write = write if write is not None else [True] * len(nodes)
 
-    @property
-    def num_pages(self) -> int:
-        return len(self.nodes)
+    def plan(self) -> Plan:
+        return Plan(self.cache._new_plan_id(), l3_writes=tuple(
+            (hp, nd.key) for hp, nd, w in zip(self.host_pages, self.nodes, self.write)
+            if w))                                                # type: ignore[misc]
 
-    def run(self, io: "L3IO") -> None:
-        todo = [i for i, w in enumerate(self.write) if w]
-        results: list[bool | None] = [None] * self.num_pages
-        try:
-            for start, count, got in store_batches(
-                    io, "batch_set", [self.nodes[i].key for i in todo],
-                    [self.host_pages[i] for i in todo], self.cache.config.l3_batch_pages,
-                    task=self):
-                for j, i in enumerate(todo[start:start + count]):
-                    results[i] = got is not None and got[j]
-        finally:
-            for i in todo:
-                if results[i] is None:
-                    results[i] = False
-            self.done(results)
-
-    def abort(self, cancelled: bool) -> None:
-        if cancelled:
-            self.cache.metrics_registry.add("l3_writes_cancelled", sum(self.write))
-        self.done([None] * self.num_pages)
+    def booked(self, result: PlanResult) -> None:
+        """Book the plan's result (`CacheExecutor.submit`'s ``on_done``)."""
+        if result.released_host_pages:
+            return                         # the pages stayed pinned in L2: nothing to free
+        it = iter(result.l3_writes)
+        self.done([next(it, False) if w else None for w in self.write])
 
     def done(self, ok: list[bool | None]) -> None:
         """Unpin the pages; free evicted ones. ``ok[i]`` None: not written."""
         c = self.cache
         written = sum(1 for v in ok if v)
-        failed = sum(1 for v in ok if v is False)
         if written:
             c.unreadable.discard(nd.key for nd, v in zip(self.nodes, ok) if v)
         with c._lock:
@@ -188,8 +161,7 @@ class WriteTask:
             if freed:
                 c.host_pool.free(freed)
         c.metrics_registry.add_many({
-            "l3_written_pages": written, "l3_write_failed_pages": failed,
-            "bytes_l3_written": written * c.spec.page_bytes,
+            "l3_written_pages": written, "bytes_l3_written": written * c.spec.page_bytes,
             "l2_evictions": len(freed), "l2_writebacks": written if self.evict_after else 0})
 
 
@@ -222,7 +194,12 @@ def start_read(c: "TieredKVCache", match: "Match", limit: int | None = None) -> 
         if not pages:
             task.finished = True
             return
-    c._l3.submit(task)  # type: ignore[union-attr]
+    plan = Plan(c._new_plan_id(), l3_reads=tuple(zip(task.keys, pages)))
+    try:
+        c._ex.submit(plan, on_read=task.batch, on_done=task.done,
+                     stop=lambda: task.cancelled)
+    except InvalidArgumentError:           # closing
+        task.done(plan.failed())
 
 
 def wait_read(c: "TieredKVCache", match: "Match", want: int) -> None:
@@ -243,13 +220,15 @@ def wait_read(c: "TieredKVCache", match: "Match", want: int) -> None:
 
 def enqueue_write(c: "TieredKVCache", nodes: list[Node], *, evict_after: bool,
                   write: list[bool] | None = None) -> None:
-    """Queue an L3 write of pinned L2 pages (lock held); dropped (and counted) when L3 is off
-    or the queue is full."""
+    """Write pinned L2 pages to L3 (lock held); the data path drops (and counts) them when
+    L3 is off or its write queue is full."""
     task = WriteTask(c, nodes, evict_after, write)
-    io = c._l3
-    if io is None or not io.usable() or \
-            io.queue.queued_write_pages + len(nodes) > c.config.l3_max_queued_pages:
-        c.metrics_registry.add("l3_writes_dropped", sum(task.write))
+    plan = task.plan()
+    if not plan.l3_writes:
         task.done([None] * len(nodes))
         return
-    io.submit(task)
+    try:
+        c._ex.submit(plan, on_done=task.booked)
+    except InvalidArgumentError:           # closing
+        c.metrics_registry.add("l3_writes_dropped", len(plan.l3_writes))
+        task.done([None] * len(nodes))

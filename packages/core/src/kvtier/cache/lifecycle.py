@@ -13,19 +13,18 @@ from __future__ import annotations
 import atexit
 import logging
 import threading
-import time
 import weakref
 from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidArgumentError, TierFailureError
-from .l3tasks import WriteTask
+from .l3tasks import enqueue_write
 
 if TYPE_CHECKING:
     from .controller import TieredKVCache
 
 log = logging.getLogger("kvtier.cache")
 
-__all__ = ["check", "tier_failed", "completer_died", "close", "close_on_exit",
+__all__ = ["check", "tier_failed", "close", "close_on_exit",
            "EXIT_CLOSE_TIMEOUT_S"]
 
 #: At interpreter exit an unclosed cache is closed within this many seconds at most.
@@ -56,13 +55,6 @@ def tier_failed(c: "TieredKVCache", tier: str, message: str, cause: BaseExceptio
         c._failure_reported = False
 
 
-def completer_died(c: "TieredKVCache", exc: BaseException) -> None:
-    message = f"completion thread died: {type(exc).__name__}: {exc}"
-    c.metrics_registry.add("transfer_failures")
-    log.error("kvtier cache: transfer tier failed: %s", message, exc_info=exc)
-    tier_failed(c, "transfer", message, exc)
-
-
 # ----- shutdown -------------------------------------------------------------------------------
 def close(c: "TieredKVCache", timeout: float) -> None:
     """Close ``c`` within ``timeout`` seconds (idempotent)."""
@@ -72,49 +64,21 @@ def close(c: "TieredKVCache", timeout: float) -> None:
         c._closing = True
     _live.discard(c)
     cfg = c.config
-    deadline = time.perf_counter() + timeout
-    left = lambda: max(0.0, deadline - time.perf_counter())  # noqa: E731
-    c._completer.wait_idle(left())
-    io = c._l3
-    if io is not None:
-        for task in io.queue.drain() if cfg.close_policy == "cancel" else []:
-            task.abort(cancelled=True)
-        if cfg.close_policy == "flush" and c._l3_usable() and c.write_policy.l3_on_l2_evict:
-            with c._lock:
-                dirty = [n for n in c._index.nodes.values() if n.host_page is not None
-                         and not n.in_l3 and not n.wb_pending]
-                for n in dirty:
-                    n.l2_pins += 1
+
+    def flush() -> None:
+        """Write-back: the dirty L2 pages go to L3 before the pool goes away."""
+        if cfg.close_policy != "flush" or not c.write_policy.l3_on_l2_evict:
+            return
+        with c._lock:
+            dirty = [n for n in c._index.nodes.values() if n.host_page is not None
+                     and not n.in_l3 and not n.wb_pending]
+            for n in dirty:
+                n.l2_pins += 1
             if dirty:
-                io.submit(WriteTask(c, dirty, evict_after=False))
-        for task in io.queue.drain(reads_only=True):   # they only fill L2, going away
-            task.abort(cancelled=True)
-        if not io.wait_idle(left()):
-            log.error("kvtier cache: close timed out with L3 work in flight")
-        io.stop(left())
-    c._completer.stop(left())
+                enqueue_write(c, dirty, evict_after=False)
+    c._ex.close(timeout, cancel_writes=cfg.close_policy == "cancel", flush=flush)
     with c._lock:
         c._closed = True
-    stuck = io is not None and io.stuck_calls() > 0
-    for obj in reversed(c._owned):
-        if stuck and obj is c.host_pool:
-            # a store call past its deadline may still write into these pages
-            log.error("kvtier cache: an L3 call is stuck; the host pool is left open")
-            continue
-        closer = threading.Thread(target=_close_one, args=(obj,), daemon=True,
-                                  name="kvtier-cache-close")
-        closer.start()
-        closer.join(left())
-        if closer.is_alive():
-            log.error("kvtier cache: closing %s did not return within close_timeout_s",
-                      type(obj).__name__)
-
-
-def _close_one(obj: Any) -> None:
-    try:
-        obj.close()
-    except Exception as exc:
-        log.warning("kvtier cache: closing %s failed: %s", type(obj).__name__, exc)
 
 
 def _close_at_exit(ref: "weakref.ref[TieredKVCache] | None" = None) -> None:

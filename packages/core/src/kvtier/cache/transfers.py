@@ -17,17 +17,20 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Callable
 
+from ..errors import TransferError
 from ..interfaces import TransferHandle
 from .index import Node
+from .plans import Plan, PlanResult
 
 if TYPE_CHECKING:
     from .controller import TieredKVCache
+    from .executor import PlanHandle
     from .handles import FetchHandle
 
 log = logging.getLogger("kvtier.cache")
 
-__all__ = ["host_wait", "Completer", "schedule_backup", "undo_backup", "finish_backup",
-           "finish_fetch"]
+__all__ = ["host_wait", "Completer", "schedule_backup", "submit_backup", "undo_backup",
+           "finish_backup", "finish_fetch"]
 
 
 def host_wait(handle: TransferHandle) -> None:
@@ -75,6 +78,8 @@ class Completer:
         callback(err)
 
     def _run(self) -> None:
+        item = None
+        called = False                         # the current item's callback has run
         try:
             while True:
                 with self._cv:
@@ -84,20 +89,33 @@ class Completer:
                         return
                     item = self._q.popleft()
                     self._busy += 1
+                called = False
                 try:
-                    self._finish(*item)
+                    err: BaseException | None = None
+                    try:
+                        host_wait(item[0])
+                    except Exception as exc:
+                        err = exc
+                    called = True
+                    item[1](err)
                 finally:
                     with self._cv:
                         self._busy -= 1
                         self._cv.notify_all()
+                item = None
         except BaseException as exc:
             self._on_death(exc)
+            if item is not None and not called:   # its copy is not known to have landed
+                try:
+                    item[1](exc)
+                except BaseException:  # pragma: no cover - already reported as dead
+                    pass
             with self._cv:                     # finish what is queued, then exit
                 items = list(self._q)
                 self._q.clear()
-            for item in items:
+            for it in items:
                 try:
-                    self._finish(*item)
+                    self._finish(*it)
                 except BaseException:  # pragma: no cover - already reported as dead
                     pass
 
@@ -132,15 +150,26 @@ def schedule_backup(c: "TieredKVCache", nodes: list[Node]) -> None:
         cand = cand[:len(pages)]
         if not cand:
             return
-    pin_backup(c, cand)
-    try:
-        handle = c.engine.backup([nd.device_page for nd in cand], pages)
-    except BaseException:
-        undo_backup(c, cand, pages)
-        raise
+    submit_backup(c, cand, pages, l3=c.write_policy.l3_on_backup)
+
+
+def submit_backup(c: "TieredKVCache", nodes: list[Node], pages: list[int], *, l3: bool
+                  ) -> "PlanHandle":
+    """Pin ``nodes`` and start their copy into ``pages`` (lock held); booked by
+    `finish_backup` when it lands."""
+    pin_backup(c, nodes)
+    plan = Plan(c._new_plan_id(), backups=tuple(
+        (nd.device_page, hp) for nd, hp in zip(nodes, pages)))  # type: ignore[misc]
     t0 = time.perf_counter()
-    l3 = c.write_policy.l3_on_backup
-    c._completer.submit(handle, lambda err: finish_backup(c, cand, pages, err, t0, l3=l3))
+
+    def booked(res: PlanResult) -> None:
+        err = None if all(res.backups) else TransferError("L1 -> L2 backup failed")
+        finish_backup(c, nodes, pages, err, t0, l3=l3)
+    try:
+        return c._ex.submit(plan, on_done=booked)
+    except BaseException:
+        undo_backup(c, nodes, pages)
+        raise
 
 
 def pin_backup(c: "TieredKVCache", nodes: list[Node]) -> None:
@@ -163,7 +192,6 @@ def finish_backup(c: "TieredKVCache", nodes: list[Node], pages: list[int],
     """Book an L1 -> L2 copy: register the host pages (or free them if it failed) and, with
     ``l3``, queue their L3 write."""
     if err is not None:
-        c.metrics_registry.add("transfer_errors")
         log.warning("kvtier cache: L1 -> L2 backup failed: %s", err)
     writes: list[Node] = []
     unused: list[int] = []
@@ -189,8 +217,7 @@ def finish_backup(c: "TieredKVCache", nodes: list[Node], pages: list[int],
                 nd.l2_pins += 1
             c._enqueue_write(writes, evict_after=False)
     if err is None:
-        c.metrics_registry.add_many({"backup_pages": done,
-                                     "bytes_d2h": len(nodes) * c.spec.page_bytes})
+        c.metrics_registry.add("bytes_d2h", len(nodes) * c.spec.page_bytes)
         c.metrics_registry.observe("backup_l2", time.perf_counter() - t0)
 
 
@@ -205,15 +232,12 @@ def finish_fetch(c: "TieredKVCache", fh: "FetchHandle", err: BaseException | Non
             c._loading.pop(d, None)
         for nd in fh.nodes:            # the load no longer reads the host pages
             nd.l2_pins -= 1
-        if fh.in_place is not None:    # nor the arena's slots
-            fh.in_place[0].unpin(fh.in_place[1])
         if err is not None:
-            c.metrics_registry.add("transfer_errors")
             log.warning("kvtier cache: L2 -> L1 load failed: %s", err)
             return
         fresh: list[Node] = []
         loaded = list(zip(fh.nodes, fh.device_pages))
-        if fh.in_place is not None:
+        if fh.in_place_pages:
             # pages loaded in place: in the index from now on (L1, and L3 where they came
             # from), under the node before them
             start = m.l1_count + m.l2_count
