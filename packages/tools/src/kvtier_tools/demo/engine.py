@@ -273,6 +273,49 @@ class DemoEngine:
         finally:
             self._give(pages)
 
+    def calibrate(self, max_tokens: int, *, repeats: int = 2) -> Any:
+        """Time prefills for the cost split, back to back with nothing else running: four
+        lengths up to ``max_tokens`` from scratch, and the shortest again over the longest
+        one's prefix (so attention over a context is told apart), ``repeats`` times; hand
+        them to the cache (`TieredKVCache.calibrate_recompute`). A serving run's own
+        prefills cannot tell the per-token cost from the fixed one: on an accelerator each
+        waits for its loaded layers inside its own time. Returns the fit (None: no per-token
+        cost in the samples; the cache keeps its online fit). Scratch pages, untimed by the
+        report."""
+        model = self.model
+        ps = model.spec.page_size
+        top = max(4, min(max_tokens // ps, self.pool.num_pages // 2))
+        sizes = sorted({max(1, top // 8), max(1, top // 4), max(1, top // 2), top})
+        gen = torch.Generator().manual_seed(1234)
+        toks = model.as_tokens(torch.randint(0, model.vocab_size, (top * ps + 1,),
+                                             generator=gen))
+        samples: list[tuple[int, float, int | None]] = []
+
+        def timed(tokens: torch.Tensor, prefix: list[int], new: list[int]) -> float:
+            _sync(model.device)
+            t0 = time.perf_counter()
+            model.prefill(tokens, self.pool, prefix, new, mode=self.prefill_mode)
+            _sync(model.device)
+            return time.perf_counter() - t0
+
+        for _ in range(repeats):
+            for n in sizes:
+                pages = self.allocate(n)
+                try:
+                    t = timed(toks[:n * ps + 1], [], pages)
+                    samples.append((n * ps + 1, t, None))     # no prefix
+                    if n == top:                  # the shortest over this prefix
+                        s = sizes[0]
+                        more = self.allocate(s)
+                        try:
+                            t = timed(toks, pages[:top - s], more)
+                            samples.append((s * ps + 1, t, top * ps + 1))
+                        finally:
+                            self._give(more)
+                finally:
+                    self._give(pages)
+        return self.cache.calibrate_recompute(samples)
+
     def close(self) -> None:
         self.cache.close()
 
