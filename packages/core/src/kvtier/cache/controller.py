@@ -45,7 +45,6 @@ from __future__ import annotations
 import itertools
 import logging
 import secrets
-import threading
 import time
 from typing import Any, Callable, Literal, Mapping, Sequence
 
@@ -56,11 +55,12 @@ from ..host_pool import HostKVPool
 from ..interfaces import CompletedHandle, L3Store, TransferEngine, TransferHandle
 from ..keys import PageKeyer
 from ..metrics import Metrics
-from ..policies import PrefetchPolicy, WritePolicy, make_prefetch_policy, make_write_policy
+from ..policies import PrefetchPolicy, WritePolicy
 from . import eviction, handles, inplace, l3tasks, lifecycle, transfers
 from .config import CacheConfig
 from .cost import CostModel
 from .executor import CacheExecutor
+from .planner import CachePlanner
 from .handles import CommitResult, FetchHandle, Match
 from .index import Node, PageIndex
 from .keying import make_keyer
@@ -97,23 +97,12 @@ class TieredKVCache:
         self.device_pool = device_pool
         self._free_cb = free_device_pages
         self._alloc_cb = allocate_device_pages
-        self.keyer: PageKeyer = make_keyer(cfg, spec, device_layout=device_pool.page_order,
-                                           engine=engine_identity)
-        self.write_policy: WritePolicy = make_write_policy(
-            cfg.write_policy, selective_threshold=cfg.selective_threshold)
-        self.prefetch_policy: PrefetchPolicy = make_prefetch_policy(
-            cfg.prefetch_policy, min_tokens=cfg.prefetch_min_tokens,
-            base_s=cfg.prefetch_timeout_base_s,
-            per_1k_tokens_s=cfg.prefetch_timeout_per_1k_tokens_s,
-            cap_s=cfg.prefetch_timeout_cap_s)
         self.metrics_registry = Metrics()
-        parts = build_parts(cfg, device_pool, self.keyer, host_pool=host_pool, engine=engine,
-                            store=store)
+        parts = build_parts(cfg, device_pool,
+                            make_keyer(cfg, spec, device_layout=device_pool.page_order,
+                                       engine=engine_identity),
+                            host_pool=host_pool, engine=engine, store=store)
         self.host_pool, self.engine, self.store = parts.host_pool, parts.engine, parts.store
-        self._lock = threading.RLock()
-        self._index = PageIndex()
-        #: Keys whose L3 read failed: not offered again until a write replaces them.
-        self.unreadable = UnreadableKeys()
         self._loading: dict[int, FetchHandle] = {}   # device pages of loads in flight
         self._closed = False
         self._closing = False
@@ -130,6 +119,20 @@ class TieredKVCache:
             l3_max_queued_pages=cfg.l3_max_queued_pages, metrics=self.metrics_registry,
             l3_name="kvtier-l3-io", on_failure=self._tier_failed)
         self._l3: L3IO | None = self._ex.l3
+        #: The index and policy half: the same planner vLLM's scheduler runs, its index
+        #: covering L1 as well here, its host page ids the host pool's own.
+        self.planner = planner = CachePlanner(
+            cfg, spec=spec, device_layout=device_pool.page_order,
+            engine_identity=engine_identity, cost=self.cost, host_ids=parts.host_pool,
+            l3_exists=self._l3.exists if self._l3 is not None else None,
+            metrics=self.metrics_registry)
+        self.keyer: PageKeyer = planner.keyer
+        self.write_policy: WritePolicy = planner.write_policy
+        self.prefetch_policy: PrefetchPolicy = planner.prefetch_policy
+        self._lock = planner._lock
+        self._index: PageIndex = planner.index
+        #: Keys whose L3 read failed: not offered again until a write replaces them.
+        self.unreadable: UnreadableKeys = planner.unreadable
         self._completer = self._ex._completer
         self._plan_ids = itertools.count(1)
         self._plan_base = secrets.randbits(30) << 32

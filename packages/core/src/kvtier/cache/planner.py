@@ -83,7 +83,8 @@ class CachePlanner:
                  num_device_pages: int = 0,
                  l3_exists: Callable[[Sequence[bytes]], int] | None = None,
                  engine_identity: Mapping[str, Any] | None = None,
-                 cost: CostModel | None = None):
+                 cost: CostModel | None = None, host_ids: Any = None,
+                 metrics: Metrics | None = None):
         self.config = cfg = CacheConfig.from_dict(config)
         if not isinstance(spec, KVSpec):
             raise InvalidArgumentError(f"spec must be a KVSpec, got {type(spec).__name__}",
@@ -105,9 +106,13 @@ class CachePlanner:
             base_s=cfg.prefetch_timeout_base_s,
             per_1k_tokens_s=cfg.prefetch_timeout_per_1k_tokens_s,
             cap_s=cfg.prefetch_timeout_cap_s)
-        n = num_host_pages if num_host_pages is not None else \
-            cfg.host_pages_for(spec.page_bytes, max(1, num_device_pages))
-        self.host = PageIdPool(n)
+        if host_ids is not None:
+            #: In one process the host pool itself hands out the page ids (`TieredKVCache`).
+            self.host = host_ids
+        else:
+            n = num_host_pages if num_host_pages is not None else \
+                cfg.host_pages_for(spec.page_bytes, max(1, num_device_pages))
+            self.host = PageIdPool(n)
         self.index = PageIndex()
         #: The cost split's rates: measured by the data path and handed over (`adopt_rates`)
         #: unless a model measured in this process is given.
@@ -131,8 +136,10 @@ class CachePlanner:
         #: ``l3_loads`` instead of L3 reads into host pages, and the split counts those pages
         #: at the L2 rate.
         self.in_place = False
-        self.metrics_registry = Metrics()
+        self.metrics_registry = metrics if metrics is not None else Metrics()
         m = self.metrics_registry
+        if metrics is not None:
+            return                          # the owner of the registry has its gauges
         m.gauge("l2_pages", lambda: self.index.l2_count)
         m.gauge("l2_free_pages", lambda: self.host.free_count)
         m.gauge("l2_capacity_pages", lambda: self.host.num_pages)
