@@ -343,9 +343,9 @@ class CostModel:
         some over a prefix, timed back to back with nothing else running. The split then uses
         that fit (`calibrated`) instead of the online one, which a serving run's prefills
         confound: on an accelerator a prefill waits for the layers still loading inside its
-        own time, and most are short, so the slope turns to noise (on the H200 the online
-        fit of an 8B shape swung between 20K and 1.4M tokens/s marginal against 27-33K
-        measured). Returns the fit, or None where the samples give no per-token cost > 0
+        own time, and most are short, so the slope turns to noise (replayed over recorded
+        H200 runs of an 8B shape, the online fit swung between 15K and 600K tokens/s
+        marginal against 26-32K fitted over its from-scratch prefills). Returns the fit, or None where the samples give no per-token cost > 0
         (the online fit stays in use); a given ``recompute_tokens_per_s`` wins over both."""
         rows: list[tuple[float, float, float]] = []
         for row in samples if isinstance(samples, (list, tuple)) else [samples]:
