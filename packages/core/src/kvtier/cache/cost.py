@@ -345,8 +345,10 @@ class CostModel:
         confound: on an accelerator a prefill waits for the layers still loading inside its
         own time, and most are short, so the slope turns to noise (replayed over recorded
         H200 runs of an 8B shape, the online fit swung between 15K and 600K tokens/s
-        marginal against 26-32K fitted over its from-scratch prefills). Returns the fit, or None where the samples give no per-token cost > 0
-        (the online fit stays in use); a given ``recompute_tokens_per_s`` wins over both."""
+        marginal against 26-32K fitted over its from-scratch prefills). Returns the fit,
+        or None where the samples give no per-token cost > 0 or miss it by more than
+        `_Marginal.CALIBRATION_ERROR` (the online fit stays in use); a given
+        ``recompute_tokens_per_s`` wins over both."""
         rows: list[tuple[float, float, float]] = []
         for row in samples if isinstance(samples, (list, tuple)) else [samples]:
             if not isinstance(row, (tuple, list)) or len(row) != 3:

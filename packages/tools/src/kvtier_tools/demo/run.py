@@ -200,6 +200,8 @@ class SetupRun:
     busy_s: float            # sum over requests of TTFT + commit (checks and drains excluded)
     checks: int = 0
     store_stats: dict[str, Any] = field(default_factory=dict)
+    #: (tokens, median seconds, context) of the prefills timed for the cost split, if any
+    calibration: list[tuple[int, float, int | None]] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
         res = self.results
@@ -718,7 +720,8 @@ def run_setups(names: list[str], model: DemoModel, workload: Workload,
             runs.append(SetupRun(name, l1[name],
                                  cc.get("host_pool_pages") if loads_below_l1(name) else None,
                                  cc.get("l3_store"), results[name], cache.metrics(),
-                                 busy[name], passed[name], stats))
+                                 busy[name], passed[name], stats,
+                                 calibration=list(engines[name].calibration)))
         close = getattr(steps, "close", None)
         if close is not None:
             close()
