@@ -29,7 +29,6 @@ pages alias outside the two chains of `kvtier.cache.plans` is refused before it 
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import time
@@ -45,8 +44,9 @@ from .cost import CostModel, TimedStore, load_seconds
 from .inplace import InPlace
 from .keying import make_keyer
 from .parts import build_parts
-from .l3io import L3IO, store_batches
+from .l3io import L3IO
 from .plans import Plan, PlanResult
+from .runs import PlanHandle, PlanIds, Run, StoreTask, close_one
 from .transfers import Completer
 
 log = logging.getLogger("kvtier.cache")
@@ -54,208 +54,10 @@ log = logging.getLogger("kvtier.cache")
 __all__ = ["CacheExecutor"]
 
 
-def _close_one(obj: Any) -> None:
-    try:
-        obj.close()
-    except Exception as exc:
-        log.warning("kvtier executor: closing %s failed: %s", type(obj).__name__, exc)
-
-
-class _PlanIds:
-    """The plan ids an executor has accepted; each is refused ever after.
-
-    Memory stays bounded: past ``limit`` ids, the older half (in submission order) is
-    forgotten into a floor per group, a group being the sign and the bits above the low 32
-    (one `CachePlanner` instance's ids, or its connector's negated sub-plan ids). Every id of a
-    group below its floor in magnitude is refused. So an id is refused without having run only
-    if a larger one of its group was accepted ``limit // 2`` submissions earlier: planners count
-    up, and a plan is submitted soon after it is made, so that is a plan of long ago."""
-
-    def __init__(self, limit: int):
-        self.limit = max(2, limit)
-        self._ids: dict[int, None] = {}           # insertion-ordered: oldest first
-        self._floors: dict[tuple[bool, int], int] = {}
-
-    @staticmethod
-    def _group(pid: int) -> tuple[tuple[bool, int], int]:
-        mag = abs(pid)
-        return (pid < 0, mag >> 32), mag
-
-    def __len__(self) -> int:
-        return len(self._ids)
-
-    def __contains__(self, pid: int) -> bool:
-        if pid in self._ids:
-            return True
-        group, mag = self._group(pid)
-        return mag < self._floors.get(group, 0)
-
-    def add(self, pid: int) -> None:
-        self._ids[pid] = None
-        if len(self._ids) > self.limit:
-            for old in list(itertools.islice(self._ids, len(self._ids) - self.limit // 2)):
-                del self._ids[old]
-                group, mag = self._group(old)
-                self._floors[group] = max(self._floors.get(group, 0), mag + 1)
-
-
-class _Run:
-    """One plan in flight: results so far and the parts still running."""
-
-    def __init__(self, plan: Plan, on_done: Callable[[PlanResult], None] | None = None,
-                 on_read: Callable[[int, int, list[bool] | None], None] | None = None,
-                 stop: Callable[[], bool] | None = None):
-        self.plan = plan
-        self.on_done = on_done
-        self.on_read = on_read
-        self.stop = stop
-        self.reported = False               # its result is made (held pages in it)
-        self.handle: "PlanHandle | None" = None
-        self.reads = [False] * len(plan.l3_reads)
-        self.loads = [False] * len(plan.loads)
-        self.backups = [False] * len(plan.backups)
-        self.writes = [False] * len(plan.l3_writes)
-        self.in_place = [False] * len(plan.l3_loads)
-        self.reads_tried = 0                # leading L3 reads the store was asked for
-        self.parts = 0
-        self.held: list[int] = []           # host pages a call past its deadline may touch
-        self.handles: list[TransferHandle] = []
-        self.loads_started = threading.Event()
-        read_hp = {hp for _, hp in plan.l3_reads}
-        backup_hp = {hp for _, hp in plan.backups}
-        self.late_loads = [i for i, (hp, _) in enumerate(plan.loads) if hp in read_hp]
-        self.now_loads = [i for i, (hp, _) in enumerate(plan.loads) if hp not in read_hp]
-        #: Groups of loads still to start (the ones from L2 at once, the ones L3 reads feed
-        #: after them): `wait_layer` waits until every load has its handle.
-        self._to_start = 1 + bool(self.late_loads)
-        self._start_lock = threading.Lock()
-        self.late_writes = [i for i, (hp, _) in enumerate(plan.l3_writes) if hp in backup_hp]
-        self.now_writes = [i for i, (hp, _) in enumerate(plan.l3_writes)
-                           if hp not in backup_hp]
-
-    def load_group_started(self) -> None:
-        """One group of the plan's loads has its handle (or will have none)."""
-        with self._start_lock:
-            self._to_start -= 1
-            if self._to_start == 0:
-                self.loads_started.set()
-
-    def result(self) -> PlanResult:
-        return PlanResult(self.plan.plan_id, tuple(self.reads), tuple(self.loads),
-                          tuple(self.backups), tuple(self.writes),
-                          held_host_pages=tuple(self.held), l3_loads=tuple(self.in_place),
-                          l3_reads_tried=self.reads_tried if self.plan.l3_reads else None)
-
-
-class _StoreTask:
-    """L3 reads or writes of one plan, in batches of ``batch`` pages. A call past its
-    deadline ends the task's part of the plan at once, with the host pages that call may
-    still touch reported as held; they are released (a second result) when it returns."""
-
-    def __init__(self, ex: "CacheExecutor", run: _Run, idx: list[int], *, is_read: bool):
-        self.ex = ex
-        self.run_ = run
-        self.idx = idx
-        self.is_read = is_read
-        self.num_pages = len(idx)
-        self._lock = threading.Lock()
-        self._current: list[int] = []     # host pages of the call in progress
-        self._gave_up = False
-        self._held: list[int] = []
-        self._part = "reads" if is_read else "writes"
-
-    def run(self, io: L3IO) -> None:
-        p = self.run_.plan
-        out = self.run_.reads if self.is_read else self.run_.writes
-        if self.is_read:
-            keys = [p.l3_reads[i][0] for i in self.idx]
-            pages = [p.l3_reads[i][1] for i in self.idx]
-        else:
-            keys = [p.l3_writes[i][1] for i in self.idx]
-            pages = [p.l3_writes[i][0] for i in self.idx]
-        m = self.ex.metrics_registry
-        tried = 0
-        hook = self.run_.stop
-        stop = (lambda: self._gave_up) if hook is None else \
-            (lambda: self._gave_up or hook())
-        try:
-            for start, count, got in store_batches(
-                    io, "batch_get" if self.is_read else "batch_set", keys, pages,
-                    self.ex.batch_pages, task=self, calling=self._calling, stop=stop):
-                tried = start + count
-                if self.is_read:
-                    self.run_.reads_tried = tried
-                if got is None:         # raised, refused or past its deadline (io counts why)
-                    m.add("l3_read_failed_call_pages" if self.is_read
-                          else "l3_write_failed_pages", count)
-                else:
-                    if not self.is_read:
-                        m.add("l3_write_failed_pages", count - sum(got))
-                    for i, ok in zip(self.idx[start:start + count], got):
-                        out[i] = ok
-                    if self.is_read:    # the store's stats say why (corrupted, errors, ...)
-                        m.add("l3_read_missed_pages", count - sum(got))
-                if self.is_read and self.run_.on_read is not None:
-                    self.run_.on_read(self.idx[start], count, got)
-            if self.is_read and not self._gave_up and tried < len(keys):
-                m.add("l3_read_skipped_pages", len(keys) - tried)   # after a miss, or L3 off
-        finally:
-            if self._gave_up:
-                self.ex._release_held(self.run_, self._held)
-            else:
-                self.ex._part_done(self.run_, self._part)
-
-    def _calling(self, pages: Any) -> None:
-        with self._lock:
-            self._current = list(pages)
-
-    def deadline_passed(self) -> None:
-        with self._lock:
-            if self._gave_up:
-                return
-            self._gave_up = True
-            self._held = list(self._current)
-        with self.ex._cv:
-            self.run_.held.extend(self._held)
-        self.ex._part_done(self.run_, self._part)
-
-    def abort(self, cancelled: bool) -> None:
-        if not self.is_read:
-            self.ex.metrics_registry.add("l3_writes_cancelled" if cancelled
-                                         else "l3_writes_dropped", self.num_pages)
-        self.ex._part_done(self.run_, self._part)
-
-
-class PlanHandle(TransferHandle):
-    """A submitted plan as a transfer handle: ``wait_layer(i)`` (layer i of its loads is in
-    place, for the caller's stream), ``wait``/``synchronize`` (the calling thread waits until
-    the plan has finished and its ``on_done`` has returned), ``done``. ``in_place_pages``:
-    how many of its ``l3_loads`` load (the leading run the store held when it was
-    submitted); ``result`` once finished and booked."""
-
-    def __init__(self, ex: "CacheExecutor", run: _Run):
-        self._ex = ex
-        self.plan_id = run.plan.plan_id
-        self.in_place_pages = 0
-        self.result: PlanResult | None = None
-
-    def wait_layer(self, layer: int) -> None:
-        self._ex.wait_layer(self.plan_id, layer)
-
-    def wait(self) -> None:
-        self._ex.wait(self.plan_id)
-
-    def synchronize(self) -> None:
-        self._ex.wait(self.plan_id)
-
-    def done(self) -> bool:
-        return self.result is not None
-
-
 class CacheExecutor:
     """Runs plans on the host pool, the transfer engine and the L3 store (module doc)."""
 
-    #: How many submitted plan ids are remembered one by one (`_PlanIds`).
+    #: How many submitted plan ids are remembered one by one (`PlanIds`).
     PLAN_IDS_REMEMBERED = 1 << 16
 
     def __init__(self, *, host_pool: HostKVPool, engine: TransferEngine,
@@ -287,10 +89,10 @@ class CacheExecutor:
         self._owned = list(owned)
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
-        self._runs: dict[int, _Run] = {}
+        self._runs: dict[int, Run] = {}
         self._done: dict[Any, PlanResult] = {}
         self._held: dict[int, list[int]] = {}     # plan id -> host pages still held
-        self._submitted = _PlanIds(self.PLAN_IDS_REMEMBERED)
+        self._submitted = PlanIds(self.PLAN_IDS_REMEMBERED)
         self._serial = 0
         self._closed = False
         self._closing = False
@@ -342,7 +144,7 @@ class CacheExecutor:
         the loads that wait on them start. ``stop()``: checked before each L3 call of the
         plan; True ends its store work there (the rest fail, untried)."""
         self._validate(plan)
-        run = _Run(plan, on_done, on_read, stop)
+        run = Run(plan, on_done, on_read, stop)
         handle = PlanHandle(self, run)
         run.handle = handle
         with self._lock:
@@ -458,7 +260,7 @@ class CacheExecutor:
             if stuck and obj is self.host_pool:
                 log.error("kvtier executor: an L3 call is stuck; the host pool is left open")
                 continue
-            closer = threading.Thread(target=_close_one, args=(obj,), daemon=True,
+            closer = threading.Thread(target=close_one, args=(obj,), daemon=True,
                                       name="kvtier-close")
             closer.start()
             closer.join(left())
@@ -473,7 +275,7 @@ class CacheExecutor:
         self.close()
 
     # ----- parts ------------------------------------------------------------------------------
-    def _start_backups(self, run: _Run) -> None:
+    def _start_backups(self, run: Run) -> None:
         p = run.plan
         with self._lock:
             run.parts += 1
@@ -485,7 +287,7 @@ class CacheExecutor:
             return
         self._completer.submit(h, lambda err: self._backups_done(run, err))
 
-    def _backups_done(self, run: _Run, err: BaseException | None) -> None:
+    def _backups_done(self, run: Run, err: BaseException | None) -> None:
         try:
             if err is None:
                 run.backups = [True] * len(run.backups)
@@ -500,10 +302,10 @@ class CacheExecutor:
         finally:
             self._part_done(run, "backups")
 
-    def _start_store(self, run: _Run, idx: list[int], *, is_read: bool) -> None:
+    def _start_store(self, run: Run, idx: list[int], *, is_read: bool) -> None:
         with self._lock:
             run.parts += 1
-        task = _StoreTask(self, run, idx, is_read=is_read)
+        task = StoreTask(self, run, idx, is_read=is_read)
         limit = self.max_queued_write_pages
         if self.l3 is None or not self.l3.usable() or (
                 not is_read and limit is not None
@@ -512,7 +314,7 @@ class CacheExecutor:
             return
         self.l3.submit(task)
 
-    def _start_loads(self, run: _Run, idx: list[int]) -> None:
+    def _start_loads(self, run: Run, idx: list[int]) -> None:
         p = run.plan
         with self._lock:
             run.parts += 1
@@ -526,7 +328,7 @@ class CacheExecutor:
         run.handles.append(h)      # loads_started is set once every load has its handle
         self._completer.submit(h, lambda err: self._loads_done(run, idx, err, h, t0))
 
-    def _loads_done(self, run: _Run, idx: list[int], err: BaseException | None,
+    def _loads_done(self, run: Run, idx: list[int], err: BaseException | None,
                     handle: TransferHandle | None = None, t0: float = 0.0) -> None:
         try:
             if err is None:
@@ -541,7 +343,7 @@ class CacheExecutor:
         finally:
             self._part_done(run, "loads")
 
-    def _start_in_place(self, run: _Run) -> None:
+    def _start_in_place(self, run: Run) -> None:
         """Load the plan's ``l3_loads`` from the slots of the leading run the store holds,
         pinned (no writer of any process changes them) until the load has landed."""
         p = run.plan
@@ -577,7 +379,7 @@ class CacheExecutor:
         run.handles.append(h)
         self._completer.submit(h, lambda err: self._in_place_done(run, slots, err, h, t0))
 
-    def _in_place_done(self, run: _Run, slots: list[int], err: BaseException | None,
+    def _in_place_done(self, run: Run, slots: list[int], err: BaseException | None,
                        handle: TransferHandle | None = None, t0: float = 0.0) -> None:
         try:
             self.in_place.unpin(slots)          # type: ignore[union-attr]
@@ -593,7 +395,7 @@ class CacheExecutor:
         finally:
             self._part_done(run, "in_place")
 
-    def _part_done(self, run: _Run, part: str) -> None:
+    def _part_done(self, run: Run, part: str) -> None:
         if part == "reads" and run.late_loads:
             ok_hp = {hp for (_, hp), ok in zip(run.plan.l3_reads, run.reads) if ok}
             idx = [i for i in run.late_loads if run.plan.loads[i][0] in ok_hp]
@@ -626,7 +428,7 @@ class CacheExecutor:
             log.exception("kvtier executor: booking the result of plan %d failed",
                           result.plan_id)
 
-    def _release_held(self, run: _Run, pages: list[int]) -> None:
+    def _release_held(self, run: Run, pages: list[int]) -> None:
         """A call past its deadline came back: the host pages it held are free again."""
         pid = run.plan.plan_id
         with self._cv:

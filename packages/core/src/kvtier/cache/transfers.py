@@ -24,7 +24,7 @@ from .plans import Plan, PlanResult
 
 if TYPE_CHECKING:
     from .controller import TieredKVCache
-    from .executor import PlanHandle
+    from .runs import PlanHandle
     from .handles import FetchHandle
 
 log = logging.getLogger("kvtier.cache")
