@@ -291,7 +291,8 @@ class DemoEngine:
         cache keeps its online fit). Scratch pages, untimed by the report."""
         model = self.model
         ps = model.spec.page_size
-        top = max(4, min(max_tokens // ps, self.pool.num_pages // 2))
+        # the longest from-scratch prefill and the shortest over its prefix fit in the pool
+        top = max(4, min(max_tokens // ps, self.pool.num_pages * 8 // 9))
         sizes = sorted({max(1, top // 8), max(1, top // 4), max(1, top // 2), top})
         gen = torch.Generator().manual_seed(1234)
         toks = model.as_tokens(torch.randint(0, model.vocab_size, (top * ps + 1,),
