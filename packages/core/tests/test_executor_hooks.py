@@ -143,3 +143,27 @@ def test_a_failed_store_is_reported_through_the_hook():
     assert failures and failures[0][0] == "l3" and "2 calls in a row" in failures[0][1]
     assert r.ex.l3_state.startswith("failed")
     r.ex.close()
+
+
+def test_a_plan_handle_waits_like_an_engine_handle_and_synchronize_waits_for_booking():
+    """``wait``/``wait_layer`` order the caller after the loads (an accelerator's stream goes
+    on; the thread is not held for the booking); ``synchronize`` waits for ``on_done``."""
+    r = Rig(9)
+    dev = random.Random(9).sample(range(11), 4)
+    host = random.Random(10).sample(range(13), 4)
+    release = threading.Event()
+    booked = []
+
+    def on_done(res):
+        release.wait(5)                     # a booking that takes its time
+        booked.append(res)
+    h = r.ex.submit(Plan(11, loads=tuple(zip(host, dev))), on_done=on_done)
+    h.wait_layer(SPEC.num_layers - 1)
+    h.wait()
+    assert not h.done() and not booked      # the thread was not held for the booking
+    for hp, d in zip(host, dev):            # (on the CPU the copies have landed)
+        assert torch.equal(r.dpool.page_bytes(d), r.host.page_bytes_view(hp))
+    release.set()
+    h.synchronize()
+    assert h.done() and booked and booked[0].ok
+    r.ex.close()

@@ -186,18 +186,27 @@ class CacheExecutor:
         with self._cv:
             return self._cv.wait_for(lambda: plan_id not in self._runs, timeout)
 
-    def wait_layer(self, plan_id: int, layer: int, timeout: float | None = None) -> None:
-        """Block until layer ``layer`` of the plan's loads is in the device pages."""
+    def wait_layer(self, plan_id: int, layer: int | None, timeout: float | None = None
+                   ) -> BaseException | None:
+        """Make the caller wait until layer ``layer`` (None: every layer) of the plan's loads
+        is in the device pages: its stream on an accelerator (the engines' ``wait_layer`` /
+        ``wait``; the thread goes on queueing work), its thread on the CPU. Returns the
+        first error an engine raised (the plan's result reports it too)."""
         with self._lock:
             run = self._runs.get(plan_id)
         if run is None:
-            return
+            return None
         run.loads_started.wait(timeout)
+        first: BaseException | None = None
         for h in list(run.handles):
             try:
-                h.wait_layer(layer)
-            except Exception:           # reported in the plan's result
-                pass
+                if layer is None:
+                    h.wait()
+                else:
+                    h.wait_layer(layer)
+            except Exception as exc:
+                first = first or exc
+        return first
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         with self._cv:

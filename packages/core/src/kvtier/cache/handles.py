@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..errors import InvalidArgumentError, PageIndexError
+from ..errors import InvalidArgumentError, PageIndexError, TransferError
 from ..interfaces import TransferHandle
 from .index import Node
 
@@ -197,10 +197,16 @@ class FetchHandle:
         self._handle.wait_layer(layer)
 
     def wait(self) -> None:
-        """Block until the load has landed and is booked; raises its `TransferError` if it
-        failed (none of its pages are then taken)."""
-        self._handle.wait()
-        self._on_finish(self, None)          # booked already when the load was a plan
+        """Make the caller wait for every layer of the load (its stream on an accelerator,
+        as ``wait_layer``); raises the load's `TransferError` if it is known to have failed
+        by then (none of its pages are taken; ``error`` says so once it is booked)."""
+        try:
+            self._handle.wait()
+        except TransferError as exc:
+            self._on_finish(self, exc)
+            raise
+        if self._handle.done():
+            self._on_finish(self, None)      # booked already when the load was a plan
         if self._error is not None:
             raise self._error
 

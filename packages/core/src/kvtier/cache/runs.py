@@ -9,6 +9,7 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any, Callable
 
+from ..errors import TransferError
 from ..interfaces import TransferHandle
 from .l3io import L3IO, store_batches
 from .plans import Plan, PlanResult
@@ -194,9 +195,11 @@ class StoreTask:
 
 
 class PlanHandle(TransferHandle):
-    """A submitted plan as a transfer handle: ``wait_layer(i)`` (layer i of its loads is in
-    place, for the caller's stream), ``wait``/``synchronize`` (the calling thread waits until
-    the plan has finished and its ``on_done`` has returned), ``done``. ``in_place_pages``:
+    """A submitted plan as a transfer handle, with the engines' semantics: ``wait_layer(i)``
+    and ``wait`` make the caller's stream wait for layer i / every layer of its loads (the
+    calling thread goes on queueing work), ``synchronize`` blocks the calling thread until
+    the plan has finished and its ``on_done`` has returned, ``done`` says whether it has.
+    ``in_place_pages``:
     how many of its ``l3_loads`` load (the leading run the store held when it was
     submitted); ``result`` once finished and booked."""
 
@@ -210,7 +213,10 @@ class PlanHandle(TransferHandle):
         self._ex.wait_layer(self.plan_id, layer)
 
     def wait(self) -> None:
-        self._ex.wait(self.plan_id)
+        err = self._ex.wait_layer(self.plan_id, None)
+        if err is not None:
+            raise err if isinstance(err, TransferError) else TransferError(
+                f"plan {self.plan_id}: a load failed: {err}")
 
     def synchronize(self) -> None:
         self._ex.wait(self.plan_id)
