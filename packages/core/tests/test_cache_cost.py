@@ -11,7 +11,7 @@ import pytest
 
 from kvtier.cache import CacheConfig
 from kvtier.cache.cost import (CostModel, ReportedCostModel, best_split, check_rate,
-                              load_seconds, merge_rates, pairs, split_time)
+                              load_seconds, merge_rates, split_time)
 from kvtier.errors import ConfigError, InvalidArgumentError
 from kvtier.host_allocators.torch_pinned import TorchPinnedAllocator
 
@@ -569,77 +569,3 @@ def test_one_split_for_every_path():
     off = CostModel(enabled=False)
     assert off.split(l2_pages=3, l3_pages=5, **kw) == (3, 5)
     assert off.first_read_cap(500) == 500
-
-
-def _prefill_s(tokens: int, context: int | None, *, fixed=0.04, rate=30e3, attn=2e-10,
-               rng=None, noise=0.0) -> float:
-    t = fixed + tokens / rate + attn * pairs(context if context else tokens, tokens)
-    return t * (1 + (rng.uniform(-noise, noise) if rng else 0.0))
-
-
-def test_a_calibration_is_the_split_s_recompute_cost_and_serving_noise_does_not_move_it():
-    import random
-    rng = random.Random(5)
-    m = CostModel()
-    samples = []
-    for _ in range(2):
-        for n in (257, 513, 1025, 2049):
-            samples.append((n, _prefill_s(n, None, attn=2e-8, rng=rng, noise=0.03), None))
-        samples.append((257, _prefill_s(257, 2049, attn=2e-8, rng=rng, noise=0.03), 2049))
-    fixed, per_token, attn = m.calibrate_recompute(samples)
-    assert 0.03 < fixed < 0.05 and 27e3 < 1 / per_token < 33e3
-    assert 1.4e-8 < attn < 2.6e-8
-    assert m.calibrated == (fixed, per_token, attn)
-    assert m.recompute_tokens_per_s == pytest.approx(1 / per_token)
-    assert m.recompute_fixed_s == fixed and m.recompute_attn_s == attn
-    # serving prefills that waited for their loads inside their own time: short ones slow
-    for _ in range(50):
-        m.observe_recompute(128, 0.09, context=4096)
-        m.observe_recompute(1024, 0.05, context=1024)
-    assert m.recompute_tokens_per_s == pytest.approx(1 / per_token)
-    assert m.rates()["recompute_tokens_per_s"] == pytest.approx(1 / per_token)
-
-
-def test_a_calibration_without_a_per_token_cost_leaves_the_online_fit():
-    m = CostModel()
-    for n in (256, 512, 1024, 2048):
-        m.observe_recompute(n, _prefill_s(n, None), context=n)
-    online = m.recompute_tokens_per_s
-    # time that falls with the tokens: noise, not a cost
-    assert m.calibrate_recompute([(256, 0.05, None), (1024, 0.04, None),
-                                  (2048, 0.03, None)]) is None
-    assert m.calibrated is None and m.recompute_tokens_per_s == online
-
-
-def test_a_given_rate_wins_over_a_calibration():
-    m = CostModel(recompute_tokens_per_s=12345.0)
-    assert m.calibrate_recompute([(n, _prefill_s(n, None), None) for n in (64, 256, 1024)])
-    assert m.recompute_tokens_per_s == 12345.0 and m.recompute_attn_s == 0.0
-
-
-@pytest.mark.parametrize("samples", [
-    [(256, 0.01, None)] * 2,                               # too few
-    [(256, 0.01, None), (512, 0.02, None), (0, 0.01, None)],
-    [(256, 0.01, None), (512, float("nan"), None), (1024, 0.03, None)],
-    [(256, 0.01, None), (512, 0.02, 100), (1024, 0.03, None)],     # context < tokens
-    [(256, 0.01, None), (512, 0.02, None), (True, 0.03, None)],
-    [(256, 0.01), (512, 0.02, None), (1024, 0.03, None)],
-    "not samples",
-])
-def test_bad_calibration_samples_are_refused_before_anything_changes(samples):
-    m = CostModel()
-    with pytest.raises(InvalidArgumentError):
-        m.calibrate_recompute(samples)
-    assert m.calibrated is None
-
-
-def test_the_cache_takes_a_calibration_and_reports_it():
-    r = Rig()
-    try:
-        assert r.cache.metrics()["recompute_calibrated"] == 0
-        fit = r.cache.calibrate_recompute([(n, _prefill_s(n, None), None)
-                                           for n in (64, 256, 1024, 4096)])
-        assert fit is not None and r.cache.metrics()["recompute_calibrated"] == 1
-        assert r.cache.metrics()["recompute_tokens_per_s"] == pytest.approx(30e3, rel=0.01)
-    finally:
-        r.close()

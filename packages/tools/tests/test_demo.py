@@ -79,21 +79,6 @@ def test_hits_land_in_the_tiers_each_setup_has(report):
     assert s["L1+L2"]["bytes_h2d"] > 0 and s["L1+L2"]["bytes_l3_read"] == 0
 
 
-def test_setups_that_split_calibrate_their_recompute_cost(report):
-    """The setups whose split weighs loads against recompute time prefills of several
-    lengths before the run (their serving prefills wait for loads inside their own time);
-    the others never split."""
-    cal = {run.name: run.metrics["recompute_calibrated"] for run in report.runs}
-    assert cal == {"L1 only": 0, "L1+L2": 1, "L1+L2+L3": 1, LOAD_ALL: 0, IDEAL: 0}
-    for run in report.runs:
-        assert bool(run.calibration) == bool(cal[run.name])
-        if cal[run.name]:
-            assert run.metrics["recompute_tokens_per_s"] > 0
-            # four lengths from scratch and one over a prefix, each a median of its repeats
-            assert len(run.calibration) == 5
-            assert sum(ctx is not None for _, _, ctx in run.calibration) == 1
-
-
 def test_the_ideal_keeps_every_page_in_l1(report):
     """The ideal's device pool holds the workload: nothing evicted, nothing below L1, and
     every hit any setup had is an L1 hit there."""

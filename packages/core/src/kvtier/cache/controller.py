@@ -486,14 +486,6 @@ class TieredKVCache:
         attention over a long context is fitted too."""
         self.cost.observe_recompute(tokens, seconds, context)
 
-    def calibrate_recompute(self, samples: Sequence[tuple[int, float, int | None]]
-                            ) -> tuple[float, float, float] | None:
-        """Prefills the engine timed for the cost split: ``(tokens, seconds, context)`` of
-        several lengths, some over a prefix, back to back (`CostModel.calibrate_recompute`:
-        the split uses their fit instead of the online one). Returns (fixed s, s per token,
-        s per query-key pair), or None if they give no per-token cost."""
-        return self.cost.calibrate_recompute(samples)
-
     def forget_l3(self, keys: Sequence[bytes]) -> None:
         """An L3 read of ``keys`` failed: they are not offered from L3 again, and a page of
         theirs in L1 or L2 is written to L3 again, until a write replaces them."""

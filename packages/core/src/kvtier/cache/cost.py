@@ -34,7 +34,7 @@ import threading
 import time
 from typing import Any, TypeVar
 
-from ..errors import ConfigError, InvalidArgumentError
+from ..errors import ConfigError
 
 _Model = TypeVar("_Model", bound="CostModel")
 
@@ -179,8 +179,6 @@ class _Marginal:
 
     #: The most weight a new observation gets in the fit (the engine's speed changes slowly).
     FIT_ALPHA = 0.05
-    #: A calibration whose fit misses its samples by more (RMS / mean) is not used.
-    CALIBRATION_ERROR = 0.25
 
     #: feature scales (kilo-tokens, mega-pairs) keep the normal equations well conditioned
     _SCALE = (1.0, 1e-3, 1e-6)
@@ -194,32 +192,6 @@ class _Marginal:
         self.samples = 0
         self._ratio = _Rate(alpha)
         self._fit: tuple[float, float, float] | None = None
-
-    @classmethod
-    def fit_samples(cls, samples: list[tuple[float, float, float]]
-                    ) -> tuple[float, float, float] | None:
-        """The same fit over ``(tokens, seconds, pairs)`` samples weighed equally (a
-        calibration's), or None where they do not give a per-token cost > 0 or the best fit
-        misses them by more than `CALIBRATION_ERROR` (RMS, relative to the mean time): times
-        that do not grow with the tokens are noise, and a fit through them is no cost."""
-        m = cls(1.0)
-        n = len(samples)
-        for tokens, seconds, npairs in samples:
-            x = [f * v for f, v in zip(cls._SCALE, (1.0, tokens, max(0.0, npairs)))]
-            for i in range(3):
-                for j in range(3):
-                    m._xx[i][j] += x[i] * x[j] / n
-                m._xt[i] += x[i] * seconds / n
-            m._tt += seconds * seconds / n
-        m.samples = n
-        fit = m._solve()
-        if fit is None:
-            return None
-        err = [fit[0] + fit[1] * t + fit[2] * p - sec for t, sec, p in samples]
-        mean = sum(sec for _, sec, _ in samples) / n
-        if math.sqrt(sum(e * e for e in err) / n) > cls.CALIBRATION_ERROR * mean:
-            return None
-        return fit
 
     def observe(self, tokens: float, seconds: float, pairs: float = 0.0) -> None:
         if tokens <= 0:
@@ -306,9 +278,6 @@ class CostModel:
         self._lock = threading.Lock()
         self._given_rate = recompute_tokens_per_s
         self._recompute = _Marginal(alpha)
-        #: (fixed s, s per token, s per pair) from `calibrate_recompute`: used instead of the
-        #: online fit.
-        self.calibrated: tuple[float, float, float] | None = None
         self._h2d = _Rate(alpha)
         self._l3 = _Rate(alpha)
         self._inflight: dict[int, tuple[float, int]] = {}   # call id -> (t0, bytes)
@@ -335,46 +304,6 @@ class CostModel:
             n = pairs(context, tokens) if num_pairs is None else max(0.0, float(num_pairs))
             with self._lock:
                 self._recompute.observe(tokens, seconds, n)
-
-    def calibrate_recompute(self, samples: Any) -> tuple[float, float, float] | None:
-        """Fit the recompute cost once from prefills the engine timed for it: ``(tokens,
-        seconds, context)`` triples (``context`` None: no prefix, the context is the
-        tokens), of several lengths and
-        some over a prefix, timed back to back with nothing else running. The split then uses
-        that fit (`calibrated`) instead of the online one, which a serving run's prefills
-        confound: on an accelerator a prefill waits for the layers still loading inside its
-        own time, and most are short, so the slope turns to noise (replayed over recorded
-        H200 runs of an 8B shape, the online fit swung between 15K and 600K tokens/s
-        marginal against 26-32K fitted over its from-scratch prefills). Returns the fit,
-        or None where the samples give no per-token cost > 0 or miss it by more than
-        `_Marginal.CALIBRATION_ERROR` (the online fit stays in use); a given
-        ``recompute_tokens_per_s`` wins over both."""
-        rows: list[tuple[float, float, float]] = []
-        for row in samples if isinstance(samples, (list, tuple)) else [samples]:
-            if not isinstance(row, (tuple, list)) or len(row) != 3:
-                raise InvalidArgumentError(f"a calibration sample is (tokens, seconds, "
-                                           f"context), got {row!r}", argument="samples",
-                                           value=row)
-            tokens, seconds, context = row
-            ok = isinstance(tokens, int) and not isinstance(tokens, bool) and tokens > 0 \
-                and isinstance(seconds, (int, float)) and not isinstance(seconds, bool) \
-                and math.isfinite(seconds) and seconds > 0 and (context is None or (
-                    isinstance(context, int) and not isinstance(context, bool)
-                    and context >= tokens))
-            if not ok:
-                raise InvalidArgumentError(f"a calibration sample needs tokens > 0, finite "
-                                           f"seconds > 0 and context None or >= tokens; got "
-                                           f"{row!r}", argument="samples", value=row)
-            rows.append((float(tokens), float(seconds),
-                         pairs(tokens if context is None else context, tokens)))
-        if len(rows) < 3:
-            raise InvalidArgumentError(f"calibration needs at least 3 samples, got "
-                                       f"{len(rows)}", argument="samples", value=len(rows))
-        fit = _Marginal.fit_samples(rows)
-        with self._lock:
-            if fit is not None:
-                self.calibrated = fit
-        return fit
 
     def observe_load(self, nbytes: int, seconds: float) -> None:
         """An L2 -> L1 load of ``nbytes`` took ``seconds`` (`load_seconds`)."""
@@ -415,10 +344,7 @@ class CostModel:
     # ----- rates ----------------------------------------------------------------------------
     @property
     def recompute_tokens_per_s(self) -> float | None:
-        if self._given_rate is not None:
-            return self._given_rate
-        cal = self.calibrated
-        return 1.0 / cal[1] if cal is not None else self._recompute.value
+        return self._given_rate if self._given_rate is not None else self._recompute.value
 
     @property
     def h2d_bytes_per_s(self) -> float | None:
@@ -440,18 +366,12 @@ class CostModel:
     @property
     def recompute_attn_s(self) -> float:
         """Fitted seconds per query-key pair of attention (0: not fitted, or given rate)."""
-        if self._given_rate is not None:
-            return 0.0
-        cal = self.calibrated
-        return cal[2] if cal is not None else self._recompute.attn_s
+        return 0.0 if self._given_rate is not None else self._recompute.attn_s
 
     @property
     def recompute_fixed_s(self) -> float | None:
         """The fitted fixed cost of one prefill (not part of the split decision)."""
-        if self._given_rate is not None:
-            return None
-        cal = self.calibrated
-        return cal[0] if cal is not None else self._recompute.fixed_s
+        return None if self._given_rate is not None else self._recompute.fixed_s
 
     def rates(self) -> dict[str, float | None]:
         return {"recompute_tokens_per_s": self.recompute_tokens_per_s,

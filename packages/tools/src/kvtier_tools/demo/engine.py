@@ -85,8 +85,6 @@ class DemoEngine:
         #: requests pinned at arrival (their prefetch stops) and says whether it freed any
         self.make_room: Callable[[], bool] | None = None
         self.digests = PageDigests(self.pool, known=digests)
-        #: ``(tokens, median seconds, context)`` of each prefill shape `calibrate` timed
-        self.calibration: list[tuple[int, float, int | None]] = []
 
     # ----- the device page allocator ------------------------------------------------------
     def _take(self, n: int) -> list[int] | None:
@@ -278,55 +276,6 @@ class DemoEngine:
             self.model.prefill(toks, self.pool, [], pages, mode=self.prefill_mode)
         finally:
             self._give(pages)
-
-    def calibrate(self, max_tokens: int, *, repeats: int = 3) -> Any:
-        """Time prefills for the cost split, back to back with nothing else running: four
-        lengths up to ``max_tokens`` from scratch, and the shortest again over the longest
-        one's prefix (so attention over a context is told apart). One untimed pass first
-        (an accelerator picks its kernels for each new shape on first use), then
-        ``repeats`` timed ones; each shape's median goes to the cache
-        (`TieredKVCache.calibrate_recompute`). A serving run's own prefills cannot tell the
-        per-token cost from the fixed one: on an accelerator each waits for its loaded layers
-        inside its own time. Returns the fit (None: no per-token cost in the samples; the
-        cache keeps its online fit). Scratch pages, untimed by the report."""
-        model = self.model
-        ps = model.spec.page_size
-        # the longest from-scratch prefill and the shortest over its prefix fit in the pool
-        top = max(4, min(max_tokens // ps, self.pool.num_pages * 8 // 9))
-        sizes = sorted({max(1, top // 8), max(1, top // 4), max(1, top // 2), top})
-        gen = torch.Generator().manual_seed(1234)
-        toks = model.as_tokens(torch.randint(0, model.vocab_size, (top * ps + 1,),
-                                             generator=gen))
-        times: dict[tuple[int, int | None], list[float]] = {}
-
-        def timed(tokens: torch.Tensor, prefix: list[int], new: list[int]) -> float:
-            _sync(model.device)
-            t0 = time.perf_counter()
-            model.prefill(tokens, self.pool, prefix, new, mode=self.prefill_mode)
-            _sync(model.device)
-            return time.perf_counter() - t0
-
-        for rep in range(repeats + 1):
-            for n in sizes:
-                pages = self.allocate(n)
-                try:
-                    t = timed(toks[:n * ps + 1], [], pages)
-                    times.setdefault((n * ps + 1, None), []).append(t)     # no prefix
-                    if n == top:                  # the shortest over this prefix
-                        s = sizes[0]
-                        more = self.allocate(s)
-                        try:
-                            t = timed(toks, pages[:top - s], more)
-                            times.setdefault((s * ps + 1, top * ps + 1), []).append(t)
-                        finally:
-                            self._give(more)
-                finally:
-                    self._give(pages)
-            if rep == 0:
-                times.clear()                     # the untimed pass
-        self.calibration = [(n, sorted(ts)[len(ts) // 2], ctx)
-                            for (n, ctx), ts in times.items()]
-        return self.cache.calibrate_recompute(self.calibration)
 
     def close(self) -> None:
         self.cache.close()

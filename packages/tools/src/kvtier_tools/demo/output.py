@@ -155,7 +155,6 @@ def write_outputs(report: DemoReport, out_dir: str) -> dict[str, str]:
         "ideal": report.ideal(), "split": report.split(),
         "per_round": {r.name: r.per_round(report.workload.num_rounds) for r in report.runs},
         "cache_metrics": {r.name: r.metrics for r in report.runs},
-        "calibration": {r.name: r.calibration for r in report.runs if r.calibration},
         "requests": {r.name: [{k: v for k, v in asdict(x).items() if k != "check"}
                               for x in r.results] for r in report.runs},
         "l3_store_stats": {r.name: r.store_stats for r in report.runs if r.store_stats},

@@ -49,15 +49,6 @@ def loads_below_l1(setup: str) -> bool:
     return setup in ("L1+L2", "L1+L2+L3", LOAD_ALL)
 
 
-def calibrate(eng: DemoEngine, workload: Workload) -> None:
-    """Time the engine's prefills for a setup whose cost split weighs loads against recompute
-    (`DemoEngine.calibrate`, up to the workload's longest prompt); a setup that loads nothing
-    from below L1, loads every hit, or has the rate given, never uses it."""
-    cc = eng.cache.config
-    if eng.lower_tiers and cc.cost_aware_fetch and cc.recompute_tokens_per_s is None:
-        eng.calibrate(max(r.num_tokens for r in workload.requests))
-
-
 def has_l3(setup: str) -> bool:
     return setup in ("L1+L2+L3", LOAD_ALL)
 
@@ -200,8 +191,6 @@ class SetupRun:
     busy_s: float            # sum over requests of TTFT + commit (checks and drains excluded)
     checks: int = 0
     store_stats: dict[str, Any] = field(default_factory=dict)
-    #: (tokens, median seconds, context) of the prefills timed for the cost split, if any
-    calibration: list[tuple[int, float, int | None]] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
         res = self.results
@@ -690,7 +679,6 @@ def run_setups(names: list[str], model: DemoModel, workload: Workload,
                                              prefill_mode=prefill_mode, digests=digests)
             eng.corrupt_restore = corrupt_restore
             eng.warm_up(model.vocab_size)
-            calibrate(eng, workload)
         if exporter is not None:
             exporter.caches.update({n: engines[n].cache for n in names})
             if on_metrics is not None:
@@ -720,8 +708,7 @@ def run_setups(names: list[str], model: DemoModel, workload: Workload,
             runs.append(SetupRun(name, l1[name],
                                  cc.get("host_pool_pages") if loads_below_l1(name) else None,
                                  cc.get("l3_store"), results[name], cache.metrics(),
-                                 busy[name], passed[name], stats,
-                                 calibration=list(engines[name].calibration)))
+                                 busy[name], passed[name], stats))
         close = getattr(steps, "close", None)
         if close is not None:
             close()
@@ -853,7 +840,6 @@ def run_loads(cfg: DemoConfig, names: list[str], model: DemoModel, workload: Wor
         eng.corrupt_restore = corrupt_restore
         try:
             eng.warm_up(model.vocab_size)
-            calibrate(eng, workload)
             # under load the checks are the digests of every restored page and a full
             # recompute of the first L1 reuse and the first load: a check's time is real
             # time the queue does not count, and reads in flight would gain it
