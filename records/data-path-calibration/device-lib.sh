@@ -1,20 +1,22 @@
 #!/bin/bash
-# One paired call: main (the cache's data path on its executor + the recompute calibration,
-# "new") against the code before both ("old"), same machine, alternating.
-# 1. MLA-lite, file L3 on the host disk (the split loaded a disk slower than recompute).
-# 2. 8B shape, file L3 on tmpfs (reads through L2: the prefetch path, the split).
-# Third call: the calibration now drops a warm-up pass, hands over per-shape medians and
-# times prefills up to 8/9 of the L1 pool (was half).
+# What every device call of this record shares; a call script sets NEW (the folder under .whl/
+# with main's core and tools wheels) and B (seconds the call may take), sources this, and
+# lists its runs. Wheels: `pip wheel --no-deps packages/core packages/tools packages/nvidia-tma
+# -w .whl` (the code before, for "old": core alone in .whl/old/; main's core and tools in
+# .whl/$NEW/), carried to the device with transformers and isal wheels.
+# run NAME CODE SIZE ROOT SETUPS: one demo (CODE old or new) with the file L3 under ROOT;
+# tab: its summary rows; cal: the calibration's metrics and samples (calls 2-3).
+# Run from the repository root: B=585 bash records/data-path-calibration/device-call-N.sh
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 T0=$(date +%s); R=/tmp/res; mkdir -p $R
 P="python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade"
 $P --target /tmp/old .whl/*.whl || exit 1
 $P --force-reinstall --target /tmp/old .whl/old/*.whl || exit 1
 $P --target /tmp/new .whl/*.whl || exit 1
-$P --force-reinstall --target /tmp/new .whl/cal/*.whl || exit 1
+$P --force-reinstall --target /tmp/new .whl/$NEW/*.whl || exit 1
 el(){ echo "== $(( $(date +%s)-T0 ))s $*"; (cd /tmp && tar czf $OUT/res.tgz res); }
 lim(){ local l=$(( ${B:-585} - ($(date +%s)-T0) )); [ $l -gt $1 ] && l=$1; echo $l; }
-{ nvidia-smi -L; free -g; nproc; git log --oneline -1; } > $R/machine.txt 2>&1
+{ nvidia-smi -L; free -g; nproc; } > $R/machine.txt 2>&1
 tab(){ grep -A7 "^| setup             | hit rate" $1 | head -7 | cut -d'|' -f2,3,6,8,10,12; grep "Cost-aware\|Measured ideal" $1 | cut -c1-230 | head -2; grep -A7 "^| setup             | recompute" $1 | head -7 | cut -d'|' -f2-5; }
 run(){ # name code size root setups
   local n=$1 code=$2 size=$3 root=$4 setups=$5; el $n-$code
@@ -29,14 +31,3 @@ for s,m in d['cache_metrics'].items():
 for s,c in d.get('calibration',{}).items():
     print(s,'samples',[(n,round(t*1e3,2),x) for n,t,x in c])
 " $R/$1; }
-A='L1 only,L1+L2,L1+L2+L3,L1+L2+L3 load all,ideal (all in L1)'
-LIM=100; S='L1+L2,L1+L2+L3,L1+L2+L3 load all'
-run mla-disk new mla-lite /var/tmp/kvf "$S"; cal mla-disk-new
-run mla-disk old mla-lite /var/tmp/kvf "$S"
-LIM=150
-run 8b-tmpfs new 8b /dev/shm/kvf "$A"; cal 8b-tmpfs-new
-run 8b-tmpfs old 8b /dev/shm/kvf "$A"
-run 8b-tmpfs2 new 8b /dev/shm/kvf "$A"; cal 8b-tmpfs2-new
-LIM=100
-run mla-disk2 new mla-lite /var/tmp/kvf "$S"; cal mla-disk2-new
-el done
