@@ -42,9 +42,7 @@ Thread-safe.
 
 from __future__ import annotations
 
-import itertools
 import logging
-import secrets
 import time
 from typing import Any, Callable, Literal, Mapping, Sequence
 
@@ -134,8 +132,6 @@ class TieredKVCache:
         #: Keys whose L3 read failed: not offered again until a write replaces them.
         self.unreadable: UnreadableKeys = planner.unreadable
         self._completer = self._ex._completer
-        self._plan_ids = itertools.count(1)
-        self._plan_base = secrets.randbits(30) << 32
         self._in_place: inplace.InPlace | None = parts.in_place
         #: Why L3 pages are not loaded in place ("" when they are).
         self.in_place_why_not = self._ex.in_place_why_not
@@ -489,13 +485,7 @@ class TieredKVCache:
     def forget_l3(self, keys: Sequence[bytes]) -> None:
         """An L3 read of ``keys`` failed: they are not offered from L3 again, and a page of
         theirs in L1 or L2 is written to L3 again, until a write replaces them."""
-        n = self.unreadable.add(keys)
-        with self._lock:
-            for k in keys:
-                nd = self._index.get(k)
-                if nd is not None:
-                    nd.in_l3 = False
-        self.metrics_registry.add("l3_unreadable_marked", n)
+        self.metrics_registry.add("l3_unreadable_marked", self.planner.forget_l3(keys))
 
     def metrics(self) -> dict[str, Any]:
         """A snapshot of every counter, gauge and latency summary."""
@@ -547,7 +537,8 @@ class TieredKVCache:
         lifecycle.tier_failed(self, tier, message, cause)
 
     def _new_plan_id(self) -> int:
-        return self._plan_base | next(self._plan_ids)
+        with self._lock:
+            return self.planner._new_id()      # one id scheme: the planner instance's
 
     def _l3_usable(self) -> bool:
         return self._l3 is not None and self._l3.usable()

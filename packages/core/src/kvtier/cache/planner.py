@@ -453,12 +453,7 @@ class CachePlanner:
         # reads after it, not tried, need no mark), if the store was asked for it (a plan
         # that never ran says nothing of its objects); a write that succeeded replaced it
         miss = first_miss(result.l3_reads, len(result.l3_reads))
-        bad = [p.l3_reads[miss][0]] if miss < result.tried_reads else []
-        unreadable = self.unreadable.add(bad)
-        for k in bad:                 # written to L3 again from L2 (write-back)
-            held = self.index.get(k)
-            if held is not None:
-                held.in_l3 = False
+        unreadable = self.forget_l3([p.l3_reads[miss][0]] if miss < result.tried_reads else [])
         for (key, hp), parent, ok in zip(p.l3_reads, st.read_parents, result.l3_reads):
             got = self._register(key, hp, parent) if ok else None
             if got is None:
@@ -544,6 +539,19 @@ class CachePlanner:
             if st.write_pins:                 # booked but for its writes
                 res = PlanResult(plan_id, l3_writes=res.l3_writes)
         self.complete(res)
+
+    def forget_l3(self, keys: Sequence[bytes]) -> int:
+        """An L3 read of ``keys`` failed: they are not offered from L3 again, and a page of
+        theirs still indexed is written to L3 again (write-back), until a write replaces
+        them. Returns how many were newly marked. The one booking of a read miss, for the
+        planner's results and the in-process cache's reads alike."""
+        n = self.unreadable.add(keys)
+        with self._lock:
+            for k in keys:
+                nd = self.index.get(k)
+                if nd is not None:
+                    nd.in_l3 = False
+        return n
 
     def _pinned_pages(self) -> int:
         """L2 pages a plan still reads or writes (none once every plan is booked)."""
