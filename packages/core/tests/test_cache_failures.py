@@ -371,3 +371,47 @@ def test_close_never_hangs_on_a_blocked_store():
     assert time.perf_counter() - t0 < 2.5
     Blocked.gate.set()
     store.close()
+
+
+class _StuckWrites(MemoryStore):
+    """A memory store whose ``batch_set`` blocks on ``gate`` once armed."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.gate = threading.Event()
+        self.armed = False
+
+    def batch_set(self, keys, host_pages):
+        if self.armed:
+            self.gate.wait(10)
+        return super().batch_set(keys, host_pages)
+
+
+def test_a_write_back_past_its_deadline_keeps_its_host_pages_until_the_call_returns():
+    """A ``batch_set`` past its deadline may still read its host pages: the evicted pages
+    it writes stay allocated (not handed to another page) until the call comes back."""
+    from test_cache import SPEC as CSPEC
+    from test_cache import Rig as CacheRig
+    from test_cache import toks as ctoks
+    store = _StuckWrites(spec=CSPEC)
+    r = CacheRig(store=store, write_policy="write_back", l3_call_timeout_s=0.3)
+    try:
+        r.request(ctoks(6 * CSPEC.page_size + 1, seed=3))
+        r.l1_only_to_l2()                            # the pages are in L2 only, dirty
+        pool = r.cache.host_pool
+        before = pool.free_count
+        store.armed = True
+        r.cache.evict(3, tier="l2")                  # write-back first: its call sticks
+        time.sleep(0.8)                              # past the deadline
+        assert r.cache.metrics()["l3_timeouts"] >= 1
+        assert pool.free_count == before             # nothing freed under the late call
+        store.gate.set()
+        assert r.cache.wait_idle(5)
+        deadline = time.time() + 5
+        while pool.free_count == before and time.time() < deadline:
+            time.sleep(0.02)                         # the release comes when it returns
+        assert pool.free_count > before
+        r.cache.check_invariants()
+    finally:
+        store.gate.set()
+        r.close()

@@ -137,6 +137,7 @@ class WriteTask:
         self.host_pages = [n.host_page for n in nodes]
         self.evict_after = evict_after
         self.write = write if write is not None else [True] * len(nodes)
+        self._late: PlanResult | None = None   # booked once a late store call returns
 
     def plan(self) -> Plan:
         return Plan(self.cache._new_plan_id(), l3_writes=tuple(
@@ -144,9 +145,17 @@ class WriteTask:
             if w))                                                # type: ignore[misc]
 
     def booked(self, result: PlanResult) -> None:
-        """Book the plan's result (`CacheExecutor.submit`'s ``on_done``)."""
+        """Book the plan's result (`CacheExecutor.submit`'s ``on_done``). A store call past
+        its deadline may still read its host pages: they stay pinned (not freed, not
+        evicted) and the booking waits for the release that comes when the call returns."""
         if result.released_host_pages:
-            return                         # the pages stayed pinned in L2: nothing to free
+            late, self._late = self._late, None
+            if late is None:
+                return
+            result = late
+        elif result.held_host_pages:
+            self._late = result
+            return
         it = iter(result.l3_writes)
         self.done([next(it, False) if w else None for w in self.write])
 
