@@ -69,13 +69,17 @@ class Completer:
             self._cv.notify()
 
     @staticmethod
-    def _finish(handle: TransferHandle, callback: Callable) -> None:
-        err: BaseException | None = None
+    def _landed(handle: TransferHandle) -> BaseException | None:
+        """Wait for ``handle``'s copies; the error they ended with, if any."""
         try:
             host_wait(handle)
         except Exception as exc:
-            err = exc
-        callback(err)
+            return exc
+        return None
+
+    @classmethod
+    def _finish(cls, handle: TransferHandle, callback: Callable) -> None:
+        callback(cls._landed(handle))
 
     def _run(self) -> None:
         item = None
@@ -91,11 +95,7 @@ class Completer:
                     self._busy += 1
                 called = False
                 try:
-                    err: BaseException | None = None
-                    try:
-                        host_wait(item[0])
-                    except Exception as exc:
-                        err = exc
+                    err = self._landed(item[0])
                     called = True
                     item[1](err)
                 finally:
