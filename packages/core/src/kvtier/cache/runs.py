@@ -199,9 +199,8 @@ class PlanHandle(TransferHandle):
     and ``wait`` make the caller's stream wait for layer i / every layer of its loads (the
     calling thread goes on queueing work), ``synchronize`` blocks the calling thread until
     the plan has finished and its ``on_done`` has returned, ``done`` says whether it has.
-    ``in_place_pages``:
-    how many of its ``l3_loads`` load (the leading run the store held when it was
-    submitted); ``result`` once finished and booked."""
+    ``in_place_pages``: how many of its ``l3_loads`` load (the leading run the store held
+    when it was submitted); ``result`` once finished and booked."""
 
     def __init__(self, ex: "CacheExecutor", run: Run):
         self._ex = ex
