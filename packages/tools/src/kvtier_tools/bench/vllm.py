@@ -214,7 +214,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         if has_kv_transfer_group():
             w = get_kv_transfer_group()
             if hasattr(w, "executor") and w.executor is not None:
-                w.executor.wait_idle(30)         # queued L3 writes land before we exit
+                w.wait_idle(30)         # queued L3 writes (every group's) land before we exit
                 w.get_kv_connector_stats()
                 out["kvtier_worker"] = dict(w.totals)
     except Exception as exc:   # reporting only

@@ -58,11 +58,13 @@ the latent is the same on every tensor-parallel rank, so its keys carry no TP si
 view applies and rank 0 alone writes it to L3 (every rank reads). Sliding-window models: the
 pages before the window are vLLM's null block; only the window's pages are loaded, every page
 is saved while in the window, and the window is in every key. Hybrids of windowed and full
-layers get one group of full blocks from vLLM (the connector does not declare its hybrid
-manager: with several groups vLLM recovers a failed load only by recomputing the whole
-request). Not supported (refused with a typed error when the engine starts, naming each KV
-cache group and why): several KV cache groups, chunked local attention, MLA caches in fp8
-with their own scale layout, pipeline parallelism, write policies other than write_through.
+layers run under vLLM's hybrid KV cache manager (`SupportsHMA`): each KV cache group is tiered
+on its own, every load is asynchronous and a failed one recomputes its request
+(`kvtier.integrations.vllm.groups`); a hybrid with a state (Mamba) group runs with nothing
+tiered. Not supported (refused with a typed error when the engine starts, naming the KV cache
+group and why): a model whose only group is chunked local attention or Mamba, MLA caches in
+fp8 with their own scale layout, pipeline parallelism, write policies other than
+write_through.
 Requests with LoRA adapters, multimodal inputs or prompt embeddings are neither looked up nor
 saved.
 

@@ -65,44 +65,53 @@ def _is_mla(kv_spec: Any) -> bool:
     return type(kv_spec).__name__ == "MLAAttentionSpec"
 
 
-def spec_from_kv_cache_config(kv_cache_config: "KVCacheConfig",
-                              vllm_config: "VllmConfig | None" = None
-                              ) -> tuple[KVSpec, list[str]]:
-    """The KVSpec of vLLM's single KV cache group and its layer names: full attention (K and
-    V per KV head), sliding-window attention (the same geometry; `sliding_window_of` says the
-    window) or MLA (one latent row of ``kv_lora_rank + qk_rope_head_dim`` per token).
-    Anything else is refused, naming each group and why."""
-    groups = kv_cache_config.kv_cache_groups
-    kinds = ", ".join(f"group {i}: {type(g.kv_cache_spec).__name__} ({len(g.layer_names)} "
-                      f"layers)" for i, g in enumerate(groups))
-    if len(groups) != 1:
-        raise LayoutError(f"kvtier's vLLM connector serves one KV cache group; this model has "
-                          f"{len(groups)} ({kinds}): several groups (vLLM's hybrid KV cache "
-                          "manager) are not supported yet")
-    g = groups[0]
+def _group_label(i: int, g: Any) -> str:
+    return f"group {i}: {type(g.kv_cache_spec).__name__} ({len(g.layer_names)} layers)"
+
+
+def group_spec(g: Any, vllm_config: "VllmConfig | None" = None) -> KVSpec:
+    """The KVSpec of one KV cache group: full attention (K and V per KV head), sliding-window
+    attention (the same geometry; its window is in `EngineView.sliding_window`) or MLA (one
+    latent row of ``kv_lora_rank + qk_rope_head_dim`` per token). Anything else is a
+    `LayoutError` saying why."""
     s = g.kv_cache_spec
     kind = type(s).__name__
     if kind not in ("FullAttentionSpec", "MLAAttentionSpec", "SlidingWindowSpec"):
-        why = _WHY.get(kind, "only full attention, sliding-window attention and MLA layers "
-                             "are tiered")
-        raise LayoutError(f"kvtier's vLLM connector cannot serve {kinds}: {why}")
+        raise LayoutError(_WHY.get(kind, "only full attention, sliding-window attention and "
+                                         "MLA layers are tiered"))
     if _is_mla(s):
         cache_dtype = getattr(s, "cache_dtype_str", None)
         if cache_dtype not in (None, "auto"):
-            raise LayoutError(f"{kinds}: an MLA cache of dtype {cache_dtype!r} (its own scale "
-                              "layout) is not supported yet; use kv_cache_dtype='auto'")
+            raise LayoutError(f"an MLA cache of dtype {cache_dtype!r} (its own scale layout) "
+                              "is not supported yet; use kv_cache_dtype='auto'")
         hf = getattr(getattr(vllm_config, "model_config", None), "hf_config", None)
         rope = int(getattr(hf, "qk_rope_head_dim", 64) or 64)
         head = int(s.head_size)
-        spec = KVSpec.mla(num_layers=len(g.layer_names), kv_lora_rank=head - rope,
-                          rope_dim=rope, page_size=int(s.block_size), dtype=dtype_name(s.dtype))
-        return spec, list(g.layer_names)
+        return KVSpec.mla(num_layers=len(g.layer_names), kv_lora_rank=head - rope,
+                          rope_dim=rope, page_size=int(s.block_size),
+                          dtype=dtype_name(s.dtype))
     if getattr(s, "head_size_v", s.head_size) != s.head_size:
-        raise LayoutError(f"{kinds}: K and V of different head sizes are not supported")
-    spec = KVSpec.mha(num_layers=len(g.layer_names), num_kv_heads=int(s.num_kv_heads),
+        raise LayoutError("K and V of different head sizes are not supported")
+    return KVSpec.mha(num_layers=len(g.layer_names), num_kv_heads=int(s.num_kv_heads),
                       head_dim=int(s.head_size), page_size=int(s.block_size),
                       dtype=dtype_name(s.dtype))
-    return spec, list(g.layer_names)
+
+
+def spec_from_kv_cache_config(kv_cache_config: "KVCacheConfig",
+                              vllm_config: "VllmConfig | None" = None
+                              ) -> tuple[KVSpec, list[str]]:
+    """The KVSpec and layer names of vLLM's single KV cache group (`group_spec`); a model
+    of several groups or of a kind not served is refused, naming each group and why."""
+    groups = kv_cache_config.kv_cache_groups
+    kinds = ", ".join(_group_label(i, g) for i, g in enumerate(groups))
+    if len(groups) != 1:
+        raise LayoutError(f"spec_from_kv_cache_config takes one KV cache group; this model "
+                          f"has {len(groups)} ({kinds}): see engine_views")
+    try:
+        spec = group_spec(groups[0], vllm_config)
+    except LayoutError as exc:
+        raise LayoutError(f"kvtier's vLLM connector cannot serve {kinds}: {exc}") from None
+    return spec, list(groups[0].layer_names)
 
 
 #: Why a KV cache group of another kind is not served (one line each).
@@ -113,12 +122,12 @@ _WHY = {
 }
 
 
-def sliding_window_of(kv_cache_config: "KVCacheConfig") -> int | None:
-    """The window (tokens) of a sliding-window model's KV cache group; None for full attention
-    and MLA. vLLM keeps only the blocks of the window and hands the null block for the pages
+def sliding_window_of(kv_cache_config: "KVCacheConfig", group: int = 0) -> int | None:
+    """The window (tokens) of a sliding-window KV cache group; None for full attention and
+    MLA. vLLM keeps only the blocks of the window and hands the null block for the pages
     before it: the connector loads the window's pages only and saves each page while it is
     in the window."""
-    s = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    s = kv_cache_config.kv_cache_groups[group].kv_cache_spec
     if type(s).__name__ != "SlidingWindowSpec":
         return None
     return int(s.sliding_window)
@@ -139,7 +148,8 @@ def block_layout(vllm_config: "VllmConfig", mla: bool = False) -> tuple[str, str
 
 @dataclass(frozen=True)
 class EngineView:
-    """Everything both sides of the connector derive from vLLM's configs, once."""
+    """Everything both sides of the connector derive from vLLM's configs for one KV cache
+    group, once (`engine_views`: one per group)."""
 
     cfg: CacheConfig
     spec: KVSpec
@@ -154,9 +164,13 @@ class EngineView:
     #: Does every rank write its pages to L3 (its own shard), or only rank 0 (MLA's latent,
     #: the same on every rank)?
     l3_writer: bool = True
-    #: A sliding-window model's window (tokens): vLLM holds the null block for the pages
+    #: A sliding-window group's window (tokens): vLLM holds the null block for the pages
     #: before it (`NULL_BLOCK`); None: every page is held.
     sliding_window: int | None = None
+    #: The KV cache group (vLLM's index) and how many the model has: with several, vLLM's
+    #: hybrid KV cache manager gives each group its own blocks.
+    group: int = 0
+    num_groups: int = 1
 
     @property
     def block_size(self) -> int:
@@ -164,28 +178,74 @@ class EngineView:
 
 
 def engine_view(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> EngineView:
-    """The connector's view of one engine (typed errors for what it cannot serve)."""
+    """The connector's view of a one-group engine (typed errors for what it cannot serve)."""
+    views, why = engine_views(vllm_config, kv_cache_config)
+    if len(views) != 1:
+        raise LayoutError(why or f"this model has {len(views)} KV cache groups: see "
+                                 "engine_views")
+    return views[0]
+
+
+def engine_views(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig"
+                 ) -> tuple[list[EngineView], str]:
+    """One `EngineView` per KV cache group, each tiered on its own (its own keys, host pages
+    and blocks), and ``""``; or, for a hybrid model with a group the connector cannot tier
+    (a Mamba or other state group: its state is one slot per request, and a prefix loaded
+    without it saves nothing), no views and the one-line reason: the model runs, the
+    connector neither loads nor saves. A single group of a kind not served is refused
+    (`LayoutError` naming it): with nothing to tier, the connector has no place in the
+    engine. Pages of every group are keyed with the group's index, kind and layers when
+    there are several, so a change of the group structure misses."""
     cfg = cache_config_from_vllm(vllm_config)
-    spec, layer_names = spec_from_kv_cache_config(kv_cache_config, vllm_config)
-    if spec.page_size != vllm_config.cache_config.block_size:
-        raise LayoutError(f"KV group block size {spec.page_size} differs from the "
-                          f"cache block size {vllm_config.cache_config.block_size}")
-    mla = spec.kind == "mla"
-    if mla:
-        # every tensor-parallel rank holds the same latent: one object per page serves any
-        # TP size (keys without the TP size, no per-rank view; rank 0 writes, all read)
-        cfg = dataclasses.replace(cfg, tp_size=1, tp_rank=0)
-    layout, page_order = block_layout(vllm_config, mla)
-    identity = engine_identity(vllm_config)
-    window = sliding_window_of(kv_cache_config)
-    if window is not None:
-        identity["sliding_window"] = window
-    return EngineView(
-        cfg=cfg, spec=spec, layer_names=tuple(layer_names), layout=layout,
-        page_order=page_order,
-        device_type=str(getattr(vllm_config.device_config, "device_type", "") or ""),
-        identity=identity, keyer=make_keyer(cfg, spec, device_layout=page_order,
-                                            engine=identity),
-        num_host_pages=cfg.host_pages_for(spec.page_bytes, int(kv_cache_config.num_blocks)),
-        tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
-        l3_writer=not mla, sliding_window=window)
+    every = kv_cache_config.kv_cache_groups
+    kinds = ", ".join(_group_label(i, g) for i, g in enumerate(every))
+    # a group vLLM rebuilds from another after a load (not externally transferable) is not
+    # tiered; the others keep vLLM's indices
+    groups = {i: g for i, g in enumerate(every) if getattr(g, "enable_kv_transfer", True)}
+    if not groups:
+        return [], f"no KV cache group of this model is transferable ({kinds})"
+    specs: dict[int, KVSpec] = {}
+    for i, g in groups.items():
+        try:
+            specs[i] = group_spec(g, vllm_config)
+        except LayoutError as exc:
+            if len(groups) == 1:
+                raise LayoutError(f"kvtier's vLLM connector cannot serve {kinds}: "
+                                  f"{exc}") from None
+            return [], (f"kvtier's vLLM connector tiers no KV cache group of this model "
+                        f"({kinds}): {_group_label(i, g)} cannot be tiered ({exc}), and a "
+                        "prefix is of use only with every group's KV")
+    n = len(every)
+    device_type = str(getattr(vllm_config.device_config, "device_type", "") or "")
+    views = []
+    for i, g in groups.items():
+        spec = specs[i]
+        if spec.page_size != vllm_config.cache_config.block_size:
+            raise LayoutError(f"KV group {i} block size {spec.page_size} differs from the "
+                              f"cache block size {vllm_config.cache_config.block_size}")
+        gcfg = cfg
+        mla = spec.kind == "mla"
+        if mla:
+            # every tensor-parallel rank holds the same latent: one object per page serves
+            # any TP size (keys without the TP size, no per-rank view; rank 0 writes, all
+            # read)
+            gcfg = dataclasses.replace(cfg, tp_size=1, tp_rank=0)
+        layout, page_order = block_layout(vllm_config, mla)
+        identity = engine_identity(vllm_config)
+        window = sliding_window_of(kv_cache_config, i)
+        if window is not None:
+            identity["sliding_window"] = window
+        if n > 1:
+            identity["kv_group"] = {"index": i, "groups": n,
+                                    "kind": type(g.kv_cache_spec).__name__,
+                                    "layers": list(g.layer_names)}
+        views.append(EngineView(
+            cfg=gcfg, spec=spec, layer_names=tuple(g.layer_names), layout=layout,
+            page_order=page_order, device_type=device_type, identity=identity,
+            keyer=make_keyer(gcfg, spec, device_layout=page_order, engine=identity),
+            # the groups share the host pool's budget
+            num_host_pages=max(1, gcfg.host_pages_for(
+                spec.page_bytes, int(kv_cache_config.num_blocks)) // len(groups)),
+            tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
+            l3_writer=not mla, sliding_window=window, group=i, num_groups=n))
+    return views, ""

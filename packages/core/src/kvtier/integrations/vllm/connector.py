@@ -15,14 +15,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole, KVConnectorTransferResults,
-    KVConnectorWorkerMetadata)
+    KVConnectorWorkerMetadata, SupportsHMA)
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from .config import (block_layout, cache_config_from_vllm, check_extra_config, engine_view,
+from .config import (block_layout, cache_config_from_vllm, check_extra_config, engine_views,
                      spec_from_kv_cache_config)
+from .groups import Schedulers, Workers
 from .metadata import KVTierConnectorStats, KVTierMetadata, KVTierWorkerMetadata, LoadOrder
-from .scheduler import SchedulerSide
-from .worker import WorkerSide
 
 try:      # vLLM >= 0.31 names the tier an external hit came from
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -52,8 +51,9 @@ def _tp_rank() -> int:
         return 0
 
 
-class KVTierConnector(KVConnectorBase_V1):
-    """kvtier's tiers (host pool, L3 store) under vLLM's paged KV cache."""
+class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
+    """kvtier's tiers (host pool, L3 store) under vLLM's paged KV cache; a hybrid model's
+    KV cache groups each on their own (`groups`)."""
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -62,8 +62,14 @@ class KVTierConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig"):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        view = engine_view(vllm_config, kv_cache_config)
-        self.cfg, self.spec, self.keyer = view.cfg, view.spec, view.keyer
+        views, why = engine_views(vllm_config, kv_cache_config)
+        if why:
+            log.warning("%s", why)
+            self.cfg = cache_config_from_vllm(vllm_config)
+            self.spec = self.keyer = None
+        else:
+            view = views[0]
+            self.cfg, self.spec, self.keyer = view.cfg, view.spec, view.keyer
         policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
         if policy != "recompute":
             log.warning("kvtier: kv_load_failure_policy is %r: a failed load (a corrupted or "
@@ -71,15 +77,17 @@ class KVTierConnector(KVConnectorBase_V1):
                         "set kv_load_failure_policy='recompute'", policy)
         #: Cumulative counters (hits per tier; the workers' pages, bytes and failures).
         self.totals: Counter[str] = Counter()
-        self._scheduler: SchedulerSide | None = None
-        self._worker: WorkerSide | None = None
+        self._scheduler: Schedulers | None = None
+        self._worker: Workers | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(view, self.totals)
+            self._scheduler = Schedulers(views, self.totals)
         else:
-            self._worker = WorkerSide(view, self.totals, _tp_rank())
-        log.info("kvtier connector (%s): %d host pages of %d bytes, L3 %s, namespace %s",
-                 role.name.lower(), view.num_host_pages, view.spec.page_bytes,
-                 view.cfg.l3_store or "none", view.keyer.namespace_id)
+            self._worker = Workers(views, self.totals, _tp_rank())
+        for v in views:
+            log.info("kvtier connector (%s, KV cache group %d of %d): %d host pages of %d "
+                     "bytes, L3 %s, namespace %s", role.name.lower(), v.group, v.num_groups,
+                     v.num_host_pages, v.spec.page_bytes, v.cfg.l3_store or "none",
+                     v.keyer.namespace_id)
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
@@ -100,7 +108,7 @@ class KVTierConnector(KVConnectorBase_V1):
         return self._worker.executor if self._worker is not None else None
 
     # ----- scheduler side ---------------------------------------------------------------------
-    def _sched(self) -> SchedulerSide:
+    def _sched(self) -> Schedulers:
         assert self._scheduler is not None, "a scheduler-side hook called on a worker"
         return self._scheduler
 
@@ -132,6 +140,10 @@ class KVTierConnector(KVConnectorBase_V1):
                          ) -> tuple[bool, dict[str, Any] | None]:
         return self._sched().request_finished(request), None
 
+    def request_finished_all_groups(self, request: "Request", block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched().request_finished(request), None
+
     def metrics(self) -> dict[str, Any]:
         """Cumulative counters: hits per tier (tokens) and, on the scheduler side, the
         planner's page counts and the rates its split runs on; the workers' pages, bytes
@@ -147,7 +159,7 @@ class KVTierConnector(KVConnectorBase_V1):
         return KVTierConnectorStats(data=dict(data or {}))
 
     # ----- worker side ------------------------------------------------------------------------
-    def _work(self) -> WorkerSide:
+    def _work(self) -> Workers:
         assert self._worker is not None, "a worker-side hook called on the scheduler"
         return self._worker
 
@@ -176,6 +188,11 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         return self._work().get_transfer_results(KVConnectorTransferResults())
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until the worker's data path (every KV cache group's) is idle: queued L3
+        writes have landed (tests, benchmarks, an orderly stop); False on timeout."""
+        return self._work().wait_idle(timeout)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._work().get_block_ids_with_load_errors()

@@ -17,7 +17,8 @@ from ...cache import Plan, PlanResult
 from ...cache.cost import merge_rates
 from ...cache.l3io import worse_state
 
-__all__ = ["LoadOrder", "KVTierMetadata", "KVTierWorkerMetadata", "KVTierConnectorStats"]
+__all__ = ["LoadOrder", "KVTierMetadata", "KVTierWorkerMetadata", "KVTierConnectorStats",
+           "KVTierGroupsMetadata", "KVTierGroupsWorkerMetadata"]
 
 
 @dataclass
@@ -117,3 +118,25 @@ class KVTierConnectorStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         return not any(self.data.values())
+
+
+@dataclass
+class KVTierGroupsMetadata(KVConnectorMetadata):
+    """A hybrid model's step: one `KVTierMetadata` per KV cache group, in vLLM's order."""
+
+    groups: list[KVTierMetadata] = field(default_factory=list)
+
+
+@dataclass
+class KVTierGroupsWorkerMetadata(KVConnectorWorkerMetadata):
+    """A hybrid model's worker report: one `KVTierWorkerMetadata` (or None) per group."""
+
+    groups: list[KVTierWorkerMetadata | None] = field(default_factory=list)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> "KVTierGroupsWorkerMetadata":
+        assert isinstance(other, KVTierGroupsWorkerMetadata)
+        assert len(other.groups) == len(self.groups)
+        out: list[KVTierWorkerMetadata | None] = []
+        for a, b in zip(self.groups, other.groups):
+            out.append(b if a is None else a if b is None else a.aggregate(b))
+        return KVTierGroupsWorkerMetadata(groups=out)

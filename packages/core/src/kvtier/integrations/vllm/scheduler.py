@@ -79,6 +79,7 @@ class SchedulerSide:
         cfg = self.cfg = view.cfg
         self.spec = view.spec
         self.block_size = view.block_size
+        self.group = view.group
         self.totals = totals
         self.store = None
         exists = None
@@ -172,7 +173,7 @@ class SchedulerSide:
             return
         start, l2, l3, is_async = offered
         n = num_external_tokens // self.block_size
-        block_ids = list(blocks.get_block_ids()[0][start:start + n])
+        block_ids = list(blocks.get_block_ids()[self.group][start:start + n])
         # a sliding-window model: vLLM gave the null block to the pages before the window;
         # they count as computed and only the window's pages are loaded
         skip = _outside_window(block_ids) if self.view.sliding_window else 0
@@ -202,7 +203,7 @@ class SchedulerSide:
             step.append((sched.get(new.req_id, 0), new.num_computed_tokens))
             r = self.reqs.get(new.req_id)
             if r is not None:
-                r.block_ids = list(new.block_ids[0])
+                r.block_ids = list(new.block_ids[self.group])
                 self._plan_saves(r, new.num_computed_tokens + sched.get(new.req_id, 0),
                                  meta.saves)
         cached = scheduler_output.scheduled_cached_reqs
@@ -213,9 +214,9 @@ class SchedulerSide:
                 continue
             nb = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
-                r.block_ids = list(nb[0]) if nb is not None else []
+                r.block_ids = list(nb[self.group]) if nb is not None else []
             elif nb is not None:
-                r.block_ids.extend(nb[0])
+                r.block_ids.extend(nb[self.group])
             self._plan_saves(r, cached.num_computed_tokens[i] + sched.get(req_id, 0),
                              meta.saves)
         # a step with a prefill and no load its forward waits for times the recompute rate
@@ -245,7 +246,17 @@ class SchedulerSide:
                 saves.append(plan)
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
-        wm = connector_output.kv_connector_worker_meta
+        self.book_worker_meta(connector_output.kv_connector_worker_meta)
+        stats = connector_output.kv_connector_stats
+        if stats is not None and stats.data:
+            self.totals.update({k: v for k, v in stats.data.items()
+                                if isinstance(v, (int, float))})
+        self.received(connector_output.finished_recving or ())
+        if connector_output.invalid_block_ids:
+            self.totals["invalid_blocks_reported"] += len(connector_output.invalid_block_ids)
+
+    def book_worker_meta(self, wm: Any) -> None:
+        """What the workers reported for this group: plan results, rates, L3 health."""
         if isinstance(wm, KVTierWorkerMetadata):
             if wm.rates:
                 self.planner.adopt_rates(wm.rates)
@@ -255,16 +266,21 @@ class SchedulerSide:
                 self.planner.set_in_place(wm.in_place)
             for res in wm.results:
                 self._book(res)
-        stats = connector_output.kv_connector_stats
-        if stats is not None and stats.data:
-            self.totals.update({k: v for k, v in stats.data.items()
-                                if isinstance(v, (int, float))})
-        for req_id in connector_output.finished_recving or ():
+
+    def received(self, req_ids: Any) -> None:
+        """vLLM was told these requests' asynchronous loads finished."""
+        for req_id in req_ids:
             if req_id in self._ended_loading:        # ended while loading: vLLM frees now
                 self._ended_loading.discard(req_id)
                 self.reqs.pop(req_id, None)
-        if connector_output.invalid_block_ids:
-            self.totals["invalid_blocks_reported"] += len(connector_output.invalid_block_ids)
+
+    def set_async(self, request_id: str) -> None:
+        """Make the request's offered load asynchronous (a hybrid model's groups: vLLM can
+        recover a failed load of several groups only per request, and only when it is
+        asynchronous)."""
+        o = self._offers.get(request_id)
+        if o is not None:
+            self._offers[request_id] = (o[0], o[1], o[2], True)
 
     def _book(self, res: Any) -> None:
         try:

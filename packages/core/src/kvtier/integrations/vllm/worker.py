@@ -54,6 +54,9 @@ class WorkerSide:
         self._sent_rates: dict[str, Any] | None = None
         self._sent_state: str | None = None
         self._sent_in_place = False
+        #: Requests whose asynchronous load failed in part (for a hybrid model's groups,
+        #: which vLLM recovers per request: `KVConnectorTransferResults.failed_recving`).
+        self.failed_reqs: set[str] = set()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         v = self.view
@@ -104,8 +107,11 @@ class WorkerSide:
             except Exception as exc:       # malformed plan: its blocks are recomputed
                 log.warning("kvtier: load plan %d refused: %s", order.plan.plan_id, exc)
                 self._load_errors.update(order.plan.load_pages)
-                self._to_scheduler.append(order.plan.failed())
-                self._async.pop(order.plan.plan_id, None)
+                if order.is_async:        # reported received (and failed) like any other
+                    self._async[order.plan.plan_id] = order
+                    self._results[order.plan.plan_id] = order.plan.failed()
+                else:
+                    self._to_scheduler.append(order.plan.failed())
                 continue
             if order.is_async:
                 self._async[order.plan.plan_id] = order
@@ -251,8 +257,10 @@ class WorkerSide:
         for pid in [p for p in self._async if p in self._results]:
             order = self._async.pop(pid)
             res = self._results.pop(pid)
-            self._load_errors.update(d for d, ok in zip(order.plan.load_pages, res.load_results)
-                                     if not ok)
+            bad = [d for d, ok in zip(order.plan.load_pages, res.load_results) if not ok]
+            self._load_errors.update(bad)
+            if bad or order.failed_blocks:
+                self.failed_reqs.add(order.req_id)
             self._to_scheduler.append(res)
             out.finished_recving.add(order.req_id)
         return out

