@@ -92,7 +92,9 @@ class SchedulerSide:
             io = self._exists_io = L3IO(store, threads=0, error_limit=cfg.l3_error_limit,
                                         call_timeout_s=cfg.l3_call_timeout_s,
                                         metrics=Metrics(), name="kvtier-scheduler-l3")
-            tp = view.tp_size
+            # rank 0's objects as the workers key them: MLA's latent is stored once, under
+            # the page key itself, whatever vLLM's TP size (`EngineView.l3_writer`)
+            tp = cfg.tp_size
             exists = lambda keys: io.exists([rank_key(k, 0, tp) for k in keys])  # noqa: E731
         self.planner = CachePlanner(cfg, spec=self.spec, device_layout=view.page_order,
                                     num_host_pages=view.num_host_pages, l3_exists=exists,
