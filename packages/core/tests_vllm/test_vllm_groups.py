@@ -144,3 +144,18 @@ def test_a_gated_delta_net_hybrid_runs_with_nothing_tiered(tmp_path):
     assert [r["cached"] for r in res["phases"][0]["requests"]] == [0, 0]
     assert res["kvtier"] == {}
     assert not (tmp_path / "l3").exists()          # no store was even opened
+
+
+def test_layers_kept_out_of_kv_quantization_are_in_every_key():
+    """``kv_cache_dtype_skip_layers`` keeps some layers' KV unquantized in an fp8 cache: other
+    bytes for the same tokens, so other keys."""
+    cfg = _config((_full(), 2))
+    plain = _vllm_config()
+    plain.cache_config.cache_dtype = "fp8"
+    skipped = _vllm_config()
+    skipped.cache_config.cache_dtype = "fp8"
+    skipped.cache_config.kv_cache_dtype_skip_layers = ["0"]
+    auto = engine_view(_vllm_config(), cfg).keyer.namespace_id
+    fp8 = engine_view(plain, cfg).keyer.namespace_id
+    fp8_skip = engine_view(skipped, cfg).keyer.namespace_id
+    assert len({auto, fp8, fp8_skip}) == 3

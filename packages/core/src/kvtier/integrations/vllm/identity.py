@@ -3,9 +3,11 @@
 `kvtier.cache.keying.make_keyer` builds the connector's keys like every other path's: from
 kvtier's `CacheConfig` (model id, revision, TP and PP sizes: `cache_config_from_vllm` sets them
 from vLLM), the KV geometry (the `KVSpec`: block size = page size, KV dtype), the block
-layout's byte order, and the fields below, which only vLLM knows: model dtype, KV-cache dtype,
-quantization, RoPE and its scaling, and the connector's format version. Two engines that could
-produce different bytes for the same tokens never share a key.
+layout's byte order, and the fields below, which only vLLM knows: model dtype, KV-cache dtype
+(and the layers kept out of its quantization), quantization, RoPE and its scaling, and the
+connector's format version; `config.engine_views` adds a sliding window and, for a hybrid
+model, the KV cache group. Two engines that could produce different bytes for the same tokens
+never share a key.
 """
 
 from __future__ import annotations
@@ -26,13 +28,17 @@ def engine_identity(vllm_config: Any) -> dict[str, Any]:
     hf = getattr(mc, "hf_config", None)
     rope = {k: getattr(hf, k, None)
             for k in ("rope_scaling", "rope_theta", "rope_parameters", "partial_rotary_factor")}
-    return {
+    out = {
         "dtype": str(mc.dtype).removeprefix("torch."),
         "kv_cache_dtype": str(cc.cache_dtype),
         "quantization": str(getattr(mc, "quantization", None) or ""),
         "rope": rope,
         "format": FORMAT_VERSION,
     }
+    skip = list(getattr(cc, "kv_cache_dtype_skip_layers", None) or [])
+    if skip:      # layers kept out of a quantized KV cache: other bytes for them
+        out["kv_cache_dtype_skip_layers"] = [str(x) for x in skip]
+    return out
 
 
 def request_root(keyer: PageKeyer, salt: str | None) -> bytes | None:
