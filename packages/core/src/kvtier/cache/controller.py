@@ -165,14 +165,13 @@ class TieredKVCache:
                 node.l1_pins += 1
             for node in l2:
                 node.l2_pins += 1
-            pol = self.write_policy
             backups: list[Node] = []
             for node in l1 + l2:
                 node.hits += 1
             idx.touch_chain(l1 + l2)
             for node in l1:
                 if node.host_page is None and not node.backup_pending \
-                        and pol.backup_on_hit(node.hits):
+                        and self.planner.wants_backup(node.key, node.hits, on_hit=True):
                     backups.append(node)
             if backups:
                 transfers.schedule_backup(self, backups)
@@ -398,7 +397,6 @@ class TieredKVCache:
                 match.give(d for d in dev if idx.l1_owner(d) is None)
             parent: Node | None = None
             chain: list[Node] = []
-            pol = self.write_policy
             backups: list[Node] = []
             # pages the match found in L3 (and the engine recomputed, or loaded): the store
             # has them, so their backups to L2 are not written to L3 again
@@ -425,7 +423,7 @@ class TieredKVCache:
                 else:
                     not_taken.append(d)
                 if node.host_page is None and not node.backup_pending \
-                        and pol.backup_on_commit(node.hits):
+                        and self.planner.wants_backup(key, node.hits):
                     backups.append(node)
                 chain.append(node)
                 parent = node
@@ -571,8 +569,7 @@ class TieredKVCache:
 
     def _enqueue_write(self, nodes: list[Node], *, evict_after: bool,
                        write: list[bool] | None = None) -> None:
-        if not evict_after and not self.config.l3_write_when_slow and \
-                self.cost.l3_slower_than_recompute(self.spec.page_size, self.spec.page_bytes):
+        if not evict_after and not self.planner.l3_write_pays():
             task = l3tasks.WriteTask(self, nodes, evict_after, write)
             self.metrics_registry.add("cost_skipped_l3_writes", sum(task.write))
             task.done([None] * len(nodes))

@@ -48,7 +48,7 @@ from .eviction import after_l3_write, select_l2
 from .index import Node, PageIdPool, PageIndex
 from .keying import make_keyer
 from .l3io import first_miss
-from .plans import Lookup, Offer, Plan, PlanResult
+from .plans import Lookup, Offer, Plan, PlanResult, hit_counts
 from .unreadable import UnreadableKeys
 
 log = logging.getLogger("kvtier.cache")
@@ -348,7 +348,7 @@ class CachePlanner:
                 if nd is not None and nd.host_page is not None:
                     seen.append(nd)
                     continue
-                if k in self._pending or not self._wants_backup(k):
+                if k in self._pending or not self.wants_backup(k):
                     continue
                 cand.append((start + i, d))
             self.index.touch_l2_up(seen)
@@ -516,8 +516,9 @@ class CachePlanner:
         l3_hits = sum(1 for (hp, _), ok in zip(p.loads, result.loads) if ok and hp in read_hp)
         in_place = sum(result.l3_loads)
         loaded = result.load_results
+        self.metrics_registry.add_many(hit_counts(sum(result.loads) - l3_hits,
+                                                  l3_hits + in_place, self.spec.page_size))
         self.metrics_registry.add_many({
-            "l2_hit_pages": sum(result.loads) - l3_hits, "l3_hit_pages": l3_hits + in_place,
             "l3_loaded_pages": sum(result.l3_reads) + in_place,
             "l3_in_place_pages": in_place,
             "l3_read_failed_pages": len(result.l3_reads) - sum(result.l3_reads)
@@ -654,8 +655,18 @@ class CachePlanner:
                            for j in range(len(pages))]
         return list(zip(keys[first:first + len(pages)], pages))
 
-    def _wants_backup(self, key: bytes) -> bool:
+    def wants_backup(self, key: bytes, hits: int | None = None, *, on_hit: bool = False
+                     ) -> bool:
+        """The write policy's one decision (lock held): back this page up to L2 now? In one
+        process (`TieredKVCache`) the page's ``hits`` in L1 count, at a commit or (``on_hit``)
+        at a match. A planner that sees no L1 (``hits`` None) backs every saved page up --
+        the engine's L1 evicts without telling -- unless the policy counts saves, which it
+        then counts per key."""
         pol = self.write_policy
+        if on_hit:
+            return pol.backup_on_hit(hits or 0)
+        if hits is not None:
+            return pol.backup_on_commit(hits)
         if not pol.counts_saves:
             return True
         n = self._saves.pop(key, 0) + 1

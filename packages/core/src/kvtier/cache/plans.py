@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 from ..errors import InvalidArgumentError
 
-__all__ = ["Lookup", "Offer", "Plan", "PlanResult"]
+__all__ = ["Lookup", "Offer", "Plan", "PlanResult", "hit_counts"]
 
 
 @dataclass(frozen=True)
@@ -199,3 +199,10 @@ class PlanResult:
                 break
             n += 1
         return n
+
+
+def hit_counts(l2_pages: int, l3_pages: int, page_size: int) -> dict[str, int]:
+    """The hit metrics of pages loaded into L1 (``l2/l3_hit_pages`` and ``_tokens``): what
+    every controller counts once a load has landed, the one definition of a hit."""
+    return {"l2_hit_pages": l2_pages, "l3_hit_pages": l3_pages,
+            "l2_hit_tokens": l2_pages * page_size, "l3_hit_tokens": l3_pages * page_size}

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Callable
 from ..errors import TransferError
 from ..interfaces import TransferHandle
 from .index import Node
-from .plans import Plan, PlanResult
+from .plans import Plan, PlanResult, hit_counts
 
 if TYPE_CHECKING:
     from .controller import TieredKVCache
@@ -276,6 +276,5 @@ def finish_fetch(c: "TieredKVCache", fh: "FetchHandle", err: BaseException | Non
                 touch(nd.key, nd)
     n2, n3 = fh.from_l2, len(fh.device_pages) - fh.from_l2
     ps = c.spec.page_size
-    c.metrics_registry.add_many({"l2_hit_pages": n2, "l3_hit_pages": n3,
-                                 "l2_hit_tokens": n2 * ps, "l3_hit_tokens": n3 * ps})
+    c.metrics_registry.add_many(hit_counts(n2, n3, ps))
     c.metrics_registry.observe("load_l1", time.perf_counter() - fh.started_at)
