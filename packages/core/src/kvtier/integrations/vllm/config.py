@@ -177,6 +177,18 @@ class EngineView:
         return self.spec.page_size
 
 
+def _host_share(cfg: CacheConfig, spec: KVSpec, num_blocks: int, groups: int) -> int:
+    """One group's host pages: the config's budget split evenly between the groups, the same
+    host memory whether vLLM serves the model as one group or several. ``host_pool_pages``
+    counts pages of the whole model (every layer), so each group gets that many pages of its
+    own layers; ``host_pool_bytes`` and ``host_pool_ratio`` (of vLLM's blocks, which are per
+    group under its hybrid manager) are divided between the groups."""
+    n = cfg.host_pages_for(spec.page_bytes, num_blocks)
+    if cfg.host_pool_pages is not None:
+        return n
+    return max(1, n // groups)
+
+
 def engine_view(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> EngineView:
     """The connector's view of a one-group engine (typed errors for what it cannot serve)."""
     views, why = engine_views(vllm_config, kv_cache_config)
@@ -243,9 +255,8 @@ def engine_views(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig"
             cfg=gcfg, spec=spec, layer_names=tuple(g.layer_names), layout=layout,
             page_order=page_order, device_type=device_type, identity=identity,
             keyer=make_keyer(gcfg, spec, device_layout=page_order, engine=identity),
-            # the groups share the host pool's budget
-            num_host_pages=max(1, gcfg.host_pages_for(
-                spec.page_bytes, int(kv_cache_config.num_blocks)) // len(groups)),
+            num_host_pages=_host_share(gcfg, spec, int(kv_cache_config.num_blocks),
+                                       len(groups)),
             tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
             l3_writer=not mla, sliding_window=window, group=i, num_groups=n))
     return views, ""
