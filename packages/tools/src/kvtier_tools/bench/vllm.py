@@ -20,6 +20,8 @@ the previous prompt + the reply + a new user message, greedy sampling, token-id 
 * ``vllm+kvtier-l3``  the same + kvtier's file store (L3) under a fresh directory;
 * ``vllm+kvtier-l3-warm`` a second engine on that L3 directory (objects from the run before);
 * ``vllm+offload``    vLLM's own CPU offloading (``kv_offloading_size``), where it runs;
+* with ``--arch gemma3``: ``vllm+kvtier-l2 one group``, the same memory with vLLM's hybrid
+  manager off (one group of every layer, the windowed layers keeping every block);
 * with ``--split-off``: ``vllm+kvtier-l2/-l3 split off``, the same runs offering every hit
   (``cost_aware_fetch`` false) beside the default cost-aware split, in the same invocation.
 
@@ -365,6 +367,12 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                ("vllm+kvtier-l2", _kvtier_config(kt, file), {}),
                ("vllm+kvtier-l3", _kvtier_config(l3c, file), {}),
                ("vllm+kvtier-l3-warm", _kvtier_config(l3c, file), {})]
+        if args.arch == "gemma3":
+            # the same memory served the old way: one group of every layer, the windowed
+            # layers keeping every block (vLLM's hybrid manager off)
+            out.append(("vllm+kvtier-l2 one group", _kvtier_config(kt, file),
+                        {"disable_hybrid_kv_cache_manager": True,
+                         "num_gpu_blocks_override": args.device_blocks}))
         if args.split_off:
             off = {"cost_aware_fetch": False}
             out += [("vllm+kvtier-l2 split off", _kvtier_config({**kt, **off}, file), {}),
