@@ -263,6 +263,42 @@ def test_backed_up_pages_hit_while_their_l3_writes_run(split):
         split.pl.complete(final)                                # booked once
 
 
+@pytest.mark.parametrize("two_part", [False, True], ids=["one-result", "two-results"])
+def test_a_page_a_lookup_found_in_l3_is_backed_up_but_not_written_again(two_part):
+    """vLLM recomputes hit pages the split left to it (or that its own cache held) and saves
+    them: those a lookup just found in L3 go to L2 without another L3 write; the others of
+    the same save are written, and the booking pairs each write with its page."""
+    split = Split(host_pages=6)
+    try:
+        keys = split.pl.keys(toks(4 * 6, 31))
+        want = {k: split.page(p).clone() for k, p in zip(keys, [0, 1, 2, 13, 14, 15])}
+        assert split.run(split.pl.plan_save(keys[:3], [0, 1, 2])).ok   # three in L2 and L3
+        split.run(split.pl.plan_evict(6))                              # out of L2
+        assert split.pl.lookup(keys) == Lookup(0, 0, 3)                # found in L3
+        # saved again from other device pages (other bytes here, so that a second write of
+        # the first three would show in what L3 returns)
+        plan = split.pl.plan_save(keys, [10, 11, 12, 13, 14, 15])
+        assert len(plan.backups) == 6
+        assert [k for _, k in plan.l3_writes] == keys[3:]              # only the new ones
+        assert {hp for hp, _ in plan.l3_writes} == {hp for _, hp in plan.backups[3:]}
+        assert split.pl.metrics()["l3_known_skipped_writes"] == 3
+        if two_part:
+            split.pl.complete(wire(_two_part(split, plan)))
+        else:
+            assert split.run(plan).ok
+        split.pl.check()
+        # three written by the first save, three by this one
+        assert split.pl.metrics()["l3_written_pages"] == 6 and not split.pl.pending_plans()
+        split.run(split.pl.plan_evict(6))
+        assert split.pl.lookup(keys) == Lookup(0, 0, 6)                # all six in L3
+        dst = [20, 21, 22, 23, 24, 25]
+        assert split.run(split.pl.plan_load(keys, dst)).loaded_prefix == 6
+        for k, d in zip(keys, dst):
+            assert torch.equal(split.page(d), want[k])
+    finally:
+        split.close()
+
+
 def test_two_part_results_are_checked(split):
     keys = split.pl.keys(toks(4 * 2, 22))
     plan = split.pl.plan_save(keys, [0, 1])

@@ -64,6 +64,9 @@ class _Pending:
     backup_keys: list[bytes] = field(default_factory=list)
     backup_parents: list[bytes | None] = field(default_factory=list)
     wt_writes: int = 0                  # first l3_writes: write-through of the backups
+    #: The backup each write-through write is of (its index in ``backups``); the backups
+    #: not written are pages a lookup found in L3 already.
+    wt_of: list[int] = field(default_factory=list)
     wb_nodes: list[Node] = field(default_factory=list)         # write-backs, then evict
     wb_write: list[bool] = field(default_factory=list)
     keys: list[bytes] = field(default_factory=list)            # pending keys it holds
@@ -129,6 +132,9 @@ class CachePlanner:
         self._next_id = 0
         #: Keys whose L3 read failed: not offered again until a write replaces them.
         self.unreadable = UnreadableKeys()
+        #: Keys a lookup found in L3 lately (bounded, oldest out): a save of one of them
+        #: backs it up to L2 but does not write it to L3 again.
+        self._in_l3: OrderedDict[bytes, None] = OrderedDict()
         #: The data path's L3 health as last reported (`set_l3_state`); "failed" stops the
         #: existence checks (nothing could be read).
         self.l3_state = "ok" if l3_exists is not None else "none"
@@ -174,6 +180,8 @@ class CachePlanner:
             if ok:
                 n3 = self._exists(rest[:ok])
             cut = int(n3 == ok < len(rest))      # the run went on into an unreadable key
+            if n3:
+                self._saw_in_l3(rest[:n3])
         self.metrics_registry.add_many({"lookup_calls": 1, "lookup_pages": len(keys) - start,
                                         "l2_matched_pages": n2, "l3_matched_pages": n3,
                                         "l3_unreadable_cut_lookups": cut})
@@ -361,9 +369,13 @@ class CachePlanner:
             st.backup_parents = [keys[i - 1] if i > 0 else None for i, _ in cand]
             writes: tuple[tuple[int, bytes], ...] = ()
             skipped = 0
+            known = 0
             if pol.l3_on_backup and self._l3_exists is not None:
                 if l3_write:
-                    writes = tuple((h, k) for h, k in zip(pages, st.backup_keys))
+                    # a page a lookup just found in L3 (and vLLM recomputed) is there already
+                    st.wt_of = [j for j, k in enumerate(st.backup_keys) if k not in self._in_l3]
+                    known = len(st.backup_keys) - len(st.wt_of)
+                    writes = tuple((pages[j], st.backup_keys[j]) for j in st.wt_of)
                     st.wt_writes = len(writes)
                 else:
                     skipped = len(pages)
@@ -374,7 +386,8 @@ class CachePlanner:
             st.plan = plan
             self._plans[plan.plan_id] = st
         self.metrics_registry.add_many({"planned_backup_pages": len(backups),
-                                        "cost_skipped_l3_writes": skipped})
+                                        "cost_skipped_l3_writes": skipped,
+                                        "l3_known_skipped_writes": known})
         return plan
 
     def plan_evict(self, num_pages: int) -> Plan:
@@ -454,6 +467,8 @@ class CachePlanner:
         # that never ran says nothing of its objects); a write that succeeded replaced it
         miss = first_miss(result.l3_reads, len(result.l3_reads))
         unreadable = self.forget_l3([p.l3_reads[miss][0]] if miss < result.tried_reads else [])
+        for k, _ in p.l3_reads[miss:]:       # not known to be readable there: written again
+            self._in_l3.pop(k, None)
         for (key, hp), parent, ok in zip(p.l3_reads, st.read_parents, result.l3_reads):
             got = self._register(key, hp, parent) if ok else None
             if got is None:
@@ -471,8 +486,11 @@ class CachePlanner:
             else:
                 landed.append(got)
         self.index.touch_l2_up(landed)
+        for got in backed:
+            if got is not None and got.key in self._in_l3:
+                got.in_l3 = True          # a lookup found it there: not written again
         if result.writes_pending:
-            for pinned in backed[:st.wt_writes]:
+            for pinned in (backed[j] for j in st.wt_of):
                 if pinned is not None:
                     pinned.l2_pins += 1   # its L3 write still reads the host page
             st.write_pins = True
@@ -485,7 +503,8 @@ class CachePlanner:
         written = [k for (_, k), ok in zip(p.l3_writes, result.l3_writes) if ok]
         if written:
             self.unreadable.discard(written)
-        for nd, ok in zip(st.writing, result.l3_writes[:st.wt_writes]):
+        for nd, ok in zip((st.writing[j] for j in st.wt_of),
+                          result.l3_writes[:st.wt_writes]):
             if nd is None:
                 continue
             if st.write_pins:
@@ -549,10 +568,19 @@ class CachePlanner:
         n = self.unreadable.add(keys)
         with self._lock:
             for k in keys:
+                self._in_l3.pop(k, None)
                 nd = self.index.get(k)
                 if nd is not None:
                     nd.in_l3 = False
         return n
+
+    def _saw_in_l3(self, keys: Sequence[bytes]) -> None:
+        with self._lock:
+            for k in keys:
+                self._in_l3.pop(k, None)
+                self._in_l3[k] = None
+            while len(self._in_l3) > 8 * self.host.num_pages + 1024:
+                self._in_l3.popitem(last=False)
 
     def _pinned_pages(self) -> int:
         """L2 pages a plan still reads or writes (none once every plan is booked)."""
