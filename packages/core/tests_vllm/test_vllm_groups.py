@@ -164,16 +164,3 @@ def test_layers_kept_out_of_kv_quantization_are_in_every_key():
     fp8 = engine_view(plain, cfg).keyer.namespace_id
     fp8_skip = engine_view(skipped, cfg).keyer.namespace_id
     assert len({auto, fp8, fp8_skip}) == 3
-
-
-def test_each_group_weighs_its_bytes_against_its_share_of_the_recompute():
-    """A page saves compute only if every group loads it: a group's split compares its own
-    bytes with its layers' share of the prefill (an L3 fast enough for one group's bytes
-    but not for the model's must not be loaded by every group)."""
-    cfg = _config((_window(), 1), (_full(), 3))
-    sw, full = engine_views(_vllm_config(), cfg)[0]
-    assert (sw.compute_share, full.compute_share) == (0.25, 0.75)
-    views, _ = engine_views(_vllm_config({"host_pool_pages": 8, "recompute_tokens_per_s": 1000}),
-                            cfg)
-    assert [v.cfg.recompute_tokens_per_s for v in views] == [4000, 1000 / 0.75]
-    assert engine_view(_vllm_config(), _config((_full(), 4))).compute_share == 1.0

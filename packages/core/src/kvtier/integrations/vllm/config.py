@@ -171,10 +171,6 @@ class EngineView:
     #: hybrid KV cache manager gives each group its own blocks.
     group: int = 0
     num_groups: int = 1
-    #: The share of a prefill's compute this group's layers take (its layers over the
-    #: model's). With several groups a page saves compute only if every group loads it, so
-    #: each group's cost split weighs its own bytes against its share of the recompute.
-    compute_share: float = 1.0
 
     @property
     def block_size(self) -> int:
@@ -232,7 +228,6 @@ def engine_views(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig"
                         f"({kinds}): {_group_label(i, g)} cannot be tiered ({exc}), and a "
                         "prefix is of use only with every group's KV")
     n = len(every)
-    all_layers = sum(len(g.layer_names) for g in every) or 1
     device_type = str(getattr(vllm_config.device_config, "device_type", "") or "")
     views = []
     for i, g in groups.items():
@@ -252,11 +247,6 @@ def engine_views(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig"
         window = sliding_window_of(kv_cache_config, i)
         if window is not None:
             identity["sliding_window"] = window
-        share = len(g.layer_names) / all_layers
-        if n > 1 and gcfg.recompute_tokens_per_s is not None:
-            # a configured rate is the model's: the group's share of it takes less time
-            gcfg = dataclasses.replace(gcfg,
-                                       recompute_tokens_per_s=gcfg.recompute_tokens_per_s / share)
         if n > 1:
             identity["kv_group"] = {"index": i, "groups": n,
                                     "kind": type(g.kv_cache_spec).__name__,
@@ -268,6 +258,5 @@ def engine_views(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig"
             num_host_pages=_host_share(gcfg, spec, int(kv_cache_config.num_blocks),
                                        len(groups)),
             tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
-            l3_writer=not mla, sliding_window=window, group=i, num_groups=n,
-            compute_share=share))
+            l3_writer=not mla, sliding_window=window, group=i, num_groups=n))
     return views, ""

@@ -147,9 +147,7 @@ class WorkerSide:
             return
         self._timer.stop()                   # the forward ends here (queued, on a GPU)
         for tokens, npairs, seconds in self._timer.finished():
-            # (a hybrid's group: the share of the step its layers took)
-            ex.cost.observe_recompute(tokens, seconds * self.view.compute_share,
-                                      num_pairs=npairs)
+            ex.cost.observe_recompute(tokens, seconds, num_pairs=npairs)
         if self._sync:
             for i in range(self.spec.num_layers):
                 if i not in self._waited:    # a layer the forward never waited for
