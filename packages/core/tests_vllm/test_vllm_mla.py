@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from kvtier.integrations.vllm import kv_transfer_config  # noqa: E402
-from kvtier_tools.bench.vllm import make_deepseek_v2, multiturn, run_in_subprocess  # noqa: E402
+from kvtier_tools.bench.vllm import multiturn, run_in_subprocess  # noqa: E402
 
 rng = random.Random(29)
 CONVS = multiturn(3, 3, system_tokens=160, user_tokens=70, seed=5)
@@ -32,20 +32,13 @@ def _cached(res, phase=0):
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return make_deepseek_v2(str(tmp_path_factory.mktemp("mla") / "deepseek-v2"))
+def model(deepseek_v2):
+    return deepseek_v2                          # (conftest.py)
 
 
 @pytest.fixture(scope="module")
-def block(model):
-    """The block size this CPU's MLA backend takes."""
-    for bs in (16, 32):
-        res = run_in_subprocess({"model": model, "engine": {"block_size": bs},
-                                 "phases": []}, timeout=300)
-        if "start_error" not in res:
-            return bs
-        assert "block size" in res["start_error"]["message"], res["start_error"]
-    pytest.fail("vLLM's CPU MLA backend took neither block size 16 nor 32")
+def block(mla_block):
+    return mla_block                            # (conftest.py)
 
 
 @pytest.fixture(scope="module")

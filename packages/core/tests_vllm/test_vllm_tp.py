@@ -22,7 +22,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from kvtier.integrations.vllm import kv_transfer_config  # noqa: E402
-from kvtier_tools.bench.vllm import make_deepseek_v2, make_llama, run_in_subprocess  # noqa: E402
+from kvtier_tools.bench.vllm import make_llama, run_in_subprocess  # noqa: E402
 
 TP2 = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
 BLOCK = 128
@@ -111,25 +111,10 @@ def test_another_tp_size_finds_nothing_of_the_shards(llama, llama_store, llama_f
     assert res["kvtier"].get("hit_tokens_l3", 0) == 0
 
 
-# ----- MLA: the latent stored once ------------------------------------------------------------
-@pytest.fixture(scope="module")
-def deepseek(tmp_path_factory):
-    return make_deepseek_v2(str(tmp_path_factory.mktemp("tp-mla") / "deepseek-v2"))
-
-
-@pytest.fixture(scope="module")
-def mla_block(deepseek):
-    """The block size this CPU's MLA backend takes (16 or a multiple of 32)."""
-    for bs in (16, 32):
-        res = run_in_subprocess({"model": deepseek, "engine": {"block_size": bs},
-                                 "phases": []}, timeout=300)
-        if "start_error" not in res:
-            return bs
-    pytest.fail("vLLM's CPU MLA backend took neither block size 16 nor 32")
-
-
-def test_a_tp_engine_loads_the_latent_a_single_rank_engine_stored_once(deepseek, mla_block,
+# ----- MLA: the latent stored once (the model and its block size: conftest.py) --------------
+def test_a_tp_engine_loads_the_latent_a_single_rank_engine_stored_once(deepseek_v2, mla_block,
                                                                        tmp_path):
+    deepseek = deepseek_v2
     prompt = [rng.randrange(1, 500) for _ in range(5 * mla_block + 7)]
     root = str(tmp_path / "store")
     ref = _run(deepseek, None, [{"prompts": [prompt, prompt]}], block_size=mla_block, **TP2)
