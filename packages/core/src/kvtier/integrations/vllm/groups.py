@@ -94,22 +94,21 @@ class Schedulers:
         return KVTierGroupsMetadata(groups=metas)
 
     def update_connector_output(self, out: "KVConnectorOutput") -> None:
+        """The workers' report of a step: each group books its part; the stats (the workers'
+        counters, summed over groups and ranks) and the block-level errors vLLM saw (one
+        group only: several report failed requests instead) count once."""
         if not self.sides:
             return
-        if not self.multi:
-            self.sides[0].update_connector_output(out)
-            return
         wm = out.kv_connector_worker_meta
-        if isinstance(wm, KVTierGroupsWorkerMetadata):
-            for s, m in zip(self.sides, wm.groups):
-                s.book_worker_meta(m)
+        parts = wm.groups if isinstance(wm, KVTierGroupsWorkerMetadata) else [wm]
+        for s, m in zip(self.sides, parts):
+            s.book_worker_meta(m)
+            s.received(out.finished_recving or ())
         stats = out.kv_connector_stats
         if stats is not None and stats.data:
             self.totals.update({k: v for k, v in stats.data.items()
                                 if isinstance(v, (int, float))})
-        for s in self.sides:
-            s.received(out.finished_recving or ())
-        if out.invalid_block_ids:            # (never ours: the workers report requests)
+        if out.invalid_block_ids:
             self.totals["invalid_blocks_reported"] += len(out.invalid_block_ids)
 
     def request_finished(self, request: "Request") -> bool:

@@ -24,7 +24,6 @@ from .metadata import KVTierConnectorStats, KVTierMetadata, KVTierWorkerMetadata
 if TYPE_CHECKING:  # pragma: no cover
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
-    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger("kvtier.vllm")
@@ -246,16 +245,6 @@ class SchedulerSide:
                 self.planner.complete(plan.failed())       # nothing to run: book it now
             else:
                 saves.append(plan)
-
-    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
-        self.book_worker_meta(connector_output.kv_connector_worker_meta)
-        stats = connector_output.kv_connector_stats
-        if stats is not None and stats.data:
-            self.totals.update({k: v for k, v in stats.data.items()
-                                if isinstance(v, (int, float))})
-        self.received(connector_output.finished_recving or ())
-        if connector_output.invalid_block_ids:
-            self.totals["invalid_blocks_reported"] += len(connector_output.invalid_block_ids)
 
     def book_worker_meta(self, wm: Any) -> None:
         """What the workers reported for this group: plan results, rates, L3 health."""
