@@ -196,10 +196,17 @@ def test_results_json_carries_the_per_load_table(tmp_path):
                   "ttft_speedup", "p99_speedup", "of_ideal_pct", "overloaded", "utilisation"):
             assert k in r
         assert r["requests"] == len(rep.workload)
+        # where the service went: its parts are measured, none negative, within the service
+        parts = [r[k] for k in ("match_mean_ms", "load_mean_ms", "prefill_mean_ms",
+                                "commit_mean_ms")]
+        assert min(parts) >= 0 and parts[2] > 0
+        if r["level"] != "serial":
+            assert sum(parts) <= r["service_mean_ms"] * 1.001
     # the tiers' hits under load are those of the serial replay (same order, FIFO)
     under = [r for r in data["table"] if r["setup"] == "L1+L2+L3" and r["level"] == "50%"]
     assert under[0]["hit_rate_pct"] > 0
-    assert "Under load" in tables(rep) and files["load_plot"].endswith("load.png")
+    assert "Under load" in tables(rep) and "Where a request's service went" in tables(rep)
+    assert files["load_plot"].endswith("load.png")
     # every restored page under load matched its digest (a mismatch fails the run)
     assert sum(r.result.restored_checked for run in rep.load.runs for r in run.served) > 0
 

@@ -133,6 +133,7 @@ class LoadRun:
             "requests_per_s": len(s) / span if span > 0 else 0.0,
             "tokens_per_s": tokens / span if span > 0 else 0.0,
             "l3_wait_mean_ms": 1e3 * float(np.mean([r.l3_wait_s for r in res])) if res else 0.0,
+            **_service_parts(res),
             "computed_tokens": sum(r.computed_tokens for r in res),
             "restored_pages_checked": sum(r.restored_checked for r in res),
             "checks_passed": self.checks, "released_for_room": self.released_for_room,
@@ -335,6 +336,17 @@ def _ttft_and_hits(ttft_ms: Any, results: list[Any], tokens: int) -> dict[str, f
             "l3_prefetched_pct": pct(sum(r.l3_prefetched_tokens for r in results))}
 
 
+def _service_parts(results: list[Any]) -> dict[str, float]:
+    """Where a request's service went, mean ms per part: match (and the L3 wait's
+    bookkeeping), loads not hidden behind the prefill, the prefill itself and the commit --
+    the same parts under load and in the serial replay, so a part that grows under load
+    shows which."""
+    def mean(attr: str) -> float:
+        return 1e3 * float(np.mean([getattr(r, attr) for r in results])) if results else 0.0
+    return {"match_mean_ms": mean("match_s"), "load_mean_ms": mean("load_s"),
+            "prefill_mean_ms": mean("prefill_s"), "commit_mean_ms": mean("commit_s")}
+
+
 def serial_summary(name: str, results: list[RequestResult], busy_s: float) -> dict[str, Any]:
     """The serial replay as the zero-load point of the load table: every request alone."""
     ttft = np.array([r.ttft_s for r in results]) * 1e3
@@ -346,7 +358,7 @@ def serial_summary(name: str, results: list[RequestResult], busy_s: float) -> di
         "wait_mean_ms": 0.0, "max_queue": 1,
         "requests_per_s": len(results) / busy_s if busy_s > 0 else 0.0,
         "tokens_per_s": tokens / busy_s if busy_s > 0 else 0.0,
-        "l3_wait_mean_ms": 0.0,
+        "l3_wait_mean_ms": 0.0, **_service_parts(results),
     }
 
 
