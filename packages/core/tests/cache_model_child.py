@@ -92,8 +92,13 @@ class _Worker:
         ex.close()
         return ex.metrics().get("store_errors", 0)
 
-    def submit(self, plan: Any) -> None:
-        self.ex.submit(plan)
+    def submit(self, plan: Any, two_part: bool = False) -> None:
+        self.ex.submit(plan, two_part=two_part)
+
+    def wait_backups(self, plan_id: int, timeout: float) -> list:
+        """Wait until all of a plan but its L3 writes is done; every result so far."""
+        assert self.ex.wait_backups(plan_id, timeout), f"plan {plan_id} still backing up"
+        return self.ex.poll()
 
     def wait(self, plan_id: int | None, timeout: float) -> list:
         """Wait for one plan (None: for every plan); returns every result finished so far."""

@@ -243,6 +243,10 @@ class TwoProcesses:
                                num_host_pages=self.host_pages, l3_exists=self.l3_exists)
         self.plans: dict[int, Plan] = {}            # sent, not booked yet
         self.results: dict[int, PlanResult] = {}    # come back from the child
+        # saves the child reports in two results: the second (their L3 writes) of each
+        self.two_part: set[int] = set()
+        self.booked_first: set[int] = set()
+        self.finals: dict[int, PlanResult] = {}
 
     def l3_exists(self, keys: list[bytes]) -> int:
         return self.child.call("exists", list(keys))
@@ -279,15 +283,35 @@ class TwoProcesses:
 
     def arrived(self, results: list[PlanResult]) -> None:
         for res in results:
-            assert isinstance(res, PlanResult) and res.plan_id not in self.results, res
+            assert isinstance(res, PlanResult), res
             assert not res.held_host_pages, f"a store call passed its deadline: {res}"
-            self.results[res.plan_id] = res
+            pid = res.plan_id
+            if pid in self.two_part:            # a save's second result: its L3 writes
+                assert pid not in self.finals and not res.writes_pending, res
+                self.finals[pid] = res
+                continue
+            assert pid not in self.results, res
+            self.results[pid] = res
+            if res.writes_pending:
+                self.two_part.add(pid)
 
     def book(self, pid: int) -> None:
+        """Book plan ``pid``'s result; for a save reported in two, the first call books its
+        backups (the plan stays outstanding, for its writes) and the second its writes."""
+        if pid in self.two_part and pid in self.booked_first:
+            self.booked_first.discard(pid)
+            if pid not in self.finals:
+                self.arrived(self.child.call("wait", pid, 10))
+            self.two_part.discard(pid)
+            del self.plans[pid]
+            self.pl.complete(self.finals.pop(pid))
+            return
         res = self.result(pid)
-        del self.plans[pid]
-        if pid < 0:          # the L3 writes of a save booked in two parts (as vLLM's worker)
-            res = PlanResult(-pid, l3_writes=res.l3_writes, held_host_pages=res.held_host_pages)
+        if res.writes_pending:          # what is left to book has no device page
+            self.booked_first.add(pid)
+            self.plans[pid] = Plan(pid, l3_writes=self.plans[pid].l3_writes)
+        else:
+            del self.plans[pid]
         self.pl.complete(res)
 
     # ----- requests -----------------------------------------------------------------------------
@@ -335,16 +359,17 @@ class TwoProcesses:
         first = req.start + loaded                       # "prefill" of the rest
         self.write(req.dev[first:], [self.m.page_data(k) for k in req.keys[first:]])
         plan = self.pl.plan_save(req.keys, req.dev)
-        if two_part and plan.l3_writes:
-            # the backups now, booked with their writes pending (the pages hit from here),
-            # the writes as a plan of their own, booked whenever the rules say
+        if two_part:
+            # as vLLM's worker: the executor reports the backups as soon as they land (their
+            # pages hit from here), the L3 writes in a second result booked whenever the
+            # rules say
             pid = plan.plan_id
-            self.send(Plan(pid, backups=plan.backups))
-            bres = self.result(pid)
-            del self.plans[pid]
-            self.pl.complete(PlanResult(pid, backups=bres.backups, writes_pending=True))
-            assert all(bres.backups)       # (vLLM's worker writes the backed-up ones only)
-            self.send(Plan(-pid, l3_writes=plan.l3_writes), book)
+            self.child.call("submit", plan, True)
+            self.plans[pid] = plan
+            self.arrived(self.child.call("wait_backups", pid, 10))
+            self.book(pid)
+            if book and pid in self.plans:
+                self.book(pid)
         else:
             self.send(plan, book)
 

@@ -167,3 +167,87 @@ def test_a_plan_handle_waits_like_an_engine_handle_and_synchronize_waits_for_boo
     h.synchronize()
     assert h.done() and booked and booked[0].ok
     r.ex.close()
+
+
+class HeldWrites(MemoryStore):
+    """A memory store whose writes wait until the test lets them go."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.go = threading.Event()
+
+    def batch_set(self, keys, host_pages):
+        assert self.go.wait(10)
+        return super().batch_set(keys, host_pages)
+
+
+def _save(r, pid, n, seed):
+    rng = random.Random(seed)
+    dev = rng.sample(range(11), n)
+    host = rng.sample(range(13), n)
+    keys = [rng.randbytes(32) for _ in range(n)]
+    return Plan(pid, backups=tuple(zip(dev, host)), l3_writes=tuple(zip(host, keys))), dev, keys
+
+
+def test_a_two_part_save_reports_its_backups_before_its_writes_land():
+    """vLLM's worker books a save's backups in the step after it (their pages serve hits from
+    then on) while its L3 writes still run: the executor reports the two in that order."""
+    store = HeldWrites(spec=SPEC)
+    r = Rig(21, store=store)
+    plan, dev, keys = _save(r, 5, 4, 22)
+    r.ex.submit(plan, two_part=True)
+    assert r.ex.wait_backups(5, 10)                   # the writes are still held
+    first = r.ex.poll()
+    assert [(x.plan_id, x.writes_pending, x.backups, x.l3_writes) for x in first] == \
+        [(5, True, (True,) * 4, ())]
+    assert not r.ex.wait(5, 0.05)
+    store.go.set()
+    assert r.ex.wait(5, 10)
+    second = r.ex.poll()
+    assert [(x.plan_id, x.writes_pending, x.backups, x.l3_writes) for x in second] == \
+        [(5, False, (), (True,) * 4)]
+    probe = r.host.alloc(1)
+    for key, d in zip(keys, dev):                     # each object is its page's bytes
+        assert store.batch_get([key], probe) == [True]
+        assert torch.equal(r.host.page_bytes_view(probe[0]), r.dpool.page_bytes(d))
+    r.ex.close()
+
+
+def test_a_two_part_save_books_in_order_and_a_plan_without_late_writes_in_one():
+    store = HeldWrites(spec=SPEC)
+    r = Rig(23, store=store)
+    got = []
+    plan, _, _ = _save(r, 8, 3, 24)
+    booked = threading.Event()
+
+    def on_done(res):
+        got.append(res)
+        if not res.writes_pending:
+            booked.set()
+    r.ex.submit(plan, on_done=on_done, two_part=True)
+    assert r.ex.wait_backups(8, 10)
+    store.go.set()
+    assert booked.wait(10)
+    assert [x.writes_pending for x in got] == [True, False]
+    assert got[1].l3_writes == (True,) * 3
+    # backups only, or writes alone: nothing outlasts anything, one result each
+    only, _, _ = _save(r, 9, 2, 25)
+    r.ex.submit(Plan(9, backups=only.backups), two_part=True)
+    assert r.ex.wait(9, 10)
+    assert [(x.plan_id, x.writes_pending) for x in r.ex.poll()] == [(9, False)]
+    r.ex.close()
+
+
+def test_a_two_part_save_whose_backups_fail_is_one_result_with_no_write_tried():
+    r = Rig(27)
+    plan, _, keys = _save(r, 4, 3, 28)
+
+    def broken(*a, **k):
+        raise RuntimeError("copy engine gone")
+    r.ex.engine.backup = broken
+    r.ex.submit(plan, two_part=True)
+    assert r.ex.wait(4, 10)
+    (res,) = r.ex.poll()
+    assert not res.writes_pending and res.l3_writes == (False,) * 3
+    assert r.store.batch_exists(keys) == 0
+    r.ex.close()

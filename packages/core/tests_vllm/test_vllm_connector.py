@@ -468,9 +468,11 @@ def test_backups_run_past_their_step_and_land_before_the_next_step_touches_a_blo
     ex = CacheExecutor.from_config(cfg, device_pool=pool, num_host_pages=8)
     side.executor = ex
     calls: list[tuple[str, int]] = []
-    submit, wait = ex.submit, ex.wait
-    ex.submit = lambda plan: (calls.append(("submit", plan.plan_id)), submit(plan))[1]
-    ex.wait = lambda pid, timeout=None: (calls.append(("wait", pid)), wait(pid, timeout))[1]
+    submit, wait = ex.submit, ex.wait_backups
+    ex.submit = lambda plan, **kw: (calls.append(("submit", plan.plan_id)),  # type: ignore
+                                    submit(plan, **kw))[1]
+    ex.wait_backups = lambda pid, timeout=None: (calls.append(("wait", pid)),  # type: ignore
+                                                 wait(pid, timeout))[1]
 
     def page(d):
         return torch.cat([pool.page(c, i, d).reshape(-1).view(torch.uint8).clone()
@@ -498,4 +500,75 @@ def test_backups_run_past_their_step_and_land_before_the_next_step_touches_a_blo
         for hp, w in zip((0, 1), want):
             assert torch.equal(torch.cat([s.reshape(-1) for s in host.page_segments(hp)]), w)
     finally:
+        side.shutdown()
+
+
+def test_a_save_whose_writes_outlast_its_backups_is_booked_in_two_results():
+    """A rank that writes L3: the step after a save books its backups (writes pending: the
+    pages hit from then on), and the writes' result follows once they land -- both made by
+    the executor, in that order, the writes' result in the step it arrived."""
+    import threading
+    from collections import Counter
+    from types import SimpleNamespace
+
+    import torch
+
+    from kvtier import KVSpec
+    from kvtier.cache import CacheConfig, CacheExecutor, Plan
+    from kvtier.device_pool import DeviceKVPool
+    from kvtier.host_allocators.torch_pinned import TorchPinnedAllocator
+    from kvtier.host_pool import HostKVPool
+    from kvtier.integrations.vllm.metadata import KVTierMetadata
+    from kvtier.integrations.vllm.worker import WorkerSide
+    from kvtier.l3_stores.memory import MemoryStore
+    from kvtier.registry import create_transfer_engine
+
+    class HeldWrites(MemoryStore):
+        go = threading.Event()
+
+        def batch_set(self, keys, host_pages):
+            assert self.go.wait(10)
+            return super().batch_set(keys, host_pages)
+
+    spec = KVSpec.mha(num_layers=2, num_kv_heads=2, head_dim=16, page_size=16,
+                      dtype="bfloat16")
+    cfg = CacheConfig.from_dict({"model_id": "two-results", "host_pool_pages": 8})
+    view = SimpleNamespace(cfg=cfg, spec=spec, l3_writer=True, layer_names=["l0", "l1"],
+                           device_type="cpu")
+    side = WorkerSide(view, Counter(), tp_rank=0)
+    pool = DeviceKVPool.empty(spec, 8)
+    gen = torch.Generator().manual_seed(5)
+    for comp in pool.layers:
+        for t in comp:
+            t.view(torch.uint8).copy_(torch.randint(1, 256, t.view(torch.uint8).shape,
+                                                    dtype=torch.uint8, generator=gen))
+    host = HostKVPool(spec, 8, allocator=TorchPinnedAllocator())
+    store = HeldWrites(spec=spec)
+    store.attach(host)
+    engine = create_transfer_engine("torch", pool, host)
+    side.executor = ex = CacheExecutor(host_pool=host, engine=engine, store=store,
+                                       owned=(engine, store, host))
+    keys = (b"k" * 32, b"j" * 32)
+    try:
+        meta = KVTierMetadata(saves=[Plan(12, backups=((3, 0), (5, 1)),
+                                          l3_writes=((0, keys[0]), (1, keys[1])))])
+        side.bind(meta)
+        side.start_load_kv(meta)
+        side.wait_for_save()
+        nxt = KVTierMetadata()
+        side.bind(nxt)
+        side.start_load_kv(nxt)                    # books the backups; the writes are held
+        first = [r for r in side.build_connector_worker_meta().results if r.plan_id == 12]
+        assert [(r.writes_pending, r.backups, r.l3_writes) for r in first] == \
+            [(True, (True, True), ())]
+        store.go.set()
+        assert ex.wait(12, 10)
+        side.get_transfer_results(SimpleNamespace(finished_recving=set()))  # every step
+        got = side.build_connector_worker_meta()
+        second = [r for r in got.results if r.plan_id == 12]
+        assert [(r.writes_pending, r.backups, r.l3_writes) for r in second] == \
+            [(False, (), (True, True))]
+        assert store.batch_exists(list(keys)) == 2
+    finally:
+        HeldWrites.go.set()
         side.shutdown()

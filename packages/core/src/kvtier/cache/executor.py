@@ -133,7 +133,7 @@ class CacheExecutor:
     # ----- plans ------------------------------------------------------------------------------
     def submit(self, plan: Plan, *, on_done: Callable[[PlanResult], None] | None = None,
                on_read: Callable[[int, int, list[bool] | None], None] | None = None,
-               stop: Callable[[], bool] | None = None) -> PlanHandle:
+               stop: Callable[[], bool] | None = None, two_part: bool = False) -> PlanHandle:
         """Start ``plan``; a malformed plan, or one whose id was submitted before (running,
         finished or polled long ago), raises before anything starts.
 
@@ -142,9 +142,15 @@ class CacheExecutor:
         ``on_read(first, count, got)``: called as each batch of the plan's L3 reads comes
         back (reads ``first`` to ``first + count``; ``got`` None if the call failed), before
         the loads that wait on them start. ``stop()``: checked before each L3 call of the
-        plan; True ends its store work there (the rest fail, untried)."""
+        plan; True ends its store work there (the rest fail, untried).
+
+        ``two_part``: a save whose L3 writes outlast its backups is reported in two results,
+        as `PlanResult` describes (``writes_pending``): the first as soon as everything but
+        the writes is done (its backed-up pages can serve hits; `wait_backups` waits for
+        it), the second with the writes. A plan whose writes do not outlast the rest is
+        reported in one result."""
         self._validate(plan)
-        run = Run(plan, on_done, on_read, stop)
+        run = Run(plan, on_done, on_read, stop, two_part)
         handle = PlanHandle(self, run)
         run.handle = handle
         with self._lock:
@@ -185,6 +191,13 @@ class CacheExecutor:
         """Wait until ``plan_id`` has finished (its result then comes from `poll`)."""
         with self._cv:
             return self._cv.wait_for(lambda: plan_id not in self._runs, timeout)
+
+    def wait_backups(self, plan_id: int, timeout: float | None = None) -> bool:
+        """Wait until everything of ``plan_id`` but its L3 writes is done: the first result
+        of a ``two_part`` plan is made (or the plan has finished)."""
+        with self._cv:
+            return self._cv.wait_for(
+                lambda: plan_id not in self._runs or self._runs[plan_id].interim, timeout)
 
     def wait_layer(self, plan_id: int, layer: int | None, timeout: float | None = None
                    ) -> BaseException | None:
@@ -259,11 +272,11 @@ class CacheExecutor:
             for run in stuck_runs:
                 run.reported = True
                 if run.on_done is None:
-                    self._done[run.plan.plan_id] = run.plan.failed()
+                    self._done[run.plan.plan_id] = run.failed()
             self._cv.notify_all()
         for run in stuck_runs:
             if run.on_done is not None:
-                self._deliver(run.on_done, run.plan.failed())
+                self._deliver(run.on_done, run.failed())
         stuck = io is not None and io.stuck_calls() > 0
         for obj in reversed(self._owned):
             if stuck and obj is self.host_pool:
@@ -314,6 +327,7 @@ class CacheExecutor:
     def _start_store(self, run: Run, idx: list[int], *, is_read: bool) -> None:
         with self._lock:
             run.parts += 1
+            run.write_parts += not is_read
         task = StoreTask(self, run, idx, is_read=is_read)
         limit = self.max_queued_write_pages
         if self.l3 is None or not self.l3.usable() or (
@@ -411,8 +425,22 @@ class CacheExecutor:
             if idx:
                 self._start_loads(run, idx)
             run.load_group_started()
+        interim = None
         with self._cv:
             run.parts -= 1
+            run.write_parts -= part == "writes"
+            if run.parts and run.two_part and not run.interim \
+                    and run.parts == run.write_parts:
+                run.interim = True           # only the writes run: the rest is reported
+                interim = run.interim_result()
+                if run.on_done is None:
+                    self._done[(run.plan.plan_id, "interim")] = interim
+                self._cv.notify_all()
+        if interim is not None:
+            if run.on_done is not None:
+                self._deliver(run.on_done, interim)
+            run.interim_out.set()
+        with self._cv:
             if run.parts:
                 return
             run.reported = True
@@ -420,6 +448,8 @@ class CacheExecutor:
             if run.held:
                 self._held[run.plan.plan_id] = list(run.held)
         if run.on_done is not None:
+            if run.interim:
+                run.interim_out.wait()          # the first result goes first
             self._deliver(run.on_done, result)
         if run.handle is not None:
             run.handle.result = result          # done() once booked

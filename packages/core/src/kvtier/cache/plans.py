@@ -32,9 +32,10 @@ that breaks these rules before any of it starts.
 
 A plan id is used once: a data path runs a plan of a given id at most once, and refuses it
 again even after its result came back (a replayed load would copy whatever the host page holds
-by then). Ids are any ints, of either sign (vLLM's connector gives a save's L3 writes
-``-plan_id``); a planner's ids grow in magnitude over time (`CachePlanner` counts up under its
-instance's high bits), which lets a data path forget old ids without accepting them again.
+by then). Ids are any ints, of either sign; a planner's ids grow in magnitude over time
+(`CachePlanner` counts up under its instance's high bits), which lets a data path forget old
+ids without accepting them again. A ``two_part`` save (`CacheExecutor.submit`) is one plan
+reported in two results of its id: everything but its L3 writes, then its writes.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ class PlanIds:
 
     Memory stays bounded: past ``limit`` ids, the older half (in submission order) is
     forgotten into a floor per group, a group being the sign and the bits above the low 32
-    (one `CachePlanner` instance's ids, or its connector's negated sub-plan ids). Every id of a
+    (one `CachePlanner` instance's ids). Every id of a
     group below its floor in magnitude is refused. So an id is refused without having run only
     if a larger one of its group was accepted ``limit // 2`` submissions earlier: planners count
     up, and a plan is submitted soon after it is made, so that is a plan of long ago."""
@@ -72,9 +72,14 @@ class Run:
 
     def __init__(self, plan: Plan, on_done: Callable[[PlanResult], None] | None = None,
                  on_read: Callable[[int, int, list[bool] | None], None] | None = None,
-                 stop: Callable[[], bool] | None = None):
+                 stop: Callable[[], bool] | None = None, two_part: bool = False):
         self.plan = plan
         self.on_done = on_done
+        #: Report the plan in two results when its L3 writes outlast the rest (`submit`).
+        self.two_part = two_part
+        self.interim = False                # the first of those two results is made
+        self.interim_out = threading.Event()  # ... and delivered: the second waits for it
+        self.write_parts = 0                # parts of it that are L3 writes, running
         self.on_read = on_read
         self.stop = stop
         self.reported = False               # its result is made (held pages in it)
@@ -108,7 +113,23 @@ class Run:
             if self._to_start == 0:
                 self.loads_started.set()
 
+    def interim_result(self) -> PlanResult:
+        """Everything but the L3 writes, which still run (``writes_pending``)."""
+        return PlanResult(self.plan.plan_id, tuple(self.reads), tuple(self.loads),
+                          tuple(self.backups), l3_loads=tuple(self.in_place),
+                          writes_pending=True,
+                          l3_reads_tried=self.reads_tried if self.plan.l3_reads else None)
+
+    def failed(self) -> PlanResult:
+        """The result of a plan that will not finish (after a first result: its writes)."""
+        if self.interim:
+            return PlanResult(self.plan.plan_id, l3_writes=(False,) * len(self.plan.l3_writes))
+        return self.plan.failed()
+
     def result(self) -> PlanResult:
+        if self.interim:                    # the rest was reported: the writes only
+            return PlanResult(self.plan.plan_id, l3_writes=tuple(self.writes),
+                              held_host_pages=tuple(self.held))
         return PlanResult(self.plan.plan_id, tuple(self.reads), tuple(self.loads),
                           tuple(self.backups), tuple(self.writes),
                           held_host_pages=tuple(self.held), l3_loads=tuple(self.in_place),

@@ -44,9 +44,11 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._results: dict[int, PlanResult] = {}        # finished, not yet handled
         self._async: dict[int, LoadOrder] = {}
-        self._writes: dict[int, tuple[Plan, PlanResult]] = {}   # write sub-plan -> save
-        #: saves whose backups run past the step that planned them (plan id -> plan)
+        #: saves whose backups run past the step that planned them (plan id -> plan), what
+        #: came back for them in order, and those whose L3 writes' result is still to come
         self._backing: dict[int, Plan] = {}
+        self._saves: dict[int, list[PlanResult]] = {}
+        self._writing: set[int] = set()
         self._to_scheduler: list[PlanResult] = []
         self._last_counts: dict[str, int] = {}
         self._prefetch_ids: set[int] = set()
@@ -175,78 +177,60 @@ class WorkerSide:
         """Start the backups; they run past this step (the first token does not wait for
         them) and land before the next step's loads and forward touch a block
         (`_finish_backups`). The L3 writes of the backed-up pages follow, off the forward
-        path, as a second plan of the executor."""
+        path: the executor reports the save in two results when they outlast the backups
+        (``two_part``). A rank that writes no L3 backs up only."""
         ex = self.executor
         assert ex is not None
-        backups = Plan(plan.plan_id, backups=plan.backups)
+        run = plan if self.writes_l3 else Plan(plan.plan_id, backups=plan.backups)
         try:
-            ex.submit(backups)
+            ex.submit(run, two_part=True)
         except Exception as exc:
-            log.warning("kvtier: backup plan %d failed: %s", plan.plan_id, exc)
-            self._after_backups(plan, backups.failed())
+            log.warning("kvtier: save plan %d refused: %s", plan.plan_id, exc)
+            self._to_scheduler.append(self._rank_result(plan, run.failed()))
             return
         self._backing[plan.plan_id] = plan
 
+    def _rank_result(self, plan: Plan, res: PlanResult) -> PlanResult:
+        """This rank's result of a save. Rank 0 writes the page every rank holds, and results
+        are ANDed across ranks: on a rank that writes nothing its part of the writes is done."""
+        if self.writes_l3:
+            return res
+        return PlanResult(plan.plan_id, backups=res.backups,
+                          l3_writes=(True,) * len(plan.l3_writes))
+
     def _finish_backups(self) -> None:
-        """Wait for every save's backups to land, then book them."""
+        """Wait for every save's backups to land, then book them (with what came back after
+        them, in order)."""
         ex = self.executor
         if not self._backing or ex is None:
             return
         for pid in list(self._backing):
-            ex.wait(pid)
+            ex.wait_backups(pid)
         self._collect()
-        for pid in [p for p in self._backing if p in self._results]:
-            self._after_backups(self._backing.pop(pid), self._results.pop(pid))
-
-    def _after_backups(self, plan: Plan, res: PlanResult) -> None:
-        ex = self.executor
-        assert ex is not None
-        ok_hp = {hp for (_, hp), ok in zip(plan.backups, res.backups) if ok}
-        if not self.writes_l3:
-            # rank 0 writes the page every rank holds; results are ANDed across ranks, so
-            # this rank's part of the writes is done
-            self._to_scheduler.append(PlanResult(plan.plan_id, backups=res.backups,
-                                                 l3_writes=(True,) * len(plan.l3_writes)))
-            return
-        writes = tuple(w for w in plan.l3_writes if w[0] in ok_hp)
-        if not writes:
-            self._to_scheduler.append(PlanResult(plan.plan_id, backups=res.backups,
-                                                 l3_writes=(False,) * len(plan.l3_writes)))
-            return
-        wid = -plan.plan_id
-        try:
-            ex.submit(Plan(wid, l3_writes=writes))
-        except Exception as exc:
-            log.warning("kvtier: L3 write plan %d refused: %s", plan.plan_id, exc)
-            self._to_scheduler.append(PlanResult(plan.plan_id, backups=res.backups,
-                                                 l3_writes=(False,) * len(plan.l3_writes)))
-            return
-        self._writes[wid] = (plan, res)
-        # the backed-up pages serve hits now; their writes' result follows
-        self._to_scheduler.append(PlanResult(plan.plan_id, backups=res.backups,
-                                             writes_pending=True))
+        for pid in [p for p in self._backing if self._saves.get(p)]:
+            plan = self._backing.pop(pid)
+            first, *rest = self._saves.pop(pid)
+            if first.writes_pending and not rest:
+                self._writing.add(pid)       # its writes' result comes later
+            self._to_scheduler.append(self._rank_result(plan, first))
+            self._to_scheduler.extend(rest)
 
     def _collect(self) -> None:
         if self.executor is None:
             return
         for res in self.executor.poll():
-            if res.released_host_pages:      # a late store call returned: free its pages
-                # (a save's write sub-plan runs as -id; the planner knows the save's id)
-                self._to_scheduler.append(PlanResult(
-                    abs(res.plan_id), released_host_pages=res.released_host_pages))
-            elif res.plan_id in self._writes:          # L3 writes of a save: its result now
-                plan, bres = self._writes.pop(res.plan_id)
-                done = dict(zip([w for w in plan.l3_writes if w[0] in
-                                 {hp for (_, hp), ok in zip(plan.backups, bres.backups) if ok}],
-                                res.l3_writes))
-                self._to_scheduler.append(PlanResult(
-                    plan.plan_id, l3_writes=tuple(done.get(w, False) for w in plan.l3_writes),
-                    held_host_pages=res.held_host_pages))
-            elif res.plan_id in self._prefetch_ids:
-                self._prefetch_ids.discard(res.plan_id)
+            pid = res.plan_id
+            if pid in self._backing:         # a save not booked yet: after its first result
+                self._saves.setdefault(pid, []).append(res)
+            elif pid in self._writing and not res.released_host_pages:
+                self._writing.discard(pid)   # the L3 writes of a save: its second result
+                self._to_scheduler.append(res)
+            elif res.released_host_pages or pid in self._prefetch_ids:
+                # a late store call returned (its pages are free again), or a prefetch
+                self._prefetch_ids.discard(pid)
                 self._to_scheduler.append(res)
             else:
-                self._results[res.plan_id] = res
+                self._results[pid] = res
 
     def get_transfer_results(self, out: Any) -> Any:
         """Fill vLLM's ``KVConnectorTransferResults`` ``out`` with the asynchronous loads that
