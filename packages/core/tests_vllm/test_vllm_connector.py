@@ -440,31 +440,43 @@ def test_a_save_in_two_results_merges_part_by_part_across_ranks():
     assert got.results == [PlanResult(8, backups=t2, writes_pending=True)]
 
 
-def test_backups_run_past_their_step_and_land_before_the_next_step_touches_a_block():
-    """A step's backups are not waited for in wait_for_save (the first token does not wait
-    for them); the next step's start_load_kv waits for them before its loads (and its
-    forward) can write a block vLLM gave away, and books them then, on every rank alike."""
+def _worker_side(model_id: str, *, l3_writer: bool):
+    """A worker's half of the connector over a CPU pool of random blocks (as vLLM's), with no
+    executor yet: (side, its config, the pool)."""
     from collections import Counter
     from types import SimpleNamespace
 
     import torch
 
     from kvtier import KVSpec
-    from kvtier.cache import CacheConfig, CacheExecutor, Plan
+    from kvtier.cache import CacheConfig
     from kvtier.device_pool import DeviceKVPool
-    from kvtier.integrations.vllm.metadata import KVTierMetadata
     from kvtier.integrations.vllm.worker import WorkerSide
     spec = KVSpec.mha(num_layers=2, num_kv_heads=2, head_dim=16, page_size=16,
                       dtype="bfloat16")
-    cfg = CacheConfig.from_dict({"model_id": "backups", "host_pool_pages": 8})
-    view = SimpleNamespace(cfg=cfg, spec=spec, l3_writer=False, layer_names=["l0", "l1"],
+    cfg = CacheConfig.from_dict({"model_id": model_id, "host_pool_pages": 8})
+    view = SimpleNamespace(cfg=cfg, spec=spec, l3_writer=l3_writer, layer_names=["l0", "l1"],
                            device_type="cpu")
     side = WorkerSide(view, Counter(), tp_rank=0)
     pool = DeviceKVPool.empty(spec, 8)
+    gen = torch.Generator().manual_seed(5)
     for comp in pool.layers:
         for t in comp:
-            t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape,
-                                                    dtype=torch.uint8))
+            t.view(torch.uint8).copy_(torch.randint(1, 256, t.view(torch.uint8).shape,
+                                                    dtype=torch.uint8, generator=gen))
+    return side, cfg, pool
+
+
+def test_backups_run_past_their_step_and_land_before_the_next_step_touches_a_block():
+    """A step's backups are not waited for in wait_for_save (the first token does not wait
+    for them); the next step's start_load_kv waits for them before its loads (and its
+    forward) can write a block vLLM gave away, and books them then, on every rank alike."""
+    import torch
+
+    from kvtier.cache import CacheExecutor, Plan
+    from kvtier.integrations.vllm.metadata import KVTierMetadata
+    side, cfg, pool = _worker_side("backups", l3_writer=False)
+    spec = pool.spec
     ex = CacheExecutor.from_config(cfg, device_pool=pool, num_host_pages=8)
     side.executor = ex
     calls: list[tuple[str, int]] = []
@@ -508,18 +520,12 @@ def test_a_save_whose_writes_outlast_its_backups_is_booked_in_two_results():
     pages hit from then on), and the writes' result follows once they land -- both made by
     the executor, in that order, the writes' result in the step it arrived."""
     import threading
-    from collections import Counter
     from types import SimpleNamespace
 
-    import torch
-
-    from kvtier import KVSpec
-    from kvtier.cache import CacheConfig, CacheExecutor, Plan
-    from kvtier.device_pool import DeviceKVPool
+    from kvtier.cache import CacheExecutor, Plan
     from kvtier.host_allocators.torch_pinned import TorchPinnedAllocator
     from kvtier.host_pool import HostKVPool
     from kvtier.integrations.vllm.metadata import KVTierMetadata
-    from kvtier.integrations.vllm.worker import WorkerSide
     from kvtier.l3_stores.memory import MemoryStore
     from kvtier.registry import create_transfer_engine
 
@@ -530,18 +536,8 @@ def test_a_save_whose_writes_outlast_its_backups_is_booked_in_two_results():
             assert self.go.wait(10)
             return super().batch_set(keys, host_pages)
 
-    spec = KVSpec.mha(num_layers=2, num_kv_heads=2, head_dim=16, page_size=16,
-                      dtype="bfloat16")
-    cfg = CacheConfig.from_dict({"model_id": "two-results", "host_pool_pages": 8})
-    view = SimpleNamespace(cfg=cfg, spec=spec, l3_writer=True, layer_names=["l0", "l1"],
-                           device_type="cpu")
-    side = WorkerSide(view, Counter(), tp_rank=0)
-    pool = DeviceKVPool.empty(spec, 8)
-    gen = torch.Generator().manual_seed(5)
-    for comp in pool.layers:
-        for t in comp:
-            t.view(torch.uint8).copy_(torch.randint(1, 256, t.view(torch.uint8).shape,
-                                                    dtype=torch.uint8, generator=gen))
+    side, _, pool = _worker_side("two-results", l3_writer=True)
+    spec = pool.spec
     host = HostKVPool(spec, 8, allocator=TorchPinnedAllocator())
     store = HeldWrites(spec=spec)
     store.attach(host)
