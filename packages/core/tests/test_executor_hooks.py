@@ -251,3 +251,20 @@ def test_a_two_part_save_whose_backups_fail_is_one_result_with_no_write_tried():
     assert not res.writes_pending and res.l3_writes == (False,) * 3
     assert r.store.batch_exists(keys) == 0
     r.ex.close()
+
+
+def test_a_close_that_cuts_a_two_part_save_short_reports_its_writes_failed():
+    """After its first result, what is left of a two-part save is its writes: a close that
+    gives up on them reports those failed, not the save as a whole again."""
+    store = HeldWrites(spec=SPEC)
+    r = Rig(29, store=store, l3_call_timeout_s=60.0)
+    plan, _, _ = _save(r, 6, 2, 30)
+    r.ex.submit(plan, two_part=True)
+    assert r.ex.wait_backups(6, 10)
+    assert [x.writes_pending for x in r.ex.poll()] == [True]
+    try:
+        r.ex.close(timeout=0.3)
+        assert [(x.plan_id, x.writes_pending, x.backups, x.l3_writes)
+                for x in r.ex.poll()] == [(6, False, (), (False, False))]
+    finally:
+        store.go.set()
