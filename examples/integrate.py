@@ -103,6 +103,7 @@ def main() -> None:
                 serve(Source(cache.metrics_registry, {"engine": "toy"})) as exporter:
             print("first:", engine.serve(cache, system + [1, 2, 3] * 10))
             print("again:", engine.serve(cache, system + [4, 5, 6] * 10))
+            cache.wait_idle(30)                       # the backups land (in the background)
             cache.evict(DEVICE_PAGES)                 # L1 gone: the next hit is from L2
             print("from L2:", engine.serve(cache, system + [7, 8] * 20))
             cache.wait_idle(30)                       # backups and L3 writes are background

@@ -20,9 +20,10 @@ def test_integration_example_runs() -> None:
     out = subprocess.run([sys.executable, str(EXAMPLE)], capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "ok: every restored page equals its recompute" in out.stdout
-    assert "after restart (from L3): {'l1': 0, 'loaded': 5" in out.stdout
-    assert 'kvtier_hit_pages_total{engine="toy",tier="l2"} 5' in out.stdout
+    assert "ok: every restored page equals its recompute" in out.stdout, out.stdout
+    assert "from L2: {'l1': 0, 'loaded': 5" in out.stdout, out.stdout
+    assert "after restart (from L3): {'l1': 0, 'loaded': 5" in out.stdout, out.stdout
+    assert 'kvtier_hit_pages_total{engine="toy",tier="l2"} 5' in out.stdout, out.stdout
 
 
 def test_kvtier_exports_the_controller() -> None:

@@ -429,7 +429,7 @@ class CacheExecutor:
         with self._cv:
             run.parts -= 1
             run.write_parts -= part == "writes"
-            if run.parts and run.two_part and not run.interim \
+            if run.parts and run.two_part and not run.interim and not run.reported \
                     and run.parts == run.write_parts:
                 run.interim = True           # only the writes run: the rest is reported
                 interim = run.interim_result()
@@ -441,7 +441,7 @@ class CacheExecutor:
                 self._deliver(run.on_done, interim)
             run.interim_out.set()
         with self._cv:
-            if run.parts:
+            if run.parts or run.reported:     # reported: a close gave up on it already
                 return
             run.reported = True
             result = run.result()
