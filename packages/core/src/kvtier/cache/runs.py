@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
@@ -114,11 +115,10 @@ class Run:
                 self.loads_started.set()
 
     def interim_result(self) -> PlanResult:
-        """Everything but the L3 writes, which still run (``writes_pending``)."""
-        return PlanResult(self.plan.plan_id, tuple(self.reads), tuple(self.loads),
-                          tuple(self.backups), l3_loads=tuple(self.in_place),
-                          writes_pending=True,
-                          l3_reads_tried=self.reads_tried if self.plan.l3_reads else None)
+        """Everything but the L3 writes, which still run (``writes_pending``; host pages a
+        call holds go with the writes' result)."""
+        return dataclasses.replace(self._whole(), l3_writes=(), held_host_pages=(),
+                                   writes_pending=True)
 
     def failed(self) -> PlanResult:
         """The result of a plan that will not finish (after a first result: its writes)."""
@@ -130,6 +130,9 @@ class Run:
         if self.interim:                    # the rest was reported: the writes only
             return PlanResult(self.plan.plan_id, l3_writes=tuple(self.writes),
                               held_host_pages=tuple(self.held))
+        return self._whole()
+
+    def _whole(self) -> PlanResult:
         return PlanResult(self.plan.plan_id, tuple(self.reads), tuple(self.loads),
                           tuple(self.backups), tuple(self.writes),
                           held_host_pages=tuple(self.held), l3_loads=tuple(self.in_place),
