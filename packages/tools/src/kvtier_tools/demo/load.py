@@ -128,11 +128,11 @@ class LoadRun:
             "think_ms": 1e3 * self.level.think_s, "requests": len(s), "prompt_tokens": tokens,
             "utilisation": util, "overloaded": self.level.kind == "open" and util >= 1.0,
             **_ttft_and_hits(ttft, res, tokens),
-            "wait_mean_ms": 1e3 * float(np.mean([x.wait_s for x in s])) if s else 0.0,
+            "wait_mean_ms": mean_ms(s, "wait_s"),
             "service_mean_ms": 1e3 * service, "max_queue": self.max_queue,
             "requests_per_s": len(s) / span if span > 0 else 0.0,
             "tokens_per_s": tokens / span if span > 0 else 0.0,
-            "l3_wait_mean_ms": 1e3 * float(np.mean([r.l3_wait_s for r in res])) if res else 0.0,
+            "l3_wait_mean_ms": mean_ms(res, "l3_wait_s"),
             **_service_parts(res),
             "computed_tokens": sum(r.computed_tokens for r in res),
             "restored_pages_checked": sum(r.restored_checked for r in res),
@@ -336,15 +336,18 @@ def _ttft_and_hits(ttft_ms: Any, results: list[Any], tokens: int) -> dict[str, f
             "l3_prefetched_pct": pct(sum(r.l3_prefetched_tokens for r in results))}
 
 
+def mean_ms(items: Any, attr: str) -> float:
+    """The mean of ``attr`` (seconds) over ``items``, in ms; 0 for none."""
+    return 1e3 * float(np.mean([getattr(x, attr) for x in items])) if len(items) else 0.0
+
+
 def _service_parts(results: list[Any]) -> dict[str, float]:
-    """Where a request's service went, mean ms per part: match (and the L3 wait's
-    bookkeeping), loads not hidden behind the prefill, the prefill itself and the commit --
-    the same parts under load and in the serial replay, so a part that grows under load
-    shows which."""
-    def mean(attr: str) -> float:
-        return 1e3 * float(np.mean([getattr(r, attr) for r in results])) if results else 0.0
-    return {"match_mean_ms": mean("match_s"), "load_mean_ms": mean("load_s"),
-            "prefill_mean_ms": mean("prefill_s"), "commit_mean_ms": mean("commit_s")}
+    """Where a request's service went, mean ms per part: match, what the prefill waited for
+    (its loads, and at dispatch the L3 read still in flight), the prefill itself and the
+    commit -- the same parts under load and in the serial replay, so a part that grows under
+    load shows which."""
+    return {f"{part}_mean_ms": mean_ms(results, f"{part}_s")
+            for part in ("match", "load", "prefill", "commit")}
 
 
 def serial_summary(name: str, results: list[RequestResult], busy_s: float) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from kvtier.errors import ConfigError
 from kvtier.keys import PageKeyer
 from .digest import load_known, save_known
 from .engine import DemoEngine, RequestResult
+from .load import mean_ms
 from .model import MODEL_SIZES, CheckFailedError, DemoModel
 from .workload import Workload, multiturn
 
@@ -209,8 +210,7 @@ class SetupRun:
             "reused_l1_tokens": sum(r.l1_tokens for r in res),
             "ttft_mean_ms": 1e3 * float(ttft.mean()) if len(ttft) else 0.0,
             "ttft_p90_ms": 1e3 * float(np.percentile(ttft, 90)) if len(ttft) else 0.0,
-            "load_mean_ms": 1e3 * float(np.mean([r.load_s for r in res])) if res else 0.0,
-            "prefill_mean_ms": 1e3 * float(np.mean([r.prefill_s for r in res])) if res else 0.0,
+            "load_mean_ms": mean_ms(res, "load_s"), "prefill_mean_ms": mean_ms(res, "prefill_s"),
             "bytes_h2d": int(m.get("bytes_h2d", 0)), "bytes_d2h": int(m.get("bytes_d2h", 0)),
             "bytes_l3_read": int(m.get("bytes_l3_read", 0)),
             "bytes_l3_written": int(m.get("bytes_l3_written", 0)),
