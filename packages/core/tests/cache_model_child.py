@@ -28,16 +28,14 @@ from kvtier.testing.contracts import raw_bytes
 REPLY_TIMEOUT_S = 60.0
 
 
-def device_page_bytes(pool: DeviceKVPool, page: int) -> torch.Tensor:
-    """Every byte of device page ``page`` (layer by layer, component by component)."""
-    spec = pool.spec
-    return torch.cat([raw_bytes(pool.page(c, layer, page)) for layer in range(spec.num_layers)
-                      for c in range(spec.num_components)])
+def as_bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().numpy().tobytes()
 
 
-def write_device_page(pool: DeviceKVPool, page: int, data: torch.Tensor) -> None:
-    """Write ``data`` (uint8, as `device_page_bytes` returns) into device page ``page``."""
+def write_device_page(pool: DeviceKVPool, page: int, raw: bytes) -> None:
+    """Write ``raw`` (as `PageBytes` reads a page) into device page ``page``."""
     spec = pool.spec
+    data = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     off = 0
     for layer in range(spec.num_layers):
         for c in range(spec.num_components):
@@ -48,8 +46,8 @@ def write_device_page(pool: DeviceKVPool, page: int, data: torch.Tensor) -> None
 
 
 class PageBytes:
-    """Fast `device_page_bytes` for one pool: the same bytes, read through numpy views of the
-    pool's memory taken once."""
+    """Every byte of a device page of one pool (layer by layer, component by component), read
+    through numpy views of the pool's memory taken once."""
 
     def __init__(self, pool: DeviceKVPool):
         spec = pool.spec
@@ -58,10 +56,6 @@ class PageBytes:
 
     def __call__(self, page: int) -> bytes:
         return b"".join(a[page].tobytes() for a in self.arrays)
-
-
-def _as_tensor(data: bytes) -> torch.Tensor:
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
 class _Worker:
@@ -120,11 +114,11 @@ class _Worker:
 
     def write_device(self, pages: list[int], datas: list[bytes]) -> None:
         for p, data in zip(pages, datas):
-            write_device_page(self.dpool, p, _as_tensor(data))
+            write_device_page(self.dpool, p, data)
 
     def read_host(self, pages: list[int]) -> list[bytes]:
         view = self.ex.host_pool.view
-        return [raw_bytes(view[p]).numpy().tobytes() for p in pages]
+        return [as_bytes(raw_bytes(view[p])) for p in pages]
 
     def read_l3(self, keys: list[bytes], host_page: int) -> list[bytes | None]:
         """Each object L3 holds of ``keys`` (None: not there), read through ``host_page``."""

@@ -34,7 +34,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from cache_model_child import Child, PageBytes, write_device_page
+from cache_model_child import Child, PageBytes, as_bytes, write_device_page
 from kvtier import KVSpec
 from kvtier.cache import CachePlanner, Plan, PlanResult, TieredKVCache
 from kvtier.device_pool import DeviceKVPool
@@ -56,14 +56,6 @@ prompts = st.tuples(st.lists(st.integers(0, 2), min_size=0, max_size=5), st.inte
 # Two processes: book a plan's result as soon as it comes back (most often), or leave it for
 # `complete_one` to book in any order.
 books = st.integers(0, 3).map(bool)
-
-
-def as_tensor(data: bytes) -> torch.Tensor:
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
-
-
-def as_bytes(t: torch.Tensor) -> bytes:
-    return t.contiguous().numpy().tobytes()
 
 
 @dataclass
@@ -150,7 +142,7 @@ class OneProcess:
             if more is not None:
                 new = spare + more
                 for key, p in zip(m.keys[first + h.pages_loaded:], new):   # "prefill"
-                    write_device_page(self.dpool, p, as_tensor(self.m.page_data(key)))
+                    write_device_page(self.dpool, p, self.m.page_data(key))
                 res = c.commit(req.tokens, m.l1_pages + h.device_pages + new, match=m)
                 assert res.new_pages + len(res.not_taken) <= len(m.keys)
         self.alloc.free(c.release(m))
