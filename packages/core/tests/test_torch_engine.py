@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import zlib
 
 import pytest
 import torch
@@ -399,6 +400,183 @@ def test_staged_path_every_layout(layout, which, host_layout, staging, pool, cls
             _roundtrip(dpool, hpool, eng, seed * 7 + which, random.Random(seed).randint(1, 17))
     finally:
         eng.close()
+        hpool.close()
+
+
+# ----- loads of a range of layers ----------------------------------------------------------
+#: 13 layers: groups of 2 and 5 leave shorter last groups, ranges start and end mid-group.
+RANGE_SPEC = KVSpec.mha(num_layers=13, num_kv_heads=3, head_dim=8, page_size=3, dtype="float16")
+
+
+def _ranged_loads(dpool, hpool, eng, seed, rounds=5):
+    """Loads of random ranges of layers (the first and last layer, all of them, random ones)
+    between random pages, wait_layer in random order: every layer of the range lands bitwise,
+    every other byte of the device pool stays; the ops cover the range in order, one group
+    (at most ``max_group`` layers) each, from its first layer."""
+    spec = dpool.spec
+    L, lb = spec.num_layers, spec.page_bytes // spec.num_layers
+    rng = random.Random(seed)
+    groups = []
+    real = eng._load_group
+    eng._load_group = lambda a, g, *rest: (groups.append((a, g)), real(a, g, *rest))[1]
+    cuda = dpool.device.type == "cuda"
+
+    def rows(layer):
+        if cuda:
+            torch.cuda.synchronize()
+        return torch.cat([c.cpu() for c in dpool.chunks[layer]], dim=1)
+    ranges = [(0, 1), (L - 1, L), (0, L)]
+    ranges += [(lo, rng.randint(lo + 1, L)) for lo in (rng.randrange(L) for _ in range(rounds))]
+    for lo, hi in ranges:
+        fill_random(hpool.raw)
+        for layer in dpool.chunks:
+            for chunk in layer:
+                fill_random(chunk)
+        before = [rows(layer) for layer in range(L)]
+        n = rng.randint(1, min(dpool.num_pages, hpool.num_pages))
+        host = rng.sample(range(hpool.num_pages), n)
+        dev = rng.sample(range(dpool.num_pages), n)
+        want = torch.stack([_host_page(hpool, p) for p in host])
+        groups.clear()
+        h = eng.load(host, torch.tensor(dev, device=dpool.device), layers=(lo, hi))
+        for layer in rng.sample(range(lo, hi), hi - lo):
+            h.wait_layer(layer)
+            assert torch.equal(rows(layer)[dev], want[:, layer * lb:(layer + 1) * lb]), \
+                f"layers [{lo}, {hi}): layer {layer}"
+        for bad in {lo - 1, hi} - set(range(lo, hi)):
+            with pytest.raises(LayoutError):
+                h.wait_layer(bad)
+        h.wait()
+        assert h.done()
+        for layer in range(L):
+            expect = before[layer]
+            if lo <= layer < hi:
+                expect[dev] = want[:, layer * lb:(layer + 1) * lb]
+            assert torch.equal(rows(layer), expect), f"layers [{lo}, {hi}): layer {layer}"
+        assert [a for a, _ in groups] == [lo + sum(g for _, g in groups[:i])
+                                          for i in range(len(groups))], groups
+        assert sum(g for _, g in groups) == hi - lo, groups
+        assert all(0 < g <= eng.max_group for _, g in groups), groups
+
+
+@pytest.mark.parametrize("host_layout", ["page_first", "layer_first"])
+@pytest.mark.parametrize("layout", ["vllm_flash", "flashinfer_hnd"])
+@pytest.mark.parametrize("staging", [1, 1 << 20], ids=["batched", "one-batch"])
+@pytest.mark.parametrize("pool, group", [("scattered", 0), ("one-block", 0), ("one-block", 2),
+                                         ("one-block", 5)],
+                         ids=["scattered", "one-block", "groups-of-2", "groups-of-5"])
+@pytest.mark.parametrize("cls", [TorchTransferEngine, StagedTorchEngine, ZeroCopyTorchEngine],
+                         ids=["cpu", "staged", "zero-copy"])
+def test_layer_ranges_on_every_path(layout, host_layout, staging, pool, group, cls):
+    """Ranged loads on the CPU path and on the staged and zero-copy paths (their index ops on
+    the CPU), with the device pool's layers one allocation (groups of every layer, of 2 or 5)
+    or allocated one by one (a layer per op)."""
+    dpool = make_layout_pool(RANGE_SPEC, layout, 11, one_block=pool == "one-block")
+    hpool = make_host_pool(RANGE_SPEC, 9, host_layout)
+    eng = cls(dpool, hpool, {"staging_bytes": staging, "group_layers": group})
+    try:
+        assert TorchTransferEngine.capabilities().layer_ranges
+        assert eng.max_group == (1 if pool == "scattered" else group or RANGE_SPEC.num_layers)
+        _ranged_loads(dpool, hpool, eng, zlib.crc32(repr((layout, host_layout, staging, pool,
+                                                           group)).encode()))
+    finally:
+        eng.close()
+        hpool.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("zero_copy", [True, False], ids=["zero-copy", "staged"])
+@pytest.mark.parametrize("one_block", [False, True], ids=["scattered", "one-block"])
+@pytest.mark.parametrize("group", [0, 2])
+def test_cuda_layer_ranges(zero_copy, one_block, group):
+    dpool = make_layout_pool(RANGE_SPEC, "vllm_flash", 11, "cuda", one_block)
+    hpool = make_host_pool(RANGE_SPEC, 9, "page_first")
+    eng = TorchTransferEngine(dpool, hpool, {"zero_copy": zero_copy, "group_layers": group,
+                                             "staging_bytes": 4096})
+    try:
+        _ranged_loads(dpool, hpool, eng, 3 + group)
+    finally:
+        eng.close()
+        hpool.close()
+
+
+def test_layerwise_handle_of_a_range():
+    """A handle of layers 4..8 lands from layer 4, answers wait_layer for those only, waits on
+    each group's event once, and is done when layer 8 has landed."""
+    from kvtier.transfer_engines.torch_engine import LayerwiseHandle
+
+    class Event:
+        def __init__(self, name):
+            self.name = name
+
+        def query(self):
+            return True
+
+    class Stream:
+        def __init__(self):
+            self.waits = []
+
+        def wait_event(self, ev):
+            self.waits.append(ev.name)
+
+    class Module:
+        stream = Stream()
+
+        def current_stream(self):
+            return self.stream
+
+    dm = Module()
+    h = LayerwiseHandle(13, "torch", dm, layers=(4, 9))
+    with pytest.raises(RuntimeError, match="landed before"):
+        h._land(0, 2, Event("early"))
+    assert h.layers == (4, 9) and h.num_layers == 13
+    h._land(4, 3, Event("g0"))
+    assert not h.done()
+    h.wait_layer(6)
+    for bad in (3, 9, 0, 12, -1, True, 5.0):
+        with pytest.raises(LayoutError):
+            h.wait_layer(bad)                           # type: ignore[arg-type]
+    h._land(7, 2, Event("g1"))
+    h.wait()
+    assert h.done() and dm.stream.waits == ["g0", "g1"]
+
+
+def test_a_ranges_first_group_is_waitable_while_the_rest_is_held(monkeypatch):
+    """On the worker thread, with groups of 2 over layers 3..10: layers 3 and 4 can be waited
+    on while the next groups are held back; the host copies' time is measured for the
+    range."""
+    import threading
+    dpool = make_device_pool(RANGE_SPEC, 7)
+    hpool = make_host_pool(RANGE_SPEC, 7)
+    engine = TorchTransferEngine(dpool, hpool, {"group_layers": 2, "worker_thread": "always"})
+    gate = threading.Event()
+    real = engine._load_group
+    seen = []
+
+    def held(a, g, *args):
+        seen.append((a, g))
+        if a > 3:
+            gate.wait(30)
+        real(a, g, *args)
+    try:
+        monkeypatch.setattr(engine, "_load_group", held)
+        h = engine.load([6, 1], [2, 5], layers=(3, 11))
+        h.wait_layer(4)
+        assert not h.done() and h.busy_seconds() is None
+        for layer in (3, 4):
+            for c in range(RANGE_SPEC.num_components):
+                assert_bitwise_equal(dpool.page(c, layer, 5), hpool.view[1, layer, c])
+        gate.set()
+        h.wait()
+        assert h.done() and h.busy_seconds() is not None
+        assert seen == [(3, 2), (5, 2), (7, 2), (9, 2)]
+        empty = engine.load([], [], layers=(3, 11))
+        empty.wait_layer(10)
+        with pytest.raises(LayoutError):
+            empty.wait_layer(2)
+    finally:
+        gate.set()
+        engine.close()
         hpool.close()
 
 

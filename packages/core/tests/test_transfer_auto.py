@@ -39,10 +39,11 @@ def _fake(name: str, *, ok=True, devices=("cpu",), rank=50, refuse=False):
             if refuse:
                 raise LayoutError(f"{name}: device layout not supported")
 
-        def load(self, h, d):
+        def load(self, h, d, layers=None):
             raise AssertionError
 
-        backup = load
+        def backup(self, d, h):
+            raise AssertionError
     Fake.name = name
     rec = BackendRecord(TRANSFER_ENGINES, name, "fake-dist", "0", f"fake:{name}")
     rec.cls = Fake

@@ -4,6 +4,7 @@ really gate, and typed errors for bad input. Skipped with the probe's reason els
 from __future__ import annotations
 
 import random
+import zlib
 
 import pytest
 import torch
@@ -233,6 +234,116 @@ def test_layer_events_really_gate(name, cfg):
         hpool.close()
 
 
+RANGE_SPECS = [SPECS[0],                                                         # L5, MLA
+               KVSpec.mha(num_layers=13, num_kv_heads=2, head_dim=64, page_size=3)]  # L13
+
+
+@pytest.mark.parametrize("name, cfg", [
+    ("nvidia-tma", {}), ("nvidia-tma", {"layer_signals": False}),
+    ("nvidia-tma", {"layerwise_load": False}), ("nvidia-tma", {"tensor_map": False}),
+    ("nvidia-register", {}), ("nvidia-register", {"layerwise_load": False}),
+    ("nvidia-copy-engine", {}), ("nvidia-copy-engine", {"layerwise_load": False}),
+    ("nvidia-copy-engine", {"strided": False, "layerwise_load": False}),
+    ("nvidia-copy-engine", {"issue_thread": True}),
+    ("nvidia-copy-engine", {"issue_thread": True, "layerwise_load": False}),
+    ("nvidia-routed", {"crossover_bytes": 1}), ("nvidia-routed", {"crossover_bytes": 1 << 40}),
+], ids=lambda x: x if isinstance(x, str) else ",".join(f"{k}={v}" for k, v in x.items()))
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+@pytest.mark.parametrize("spec", RANGE_SPECS, ids=_sid)
+def test_layer_range_loads_bitwise_and_gated(name, cfg, layout, spec):
+    """Loads of ranges of layers (the first, the last, every layer, random ones) between
+    random pages (repeated sources), the load held back by a spin kernel on its stream:
+    on another stream each layer of the range, read right after its wait_layer (asked in
+    random order), holds the host's bytes -- it would hold the poison if wait_layer did not
+    gate --; every other byte of the device pool (other layers of the same pages, other
+    pages) is untouched; wait_layer outside the range is a LayoutError."""
+    _available(name)
+    L = spec.num_layers
+    rng = random.Random(zlib.crc32(repr((name, cfg, layout, _sid(spec))).encode()))
+    dpool = DeviceKVPool.empty(spec, 41, "cuda")
+    hpool = HostKVPool(spec, 37, layout=layout, allocator=TorchPinnedAllocator())
+    eng = _engine(name, dpool, hpool, **cfg)
+    C = spec.num_components
+    wraps = [lambda x: x, lambda x: torch.tensor(x), lambda x: torch.tensor(x, device="cuda")]
+    try:
+        assert type(eng).capabilities().layer_ranges
+        ranges = [(lo, rng.randint(lo + 1, L)) for lo in (rng.randrange(L) for _ in range(4))]
+        ranges += [(0, 1), (L - 1, L), (0, L)]
+        for k, (lo, hi) in enumerate(ranges):
+            fill_random(hpool.raw)
+            _poison(dpool)
+            torch.cuda.synchronize()
+            before = [[dpool.pages_view(c, layer).clone() for c in range(C)] for layer in range(L)]
+            n = rng.randint(1, 37)
+            host = [rng.randrange(37) for _ in range(n)]
+            dev = rng.sample(range(41), n)
+            load_stream, compute = torch.cuda.Stream(), torch.cuda.Stream()
+            with torch.cuda.stream(load_stream):
+                torch.cuda._sleep(50_000_000)        # hold the load back: reads must wait
+                h = eng.load(wraps[k % 3](host), wraps[k % 3](dev), layers=(lo, hi))
+            d = torch.tensor(dev, device="cuda")
+            seen = {}
+            with torch.cuda.stream(compute):
+                for layer in rng.sample(range(lo, hi), hi - lo):
+                    h.wait_layer(layer)
+                    seen[layer] = [dpool.pages_view(c, layer).index_select(0, d)
+                                   for c in range(C)]
+            for bad in {lo - 1, hi, -1, L} - set(range(lo, hi)):
+                with pytest.raises(LayoutError):
+                    h.wait_layer(bad)
+            h.synchronize()
+            torch.cuda.synchronize()
+            assert h.done()
+            hidx = torch.tensor(host)
+            for layer, got in seen.items():
+                for c in range(C):
+                    want = hpool.view[:, layer, c].index_select(0, hidx).to("cuda")
+                    assert torch.equal(_u8(got[c]), _u8(want)), \
+                        f"layers [{lo}, {hi}): layer {layer} comp {c} read after wait_layer"
+            assert_device_has(dpool, hpool, host, dev, layers=range(lo, hi))
+            others = torch.tensor(sorted(set(range(41)) - set(dev)), device="cuda")
+            for layer in range(L):
+                for c in range(C):
+                    now = dpool.pages_view(c, layer)
+                    if lo <= layer < hi:
+                        now, was = now.index_select(0, others), \
+                            before[layer][c].index_select(0, others)
+                    else:
+                        was = before[layer][c]
+                    assert torch.equal(_u8(now), _u8(was)), \
+                        f"layers [{lo}, {hi}): layer {layer} comp {c} changed"
+        if hasattr(eng, "bad_pairs"):
+            assert eng.bad_pairs() == 0
+    finally:
+        eng.close()
+        hpool.close()
+
+
+def test_layer_range_refusals_on_the_gpu():
+    """Bad ranges are InvalidArgumentError before anything is queued, on every engine."""
+    spec = RANGE_SPECS[0]
+    for name in ENGINES + ["nvidia-routed"]:
+        _available(name)
+        dpool = DeviceKVPool.empty(spec, 8, "cuda")
+        hpool = HostKVPool(spec, 8, allocator=TorchPinnedAllocator())
+        fill_random(hpool.raw)
+        _poison(dpool)
+        torch.cuda.synchronize()
+        before = dpool.pages_view(0, 0).clone()
+        cfg = {"crossover_bytes": 1} if name == "nvidia-routed" else {}
+        eng = _engine(name, dpool, hpool, **cfg)
+        try:
+            for bad in [(0, 0), (2, 1), (-1, 2), (0, spec.num_layers + 1), (True, 2),
+                        (0, 2.0), "0:2", (0,)]:
+                with pytest.raises(InvalidArgumentError):
+                    eng.load([0, 1], [0, 1], layers=bad)
+            torch.cuda.synchronize()
+            assert torch.equal(_u8(dpool.pages_view(0, 0)), _u8(before)), name
+        finally:
+            eng.close()
+            hpool.close()
+
+
 @pytest.mark.parametrize("issue_thread", [True, False])
 def test_copy_engine_copies_follow_the_callers_work_at_the_call_only(issue_thread):
     """A backup sees what the caller wrote before it (held back by a spin kernel), and is not
@@ -323,6 +434,45 @@ def test_tma_per_layer_loads_are_one_launch_with_signals(monkeypatch, layer_sign
         assert_device_has(dpool, hpool, host, dev)
         with pytest.raises(LayoutError):
             handle.wait_layer(spec.num_layers)
+    finally:
+        eng.close()
+        hpool.close()
+
+
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+def test_tma_signalled_waits_follow_the_counters_zeroing(layout):
+    """Loads held back on their stream, each layer read on another stream right after its
+    wait_layer, 20 times: the per-layer counters are zeroed on the load's stream, and a wait
+    on another stream that did not first wait for that zeroing read the count an earlier load
+    left in their memory and went ahead of the copies (4-14 of 30 loads on an H100)."""
+    _available("nvidia-tma")
+    spec = SPECS[0]
+    dpool = DeviceKVPool.empty(spec, 41, "cuda")
+    hpool = HostKVPool(spec, 37, layout=layout, allocator=TorchPinnedAllocator())
+    eng = _engine("nvidia-tma", dpool, hpool)
+    rng = random.Random(1)
+    try:
+        assert eng.describe()["layer_signals"]
+        for it in range(20):
+            fill_random(hpool.raw)
+            _poison(dpool)
+            torch.cuda.synchronize()
+            n = rng.randint(1, 37)
+            host, dev = [rng.randrange(37) for _ in range(n)], rng.sample(range(41), n)
+            load_stream, compute = torch.cuda.Stream(), torch.cuda.Stream()
+            with torch.cuda.stream(load_stream):
+                torch.cuda._sleep(50_000_000)
+                h = eng.load(host, dev)
+            d = torch.tensor(dev, device="cuda")
+            with torch.cuda.stream(compute):
+                seen = []
+                for layer in range(spec.num_layers):
+                    h.wait_layer(layer)
+                    seen.append(dpool.pages_view(0, layer).index_select(0, d))
+            torch.cuda.synchronize()
+            for layer, got in enumerate(seen):
+                want = hpool.view[:, layer, 0].index_select(0, torch.tensor(host)).to("cuda")
+                assert torch.equal(_u8(got), _u8(want)), f"load {it}: layer {layer} read early"
     finally:
         eng.close()
         hpool.close()

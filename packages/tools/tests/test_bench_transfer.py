@@ -169,7 +169,7 @@ def _both_calls(order: str) -> list[str]:
             log.append(f"{self.what} waited on {cuda.cur.name}")
 
     class Eng:
-        def load(self, h, d):
+        def load(self, h, d, layers=None):
             log.append(f"load on {cuda.cur.name}")
             return Handle("load")
 

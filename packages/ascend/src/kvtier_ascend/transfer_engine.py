@@ -14,9 +14,11 @@ call time), so the transfer sees all work issued before the call.
 
 ``load`` (H2D) launches once per layer and records an event per layer: ``wait_layer(i)`` makes
 the caller's current stream wait for layer ``i`` only, and ``wait()`` for all of them, without
-blocking the host. ``backup`` (D2H) covers all layers in one launch (one per run of evenly
-spaced device layers when the engine's layer tensors are scattered); its consumer is the host
-(L3 stores), so its ``wait()`` blocks the calling thread until the host pages hold the data.
+blocking the host; a load of a range of layers (``layers=(lo, hi)``) makes those layers'
+launches only, and its handle answers for them alone. ``backup`` (D2H) covers all layers in
+one launch (one per run of evenly spaced device layers when the engine's layer tensors are
+scattered); its consumer is the host (L3 stores), so its ``wait()`` blocks the calling thread
+until the host pages hold the data.
 A non-zero return code from ``kv_exchange_copy`` raises ``TransferError`` carrying that code.
 
 The host pool must live in Memfabric offload memory
@@ -36,7 +38,7 @@ import torch
 from kvtier import Availability, Capabilities, TransferEngine, TransferHandle
 from kvtier.errors import (BackendUnavailableError, ConfigError, InvalidArgumentError,
                            LayoutError, PageIndexError, TransferError)
-from kvtier.interfaces import CompletedHandle
+from kvtier.transfer_engines import check_handle_layer, check_layer_range, completed_handle
 
 from . import KVTIER_INTERFACE_VERSION
 from ._probe import (MEMFABRIC_HINT, TORCH_NPU_HINT, capture_log, import_failure, load_memfabric,
@@ -48,23 +50,24 @@ KERNEL_CORES = 2
 
 
 class AscendCHandle(TransferHandle):
-    """Completion of one call, as NPU events: one per launch, looked up per layer."""
+    """Completion of one call, as NPU events: one per launch, looked up per layer (of the
+    layers ``lo .. hi-1`` a ranged load moved, ``layers``; ``num_layers`` is the pool's)."""
 
     def __init__(self, npu: Any, device_index: int, layer_events: list[Any], direction: int,
-                 keep: tuple, backend: str):
+                 keep: tuple, backend: str, layers: tuple[int, int] | None = None,
+                 num_layers: int | None = None):
         self._npu = npu
         self._device_index = device_index
         self._events = layer_events
         self._direction = direction
         self._keep = keep                     # buffers the kernels read, alive with the handle
-        self.num_layers = len(layer_events)
+        self.layers = layers or (0, len(layer_events))
+        self.num_layers = len(layer_events) if num_layers is None else num_layers
         self.backend = backend
 
     def _check_layer(self, layer: int) -> Any:
-        if isinstance(layer, bool) or not isinstance(layer, int) \
-                or not 0 <= layer < self.num_layers:
-            raise LayoutError(f"layer {layer!r} out of range [0, {self.num_layers})")
-        return self._events[layer]
+        check_handle_layer(layer, *self.layers)
+        return self._events[layer - self.layers[0]]
 
     def _wait_event(self, ev: Any) -> None:
         try:
@@ -111,7 +114,7 @@ class AscendCTransferEngine(TransferEngine):
 
     @classmethod
     def capabilities(cls) -> Capabilities:
-        return Capabilities(device_types=("npu",))
+        return Capabilities(device_types=("npu",), layer_ranges=True)
 
     def __init__(self, device_pool, host_pool, config: Any = None):
         super().__init__(device_pool, host_pool, config)
@@ -145,8 +148,10 @@ class AscendCTransferEngine(TransferEngine):
         self._closed = False
 
     # ----- public API -----------------------------------------------------------------------
-    def load(self, host_pages, device_pages) -> TransferHandle:
-        return self._submit(H2D, *self._indices(host_pages, device_pages))
+    def load(self, host_pages, device_pages, layers: tuple[int, int] | None = None
+             ) -> TransferHandle:
+        span = check_layer_range(layers, self.spec.num_layers, self.name)
+        return self._submit(H2D, *self._indices(host_pages, device_pages), layers=span)
 
     def backup(self, device_pages, host_pages) -> TransferHandle:
         return self._submit(D2H, *self._indices(host_pages, device_pages))
@@ -215,13 +220,19 @@ class AscendCTransferEngine(TransferEngine):
             self._inflight.popleft()
 
     def _submit(self, direction: int, host: tuple[torch.Tensor, bool],
-                dev: tuple[torch.Tensor, bool]) -> TransferHandle:
+                dev: tuple[torch.Tensor, bool], *, layers: tuple[int, int] | None = None
+                ) -> TransferHandle:
+        """One call's launches: every layer's, or (``layers``: a ranged load) those of layers
+        ``lo .. hi-1``, cut at the range's ends."""
         (h_idx, h_on_dev), (d_idx, d_on_dev) = host, dev
         n, S, M = h_idx.numel(), self.spec.page_size, META_SIZE
         if n == 0:
-            return CompletedHandle(self.spec.num_layers)
+            return completed_handle(self.spec.num_layers, layers)
         npu, plan = self._npu, self.plan
         launches = plan.launches(direction, per_layer=direction == H2D)
+        if layers is not None:
+            lo, hi = layers
+            launches = [(max(a, lo), min(b, hi)) for a, b in launches if a < hi and b > lo]
         R, tok = len(launches), n * S
         with self._lock:
             self._reap()
@@ -246,7 +257,8 @@ class AscendCTransferEngine(TransferEngine):
                 keep = (staging, buf, h_idx, d_idx)
                 events = self._launch(buf, launches, keep, direction)
         layer_events = [events[i] for i, (lo, hi) in enumerate(launches) for _ in range(lo, hi)]
-        return AscendCHandle(npu, self._device_index, layer_events, direction, keep, self.name)
+        return AscendCHandle(npu, self._device_index, layer_events, direction, keep, self.name,
+                             layers, self.spec.num_layers)
 
     def _stage(self, total: int, rows: torch.Tensor, meta_len: int,
                indices: Sequence[tuple[torch.Tensor, int]], tok: int

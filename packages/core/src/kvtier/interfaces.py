@@ -71,6 +71,10 @@ class Capabilities:
     #: Transfer engines: rank for ``transfer_engine="auto"`` among the available engines that
     #: move data for the device type (higher first); None: never chosen automatically.
     auto_priority: int | None = None
+    #: Transfer engines: ``load`` takes ``layers=(lo, hi)`` and moves layers ``lo`` to
+    #: ``hi - 1`` only (its handle answers ``wait_layer`` for those), so a load can follow
+    #: L3 reads that land layer group by layer group (`L3Store.read_groups`).
+    layer_ranges: bool = False
 
 
 class Backend(abc.ABC):
@@ -253,6 +257,24 @@ class L3Store(Backend):
         one), once attached: the page itself unless the store adds framing or padding."""
         return self.spec.page_bytes
 
+    def read_groups(self) -> tuple[tuple[int, int], ...]:
+        """The layer ranges ``(lo, hi)`` that `batch_get_layers` reads one at a time, in
+        layer order, covering every layer: each range of an object is checked on its own, so
+        a reader may use layers ``lo..hi-1`` of a page before the rest has arrived (streamed
+        loads). Empty (the default): whole pages only, through `batch_get`."""
+        return ()
+
+    def batch_get_layers(self, keys: Sequence[bytes], host_pages: Sequence[int],
+                         group: int) -> list[bool]:
+        """Read layer range ``read_groups()[group]`` of each key into its host page (the
+        pool's other bytes of the page are not touched): True where those layers now hold
+        the key's bytes, verified against that range's own checksum (an object without one is
+        read and verified whole). A page is the key's only once every group came back True
+        for it. Stores with no `read_groups` do not implement it."""
+        from .errors import InvalidArgumentError
+        raise InvalidArgumentError(f"{self.name}: this store reads whole pages only "
+                                   "(read_groups() is empty)", argument="group", value=group)
+
     def in_place_reads(self) -> "InPlaceReads | None":
         """Where the store's objects sit in host memory that a transfer engine can read
         directly (a shared-memory arena), the region and how to hold objects in it while
@@ -406,8 +428,12 @@ class TransferEngine(Backend):
 
     @abc.abstractmethod
     def load(self, host_pages: "Sequence[int] | torch.Tensor",
-             device_pages: "Sequence[int] | torch.Tensor") -> TransferHandle:
-        """Copy host pages into device pages (H2D), layer by layer."""
+             device_pages: "Sequence[int] | torch.Tensor",
+             layers: tuple[int, int] | None = None) -> TransferHandle:
+        """Copy host pages into device pages (H2D), layer by layer. ``layers=(lo, hi)``
+        (engines whose capabilities say ``layer_ranges``; others raise): only layers ``lo``
+        to ``hi - 1``, the rest of the pages untouched; the handle then answers
+        ``wait_layer`` for those layers (others raise `LayoutError`)."""
 
     @abc.abstractmethod
     def backup(self, device_pages: "Sequence[int] | torch.Tensor",

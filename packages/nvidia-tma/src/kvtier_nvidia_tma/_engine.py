@@ -8,7 +8,8 @@ from typing import Any, Sequence
 from kvtier import Capabilities, TransferEngine
 from kvtier.errors import (BackendUnavailableError, ConfigError, InvalidArgumentError,
                            LayoutError, PageIndexError, TransferError)
-from kvtier.interfaces import CompletedHandle, TransferHandle
+from kvtier.interfaces import TransferHandle
+from kvtier.transfer_engines import check_handle_layer, check_layer_range, completed_handle
 
 from . import KVTIER_INTERFACE_VERSION
 from ._plan import Geometry, KvtParams, check_alignment, host_strides
@@ -40,23 +41,25 @@ def _check_fraction(engine: str, key: str, value: Any) -> None:
 
 class CudaEventHandle(TransferHandle):
     """Per-layer CUDA events of one transfer. ``wait_layer(i)`` makes the caller's current
-    stream wait for layer ``i`` (no host sync); ``synchronize()`` blocks the host."""
+    stream wait for layer ``i`` (no host sync); ``synchronize()`` blocks the host. A load of
+    layers ``lo .. hi-1`` only (``layers``) has an event for each of those, in order, and
+    answers ``wait_layer`` for them alone (``num_layers`` is then the pool's)."""
 
-    def __init__(self, events: list[Any], device: Any, keep: tuple = ()):
+    def __init__(self, events: list[Any], device: Any, keep: tuple = (),
+                 layers: tuple[int, int] | None = None, num_layers: int | None = None):
         self._events = events
-        self.num_layers = len(events)
+        self.layers = layers or (0, len(events))
+        self.num_layers = len(events) if num_layers is None else num_layers
         self.device = device
         self._keep = keep                 # index tensors in use until the launches ran
 
     def _check_layer(self, layer: int) -> None:
-        if isinstance(layer, bool) or not isinstance(layer, int) \
-                or not 0 <= layer < self.num_layers:
-            raise LayoutError(f"layer {layer!r} out of range [0, {self.num_layers})")
+        check_handle_layer(layer, *self.layers)
 
     def wait_layer(self, layer: int) -> None:
         import torch
         self._check_layer(layer)
-        torch.cuda.current_stream(self.device).wait_event(self._events[layer])
+        torch.cuda.current_stream(self.device).wait_event(self._events[layer - self.layers[0]])
 
     def wait(self) -> None:
         import torch
@@ -74,13 +77,17 @@ class LayerSignalHandle(CudaEventHandle):
     device memory (``nvidia-tma`` with ``layer_signals``): ``wait_layer(i)`` makes the
     caller's current stream wait (``cuStreamWaitValue32``, no host sync) until every pipeline
     has counted the group of layer ``i``; ``wait``/``done``/``synchronize`` use the event after
-    the last launch."""
+    the last launch. The counters are zeroed on the launch's stream (``zeroed``: the event
+    after it): a stream waits for that first, or it could read what their memory held before
+    (the count of an earlier launch) and go ahead of the copies."""
 
     def __init__(self, flags: Any, targets: list[int], group: int, num_layers: int, done: Any,
-                 dev: Any, device: Any, keep: tuple = ()):
+                 dev: Any, device: Any, keep: tuple = (), zeroed: Any = None):
         super().__init__([done] * num_layers, device, keep)
         self._flags, self._targets, self._group = flags, targets, group
         self._dev = dev
+        self._zeroed = zeroed
+        self._zero_waited: int | None = None   # the stream (handle) last ordered after it
 
     def wait_layer(self, layer: int) -> None:
         import torch
@@ -88,6 +95,9 @@ class LayerSignalHandle(CudaEventHandle):
         self._check_layer(layer)
         g = layer // self._group
         cur = torch.cuda.current_stream(self.device)
+        if self._zeroed is not None and cur.cuda_stream != self._zero_waited:
+            cur.wait_event(self._zeroed)       # (a torch Stream is never != None: compare handles)
+            self._zero_waited = cur.cuda_stream
         self._flags.record_stream(cur)       # the counters outlive the wait, not just the handle
         self._dev.make_current()
         _driver.stream_wait_geq(cur.cuda_stream, self._flags.data_ptr() + 4 * g,
@@ -110,7 +120,7 @@ class _NvidiaEngine(TransferEngine):
         return Capabilities(device_types=("cuda",), host_layouts=("page_first", "layer_first"),
                             row_alignment=16 if cls._needs_16b else 1,
                             auto_priority=cls._auto_priority,
-                            host_indices=not cls._needs_layers)
+                            host_indices=not cls._needs_layers, layer_ranges=True)
 
     def __init__(self, device_pool, host_pool, config: Any = None):
         super().__init__(device_pool, host_pool, config)
@@ -228,9 +238,14 @@ class _NvidiaEngine(TransferEngine):
         return h, d
 
     # ----- public API ---------------------------------------------------------------------
-    def load(self, host_pages, device_pages) -> TransferHandle:
+    def load(self, host_pages, device_pages, layers: tuple[int, int] | None = None
+             ) -> TransferHandle:
+        span = check_layer_range(layers, self.spec.num_layers, self.name)
+        if span == (0, self.spec.num_layers):
+            span = None                     # every layer: the tuned paths, the same handle
         h, d = self._indices(host_pages, device_pages, dst_device=True)
-        return self._submit(h, d, d2h=False, layerwise=self.config.layerwise_load)
+        return self._submit(h, d, d2h=False, layerwise=self.config.layerwise_load,
+                            layers=span)
 
     def backup(self, device_pages, host_pages) -> TransferHandle:
         h, d = self._indices(host_pages, device_pages, dst_device=False)
@@ -252,11 +267,14 @@ class _NvidiaEngine(TransferEngine):
         self._closed = True
 
     # ----- launches -----------------------------------------------------------------------
-    def _submit(self, h, d, *, d2h: bool, layerwise: bool) -> TransferHandle:
+    def _submit(self, h, d, *, d2h: bool, layerwise: bool,
+                layers: tuple[int, int] | None = None) -> TransferHandle:
+        """Queue a transfer of every layer, or of layers ``lo .. hi-1`` (``layers``: a
+        ranged load, launch by launch over the range, an event per launch)."""
         torch = self._torch
         L = self.spec.num_layers
         if h.numel() == 0:
-            return CompletedHandle(L)
+            return completed_handle(L, layers)
         caller = torch.cuda.current_stream(self.device)
         stream = caller
         side = self._side
@@ -270,32 +288,36 @@ class _NvidiaEngine(TransferEngine):
                     t.record_stream(stream)
         with torch.cuda.device(self.device):
             self._dev.make_current()
-            if layerwise and L > 1 and self._signals:
+            if layers is None and layerwise and L > 1 and self._signals:
                 return self._launch_signalled(h, d, d2h, stream)
-            events = [ev for _, layers, ev in self._queue(h, d, d2h, layerwise, stream)
-                      for _ in range(layers)]
-        return CudaEventHandle(events, self.device, keep=(h, d))
+            events = [ev for _, n, ev in self._queue(h, d, d2h, layerwise, stream, layers)
+                      for _ in range(n)]
+        return CudaEventHandle(events, self.device, keep=(h, d), layers=layers, num_layers=L)
 
-    def _queue(self, h, d, d2h: bool, layerwise: bool, stream) -> list[tuple[int, int, Any]]:
+    def _queue(self, h, d, d2h: bool, layerwise: bool, stream,
+               layers: tuple[int, int] | None = None) -> list[tuple[int, int, Any]]:
         """Queue a transfer's copies on ``stream`` (from the caller's thread or an issue
         thread): (first layer, layers, the event after them) per launch. Per-layer transfers
-        go in one go where the engine can (:meth:`_launch_per_layer`), else launch by launch."""
-        if layerwise and self.spec.num_layers > 1:
+        of every layer go in one go where the engine can (:meth:`_launch_per_layer`), else
+        (and ranged loads: ``layers``) launch by launch."""
+        if layers is None and layerwise and self.spec.num_layers > 1:
             per_layer = self._launch_per_layer(h, d, d2h, stream)
             if per_layer is not None:
                 return [(layer, 1, ev) for layer, ev in enumerate(per_layer)]
         out = []
-        for layer0, layers in self._ranges(layerwise):
-            self._launch(h, d, d2h, layer0, layers, stream.cuda_stream)
+        for layer0, n in self._ranges(layerwise, layers):
+            self._launch(h, d, d2h, layer0, n, stream.cuda_stream)
             ev = self._torch.cuda.Event()
             ev.record(stream)
-            out.append((layer0, layers, ev))
+            out.append((layer0, n, ev))
         return out
 
-    def _ranges(self, layerwise: bool) -> list[tuple[int, int]]:
-        """(first layer, layers) of each launch: one per layer, or one for all."""
-        L = self.spec.num_layers
-        return [(layer, 1) for layer in range(L)] if layerwise else [(0, L)]
+    def _ranges(self, layerwise: bool, layers: tuple[int, int] | None = None
+                ) -> list[tuple[int, int]]:
+        """(first layer, layers) of each launch: one per layer, or one for all (of the range
+        ``layers``, where given)."""
+        lo, hi = layers or (0, self.spec.num_layers)
+        return [(layer, 1) for layer in range(lo, hi)] if layerwise else [(lo, hi - lo)]
 
     def _params(self, h, d, d2h: bool, layer0: int, layers: int) -> KvtParams:
         g = self._geo

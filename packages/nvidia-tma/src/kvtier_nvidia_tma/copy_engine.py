@@ -11,7 +11,8 @@ from typing import Any
 
 from kvtier import Availability
 from kvtier.errors import TransferError
-from kvtier.interfaces import CompletedHandle, TransferHandle
+from kvtier.interfaces import TransferHandle
+from kvtier.transfer_engines import completed_handle
 from kvtier.transfer_engines.torch_engine import LayerwiseHandle
 
 from ._engine import _check_bool, _check_int, _NvidiaEngine
@@ -41,11 +42,11 @@ class _Issuer:
             job = self.jobs.get()
             if job is None:
                 return
-            h, d, d2h, layerwise, handle, start = job
+            h, d, d2h, layerwise, layers, handle, start = job
             try:
                 eng._dev.make_current()
                 self.stream.wait_event(start)         # after the caller's work at the call
-                events = eng._queue(h, d, d2h, layerwise, self.stream)
+                events = eng._queue(h, d, d2h, layerwise, self.stream, layers)
                 # the caller wakes once, when the whole transfer is queued (a wake-up per
                 # layer made it and this thread take turns at the interpreter); the device
                 # still orders each layer's readers after that layer's copies only
@@ -157,13 +158,14 @@ class CopyEngineTransferEngine(_NvidiaEngine):
         return {**super().describe(), "strided": self._strided is not None,
                 "strided_why": self._strided_why}
 
-    def _submit(self, h, d, *, d2h: bool, layerwise: bool) -> TransferHandle:
+    def _submit(self, h, d, *, d2h: bool, layerwise: bool,
+                layers: tuple[int, int] | None = None) -> TransferHandle:
         if not self.config.issue_thread:
-            return super()._submit(h, d, d2h=d2h, layerwise=layerwise)
+            return super()._submit(h, d, d2h=d2h, layerwise=layerwise, layers=layers)
         torch = self._torch
         L = self.spec.num_layers
         if h.numel() == 0:
-            return CompletedHandle(L)
+            return completed_handle(L, layers)
         with self._issuers_lock:
             if self._closed:
                 raise TransferError(f"{self.name}: engine is closed", backend=self.name)
@@ -174,8 +176,8 @@ class CopyEngineTransferEngine(_NvidiaEngine):
         start.record(torch.cuda.current_stream(self.device))
         # layer i's event exists once its copies are queued: wait_layer(i) blocks the calling
         # thread only until then (not until landed), then orders the caller's stream after it
-        handle = LayerwiseHandle(L, self.name, torch.cuda)
-        iss.jobs.put((h, d, d2h, layerwise, handle, start))
+        handle = LayerwiseHandle(L, self.name, torch.cuda, layers)
+        iss.jobs.put((h, d, d2h, layerwise, layers, handle, start))
         return handle
 
     def close(self) -> None:

@@ -11,6 +11,7 @@ from typing import Any, Mapping
 from kvtier import Availability, Capabilities, TransferEngine
 from kvtier.errors import ConfigError
 from kvtier.interfaces import TransferHandle
+from kvtier.transfer_engines import check_layer_range
 
 from . import KVTIER_INTERFACE_VERSION
 from ._engine import _check_fraction, _check_int
@@ -28,6 +29,7 @@ class RoutedHandle(TransferHandle):
     def __init__(self, inner: TransferHandle, path: str):
         self.inner, self.path = inner, path
         self.num_layers = getattr(inner, "num_layers", None)
+        self.layers = getattr(inner, "layers", None)
 
     def wait(self) -> None:
         self.inner.wait()
@@ -140,8 +142,11 @@ class RoutedTransferEngine(TransferEngine):
 
     @classmethod
     def capabilities(cls) -> Capabilities:
+        # ranged loads where both paths take them (the SM path is nvidia-tma or nvidia-register)
+        ranges = CopyEngineTransferEngine.capabilities().layer_ranges and all(
+            c.capabilities().layer_ranges for c in (TmaTransferEngine, RegisterTransferEngine))
         return Capabilities(device_types=("cuda",), host_layouts=("page_first", "layer_first"),
-                            row_alignment=16, auto_priority=30)
+                            row_alignment=16, auto_priority=30, layer_ranges=ranges)
 
     def __init__(self, device_pool, host_pool, config: Any = None):
         check_moved_keys(config)
@@ -189,8 +194,14 @@ class RoutedTransferEngine(TransferEngine):
                  self.crossover, self.crossover_source)
 
     # ----- public API ---------------------------------------------------------------------
-    def load(self, host_pages, device_pages) -> TransferHandle:
-        return self._go("h2d", lambda e: e.load(host_pages, device_pages), host_pages)
+    def load(self, host_pages, device_pages, layers: tuple[int, int] | None = None
+             ) -> TransferHandle:
+        """To the route's engine, ``layers`` with it (checked here first: the bytes counted
+        are those of the range)."""
+        L = self.spec.num_layers
+        lo, hi = check_layer_range(layers, L, self.name) or (0, L)
+        return self._go("h2d", lambda e: e.load(host_pages, device_pages, layers), host_pages,
+                        page_bytes=self.spec.page_bytes // L * (hi - lo))
 
     def backup(self, device_pages, host_pages) -> TransferHandle:
         return self._go("d2h", lambda e: e.backup(device_pages, host_pages), host_pages)
@@ -222,11 +233,14 @@ class RoutedTransferEngine(TransferEngine):
         self.copy.close()
         self.sm.close()
 
-    def _go(self, direction: str, call, host_pages) -> TransferHandle:
+    def _go(self, direction: str, call, host_pages, page_bytes: int | None = None
+            ) -> TransferHandle:
+        """``call`` on the route's engine; ``page_bytes``: what it moves of a page (ranged
+        loads), counted in ``stats()`` and the in-use check."""
         if direction in self._verify:
             self._check_route(direction)
         path = self.route[direction]
-        nbytes = len(host_pages) * self.spec.page_bytes
+        nbytes = len(host_pages) * (self.spec.page_bytes if page_bytes is None else page_bytes)
         back = "d2h" if direction == "h2d" else "h2d"
         if self._timed[back]:
             # a timed transfer the other way that may still run overlaps this one: it would

@@ -185,6 +185,8 @@ class TmaTransferEngine(_NvidiaEngine):
         with torch.cuda.stream(stream):
             flags = torch.zeros(full + (1 if rest else 0), dtype=torch.int32,
                                 device=self.device)
+        zeroed = torch.cuda.Event()          # waits on the counters go after their zeroing
+        zeroed.record(stream)
         targets: list[int] = []
         for layer0, layers, loops in [(0, G, full)] + ([(full * G, rest, 1)] if rest else []):
             plan, tmap = self.plan(h.numel(), layer0, layers, map_layers=layers * loops)
@@ -197,4 +199,4 @@ class TmaTransferEngine(_NvidiaEngine):
         done = torch.cuda.Event()
         done.record(stream)
         return LayerSignalHandle(flags, targets, G, L, done, self._dev, self.device,
-                                 keep=(h, d))
+                                 keep=(h, d), zeroed=zeroed)

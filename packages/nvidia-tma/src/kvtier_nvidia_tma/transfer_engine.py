@@ -8,7 +8,9 @@ All three move KV pages between a CUDA ``DeviceKVPool`` (layer_first) and a ``Ho
 stream (or a side stream ordered after it), with no host synchronisation: page indices are
 int64 tensors read on the device. Loads run one launch per layer by default and record one CUDA
 event per layer, so ``handle.wait_layer(i)`` makes the caller's stream wait for layer ``i``
-only; backups run one launch for all layers.
+only; backups run one launch for all layers. A load of a range of layers (``layers=(lo, hi)``)
+runs one launch per layer of the range (one for the range without ``layerwise_load``), an
+event after each, and touches no other layer of the pages.
 
 Index checking: Python lists and CPU tensors are checked on the host (no cost to the device).
 Device tensors are checked before launch only with ``debug=True`` (a check needs a host

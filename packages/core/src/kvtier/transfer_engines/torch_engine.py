@@ -33,6 +33,10 @@ each group's layers signal as soon as the group is queued (staged backups: once 
 in the host pool), and ``wait_layer(i)`` then makes the caller's stream wait on the event of
 layer ``i``'s group: the caller's thread waits at most for the CPU side of that group, never for
 the device.
+
+A load of a range of layers (``load(..., layers=(lo, hi))``, ``layer_ranges``) runs the same
+groups over layers ``lo .. hi-1`` only, from ``lo``: the device pages' other layers are not
+touched, and its handle answers ``wait_layer`` for those layers alone.
 """
 
 from __future__ import annotations
@@ -48,9 +52,10 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError, InvalidArgumentError, LayoutError, TransferError
-from ..interfaces import (INTERFACE_VERSION, Availability, Capabilities, CompletedHandle,
-                          TransferEngine, TransferHandle)
+from ..interfaces import (INTERFACE_VERSION, Availability, Capabilities, TransferEngine,
+                          TransferHandle)
 from ..layout import PAGE_FIRST
+from . import check_handle_layer, check_layer_range, completed_handle
 
 #: Element widths tried for the byte rows (wider elements: fewer, larger copies).
 _WIDTHS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
@@ -74,14 +79,17 @@ class LayerwiseHandle(TransferHandle):
     """Per-layer completion signalled by a worker thread (plus device events off the CPU).
     Layers land in order, a group of them at a time: one wake-up per group for a waiting
     caller, since each wake-up makes the caller and the worker take turns at the
-    interpreter."""
+    interpreter. A load of layers ``lo .. hi-1`` only (``layers``) lands those, from ``lo``,
+    and answers ``wait_layer`` for them alone."""
 
-    def __init__(self, num_layers: int, backend: str, device_module: Any = None):
+    def __init__(self, num_layers: int, backend: str, device_module: Any = None,
+                 layers: tuple[int, int] | None = None):
         self.num_layers = num_layers
         self.backend = backend
         self._dm = device_module
+        self.layers = layers or (0, num_layers)
         self._cond = threading.Condition()
-        self._upto = 0                       # layers 0 .. _upto-1 have landed
+        self._upto = self.layers[0]          # layers lo .. _upto-1 have landed
         self._events: list[Any] = [None] * num_layers
         self._error: BaseException | None = None
         self._busy: float | None = None      # host copies: seconds the worker copied
@@ -97,7 +105,7 @@ class LayerwiseHandle(TransferHandle):
         """Layers ``a .. a+g-1`` (the next in order) have landed, behind ``event``."""
         if a != self._upto:
             raise RuntimeError(f"{self.backend}: layer {a} landed before layer {self._upto}")
-        if self._t0 is not None and a + g == self.num_layers:
+        if self._t0 is not None and a + g == self.layers[1]:
             self._busy = time.perf_counter() - self._t0     # set before anyone sees it done
         self._events[a:a + g] = [event] * g
         with self._cond:
@@ -111,9 +119,7 @@ class LayerwiseHandle(TransferHandle):
 
     # caller side
     def wait_layer(self, layer: int) -> None:
-        if isinstance(layer, bool) or not isinstance(layer, int) \
-                or not 0 <= layer < self.num_layers:
-            raise LayoutError(f"layer {layer!r} out of range [0, {self.num_layers})")
+        check_handle_layer(layer, *self.layers)
         self._until(layer)
         if self._error is not None:
             raise TransferError(f"{self.backend}: transfer failed: {self._error}",
@@ -126,8 +132,9 @@ class LayerwiseHandle(TransferHandle):
                 self._waited = (stream, ev)
 
     def wait(self) -> None:
-        self._until(self.num_layers - 1)     # one wake-up, then each group's event once
-        for layer in range(self.num_layers):
+        lo, hi = self.layers
+        self._until(hi - 1)                  # one wake-up, then each group's event once
+        for layer in range(lo, hi):
             self.wait_layer(layer)
 
     def _until(self, layer: int) -> None:
@@ -136,7 +143,7 @@ class LayerwiseHandle(TransferHandle):
                 self._cond.wait_for(lambda: self._upto > layer or self._error is not None)
 
     def done(self) -> bool:
-        if self._error is None and self._upto < self.num_layers:
+        if self._error is None and self._upto < self.layers[1]:
             return False
         return all(ev is None or ev.query() for ev in self._events)
 
@@ -229,7 +236,8 @@ class TorchTransferEngine(TransferEngine):
 
     @classmethod
     def capabilities(cls) -> Capabilities:
-        return Capabilities(device_types=("cpu", "cuda", "any torch device"), auto_priority=0)
+        return Capabilities(device_types=("cpu", "cuda", "any torch device"), auto_priority=0,
+                            layer_ranges=True)
 
     def __init__(self, device_pool, host_pool, config: Any = None):
         super().__init__(device_pool, host_pool, config)
@@ -288,9 +296,11 @@ class TorchTransferEngine(TransferEngine):
             self._worker.start()
 
     # ----- public API -----------------------------------------------------------------------
-    def load(self, host_pages, device_pages) -> TransferHandle:
+    def load(self, host_pages, device_pages, layers: tuple[int, int] | None = None
+             ) -> TransferHandle:
+        span = check_layer_range(layers, self.spec.num_layers, self.name)
         h_idx, d_idx = self._indices(host_pages, device_pages)
-        return self._submit(self._load_group, h_idx, d_idx)
+        return self._submit(self._load_group, h_idx, d_idx, span)
 
     def backup(self, device_pages, host_pages) -> TransferHandle:
         h_idx, d_idx = self._indices(host_pages, device_pages)
@@ -485,11 +495,11 @@ class TorchTransferEngine(TransferEngine):
         pinned.copy_(idx)
         return pinned.to(self.device, non_blocking=True)
 
-    def _submit(self, per_group: Callable, h_idx: torch.Tensor, d_idx: torch.Tensor
-                ) -> TransferHandle:
+    def _submit(self, per_group: Callable, h_idx: torch.Tensor, d_idx: torch.Tensor,
+                layers: tuple[int, int] | None = None) -> TransferHandle:
         if h_idx.numel() == 0:
-            return CompletedHandle(self.spec.num_layers)
-        handle = LayerwiseHandle(self.spec.num_layers, self.name, self._dm)
+            return completed_handle(self.spec.num_layers, layers)
+        handle = LayerwiseHandle(self.spec.num_layers, self.name, self._dm, layers)
         start = None
         if self._dm is not None:   # order the side stream after the caller's work so far
             start = self._dm.Event()
@@ -512,14 +522,14 @@ class TorchTransferEngine(TransferEngine):
     def _job(self, per_group: Callable, h_idx: torch.Tensor, d_idx: torch.Tensor,
              handle: "LayerwiseHandle", start: Any) -> None:
         pending: list[tuple] = []
-        L = self.spec.num_layers
+        lo, hi = handle.layers             # every layer, or the range a load asked for
         g = self._group_size(len(h_idx))
         try:
             h_np = h_idx if self.zero_copy else h_idx.cpu().numpy()
             if self._dm is None:        # host copies: their own time is measured
                 handle._begin()
-                for a in range(0, L, g):
-                    per_group(a, min(g, L - a), h_np, d_idx, handle, pending)
+                for a in range(lo, hi, g):
+                    per_group(a, min(g, hi - a), h_np, d_idx, handle, pending)
             else:
                 dm = self._dm
                 stream = self._stream or dm.current_stream(self.device)
@@ -528,8 +538,8 @@ class TorchTransferEngine(TransferEngine):
                     for t in (h_np, d_idx):
                         if isinstance(t, torch.Tensor) and t.device.type != "cpu":
                             t.record_stream(stream)
-                    for a in range(0, L, g):
-                        per_group(a, min(g, L - a), h_np, d_idx, handle, pending)
+                    for a in range(lo, hi, g):
+                        per_group(a, min(g, hi - a), h_np, d_idx, handle, pending)
                     while pending:
                         self._finish_backup(pending.pop(0), handle)
         except BaseException as exc:  # surfaced to the caller by the handle
