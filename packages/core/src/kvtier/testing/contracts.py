@@ -29,6 +29,7 @@ from ..interfaces import (GROUPS, HOST_ALLOCATORS, INTERFACE_VERSION, L3_STORES,
                           TRANSFER_ENGINES, Availability, HostBuffer)
 from ..spec import KVSpec
 from .data import fill_random, make_device_pool, make_host_pool, random_specs, spec_id
+from .read_groups import ReadGroupsContract
 
 
 def backend_params(group: str, distribution: str | None = None) -> list[Any]:
@@ -229,7 +230,7 @@ class HostAllocatorContract(_Suite):
 
 
 # --------------------------------------------------------------------------------------------
-class L3StoreContract(_Suite):
+class L3StoreContract(ReadGroupsContract, _Suite):
     group = L3_STORES
     num_pages = 23
 
@@ -857,6 +858,150 @@ class TransferEngineContract(_Suite):
         for p in range(dpool.num_pages):
             assert torch.equal(dpool.page_bytes(p).cpu(), before_dev[p]), (
                 f"device page {p} changed")
+
+    # ----- loads of a range of layers (capabilities().layer_ranges) ---------------------------
+    #: Geometries of the layer-range tests: odd layer counts; rows of a multiple of 16 bytes,
+    #: so that engines moving 16-byte units take them too.
+    range_specs = (
+        KVSpec.mha(num_layers=5, num_kv_heads=2, head_dim=24, page_size=3, dtype="bfloat16"),
+        KVSpec.mla(num_layers=13, kv_lora_rank=56, rope_dim=8, page_size=5, dtype="bfloat16"),
+        KVSpec.mha(num_layers=7, num_kv_heads=3, head_dim=16, page_size=2,
+                   dtype="float8_e4m3fn"),
+    )
+
+    @pytest.fixture(params=range_specs, ids=spec_id)
+    def range_spec(self, request) -> KVSpec:
+        return request.param
+
+    @pytest.fixture(params=[True, False], ids=["one-block", "layers-apart"])
+    def range_setup(self, request, backend_name, range_spec, layout, tmp_path):
+        """An engine over ``range_spec`` pools (the device pool's layers in one allocation or
+        each its own), skipped where the engine does not load layer ranges."""
+        cls = self.backend_class(backend_name)
+        caps = cls.capabilities()
+        if not caps.layer_ranges:
+            pytest.skip(f"{backend_name} loads every layer of a page "
+                        "(capabilities().layer_ranges is False)")
+        if layout not in caps.host_layouts:
+            pytest.skip(f"{backend_name} does not support host layout {layout}")
+        devices = self.devices(backend_name)
+        if not devices:
+            pytest.skip(f"{backend_name}: no device here")
+        if range_spec.row_bytes % caps.row_alignment:
+            pytest.skip(f"{backend_name} needs rows of a multiple of {caps.row_alignment} B")
+        dpool = make_layout_pool(range_spec, "token_major", self.device_pages, devices[-1],
+                                 one_block=request.param)
+        hpool = make_host_pool(range_spec, self.host_pages, layout,
+                               self.host_allocator(backend_name))
+        try:
+            engine = cls(dpool, hpool, self.make_config(backend_name, str(tmp_path)))
+        except BaseException:
+            hpool.close()
+            raise
+        yield engine, dpool, hpool
+        engine.close()
+        hpool.close()
+
+    @staticmethod
+    def _layer_rows(dpool, layer: int) -> torch.Tensor:
+        """Every device page's bytes of one layer, on the CPU: ``[pages, layer bytes]``, in
+        the order of a host page's bytes of that layer."""
+        return torch.cat([c.cpu() for c in dpool.chunks[layer]], dim=1)
+
+    def test_layer_range_loads_move_those_layers_only(self, range_setup):
+        """Loads of random ranges of layers (the first, the last, all of them and random
+        ones) between random pages: each layer of the range lands bitwise once its
+        ``wait_layer`` returned (asked in random order); every other byte of the device pool
+        -- other layers of the same pages, other pages -- is untouched; the host pool is
+        not changed; ``wait_layer`` outside the range is a LayoutError; ``wait``, ``done``
+        and ``synchronize`` cover the range. An empty ranged load answers for its range
+        only."""
+        engine, dpool, hpool = range_setup
+        spec = engine.spec
+        L, lb = spec.num_layers, spec.page_bytes // spec.num_layers
+        rng = random.Random(zlib.crc32(repr((spec_id(spec), hpool.layout)).encode()))
+        on_host = self.backend_class(engine.name).capabilities().host_indices
+        ranges = [(0, 1), (L - 1, L), (0, L)]
+        for _ in range(4):
+            lo = rng.randrange(L)
+            ranges.append((lo, rng.randint(lo + 1, L)))
+        for k, (lo, hi) in enumerate(ranges):
+            fill_random(hpool.raw)
+            for chunks in dpool.chunks:            # poison the device pool
+                for c in chunks:
+                    fill_random(c)
+            _sync(dpool)
+            before = [self._layer_rows(dpool, layer) for layer in range(L)]
+            host_before = hpool.raw.clone()
+            n = rng.randint(1, min(dpool.num_pages, hpool.num_pages))
+            host = rng.sample(range(hpool.num_pages), n)
+            dev = rng.sample(range(dpool.num_pages), n)
+            want = torch.stack([torch.cat(hpool.page_segments(p)) for p in host])
+            if k % 2:                              # tensors, where the engine reads them
+                h = engine.load(torch.tensor(host), torch.tensor(
+                    dev, device="cpu" if on_host else dpool.device), layers=(lo, hi))
+            else:
+                h = engine.load(host, dev, layers=(lo, hi))
+            what = f"load of layers [{lo}, {hi}) of {n} pages"
+            for layer in rng.sample(range(lo, hi), hi - lo):
+                h.wait_layer(layer)
+                _sync(dpool)
+                got = self._layer_rows(dpool, layer)[dev]
+                assert torch.equal(got, want[:, layer * lb:(layer + 1) * lb]), (
+                    f"{what}: layer {layer} differs after wait_layer({layer})")
+            for bad in {lo - 1, hi, -1, L} - set(range(lo, hi)):
+                with pytest.raises(LayoutError):
+                    h.wait_layer(bad)
+            h.wait()
+            h.synchronize()
+            _sync(dpool)
+            assert h.done(), what
+            for layer in range(L):
+                expect = before[layer].clone()
+                if lo <= layer < hi:
+                    expect[dev] = want[:, layer * lb:(layer + 1) * lb]
+                got = self._layer_rows(dpool, layer)
+                if not torch.equal(got, expect):
+                    pages = sorted({int(p) for p in (got != expect).any(1).nonzero()})
+                    raise AssertionError(f"{what}: layer {layer} of device pages {pages} "
+                                         f"{'differs' if lo <= layer < hi else 'changed'}")
+            assert torch.equal(hpool.raw, host_before), f"{what}: the host pool changed"
+        lo, hi = ranges[-1]
+        h = engine.load([], [], layers=(lo, hi))
+        h.wait_layer(lo)
+        with pytest.raises(LayoutError):
+            h.wait_layer(hi)
+        h.wait()
+        assert h.done()
+
+    def test_bad_layer_ranges_are_typed_errors_before_any_byte_moves(self, setup):
+        """``layers`` that is not ``(lo, hi)`` of ints with ``0 <= lo < hi <= num_layers``
+        (empty, reversed or out-of-bounds ranges, bools, floats, strings, other lengths) is
+        an InvalidArgumentError or LayoutError, and neither pool changes by a byte; an
+        engine without ``capabilities().layer_ranges`` refuses any ``layers`` but None."""
+        engine, dpool, hpool = setup
+        L = engine.spec.num_layers
+        if self.backend_class(engine.name).capabilities().layer_ranges:
+            cases = [
+                (0, 0), (L, L), (1, 0), (L, 0), (-1, 1), (-1, L), (0, L + 1), (L, L + 1),
+                (-2**63, 1), (0, 2**64), (True, 1), (0, True), (False, True), (0.0, 1),
+                (0, 1.0), ("0", "1"), (None, 1), (0,), (0, 1, 2), (), 1, 0, "01", b"\x00\x01",
+                {0: 1}, torch.tensor([0, 1])]
+        else:
+            cases = [(0, L), (0, 1), [0, L], (0, 0), "all"]
+        before_host = hpool.raw.clone()
+        before_dev = [self._layer_rows(dpool, layer) for layer in range(L)]
+        for bad in cases:
+            assert_typed_refusal(lambda bad=bad: engine.load([0, 1], [1, 0], layers=bad),
+                                 (InvalidArgumentError, LayoutError), f"load layers={bad!r}")
+        _sync(dpool)
+        assert torch.equal(hpool.raw, before_host), "the host pool changed"
+        for layer in range(L):
+            assert torch.equal(self._layer_rows(dpool, layer), before_dev[layer]), (
+                f"layer {layer} of the device pool changed")
+        h = engine.load([0], [0], layers=None)           # None: every layer, as without it
+        h.wait()
+        h.wait_layer(L - 1)
 
 
 def _sync(dpool) -> None:

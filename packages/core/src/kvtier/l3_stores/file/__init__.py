@@ -7,6 +7,7 @@ The store (entry point ``kvtier.l3_stores.file:FileStore``), one module per conc
 - ``directory``: the root, the store directory, the manifest, read-only and O_DIRECT probes,
   fan-out directories.
 - ``objects``: the ``objects`` format (one file per page): its index, eviction and I/O.
+- ``ranged``: ranged reads of layer groups (``batch_get_layers``), shared by both formats.
 - ``segments``: the ``segments`` format (the default), described there, in parts:
   ``segment_index`` (names, log records, the index and catching up), ``segment_capacity``
   (capacity and eviction), ``segment_reads`` and ``segment_writes`` (runs, lanes, deletes).
@@ -16,11 +17,12 @@ The store (entry point ``kvtier.l3_stores.file:FileStore``), one module per conc
 """
 
 from .format import (_CHECKSUMS, DIRECT_ALIGN, FORMAT_VERSION, MAGIC, MANIFEST, MAX_HEX_KEY,
-                     SUFFIX, TMP_SUFFIX, TRAILER_BYTES, check_trailer, checksum_impl,
-                     identity_digest, identity_record, key_filename, pack_trailer)
+                     OLDER_VERSIONS, SUFFIX, TMP_SUFFIX, TRAILER_BYTES, check_trailer,
+                     checksum_impl, identity_digest, identity_record, key_filename,
+                     layer_groups, pack_trailer, parse_trailer)
 from .store import FileStore
 
-__all__ = ["DIRECT_ALIGN", "FORMAT_VERSION", "MAGIC", "MANIFEST", "MAX_HEX_KEY", "SUFFIX",
-           "TMP_SUFFIX", "TRAILER_BYTES", "_CHECKSUMS", "FileStore", "check_trailer",
-           "checksum_impl", "identity_digest", "identity_record", "key_filename",
-           "pack_trailer"]
+__all__ = ["DIRECT_ALIGN", "FORMAT_VERSION", "MAGIC", "MANIFEST", "MAX_HEX_KEY",
+           "OLDER_VERSIONS", "SUFFIX", "TMP_SUFFIX", "TRAILER_BYTES", "_CHECKSUMS", "FileStore",
+           "check_trailer", "checksum_impl", "identity_digest", "identity_record",
+           "key_filename", "layer_groups", "pack_trailer", "parse_trailer"]

@@ -34,25 +34,48 @@ def _pieces(views: Sequence[memoryview]) -> Iterator[memoryview]:
             yield v[o:o + HOT_BYTES]
 
 
+def _cut(views: Sequence[memoryview], ends: Sequence[int]
+         ) -> Iterator[tuple[memoryview, bool]]:
+    """``_pieces`` also cut where a layer group ends: (piece, whether a group ends with it)."""
+    at = 0
+    i = 0
+    for v in views:
+        n = len(v)
+        o = 0
+        while o < n:
+            stop = min(n, o + HOT_BYTES)
+            while i < len(ends) and ends[i] - at <= o:
+                i += 1           # an end at a piece boundary already passed
+            if i < len(ends) and ends[i] - at < stop:
+                stop = ends[i] - at
+            yield v[o:stop], i < len(ends) and ends[i] - at == stop
+            o = stop
+        at += n
+
+
 def write_hot(fd: int, offset: int, pages: Sequence[tuple[Sequence[memoryview], memoryview]],
               fn: Callable[..., int], start: int,
-              seal: Callable[[int, int], None]) -> None:
+              seal: Callable[[int, list[int]], None], ends: Sequence[int]) -> None:
     """Write consecutive slots from ``offset``: per page its views then its tail block;
-    ``seal(j, checksum)`` fills page j's tail (its trailer) once its checksum is known,
+    ``seal(j, sums)`` fills page j's tail (its trailer) once its running checksums at
+    ``ends`` (where each layer group ends; the last is the page's checksum) are known,
     before the tail is written. Raises OSError as ``_pwrite_all`` does."""
     pend: list[memoryview] = []
     pend_bytes = 0
     at = offset
     for j, (views, tail) in enumerate(pages):
         value = start
-        for piece in _pieces(views):
+        sums: list[int] = []
+        for piece, ends_group in _cut(views, ends):
             value = fn(piece, value)
+            if ends_group:
+                sums.append(value & 0xFFFFFFFF)
             pend.append(piece)
             pend_bytes += len(piece)
             if pend_bytes >= HOT_BYTES:
                 _files._pwrite_all(fd, pend, at)
                 at, pend, pend_bytes = at + pend_bytes, [], 0
-        seal(j, value & 0xFFFFFFFF)
+        seal(j, sums)
         pend.append(tail)
         pend_bytes += len(tail)
     if pend:

@@ -48,6 +48,10 @@ class _FileStoreCore(L3Store):
     _ro_reason: str
     _ro_lock: threading.Lock
     _identity: bytes
+    #: identity digest of each readable object format version (the current one first)
+    _identities: dict[int, bytes]
+    #: payload offset where each layer group ends (``format.group_ends``)
+    _group_ends: list[int]
     _sync: bool
     _manifest_state: str
     _sizes: set[int]

@@ -26,8 +26,8 @@ import stat
 from ...errors import ConfigError, StoreError
 from ._files import _DIR_FLAGS, _NOFOLLOW, _OPEN_FLAGS
 from .core import _FileStoreCore, _warn_once, log
-from .format import (_FANOUT_RE, _MANIFEST_MAX, DIRECT_ALIGN, MANIFEST, SUFFIX, TMP_SUFFIX,
-                     TRAILER_BYTES)
+from .format import (_FANOUT_RE, _MANIFEST_MAX, DIRECT_ALIGN, MANIFEST, OLDER_VERSIONS, SUFFIX,
+                     TMP_SUFFIX, TRAILER_BYTES)
 
 #: A directory the store cannot write (a read-only mount, no permission): read-only.
 _READ_ONLY_ERRNOS = (errno.EROFS, errno.EACCES, errno.EPERM)
@@ -195,8 +195,21 @@ class _StoreDirectory(_FileStoreCore):
         objects (and any of ours of another identity) are misses through their trailers."""
         rec = self._read_manifest()
         if rec is not None and "unreadable" not in rec:
-            if rec.get("identity") == self.identity:
+            ident = rec.get("identity")
+            if ident == self.identity:
                 return "ok"
+            if isinstance(ident, dict) and ident.get("format") in OLDER_VERSIONS \
+                    and {**ident, "format": self.identity["format"]} == self.identity:
+                # an older object format of this store: its objects stay readable; from
+                # now on the directory holds objects of ours too, which the manifest says
+                if self.read_only:
+                    return f"format {ident['format']} (read-only)"
+                try:
+                    self._write_manifest()
+                except OSError as exc:
+                    log.warning("file: cannot write the manifest of %s: %s", self.dir, exc)
+                    return f"format {ident['format']}; not rewritten: {exc.strerror}"
+                return f"upgraded from format {ident['format']}"
             _warn_once("manifest", f"file: {self.dir} holds objects of another identity "
                        f"({reprlib.repr(rec.get('identity'))}, this store is "
                        f"{self.identity!r}); they "

@@ -41,7 +41,8 @@ from ._files import _NOFOLLOW, _OPEN_FLAGS
 from .core import _warn_once, log
 from .directory import _StoreDirectory
 from .format import (_OBJECT_RE, _TMP_RE, DIRECT_ALIGN, TMP_SUFFIX, TRAILER_BYTES, _Bad,
-                     _checksum, check_trailer, key_filename, pack_trailer)
+                     _checksum, key_filename, pack_trailer, parse_trailer, running_checksums)
+from .ranged import Marks, check_group, read_group
 
 _PAD_ZEROS = bytes(DIRECT_ALIGN - TRAILER_BYTES)
 _TOUCH_NS = 1_000_000_000
@@ -223,16 +224,14 @@ class _ObjectFormat(_StoreDirectory):
         finally:
             os.close(sfd)
 
-    def _read_object(self, sfd: int, name: str, rel: str, key: bytes, page: int) -> bool:
+    def _open_object(self, sfd: int, name: str, rel: str, direct: bool) -> int:
+        """The object's descriptor, or -1: missing, or not a regular file (counted)."""
         path = os.path.join(self.dir, rel)
-        direct = self._direct and self._direct_pool
-        flags = os.O_RDONLY | _OPEN_FLAGS
-        st = None
         try:
-            fd = os.open(name, flags | (os.O_DIRECT if direct else 0), dir_fd=sfd)
+            return os.open(name, os.O_RDONLY | _OPEN_FLAGS | (os.O_DIRECT if direct else 0),
+                           dir_fd=sfd)
         except FileNotFoundError:
-            self._forget(rel)
-            return False
+            pass
         except OSError as exc:
             try:
                 lst = os.stat(name, dir_fd=sfd, follow_symlinks=False)
@@ -246,15 +245,47 @@ class _ObjectFormat(_StoreDirectory):
                            "followed, a miss (further ones are only counted in stats)")
             else:
                 self._io_error("read", path, exc)
-            self._forget(rel)
+        self._forget(rel)
+        return -1
+
+    def _stat_object(self, fd: int) -> os.stat_result:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _Bad("not_regular", f"not a regular file (mode {st.st_mode:o})")
+        if st.st_size not in self._sizes:
+            raise _Bad("truncated" if st.st_size < self.object_bytes else "corrupted",
+                       f"{st.st_size} bytes, objects have {self.object_bytes}")
+        return st
+
+    def _untrusted(self, bad: _Bad, sfd: int, name: str, rel: str,
+                   st: os.stat_result | None) -> None:
+        self._count(errors=1, corrupted=1)
+        self._bump(bad.kind)
+        _warn_once(f"bad:{bad.kind}", f"file: untrusted object {os.path.join(self.dir, rel)} "
+                   f"({bad}); treated as a miss (further ones are only counted in stats)")
+        if bad.kind != "not_regular":
+            self._remove_bad(sfd, name, st)
+        self._forget(rel)
+
+    def _used(self, fd: int, rel: str, st: os.stat_result) -> None:
+        """A read hit: refresh the object's mtime (the shared LRU order) and note it."""
+        if self.config.touch_on_read and not self.read_only and \
+                time.time_ns() - st.st_mtime_ns > _TOUCH_NS:
+            try:
+                os.utime(fd)
+            except OSError:
+                pass
+        self._note(rel, time.time_ns(), st.st_size)
+
+    def _read_object(self, sfd: int, name: str, rel: str, key: bytes, page: int) -> bool:
+        path = os.path.join(self.dir, rel)
+        direct = self._direct and self._direct_pool
+        st = None
+        fd = self._open_object(sfd, name, rel, direct)
+        if fd < 0:
             return False
         try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise _Bad("not_regular", f"not a regular file (mode {st.st_mode:o})")
-            if st.st_size not in self._sizes:
-                raise _Bad("truncated" if st.st_size < self.object_bytes else "corrupted",
-                           f"{st.st_size} bytes, objects have {self.object_bytes}")
+            st = self._stat_object(fd)
             # Payload and trailer in one preadv: the payload lands in the page (no copy), the
             # trailer in a scratch block; nothing counts as read until both check out.
             plen = self.spec.page_bytes
@@ -266,32 +297,61 @@ class _ObjectFormat(_StoreDirectory):
                 n = _files._pread_all(fd, views + [blk[:TRAILER_BYTES]], 0)
             if n != (min(st.st_size, plen + DIRECT_ALIGN) if direct else self.object_bytes):
                 raise _Bad("truncated", f"read {n} of {st.st_size} bytes")
-            kind_id, want = check_trailer(bytes(blk[:TRAILER_BYTES]), self.spec.fingerprint,
-                                          key, plen, self._identity)
-            if _checksum(kind_id, views) != want:
+            t = parse_trailer(bytes(blk[:TRAILER_BYTES]), self.spec.fingerprint, key, plen,
+                              self._identities, groups=len(self._group_ends))
+            if _checksum(t.kind_id, views) != t.payload_sum:
                 raise _Bad("corrupted", "payload checksum mismatch")
-            if self.config.touch_on_read and not self.read_only and \
-                    time.time_ns() - st.st_mtime_ns > _TOUCH_NS:
-                try:
-                    os.utime(fd)
-                except OSError:
-                    pass
-            self._note(rel, time.time_ns(), st.st_size)
+            self._used(fd, rel, st)
             return True
         except _Bad as bad:
-            self._count(errors=1, corrupted=1)
-            self._bump(bad.kind)
-            _warn_once(f"bad:{bad.kind}", f"file: untrusted object {path} ({bad}); treated as "
-                       "a miss (further ones are only counted in stats)")
-            if bad.kind != "not_regular":
-                self._remove_bad(sfd, name, st)
-            self._forget(rel)
+            self._untrusted(bad, sfd, name, rel, st)
             return False
         except OSError as exc:
             self._io_error("read", path, exc)
             return False
         finally:
             os.close(fd)
+
+    def _get_group_one(self, item: tuple[bytes, int], group: int, a: int, b: int,
+                       last: bool) -> Marks | None:
+        """Ranged read of layer group ``group`` (payload bytes ``[a, b)``) of one object
+        (``kvtier.l3_stores.file.ranged``): its marks, or None for a miss. A hit of the last
+        group refreshes the object's LRU position as a whole-page hit does."""
+        key, page = item
+        sub, name = key_filename(key)
+        rel = f"{sub}/{name}"
+        sfd = self._sub_fd(sub)
+        if sfd < 0:
+            self._forget(rel)
+            return None
+        try:
+            direct = self._direct and self._direct_pool
+            fd = self._open_object(sfd, name, rel, direct)
+            if fd < 0:
+                return None
+            st = None
+            try:
+                st = self._stat_object(fd)
+                plen = self.spec.page_bytes
+
+                def parse(raw: bytes):
+                    return parse_trailer(raw, self.spec.fingerprint, key, plen,
+                                         self._identities, groups=len(self._group_ends))
+                dst, raw = read_group(fd, 0, plen, self._views(page), a, b, direct)
+                marks = check_group(fd, 0, plen, parse(raw), group, dst, a, b, direct, parse)
+                if last:
+                    self._used(fd, rel, st)
+                return marks
+            except _Bad as bad:
+                self._untrusted(bad, sfd, name, rel, st)
+                return None
+            except OSError as exc:
+                self._io_error("read", os.path.join(self.dir, rel), exc)
+                return None
+            finally:
+                os.close(fd)
+        finally:
+            os.close(sfd)
 
     def _set_one(self, item: tuple[bytes, int]) -> bool:
         key, page = item
@@ -311,8 +371,9 @@ class _ObjectFormat(_StoreDirectory):
         direct = self._direct and self._direct_pool
         views = self._views(page)
         plen = self.spec.page_bytes
-        trailer = pack_trailer(self.spec.fingerprint, key, plen, self._kind_id,
-                               _checksum(self._kind_id, views), self._identity)
+        sums = running_checksums(self._kind_id, views, self._group_ends)
+        trailer = pack_trailer(self.spec.fingerprint, key, plen, self._kind_id, sums[-1],
+                               self._identity, sums)
         # a new name (O_EXCL) cannot be a FIFO or a link: no O_NONBLOCK needed
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | _NOFOLLOW
         fd = -1

@@ -14,8 +14,9 @@ from typing import Any, Sequence
 from . import _files, _hotio
 from ._files import _IOV_MAX
 from .core import _warn_once
-from .format import (_CHECKSUM_START, DIRECT_ALIGN, TRAILER_BYTES, _Bad, _checksum,
-                     check_trailer, checksum_impl)
+from .format import (_CHECKSUM_START, DIRECT_ALIGN, TRAILER_BYTES, Trailer, _Bad, _checksum,
+                     checksum_impl, parse_trailer)
+from .ranged import BadRange, Marks, check_group, read_group
 from .segment_capacity import SegmentCapacity
 from .segment_index import _FD_CACHE, _TOUCH_NS, _ZERO_TRAILER, SEG_DIR, _Fd
 
@@ -48,6 +49,16 @@ class SegmentReads(SegmentCapacity):
 
     def get(self, keys: Sequence[bytes], pages: list[int]) -> list[bool]:
         out = [False] * len(keys)
+        for done in self.s._map(self._read_run, self._runs(keys, pages)):
+            for i in done:
+                out[i] = True
+        return out
+
+    def _runs(self, keys: Sequence[bytes], pages: list[int]
+              ) -> list[tuple[str, list[tuple[int, int, bytes, int]]]]:
+        """The keys the index holds, as runs of contiguous slots of one segment, each
+        (segment, [(slot, key's position, digest, host page)]), split into calls sized for
+        the I/O threads and depth."""
         runs: dict[str, list[tuple[int, int, bytes, int]]] = {}
         for i, (digest, entry) in enumerate(self.lookup(keys)):
             if entry is not None:
@@ -66,10 +77,7 @@ class SegmentReads(SegmentCapacity):
                 for size in self._split(len(run), step):
                     work.append((seg, run[at:at + size]))
                     at += size
-        for done in self.s._map(self._read_run, work):
-            for i in done:
-                out[i] = True
-        return out
+        return work
 
     def _chunk(self, n: int) -> int:
         """Slots per I/O call, within IOV_MAX iovecs: two calls per I/O thread (so one
@@ -183,13 +191,13 @@ class SegmentReads(SegmentCapacity):
                         self._forget_if(digest, seg, slot)
                     continue
                 try:
-                    kind_id, want = check_trailer(raw, s.spec.fingerprint, b"", plen,
-                                                     s._identity, key_digest=digest)
+                    t = parse_trailer(raw, s.spec.fingerprint, b"", plen, s._identities,
+                                      key_digest=digest, groups=len(s._group_ends))
                     # the checksum of the bytes in the page now: taken as they arrived
                     # (hot), or over the page (another checksum kind, or not in memory)
-                    have = sums[j] if sums and kind_id == s._kind_id else \
-                        _checksum(kind_id, s._views(page))
-                    if have != want:
+                    have = sums[j] if sums and t.kind_id == s._kind_id else \
+                        _checksum(t.kind_id, s._views(page))
+                    if have != t.payload_sum:
                         raise _Bad("corrupted", "payload checksum mismatch")
                 except _Bad as bad:
                     self._bad(seg, fd, slot, digest, bad, path)
@@ -202,6 +210,76 @@ class SegmentReads(SegmentCapacity):
             del bufs
             self._release(e)
 
+    def get_group(self, keys: Sequence[bytes], pages: list[int], group: int, a: int, b: int,
+                  last: bool) -> list[Marks | None]:
+        """Ranged reads of layer group ``group`` (payload bytes ``[a, b)``) of each key
+        (``kvtier.l3_stores.file.ranged``): each key's marks, or None for a miss. Runs as
+        ``get``'s (threads, calls in flight); a hit of the last group touches its segment."""
+        out: list[Marks | None] = [None] * len(keys)
+        part = (group, a, b, last)
+        for done in self.s._map(lambda w: self._read_run_group(w, *part),
+                                self._runs(keys, pages)):
+            for i, marks in done:
+                out[i] = marks
+        return out
+
+    def _read_run_group(self, item: tuple[str, list[tuple[int, int, bytes, int]]],
+                        group: int, a: int, b: int, last: bool
+                        ) -> list[tuple[int, Marks]]:
+        seg, run = item
+        s = self.s
+        path = os.path.join(s.dir, SEG_DIR, seg)
+        e = self._acquire(seg)
+        if e is None:
+            with self._lock:
+                for slot, _, digest, _ in run:
+                    self._forget_if(digest, seg, slot)
+            return []
+        fd = e.fd
+        direct = s._direct and s._direct_pool
+        plen = s.spec.page_bytes
+        got: list[tuple[list[memoryview], bytes] | _Bad] = []
+        try:
+            # the reads (within the calls-in-flight gate), then the checks
+            with self._io_gate or contextlib.nullcontext():
+                for slot, _, _, page in run:
+                    try:
+                        got.append(read_group(fd, slot * self.slot_bytes, plen,
+                                              s._views(page), a, b, direct))
+                    except _Bad as bad:
+                        got.append(bad)
+            done = []
+            for (slot, i, digest, _), res in zip(run, got):
+                def parse(raw: bytes, digest: bytes = digest) -> Trailer:
+                    return parse_trailer(raw, s.spec.fingerprint, b"", plen, s._identities,
+                                         key_digest=digest, groups=len(s._group_ends))
+                try:
+                    if isinstance(res, _Bad):
+                        raise res
+                    dst, raw = res
+                    if raw == _ZERO_TRAILER:          # deleted (or never completed)
+                        with self._lock:
+                            self._forget_if(digest, seg, slot)
+                        continue
+                    marks = check_group(fd, slot * self.slot_bytes, plen, parse(raw), group,
+                                        dst, a, b, direct, parse)
+                except _Bad as bad:
+                    # a damaged range: the slot's other groups may still read, unless it is
+                    # removed (remove_corrupted)
+                    self._bad(seg, fd, slot, digest, bad, path,
+                              forget=not isinstance(bad, BadRange))
+                    continue
+                done.append((i, marks))
+            if done and last:
+                self._touch(seg, fd)
+            return done
+        except OSError as exc:
+            s._io_error("read", path, exc)
+            return []
+        finally:
+            del got
+            self._release(e)
+
     def _scratch(self, nbytes: int) -> memoryview:
         """A per-thread page-aligned scratch area of ``nbytes`` (trailer blocks; O_DIRECT
         needs aligned buffers), reused across calls."""
@@ -211,15 +289,19 @@ class SegmentReads(SegmentCapacity):
         return memoryview(buf)[:nbytes]
 
     def _bad(self, seg: str, fd: int, slot: int, digest: bytes, bad: _Bad,
-             path: str) -> None:
+             path: str, forget: bool = True) -> None:
+        """A slot found untrusted: counted, forgotten here (``forget``) and, where damaged
+        (``remove_corrupted``), made a plain miss for everyone (then forgotten anyway)."""
         s = self.s
         s._count(errors=1, corrupted=1)
         s._bump(bad.kind)
         _warn_once(f"bad:{bad.kind}", f"file: untrusted slot {slot} of {path} ({bad}); "
                       "treated as a miss (further ones are only counted in stats)")
-        with self._lock:
-            self._forget_if(digest, seg, slot)
-        if s.config.remove_corrupted and bad.kind != "truncated" and not s.read_only:
+        remove = s.config.remove_corrupted and bad.kind != "truncated" and not s.read_only
+        if forget or remove:
+            with self._lock:
+                self._forget_if(digest, seg, slot)
+        if remove:
             self._zero_trailer(fd, slot)
 
     def _zero_trailer(self, fd: int, slot: int) -> None:

@@ -15,7 +15,7 @@ from typing import Sequence
 
 from . import _files, _hotio
 from ._files import _NOFOLLOW
-from .format import DIRECT_ALIGN, TRAILER_BYTES, _checksum, pack_trailer
+from .format import DIRECT_ALIGN, TRAILER_BYTES, pack_trailer, running_checksums
 from .segment_index import (_SET, _TOMB, _ZERO_REC, REC_BYTES, SEG_DIR, SEG_SUFFIX, _Fd,
                             _Seg, _segment_log, pack_record)
 from .segment_reads import SegmentReads
@@ -305,10 +305,10 @@ class SegmentWrites(SegmentReads):
         tb = self.tail_bytes
         hot: list[tuple[list[memoryview], memoryview]] = []
 
-        def seal(j: int, value: int) -> None:
+        def seal(j: int, sums: list[int]) -> None:
             i = idx[j]
             smv[j * tb:j * tb + TRAILER_BYTES] = pack_trailer(
-                s.spec.fingerprint, keys[i], plen, s._kind_id, value, s._identity)
+                s.spec.fingerprint, keys[i], plen, s._kind_id, sums[-1], s._identity, sums)
         try:
             if self.hot:
                 hot = [(s._views(pages[i]), smv[j * tb:(j + 1) * tb])
@@ -316,7 +316,7 @@ class SegmentWrites(SegmentReads):
             else:
                 for j, i in enumerate(idx):
                     views = s._views(pages[i])
-                    seal(j, _checksum(s._kind_id, views))
+                    seal(j, running_checksums(s._kind_id, views, s._group_ends))
                     bufs += views
                     bufs.append(smv[j * tb:(j + 1) * tb])
             path = os.path.join(s.dir, SEG_DIR, seg)
@@ -324,7 +324,8 @@ class SegmentWrites(SegmentReads):
                 with self._io_gate or contextlib.nullcontext():
                     if self.hot:
                         fn, start = self._crc()
-                        _hotio.write_hot(fd, first * self.slot_bytes, hot, fn, start, seal)
+                        _hotio.write_hot(fd, first * self.slot_bytes, hot, fn, start, seal,
+                                         s._group_ends)
                     else:
                         _files._pwrite_all(fd, bufs, first * self.slot_bytes)
                 if self._sync:

@@ -15,13 +15,13 @@ only to its own segments and their logs, so writers never coordinate. A log live
 with its segment (created after it, removed with it), so the logs are bounded by the live
 data and opening a store reads only the records of segments that still exist. A slot is the page's
 bytes followed by the object format's 128-byte trailer (magic, version, KVSpec fingerprint,
-SHA-256 of the key, payload length, payload checksum, identity digest, CRC of the trailer),
-zero-padded to a multiple of 4 KiB, so every payload starts 4 KiB-aligned and ``O_DIRECT``
-works for pages of 4 KiB multiples; other pages use the page cache (``o_direct`` keeps its
-auto/on/off meaning). A segment is preallocated (``posix_fallocate``) when it is created,
-and its log with room for its records, so a full disk fails there and not after
-pages were written: a miss and a counted error per page. A nearly full disk (or a file size
-limit) gets smaller segments, down to one slot.
+SHA-256 of the key, payload length, payload checksum, identity digest, group checksums, CRC
+of the trailer), zero-padded to a multiple of 4 KiB, so every payload starts 4 KiB-aligned
+and ``O_DIRECT`` works for pages of 4 KiB multiples; other pages use the page cache
+(``o_direct`` keeps its auto/on/off meaning). A segment is preallocated
+(``posix_fallocate``) when it is created, and its log with room for its records, so a full
+disk fails there and not after pages were written: a miss and a counted error per page. A
+nearly full disk (or a file size limit) gets smaller segments, down to one slot.
 
 Writes: ``batch_set`` takes consecutive slots of the writer's current segment (new segments
 as it fills) and writes each run of slots with one ``pwritev`` straight from the host pages
@@ -48,7 +48,10 @@ contiguous slots and reads each run with one ``preadv`` into the host pages (tra
 length) and payload checksum are verified before it counts as a hit, so a stale or wrong
 index entry, a damaged or truncated segment, can only cost a miss (counted), never wrong KV.
 A garbled or torn log record is skipped and counted (``index_bad_records``); the page it
-named is a miss.
+named is a miss. Ranged reads (``batch_get_layers``) group the slots the same way and read
+each slot's layer range into its page, then its trailer (``kvtier.l3_stores.file.ranged``);
+a range that fails its group checksum is counted, and the slot's other groups still read
+unless it is zeroed (``remove_corrupted``).
 
 ``delete()`` first catches up with every log, then zeroes the key's latest slot's trailer
 block (every process then reads a plain miss -- an all-zero trailer is "no page", not

@@ -24,15 +24,16 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal, Sequence
 
-from ...errors import ConfigError, StoreError
+from ...errors import ConfigError, InvalidArgumentError, StoreError
 from ...interfaces import INTERFACE_VERSION, Availability
 from ...layout import PAGE_FIRST, page_ranges
 from . import _files
 from .core import log
 from .format import (_CHECKSUMS, _NAMESPACE_RE, _OBJECT_RE, _TMP_RE, DIRECT_ALIGN,
-                     TRAILER_BYTES, checksum_impl, identity_digest, identity_record,
-                     key_filename)
+                     TRAILER_BYTES, checksum_impl, group_ends, identity_digest,
+                     identity_digests, identity_record, key_filename, layer_groups)
 from .objects import _ObjectFormat
+from .ranged import PageChains
 
 
 def _in_use(fn):
@@ -187,6 +188,10 @@ class FileStore(_ObjectFormat):
                 self._go_read_only(why)
         self.identity = identity_record(spec.fingerprint, c.namespace)
         self._identity = identity_digest(self.identity)
+        self._identities = identity_digests(spec.fingerprint, c.namespace)
+        self._groups = layer_groups(spec.num_layers)
+        self._group_ends = group_ends(spec.num_layers, spec.page_bytes)
+        self._chains = PageChains()
         #: "memory" (tmpfs, ramfs), "disk" or "unknown": in memory, fsync does nothing and is
         #: skipped (stats say so)
         self.medium = _files.medium(self._dfd)
@@ -337,6 +342,54 @@ class FileStore(_ObjectFormat):
         self._count(gets=len(keys), get_hits=hits, bytes_read=hits * self.spec.page_bytes)
         return out
 
+    def read_groups(self) -> tuple[tuple[int, int], ...]:
+        """``min(8, num_layers)`` layer groups, each with its own checksum in the object's
+        trailer (``kvtier.l3_stores.file.format``). A subclass that overrides ``batch_get``
+        and not ``batch_get_layers`` reads whole pages only: streamed reads must not go
+        around its ``batch_get``."""
+        cls = type(self)
+        if cls.batch_get is not FileStore.batch_get \
+                and cls.batch_get_layers is FileStore.batch_get_layers:
+            return ()
+        return self._groups
+
+    @_in_use
+    def batch_get_layers(self, keys: Sequence[bytes], host_pages: Sequence[int],
+                         group: int) -> list[bool]:
+        """Read layer group ``group`` of each key into its host page, verified on the group's
+        own checksum (``kvtier.l3_stores.file.ranged``); counted ``ranged_reads`` and
+        ``ranged_hits`` (key-groups) and in ``bytes_read``, the last group of a hit
+        refreshing the object's LRU position as ``batch_get`` does."""
+        self._check_open()
+        pages = self._check_batch(keys, host_pages, distinct_pages=True)
+        n = len(self.read_groups())
+        if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < n:
+            raise InvalidArgumentError(f"file: group must be an int in [0, {n}), got "
+                                       f"{group!r}", argument="group", value=group)
+        a = self._group_ends[group - 1] if group else 0
+        b = self._group_ends[group]
+        last = group == n - 1
+        if self._seg is not None:
+            marks = self._seg.get_group(keys, pages, group, a, b, last)
+        else:
+            marks = self._map(functools.partial(self._get_group_one, group=group, a=a, b=b,
+                                                last=last), list(zip(keys, pages)))
+        out = []
+        changed = 0
+        for key, page, m in zip(keys, pages, marks):
+            ok = self._chains.settle(page, key, group, last, m)
+            changed += ok is None
+            out.append(bool(ok))
+        if last and self._seg is None:
+            self._order(keys, out)
+        hits = sum(out)
+        self._count(bytes_read=hits * (b - a))
+        self._bump("ranged_reads", len(keys))
+        self._bump("ranged_hits", hits)
+        if changed:
+            self._bump("ranged_version_changes", changed)
+        return out
+
     @_in_use
     def batch_set(self, keys: Sequence[bytes], host_pages: Sequence[int]) -> list[bool]:
         self._check_open()
@@ -439,6 +492,8 @@ class FileStore(_ObjectFormat):
                      medium=self.medium, fsync="skipped (in memory)" if self.config.fsync
                      and not self._sync else self.config.fsync)
         d.setdefault("writes_refused", 0)
+        for k in ("ranged_reads", "ranged_hits", "ranged_version_changes"):
+            d.setdefault(k, 0)
         d["format"] = self.config.format
         if self._seg is not None:
             d.update(self._seg.stats())
