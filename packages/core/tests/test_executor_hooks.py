@@ -69,7 +69,7 @@ def test_on_done_books_instead_of_poll_and_the_handle_waits_for_it():
 
 
 def test_on_read_sees_each_batch_before_its_loads_and_stop_ends_the_rest():
-    r = Rig(3, l3_batch_pages=2)
+    r = Rig(3, l3_batch_pages=2, l3_stream_layers=False)  # (streamed: tests/test_stream.py)
     objs = r.put(5)
     free = [hp for hp in range(13)]
     dst = free[-5:]

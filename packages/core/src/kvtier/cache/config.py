@@ -113,6 +113,11 @@ class CacheConfig:
     #: device): no copy into L2 first, layer by layer beside the L2 hit
     #: (`kvtier.cache.inplace`). False: every L3 read goes through L2.
     l3_in_place_loads: bool = True
+    #: Read L3 pages into L2 layer group by layer group and load each group into the device
+    #: as it lands, so a prefill's first layers start before the whole read is done, where
+    #: the store reads layer ranges (`L3Store.read_groups`) and the transfer engine loads
+    #: them (``layer_ranges``). False: a load waits for its pages' whole L3 read.
+    l3_stream_layers: bool = True
 
     def __post_init__(self) -> None:
         for name in _DICT_FIELDS:

@@ -115,7 +115,8 @@ class TieredKVCache:
             owned=tuple(parts.owned), cost=self.cost, in_place=parts.in_place,
             in_place_why_not=parts.in_place_why_not,
             l3_max_queued_pages=cfg.l3_max_queued_pages, metrics=self.metrics_registry,
-            l3_name="kvtier-l3-io", on_failure=self._tier_failed)
+            l3_name="kvtier-l3-io", on_failure=self._tier_failed,
+            l3_stream_layers=cfg.l3_stream_layers)
         self._l3: L3IO | None = self._ex.l3
         #: The index and policy half: the same planner vLLM's scheduler runs, its index
         #: covering L1 as well here, its host page ids the host pool's own.
@@ -227,12 +228,13 @@ class TieredKVCache:
             l3tasks.start_read(self, match, limit)
 
     def _split(self, match: Match, l2_pages: int, l3_pages: int, *, l3_ready: int = 0,
-               in_place: bool = False) -> tuple[int, int]:
+               in_place: bool = False, streamed: bool = False) -> tuple[int, int]:
         """`CostModel.split` of ``l2_pages + l3_pages`` hit pages of ``match`` (the rest and
         the match's misses are recomputed)."""
         ps = self.spec.page_size
         return self.cost.split(
             l2_pages=l2_pages, l3_pages=l3_pages, in_place=in_place, l3_ready=l3_ready,
+            groups=len(self._ex.read_groups) if streamed else 0,
             compute_tokens=max(1, match.num_tokens - match.total_pages * ps),
             page_size=ps, page_bytes=self.spec.page_bytes, layers=self.spec.num_layers,
             context=match.num_tokens)
@@ -277,15 +279,21 @@ class TieredKVCache:
         n3_want = min(match.l3_count, len(dev) - n2)
         skip2 = skip3 = 0
         direct = self._in_place if n3_want and self._l3_usable() else None
+        streams = direct is None and match.read is None and self.streams_l3
         if self.cost.enabled and n2 + n3_want:
             k2, k3 = self._split(match, n2, n3_want, in_place=direct is not None,
-                                 l3_ready=0 if direct is not None else match.l3_pages_landed)
+                                 l3_ready=0 if direct is not None else match.l3_pages_landed,
+                                 streamed=streams)
             skip2, skip3 = n2 - k2, n3_want - k3
             n2, n3_want = k2, k3
             if skip3 and direct is None and match.read is None and self.cost.wants_l3_probe():
                 l3tasks.start_read(self, match, self.cost.L3_PROBE_PAGES)  # keeps it measured
         n_direct = n3_want if direct is not None else 0
-        if n3_want and direct is None:
+        stream = None
+        if n3_want and streams and match.read is None:
+            # the read runs in the load's own plan, layer group by layer group
+            stream = l3tasks.stream_task(self, match, self.cost.first_read_cap(n3_want))
+        elif n3_want and direct is None:
             l3tasks.start_read(self, match, self.cost.first_read_cap(n3_want))
             l3tasks.wait_read(self, match, n3_want)
         box: dict[str, Any] = {}
@@ -295,25 +303,37 @@ class TieredKVCache:
             task = match.read
             landed: list[Node] = []
             rest: list[Node] = []
-            if task is not None and not skip3 and not n_direct:
+            if task is not None and not skip3 and not n_direct and stream is None:
                 task.cancelled = True             # later pages land unpinned, for others
                 landed, rest = task.landed[:n3_want], task.landed[n3_want:]
             nodes = match.hand_over_l2(n2, landed, rest)
             match.give(dev)
             start = match.l1_count + match.l2_count
+            reads = tuple(zip(stream.keys, stream.host_pages)) if stream is not None else ()
             plan = Plan(self._new_plan_id(),
-                        loads=tuple(zip([nd.host_page for nd in nodes], dev)),  # type: ignore[arg-type]
+                        loads=tuple(zip([nd.host_page for nd in nodes]  # type: ignore[misc]
+                                        + [hp for _, hp in reads], dev)),
                         l3_loads=tuple(zip(match.keys[start:start + n_direct],
-                                           dev[len(nodes):])))
+                                           dev[len(nodes):])), l3_reads=reads)
             handle: TransferHandle = CompletedHandle(self.spec.num_layers)
-            n_load = 0
+            ph = None
             if not plan.empty:
+                booked = (lambda res: self._fetch_booked(box, res)) if stream is None else \
+                    (lambda res: self._stream_booked(stream, box, res))
                 try:
-                    ph = self._ex.submit(plan, on_done=lambda res: self._fetch_booked(box, res))
+                    ph = self._ex.submit(plan, on_done=booked,
+                                         stop=None if stream is None else lambda: stream.cancelled)
                 except BaseException:
                     match.take_back_l2(nodes)
+                    if stream is not None:
+                        stream.done(plan.failed())
                     raise
-                handle, n_load = ph, len(nodes) + ph.in_place_pages
+                handle = ph
+        # a streamed read: how many leading L3 pages load is known once the first layer
+        # group is back (the prefill could not start before it anyway); waited for unlocked
+        n_stream = ph.stream.first_group() if ph is not None and ph.stream is not None else 0
+        with self._lock:
+            n_load = 0 if ph is None else len(nodes) + ph.in_place_pages + n_stream
             load, unused = dev[:n_load], dev[n_load:]
             fh = FetchHandle(self._finish_fetch, match, handle, nodes, load, unused,
                              self.spec.num_layers, from_l2=n2,
@@ -324,13 +344,13 @@ class TieredKVCache:
             box["fh"] = fh
             if n_direct > n_load - len(nodes):
                 self.metrics_registry.add("l3_read_miss_pages", n_direct - n_load + len(nodes))
-        n_in = n_load - len(nodes)
+        n_in = n_load - len(nodes) - n_stream      # in place
         self.metrics_registry.add_many({
             "fetch_calls": 1, "fetched_l2_pages": n2,
-            "fetched_l3_pages": len(landed) + n_in, "l3_loaded_pages": n_in,
+            "fetched_l3_pages": len(landed) + n_in + n_stream, "l3_loaded_pages": n_in,
             "l3_in_place_pages": 0,          # (the data path counts those that land)
-            "bytes_l3_read": n_in * self.spec.page_bytes,
-            "prefetch_cut_pages": n3_want - len(landed) - n_in
+            "bytes_l3_read": n_in * self.spec.page_bytes,  # (streamed: once they land)
+            "prefetch_cut_pages": n3_want - len(landed) - n_in - n_stream
             + (match.l3_count - n3_want - skip3),
             "cost_skipped_pages_l2": skip2, "cost_skipped_pages_l3": skip3,
             "bytes_h2d": n_load * self.spec.page_bytes})
@@ -350,9 +370,36 @@ class TieredKVCache:
                 return
         self._finish_fetch(fh, self._load_error(fh, res))
 
+    def _stream_booked(self, task: l3tasks.ReadTask, box: dict[str, Any], res: PlanResult
+                       ) -> None:
+        """A fetch that streamed its L3 pages finished (or a late store call released its
+        host pages): the pages read whole go into L2, then the load is booked."""
+        if not res.released_host_pages:
+            tried = res.l3_reads_tried or 0
+            if tried:
+                task.batch(0, tried, list(res.l3_reads[:tried]))
+        task.done(res)
+        if not res.released_host_pages:
+            self._fetch_booked(box, res)
+
+    @property
+    def streams_l3(self) -> bool:
+        """Does a fetch stream its L3 pages (read and loaded layer group by layer group,
+        `kvtier.cache.stream`) rather than wait for their whole read? Not where they load in
+        place; ``stream_why_not`` says why not otherwise."""
+        return bool(self._ex.read_groups) and self._in_place is None
+
+    @property
+    def stream_why_not(self) -> str:
+        if self._in_place is not None:
+            return "L3 pages load in place"
+        return self._ex.stream_why_not
+
     @staticmethod
     def _load_error(fh: FetchHandle, res: PlanResult) -> TransferError | None:
-        ok = all(res.loads) and all(res.l3_loads[:fh.in_place_pages])
+        # (a streamed fetch's plan lists loads past the pages it loads: its L3 run after a
+        # miss in the first layer group; their loads never start)
+        ok = all(res.loads[:fh.pages_loaded]) and all(res.l3_loads[:fh.in_place_pages])
         return None if ok else TransferError("L2 -> L1 load failed")
 
     def commit(self, tokens: Any, device_pages: Sequence[int] | Any,

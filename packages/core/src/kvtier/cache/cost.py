@@ -70,13 +70,15 @@ def check_rate(name: str, value: Any) -> float:
 def split_time(k: int, *, l2_pages: int, l3_pages: int, l3_ready: int = 0, compute_tokens: int,
                page_size: int, page_bytes: int, h2d_bps: float, l3_bps: float | None,
                recompute_tps: float, layers: int = 1, attn_s: float = 0.0,
-               context: int | None = None, l3_fixed_s: float = 0.0) -> float:
+               context: int | None = None, l3_fixed_s: float = 0.0, groups: int = 0) -> float:
     """Modelled seconds to the first token when the first ``k`` of the ``l2_pages +
     l3_pages`` hit pages are loaded and the rest recomputed (see the module doc);
     ``l3_ready`` of the L3 pages are already in L2. ``l3_bps`` None: L3 pages cost no read.
     ``context``: the request's tokens (for the attention term ``attn_s`` per pair);
     ``l3_fixed_s``: what waiting for any L3 read costs beyond its bytes (vLLM: the request
-    leaves the batch until the read is reported)."""
+    leaves the batch until the read is reported); ``groups`` (>= 2): the L3 read streams in
+    that many layer groups, each loaded and computed as it lands (`kvtier.cache.stream`), so
+    only its first group comes before the prefill and the rest runs beside it."""
     n = l2_pages + l3_pages
     if not 0 <= k <= n:
         raise ValueError(f"k={k} outside [0, {n}]")
@@ -86,13 +88,16 @@ def split_time(k: int, *, l2_pages: int, l3_pages: int, l3_ready: int = 0, compu
     h = k * page_bytes / h2d_bps
     tokens = compute_tokens + (n - k) * page_size
     c = tokens / recompute_tps + (attn_s * pairs(context, tokens) if attn_s else 0.0)
-    return t3 + max(h, c) + min(h, c) / max(1, layers)
+    rest = max(h, c) + min(h, c) / max(1, layers)
+    if groups >= 2 and t3:
+        return t3 / groups + max(t3 * (groups - 1) / groups, rest)
+    return t3 + rest
 
 
 def best_split(*, l2_pages: int, l3_pages: int, l3_ready: int = 0, compute_tokens: int,
                page_size: int, page_bytes: int, h2d_bps: float | None, l3_bps: float | None,
                recompute_tps: float | None, layers: int = 1, attn_s: float = 0.0,
-               context: int | None = None, l3_fixed_s: float = 0.0) -> int:
+               context: int | None = None, l3_fixed_s: float = 0.0, groups: int = 0) -> int:
     """How many leading hit pages to load (the fastest split; ties load more). Unknown rates
     (None) cut nothing -- except a collapsed L3 (``l3_bps`` 0): its pages not in L2 are
     never waited for."""
@@ -108,7 +113,7 @@ def best_split(*, l2_pages: int, l3_pages: int, l3_ready: int = 0, compute_token
     kw = dict(l2_pages=l2_pages, l3_pages=l3_pages, l3_ready=l3_ready,
               compute_tokens=compute_tokens, page_size=page_size, page_bytes=page_bytes,
               h2d_bps=h2d_bps, l3_bps=l3_bps, recompute_tps=recompute_tps, layers=layers,
-              attn_s=attn_s, context=context, l3_fixed_s=l3_fixed_s)
+              attn_s=attn_s, context=context, l3_fixed_s=l3_fixed_s, groups=groups)
     best_k, best_t = n, split_time(n, **kw)
     for k in range(n - 1, -1, -1):
         t = split_time(k, **kw)
@@ -408,19 +413,21 @@ class CostModel:
     # ----- the decision ---------------------------------------------------------------------
     def split(self, *, l2_pages: int, l3_pages: int, in_place: bool = False, l3_ready: int = 0,
               compute_tokens: int, page_size: int, page_bytes: int, layers: int,
-              context: int | None = None) -> tuple[int, int]:
+              context: int | None = None, groups: int = 0) -> tuple[int, int]:
         """The cost split of a request's leading ``l2_pages`` L2 hits and the ``l3_pages`` L3
         hits after them, as every path makes it (the in-process cache, the planner of a
         serving engine): how many of each to load, the rest (and ``compute_tokens`` more)
         being recomputed. ``in_place``: the L3 pages load straight from the store's memory, as
-        L2 pages do (no read to wait for); ``l3_ready``: L3 pages already read into L2."""
+        L2 pages do (no read to wait for); ``l3_ready``: L3 pages already read into L2;
+        ``groups``: the read streams in that many layer groups (`split_time`)."""
         if not self.enabled or l2_pages + l3_pages == 0:
             return l2_pages, l3_pages
         l2, l3, ready = (l2_pages + l3_pages, 0, 0) if in_place else \
             (l2_pages, l3_pages, l3_ready)
         k = self.pages_to_load(l2_pages=l2, l3_pages=l3, l3_ready=ready,
                                compute_tokens=compute_tokens, page_size=page_size,
-                               page_bytes=page_bytes, layers=layers, context=context)
+                               page_bytes=page_bytes, layers=layers, context=context,
+                               groups=groups)
         return min(l2_pages, k), min(l3_pages, max(0, k - l2_pages))
 
     def first_read_cap(self, pages: int) -> int:
@@ -434,7 +441,7 @@ class CostModel:
 
     def pages_to_load(self, *, l2_pages: int, l3_pages: int, l3_ready: int,
                       compute_tokens: int, page_size: int, page_bytes: int,
-                      layers: int, context: int | None = None) -> int:
+                      layers: int, context: int | None = None, groups: int = 0) -> int:
         if not self.enabled:
             return l2_pages + l3_pages
         return best_split(l2_pages=l2_pages, l3_pages=l3_pages, l3_ready=l3_ready,
@@ -443,7 +450,7 @@ class CostModel:
                           l3_bps=self.l3_bytes_per_s if l3_pages > l3_ready else None,
                           recompute_tps=self.recompute_tokens_per_s, layers=layers,
                           attn_s=self.recompute_attn_s, context=context,
-                          l3_fixed_s=self.l3_fixed_s)
+                          l3_fixed_s=self.l3_fixed_s, groups=groups)
 
 
 def load_seconds(handle: Any, started: float) -> float:
@@ -537,10 +544,13 @@ class TimedStore:
     read per second go into the L3 rate; a call still running counts while it runs). All
     other attributes are the store's."""
 
-    def __init__(self, store: Any, cost: CostModel, page_bytes: int):
+    def __init__(self, store: Any, cost: CostModel, page_bytes: int, *,
+                 groups: tuple[tuple[int, int], ...] = (), num_layers: int = 1):
         self._store = store
         self._cost = cost
         self._page_bytes = page_bytes
+        self._groups = groups
+        self._num_layers = max(1, num_layers)
 
     def batch_get(self, keys, host_pages, *args: Any, **kwargs: Any):
         n = len(keys)
@@ -553,6 +563,20 @@ class TimedStore:
             return out
         finally:
             self._cost.l3_call_ended(call, done * self._page_bytes)
+
+    def batch_get_layers(self, keys, host_pages, group: int):
+        """A streamed read of one layer group, timed like ``batch_get`` for its bytes."""
+        lo, hi = self._groups[group] if 0 <= group < len(self._groups) else (0, 0)
+        nbytes = self._page_bytes * (hi - lo) // self._num_layers
+        call = self._cost.l3_call_started(len(keys) * nbytes)
+        done = 0
+        try:
+            out = self._store.batch_get_layers(keys, host_pages, group)
+            if isinstance(out, list):
+                done = sum(1 for v in out if v is True)
+            return out
+        finally:
+            self._cost.l3_call_ended(call, done * nbytes)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._store, name)

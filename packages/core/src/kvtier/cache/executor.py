@@ -35,7 +35,7 @@ import time
 from typing import Any, Callable, Mapping
 
 from ..device_pool import DeviceKVPool
-from ..errors import InvalidArgumentError, PageIndexError
+from ..errors import InvalidArgumentError, PageIndexError, TransferError
 from ..host_pool import HostKVPool
 from ..interfaces import L3Store, TransferEngine, TransferHandle
 from ..metrics import Metrics
@@ -47,6 +47,7 @@ from .parts import build_parts
 from .l3io import L3IO
 from .plans import Plan, PlanResult
 from .runs import PlanHandle, PlanIds, Run, StoreTask, close_one
+from .stream import Stream, StreamTask, handles_for, stream_groups, wait_started
 from .transfers import Completer
 
 log = logging.getLogger("kvtier.cache")
@@ -67,7 +68,8 @@ class CacheExecutor:
                  cost: CostModel | None = None, in_place: InPlace | None = None,
                  in_place_why_not: str = "", l3_max_queued_pages: int | None = None,
                  metrics: Metrics | None = None, l3_name: str = "kvtier-executor-l3",
-                 on_failure: Callable[[str, str, BaseException | None], None] | None = None):
+                 on_failure: Callable[[str, str, BaseException | None], None] | None = None,
+                 l3_stream_layers: bool = True):
         self.host_pool = host_pool
         #: The store's memory seen as a host pool, for plans' ``l3_loads`` (None: those fail,
         #: and ``in_place_why_not`` says why).
@@ -78,6 +80,14 @@ class CacheExecutor:
         self.cost = cost if cost is not None else CostModel()
         self.engine = engine
         self.store = store
+        #: The layer groups a plan's L3 reads stream in, each loaded as it lands
+        #: (`kvtier.cache.stream`); () where loads wait for whole reads, and
+        #: ``stream_why_not`` says why.
+        self.read_groups: tuple[tuple[int, int], ...] = ()
+        self.stream_why_not = "off (l3_stream_layers)"
+        if l3_stream_layers:
+            self.read_groups, self.stream_why_not = stream_groups(
+                store, engine, host_pool.spec.num_layers)
         self.batch_pages = l3_batch_pages
         #: L3 writes beyond this many queued pages are dropped (counted in
         #: ``l3_writes_dropped``): a store slower than the saves never grows a backlog.
@@ -99,7 +109,8 @@ class CacheExecutor:
         self._completer = Completer(self._completer_died)
         self.l3: L3IO | None = None
         if store is not None:
-            timed = TimedStore(store, self.cost, host_pool.spec.page_bytes)
+            timed = TimedStore(store, self.cost, host_pool.spec.page_bytes,
+                               groups=self.read_groups, num_layers=host_pool.spec.num_layers)
             self.l3 = L3IO(timed, threads=l3_io_threads, error_limit=l3_error_limit,
                            call_timeout_s=l3_call_timeout_s, metrics=self.metrics_registry,
                            on_failure=self._l3_failed, name=l3_name)
@@ -124,7 +135,8 @@ class CacheExecutor:
                    l3_call_timeout_s=cfg.l3_call_timeout_s, owned=tuple(p.owned),
                    cost=CostModel.from_config(cfg), in_place=p.in_place,
                    in_place_why_not=p.in_place_why_not,
-                   l3_max_queued_pages=cfg.l3_max_queued_pages)
+                   l3_max_queued_pages=cfg.l3_max_queued_pages,
+                   l3_stream_layers=cfg.l3_stream_layers)
 
     @property
     def l3_state(self) -> str:
@@ -141,7 +153,9 @@ class CacheExecutor:
         host pages) instead of queueing it for `poll`, on the thread that finished it.
         ``on_read(first, count, got)``: called as each batch of the plan's L3 reads comes
         back (reads ``first`` to ``first + count``; ``got`` None if the call failed), before
-        the loads that wait on them start. ``stop()``: checked before each L3 call of the
+        the loads that wait on them start -- in a streamed plan (`kvtier.cache.stream`: its
+        reads feed loads, and ``read_groups`` is set) once, for every page read, after the
+        loads have started. ``stop()``: checked before each L3 call of the
         plan; True ends its store work there (the rest fail, untried).
 
         ``two_part``: a save whose L3 writes outlast its backups is reported in two results,
@@ -151,6 +165,8 @@ class CacheExecutor:
         reported in one result."""
         self._validate(plan)
         run = Run(plan, on_done, on_read, stop, two_part)
+        if self.read_groups and run.late_loads:
+            run.stream = Stream(run, self.read_groups)
         handle = PlanHandle(self, run)
         run.handle = handle
         with self._lock:
@@ -168,6 +184,8 @@ class CacheExecutor:
                 self._start_backups(run)
             if plan.l3_reads:
                 self._start_store(run, list(range(len(plan.l3_reads))), is_read=True)
+            if run.stream is not None:
+                run.load_group_started()         # its L3 loads start group by group
             if run.now_loads:
                 self._start_loads(run, run.now_loads)
             if plan.l3_loads:
@@ -210,8 +228,16 @@ class CacheExecutor:
         if run is None:
             return None
         run.loads_started.wait(timeout)
+        handles = list(run.handles)
         first: BaseException | None = None
-        for h in list(run.handles):
+        if run.stream is not None:
+            wait_started(run.stream, layer, timeout)
+            handles += handles_for(run.stream, layer)
+            short = run.stream.missing() if layer is None else 0
+            if short:
+                first = TransferError(f"plan {plan_id}: {short} of its pages were not read "
+                                      "whole from L3 (their streamed loads are incomplete)")
+        for h in handles:
             try:
                 if layer is None:
                     h.wait()
@@ -328,7 +354,8 @@ class CacheExecutor:
         with self._lock:
             run.parts += 1
             run.write_parts += not is_read
-        task = StoreTask(self, run, idx, is_read=is_read)
+        task: StoreTask | StreamTask = StreamTask(self, run) \
+            if is_read and run.stream is not None else StoreTask(self, run, idx, is_read=is_read)
         limit = self.max_queued_write_pages
         if self.l3 is None or not self.l3.usable() or (
                 not is_read and limit is not None
@@ -419,7 +446,7 @@ class CacheExecutor:
             self._part_done(run, "in_place")
 
     def _part_done(self, run: Run, part: str) -> None:
-        if part == "reads" and run.late_loads:
+        if part == "reads" and run.late_loads and run.stream is None:
             ok_hp = {hp for (_, hp), ok in zip(run.plan.l3_reads, run.reads) if ok}
             idx = [i for i in run.late_loads if run.plan.loads[i][0] in ok_hp]
             if idx:

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from .controller import TieredKVCache
     from .handles import Match
 
-__all__ = ["ReadTask", "WriteTask", "start_read", "wait_read", "enqueue_write"]
+__all__ = ["ReadTask", "WriteTask", "start_read", "stream_task", "wait_read", "enqueue_write"]
 
 
 class ReadTask:
@@ -209,6 +209,23 @@ def start_read(c: "TieredKVCache", match: "Match", limit: int | None = None) -> 
                      stop=lambda: task.cancelled)
     except InvalidArgumentError:           # closing
         task.done(plan.failed())
+
+
+def stream_task(c: "TieredKVCache", match: "Match", want: int) -> ReadTask | None:
+    """Host pages for a fetch that reads the match's first ``want`` L3 pages in its own plan,
+    streamed (`kvtier.cache.stream`); fewer where L2 has no room, None if it has none. The
+    fetch's plan result is booked through the task (`TieredKVCache._stream_booked`)."""
+    with c._lock:
+        pages = eviction.alloc_host(c, want)
+        if len(pages) < want:
+            c.metrics_registry.add("prefetch_no_space_pages", want - len(pages))
+        if not pages:
+            return None
+        start = match.l1_count + match.l2_count
+        task = ReadTask(c, match, match.keys[start:start + len(pages)], pages,
+                        match.keys[start - 1] if start else None)
+        match.attach_read(task)
+        return task
 
 
 def wait_read(c: "TieredKVCache", match: "Match", want: int) -> None:

@@ -102,6 +102,8 @@ class Run:
         #: Groups of loads still to start (the ones from L2 at once, the ones L3 reads feed
         #: after them): `wait_layer` waits until every load has its handle.
         self._to_start = 1 + bool(self.late_loads)
+        #: Its L3 reads streamed layer group by layer group (`kvtier.cache.stream`).
+        self.stream: Any = None
         self._start_lock = threading.Lock()
         self.late_writes = [i for i, (hp, _) in enumerate(plan.l3_writes) if hp in backup_hp]
         self.now_writes = [i for i, (hp, _) in enumerate(plan.l3_writes)
@@ -230,6 +232,8 @@ class PlanHandle(TransferHandle):
         self._ex = ex
         self.plan_id = run.plan.plan_id
         self.in_place_pages = 0
+        #: Its L3 reads' streaming state (`kvtier.cache.stream.Stream`), or None.
+        self.stream = run.stream
         self.result: PlanResult | None = None
 
     def wait_layer(self, layer: int) -> None:
