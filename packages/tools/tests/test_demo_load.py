@@ -235,3 +235,45 @@ def test_each_load_level_gets_a_shm_arena_of_its_own(tmp_path):
         if run.setup == "L1+L2+L3":
             assert sum(s.result.l3_tokens for s in run.served if s.result.round == 0) == 0
             assert sum(s.result.l3_tokens for s in run.served) > 0
+
+
+def test_a_serial_request_streams_its_l3_pages_and_a_failed_stream_is_recomputed(tmp_path):
+    """Served one at a time, a request's L3 pages are read by its fetch, layer group by layer
+    group (no prefetch first); a group that misses after the prefill began fails the fetch,
+    and the request is computed again on its L1 hit alone, right."""
+    pytest.importorskip("transformers")
+    from kvtier_tools.demo.engine import DemoEngine
+    from kvtier_tools.demo.model import DemoModel
+    from kvtier_tools.demo.run import cache_config
+    model = DemoModel("tiny", page_size=16, seed=0)
+    cfg = DemoConfig.from_dict(SMALL)
+    cc = cache_config(cfg, "L1+L2+L3", model, 20, str(tmp_path))
+    eng = DemoEngine(model, cc, l1_pages=40)
+    try:
+        assert eng.cache.streams_l3, eng.cache.stream_why_not
+        eng.warm_up(model.vocab_size)
+        w = multiturn(2, 2, first_tokens=128, turn_tokens=32, answer_tokens=16, seed=0,
+                      vocab_size=model.vocab_size)
+        by_round = sorted(w.requests, key=lambda r: (r.round, r.index))
+        for r in by_round[:2]:
+            eng.serve(r)
+        eng.cache.wait_idle(timeout=60)
+        eng.cache.evict(1000, "l1")
+        eng.cache.evict(1000, "l2")
+        res = eng.serve(by_round[2], True)
+        assert res.l3_tokens > 0 and not res.load_failed
+        assert eng.cache.metrics()["l3_streamed_pages"] * 16 == res.l3_tokens
+        assert res.restored_bad == 0 and res.check is not None and res.check.passed
+        eng.cache.wait_idle(timeout=60)
+        eng.cache.evict(1000, "l1")
+        eng.cache.evict(1000, "l2")
+        store = eng.cache.store
+        real = store.batch_get_layers
+        store.batch_get_layers = lambda keys, pages, group: (
+            real(keys, pages, group) if group == 0 else [False] * len(keys))
+        res = eng.serve(by_round[3], True)
+        assert res.load_failed and res.l3_tokens == 0 and res.l2_tokens == 0
+        assert res.computed_tokens == res.tokens - res.l1_tokens
+        assert res.check is not None and res.check.passed
+    finally:
+        eng.close()

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from kvtier.cache import TieredKVCache
-from kvtier.errors import PoolExhaustedError
+from kvtier.errors import PoolExhaustedError, TransferError
 from .digest import PageDigests
 from .model import CheckResult, DemoModel
 from .workload import Request
@@ -49,6 +49,9 @@ class RequestResult:
     l3_prefetched_tokens: int = 0
     #: under load: waited at dispatch for the arrival's L3 read (0: it had landed)
     l3_wait_s: float = 0.0
+    #: the fetch failed after the prefill started on it (a streamed L3 read missed): the
+    #: prefill ran again on the L1 hit alone, and its tokens count as computed
+    load_failed: bool = False
 
     @property
     def hit_tokens(self) -> int:
@@ -176,8 +179,9 @@ class DemoEngine:
         m = cache.match(tokens_np[:n - 1])
         if queued is not None:
             cache.release(queued)      # the new match holds what landed
-        if self.lower_tiers and m.l3_count:
+        if self.lower_tiers and m.l3_count and not cache.streams_l3:
             cache.prefetch(m)                 # L3 -> L2 starts as early as the match
+            # (where the fetch streams its L3 pages, it reads them itself, layer by layer)
         t1 = time.perf_counter()
         want = m.l2_count + m.l3_count if self.lower_tiers else 0
         load_pages = self.allocate(want)
@@ -210,15 +214,26 @@ class DemoEngine:
             wait_s += time.perf_counter() - tw
 
         t2 = time.perf_counter()
-        logits = model.prefill(tokens, self.pool, prefix, new_pages,
-                               wait_layer=wait_layer if loaded else None,
-                               mode=self.prefill_mode)
-        _sync(model.device)
+        failed = False
+        try:
+            logits = model.prefill(tokens, self.pool, prefix, new_pages,
+                                   wait_layer=wait_layer if loaded else None,
+                                   mode=self.prefill_mode)
+            _sync(model.device)
+            if not waited:
+                fh.wait()
+        except TransferError:
+            # the load failed after the prefill started on it (a streamed L3 read missed):
+            # none of its pages are the cache's; compute them as well, on the L1 hit alone
+            failed = True
+            new_pages = list(fh.device_pages[:loaded]) + new_pages
+            prefix, loaded = list(m.l1_pages), 0
+            logits = model.prefill(tokens, self.pool, prefix, new_pages, wait_layer=None,
+                                   mode=self.prefill_mode)
+            _sync(model.device)
         t3 = time.perf_counter()
-        if not waited:
-            fh.wait()
         computed = n - len(prefix) * ps
-        if not loaded or model.device.type == "cpu":
+        if not failed and (not loaded or model.device.type == "cpu"):
             # on an accelerator the prefill's layers wait for their loads on the stream, not
             # here: such a prefill times the loads as compute (as vLLM's connector, only the
             # forwards that wait for no load are timed); on the CPU the waits are subtracted
@@ -255,7 +270,7 @@ class DemoEngine:
             l3_hit_tokens=m.l3_count * ps if self.lower_tiers else 0,
             skipped_tokens=skipped * ps,
             restored_checked=loaded - len(bad), restored_bad=len(bad),
-            l3_prefetched_tokens=pre * ps, l3_wait_s=l3_wait)
+            l3_prefetched_tokens=pre * ps, l3_wait_s=l3_wait, load_failed=failed)
 
     def _key(self, tokens_np: np.ndarray, j: int) -> bytes:
         """The key of full page ``j`` of ``tokens`` (the match covers n - 1 tokens, so the

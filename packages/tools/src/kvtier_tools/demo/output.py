@@ -43,7 +43,9 @@ def physics(report: DemoReport) -> str:
           _rate(s["l2_load_bytes_per_s"], per_token) if loads_below_l1(s["setup"]) else "-",
           ("in place" + (f" ({s['l3_in_place_pages']} pages)")
            if s.get("l3_in_place_pages") else
-           _rate(s["l3_read_bytes_per_s"], per_token)) if has_l3(s["setup"]) else "-",
+           _rate(s["l3_read_bytes_per_s"], per_token)
+           + (f", streamed ({s['l3_streamed_pages']} pages)"
+              if s.get("l3_streamed_pages") else "")) if has_l3(s["setup"]) else "-",
           s["restored_pages_checked"], _ratio(s["modelled_speedup"]),
           "" if s["achieved_of_modelled"] is None
           else f"{100 * s['achieved_of_modelled']:.0f}%"] for s in rows])

@@ -233,6 +233,10 @@ class SetupRun:
             "l3_read_bytes_per_s": float(m.get("l3_read_bytes_per_s") or 0.0) or None,
             # L3 pages loaded straight from a shared-memory arena (no L3 -> L2 read)
             "l3_in_place_pages": int(m.get("l3_in_place_pages") or 0),
+            # L3 pages read layer group by layer group, each group loaded as it landed
+            "l3_streamed_pages": int(m.get("l3_streamed_pages") or 0),
+            # fetches that failed after the prefill began (computed again without them)
+            "load_failures": sum(1 for r in res if r.load_failed),
         }
 
     def recompute_rate(self) -> float | None:
