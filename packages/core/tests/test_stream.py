@@ -224,23 +224,28 @@ def _fill(dpool, pages, gen):
                 c[p].copy_(torch.randint(0, 256, c[p].shape, dtype=torch.uint8, generator=gen))
 
 
-def test_a_fetch_streams_its_l3_pages_and_books_them_in_l1_and_l2():
+def _only_in_l3(n: int, seed: int):
+    """A cache over a gated store with ``n`` random pages committed, then held by L3 alone:
+    (store, cache, device pool, tokens, the pages' bytes, the engine's free pages)."""
     store = GatedStore(spec=SPEC)
     cache, dpool = _cache(store)
-    assert cache.streams_l3 and cache.stream_why_not == ""
-    gen = torch.Generator().manual_seed(5)
-    tokens = list(range(1, 3 * 7 + 1))             # 7 full pages
-    pages = random.Random(5).sample(range(24), 7)
-    _fill(dpool, pages, gen)
+    tokens = list(range(1, 3 * n + 1))
+    pages = random.Random(seed).sample(range(24), n)
+    _fill(dpool, pages, torch.Generator().manual_seed(seed))
     want = [dpool.page_bytes(p).clone() for p in pages]
     cache.commit(tokens, pages)
     assert cache.wait_idle(5)
-    cache.evict(7, "l1")
+    cache.evict(n, "l1")
     cache.evict(24, "l2")
     assert cache.wait_idle(5)
+    return store, cache, dpool, tokens, want, [p for p in range(24) if p not in pages][:n]
+
+
+def test_a_fetch_streams_its_l3_pages_and_books_them_in_l1_and_l2():
+    store, cache, dpool, tokens, want, dev = _only_in_l3(7, 5)
+    assert cache.streams_l3 and cache.stream_why_not == ""
     m = cache.match(tokens)
     assert (m.l1_count, m.l2_count, m.l3_count) == (0, 0, 7)
-    dev = [p for p in range(24) if p not in pages][:7]
     store.gates[2].clear()
     fh = cache.fetch(m, dev)
     assert fh.pages_loaded == 7
@@ -263,19 +268,9 @@ def test_a_fetch_streams_its_l3_pages_and_books_them_in_l1_and_l2():
 
 
 def test_a_fetch_whose_stream_misses_fails_and_books_nothing_wrong():
-    store = GatedStore(spec=SPEC)
-    cache, dpool = _cache(store)
-    gen = torch.Generator().manual_seed(6)
-    tokens = list(range(1, 3 * 5 + 1))
-    pages = random.Random(6).sample(range(24), 5)
-    _fill(dpool, pages, gen)
-    cache.commit(tokens, pages)
-    assert cache.wait_idle(5)
-    cache.evict(5, "l1")
-    cache.evict(24, "l2")
+    store, cache, dpool, tokens, _, dev = _only_in_l3(5, 6)
     m = cache.match(tokens)
     store.fail.add((m.keys[2], 1))
-    dev = [p for p in range(24) if p not in pages][:5]
     fh = cache.fetch(m, dev)
     with pytest.raises(TransferError):
         fh.wait()
@@ -294,21 +289,10 @@ def test_a_fetch_whose_stream_misses_fails_and_books_nothing_wrong():
 
 
 def test_an_object_gone_before_the_first_group_shortens_the_fetch_as_a_whole_read_would():
-    store = GatedStore(spec=SPEC)
-    cache, dpool = _cache(store)
-    gen = torch.Generator().manual_seed(7)
-    tokens = list(range(1, 3 * 6 + 1))
-    pages = random.Random(7).sample(range(24), 6)
-    _fill(dpool, pages, gen)
-    want = [dpool.page_bytes(p).clone() for p in pages]
-    cache.commit(tokens, pages)
-    assert cache.wait_idle(5)
-    cache.evict(6, "l1")
-    cache.evict(24, "l2")
+    store, cache, dpool, tokens, want, dev = _only_in_l3(6, 7)
     m = cache.match(tokens)
     assert m.l3_count == 6
     store.delete([m.keys[3]])                      # gone between the match and the fetch
-    dev = [p for p in range(24) if p not in pages][:6]
     before = [dpool.page_bytes(d).clone() for d in dev[3:]]
     fh = cache.fetch(m, dev)
     assert fh.pages_loaded == 3 and fh.unused_pages == dev[3:]

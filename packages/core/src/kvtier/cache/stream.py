@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from ..interfaces import L3Store, TransferEngine, TransferHandle
 from .cost import load_seconds
 from .l3io import L3IO, first_miss
+from .runs import StoreTask
 
 if TYPE_CHECKING:
     from .executor import CacheExecutor
@@ -108,21 +109,13 @@ class Stream:
         return self.good_at[0]
 
 
-class StreamTask:
+class StreamTask(StoreTask):
     """A streamed plan's L3 reads, group-major, in batches of the executor's
-    ``batch_pages``; its calls run under the deadline like `StoreTask` 's (a call past it
-    ends the reads, its host pages held until it returns)."""
-
-    is_read = True
+    ``batch_pages``; its calls run under the deadline as `StoreTask` 's do (a call past it
+    ends the reads, its host pages held until it returns), and then no more groups start."""
 
     def __init__(self, ex: "CacheExecutor", run: "Run"):
-        self.ex = ex
-        self.run_ = run
-        self.num_pages = len(run.plan.l3_reads)
-        self._lock = threading.Lock()
-        self._current: list[int] = []
-        self._gave_up = False
-        self._held: list[int] = []
+        super().__init__(ex, run, list(range(len(run.plan.l3_reads))), is_read=True)
 
     def run(self, io: L3IO) -> None:
         run, ex = self.run_, self.ex
@@ -151,12 +144,10 @@ class StreamTask:
                         break
                     js = cand[s:s + batch]
                     kb, pb = [keys[j] for j in js], [pages[j] for j in js]
-                    with self._lock:
-                        self._current = pb
+                    self._calling(pb)
                     ok = io.call("batch_get_layers", fn, kb, pb, g, task=self,
                                  check=lambda r, c=len(kb): isinstance(r, list) and len(r) == c)
-                    with self._lock:
-                        self._current = []
+                    self._calling([])
                     if stop():
                         cut = True
                         break
@@ -197,19 +188,12 @@ class StreamTask:
                 ex._part_done(run, "reads")
 
     def deadline_passed(self) -> None:
-        with self._lock:
-            if self._gave_up:
-                return
-            self._gave_up = True
-            self._held = list(self._current)
-        with self.ex._cv:
-            self.run_.held.extend(self._held)
         self.run_.stream.start_rest()         # type: ignore[union-attr]
-        self.ex._part_done(self.run_, "reads")
+        super().deadline_passed()
 
     def abort(self, cancelled: bool) -> None:
         self.run_.stream.start_rest()         # type: ignore[union-attr]
-        self.ex._part_done(self.run_, "reads")
+        super().abort(cancelled)
 
 
 def start_group(ex: "CacheExecutor", run: "Run", g: int, good: int) -> None:
