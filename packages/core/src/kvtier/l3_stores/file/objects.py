@@ -211,13 +211,20 @@ class _ObjectFormat(_StoreDirectory):
             blk = self._local.block = mmap.mmap(-1, DIRECT_ALIGN)
         return memoryview(blk)
 
-    def _get_one(self, item: tuple[bytes, int]) -> bool:
-        key, page = item
+    def _object_dir(self, key: bytes) -> tuple[int, str, str]:
+        """(its fan-out directory's descriptor, file name, relative path) of a key's object;
+        the descriptor is -1 (the object forgotten) when the directory cannot be opened."""
         sub, name = key_filename(key)
         rel = f"{sub}/{name}"
         sfd = self._sub_fd(sub)
         if sfd < 0:
             self._forget(rel)
+        return sfd, name, rel
+
+    def _get_one(self, item: tuple[bytes, int]) -> bool:
+        key, page = item
+        sfd, name, rel = self._object_dir(key)
+        if sfd < 0:
             return False
         try:
             return self._read_object(sfd, name, rel, key, page)
@@ -318,11 +325,8 @@ class _ObjectFormat(_StoreDirectory):
         (``kvtier.l3_stores.file.ranged``): its marks, or None for a miss. A hit of the last
         group refreshes the object's LRU position as a whole-page hit does."""
         key, page = item
-        sub, name = key_filename(key)
-        rel = f"{sub}/{name}"
-        sfd = self._sub_fd(sub)
+        sfd, name, rel = self._object_dir(key)
         if sfd < 0:
-            self._forget(rel)
             return None
         try:
             direct = self._direct and self._direct_pool

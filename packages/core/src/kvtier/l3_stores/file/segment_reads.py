@@ -144,15 +144,22 @@ class SegmentReads(SegmentCapacity):
                      if n not in curs and not e.writes and not e.refs][:excess]:
             self._retire(name)
 
-    def _read_run(self, item: tuple[str, list[tuple[int, int, bytes, int]]]) -> list[int]:
-        seg, run = item
-        s = self.s
-        path = os.path.join(s.dir, SEG_DIR, seg)
+    def _acquire_run(self, seg: str, run: list[tuple[int, int, bytes, int]]) -> Any:
+        """The open segment a run of slots is read from; None (its slots forgotten) when it
+        cannot be opened."""
         e = self._acquire(seg)
         if e is None:
             with self._lock:
                 for slot, _, digest, _ in run:
                     self._forget_if(digest, seg, slot)
+        return e
+
+    def _read_run(self, item: tuple[str, list[tuple[int, int, bytes, int]]]) -> list[int]:
+        seg, run = item
+        s = self.s
+        path = os.path.join(s.dir, SEG_DIR, seg)
+        e = self._acquire_run(seg, run)
+        if e is None:
             return []
         fd = e.fd
         n = len(run)
@@ -229,11 +236,8 @@ class SegmentReads(SegmentCapacity):
         seg, run = item
         s = self.s
         path = os.path.join(s.dir, SEG_DIR, seg)
-        e = self._acquire(seg)
+        e = self._acquire_run(seg, run)
         if e is None:
-            with self._lock:
-                for slot, _, digest, _ in run:
-                    self._forget_if(digest, seg, slot)
             return []
         fd = e.fd
         direct = s._direct and s._direct_pool
