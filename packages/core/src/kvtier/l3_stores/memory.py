@@ -131,7 +131,9 @@ class MemoryStore(L3Store):
             self._copy_range_into_page(p, obj, a, b)
             out.append(True)
         hits = sum(out)
-        self._count(bytes_read=hits * (b - a))
+        # a page read group by group is one get (at its first group), one hit (at its last)
+        self._count(bytes_read=hits * (b - a), gets=0 if group else len(keys),
+                    get_hits=hits if last else 0)
         with self._stats_lock:
             extra = self._stats.extra
             for name, n in (("ranged_reads", len(keys)), ("ranged_hits", hits),

@@ -358,7 +358,8 @@ class FileStore(_ObjectFormat):
                          group: int) -> list[bool]:
         """Read layer group ``group`` of each key into its host page, verified on the group's
         own checksum (``kvtier.l3_stores.file.ranged``); counted ``ranged_reads`` and
-        ``ranged_hits`` (key-groups) and in ``bytes_read``, the last group of a hit
+        ``ranged_hits`` (key-groups), in ``bytes_read``, and as a page's ``gets`` (its first
+        group) and ``get_hits`` (a hit of its last group); the last group of a hit
         refreshing the object's LRU position as ``batch_get`` does."""
         self._check_open()
         pages = self._check_batch(keys, host_pages, distinct_pages=True)
@@ -383,7 +384,9 @@ class FileStore(_ObjectFormat):
         if last and self._seg is None:
             self._order(keys, out)
         hits = sum(out)
-        self._count(bytes_read=hits * (b - a))
+        # a page read group by group is one get (at its first group), one hit (at its last)
+        self._count(bytes_read=hits * (b - a), gets=0 if group else len(keys),
+                    get_hits=hits if last else 0)
         self._bump("ranged_reads", len(keys))
         self._bump("ranged_hits", hits)
         if changed:
