@@ -1,0 +1,36 @@
+#!/bin/bash
+# One device call. Wheels: `pip wheel --no-deps packages/core packages/tools
+# packages/nvidia-tma -w .whl` plus transformers 5.24 and isal wheels in .whl/.
+# Run from the repository root: B=560 bash records/demo-stream/call-1.sh (S=... to change the setups)
+#  (written 2026-12-06; not run yet)
+#  1. 8B multi-turn, file L3 on tmpfs (8 I/O threads): L3 reads streamed layer group by layer
+#     group (the default), then the same with l3_stream_layers = false, in the same call;
+#  2. the same pair on the long-context workload;
+#  3. the file L3 on the host disk, streamed, against L1+L2.
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+T0=$(date +%s); R=/tmp/res; mkdir -p $R
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/kv .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/kv
+el(){ echo "== $(( $(date +%s)-T0 ))s $*"; (cd /tmp && tar czf $OUT/res.tgz res); }
+lim(){ local l=$(( ${B:-560} - ($(date +%s)-T0) )); [ $l -gt $1 ] && l=$1; [ $l -lt 1 ] && l=1; echo $l; }
+{ nvidia-smi -L; free -g; nproc; df -h /dev/shm /tmp; } > $R/machine.txt 2>&1
+printf '[cache]\nl3_stream_layers = false\n' > /tmp/whole.toml
+K="python3 -m kvtier"
+D="$K demo --device cuda --model-size 8b --dtype bfloat16 --no-progress --no-plot"
+S=${S:-'L1 only,L1+L2+L3,ideal (all in L1)'}
+FT='{"root":"/dev/shm/kvf","io_threads":8}'
+tab(){ grep -A6 "^| setup             | hit rate" $1 | head -6 | cut -d'|' -f2,3,7,10,12; grep "L3 read (" -A5 $1 | cut -d'|' -f2,4,5 | head -6; grep -i "ideal\|split" $1 | head -3; }
+for w in mt long; do
+  [ $w = mt ] && W="" || W="--workload long --clients 4 --rounds 4"
+  for v in stream whole; do
+    el $w-$v
+    [ $v = whole ] && export KVTIER_CONFIG=/tmp/whole.toml || unset KVTIER_CONFIG
+    rm -rf /dev/shm/kvf; timeout $(lim 95) $D $W --setups "$S" --l3-config "$FT" --out $R/$w-$v > $R/$w-$v.log 2>&1; echo rc=$?; rm -rf /dev/shm/kvf
+    tab $R/$w-$v.log
+  done
+done
+unset KVTIER_CONFIG
+el mt-disk
+timeout $(lim 100) $D --setups 'L1 only,L1+L2,L1+L2+L3,ideal (all in L1)' --l3-config '{"root":"/tmp/kvd"}' --out $R/mt-disk > $R/mt-disk.log 2>&1; echo rc=$?; rm -rf /tmp/kvd
+tab $R/mt-disk.log
+el done
