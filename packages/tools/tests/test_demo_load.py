@@ -112,14 +112,15 @@ def test_overload_is_detected_and_reported_without_a_mean():
     assert "overloaded" in line
 
 
-def _tiered_engine(tmp_path):
+def _tiered_engine(tmp_path, **cfg):
     """The tiny model served through L1+L2+L3 (a file L3 under ``tmp_path``)."""
     pytest.importorskip("transformers")
     from kvtier_tools.demo.engine import DemoEngine
     from kvtier_tools.demo.model import DemoModel
     from kvtier_tools.demo.run import cache_config
     model = DemoModel("tiny", page_size=16, seed=0)
-    cc = cache_config(DemoConfig.from_dict(SMALL), "L1+L2+L3", model, 20, str(tmp_path))
+    cc = cache_config(DemoConfig.from_dict({**SMALL, **cfg}), "L1+L2+L3", model, 20,
+                      str(tmp_path))
     return model, DemoEngine(model, cc, l1_pages=40)
 
 
@@ -245,7 +246,7 @@ def test_a_serial_request_streams_its_l3_pages_and_a_failed_stream_is_recomputed
     """Served one at a time, a request's L3 pages are read by its fetch, layer group by layer
     group (no prefetch first); a group that misses after the prefill began fails the fetch,
     and the request is computed again on its L1 hit alone, right."""
-    model, eng = _tiered_engine(tmp_path)
+    model, eng = _tiered_engine(tmp_path, cost_aware=False)   # (loads every hit, any box)
     try:
         assert eng.cache.streams_l3, eng.cache.stream_why_not
         eng.warm_up(model.vocab_size)
