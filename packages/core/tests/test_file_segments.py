@@ -985,3 +985,43 @@ def test_capacity_holds_across_live_writer_processes(tmp_path):
     assert sum(r["hits"] for r in results) > 0
     assert peak <= 1.25 * capacity, f"{peak / capacity:.2f}x the capacity on disk"
     assert _dir_bytes(root) <= 1.25 * capacity
+
+
+@pytest.mark.parametrize("fmt", ["segments", "objects"])
+def test_a_read_does_not_queue_behind_a_large_write(tmp_path, pool, fmt):
+    """Reads and writes have ``io_threads`` each: a batch_get comes back, bitwise right,
+    while every write thread is held inside a batch_set."""
+    import threading
+    extra = {"write_lanes": 2, "io_call_bytes": 4096} if fmt == "segments" else {}
+    s = open_store(tmp_path / "store", io_threads=2, format=fmt, o_direct="off", **extra)
+    s.attach(pool)
+    old = keys(2, "old")
+    assert s.batch_set(old, [3, 11]) == [True, True]
+    want = [page(pool, 3), page(pool, 11)]
+    gate, inside = threading.Event(), threading.Semaphore(0)
+    hold = s._seg if fmt == "segments" else s
+    name = "_write_run" if fmt == "segments" else "_set_one"
+    real = getattr(hold, name)
+
+    def held(*a, **k):
+        inside.release()
+        gate.wait(20)
+        return real(*a, **k)
+
+    setattr(hold, name, held)
+    new = keys(8, "new")
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault("ok", s.batch_set(new, list(range(8)))))
+    t.start()
+    try:
+        assert inside.acquire(timeout=5) and inside.acquire(timeout=5)   # both write threads
+        t0 = time.monotonic()
+        assert s.batch_get(old, [0, 1]) == [True, True]
+        assert time.monotonic() - t0 < 5
+    finally:
+        gate.set()
+        t.join(20)
+        setattr(hold, name, real)
+    assert box["ok"] == [True] * 8
+    assert [torch.equal(page(pool, p), w) for p, w in zip([0, 1], want)] == [True, True]
+    s.close()

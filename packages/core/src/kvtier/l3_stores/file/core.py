@@ -61,6 +61,7 @@ class _FileStoreCore(L3Store):
     _last_scan: float
     _scanning: bool
     _pool: ThreadPoolExecutor | None
+    _wpool: ThreadPoolExecutor | None
     _local: threading.local
     _direct: bool
     _direct_reason: str
@@ -118,20 +119,26 @@ class _FileStoreCore(L3Store):
         base, raw = page * self._stride, self._raw
         return [raw[base + off:base + off + ln] for off, ln in self._pieces]
 
-    def _map(self, fn: Callable[[Any], _R], items: list) -> list[_R]:
-        """Run ``fn`` over items on the I/O threads, keeping order."""
+    def _map(self, fn: Callable[[Any], _R], items: list, *, writes: bool = False
+             ) -> list[_R]:
+        """Run ``fn`` over items on the I/O threads, keeping order. Reads and writes have
+        ``io_threads`` each: a read never queues behind the pieces of a large write."""
         threads = self.config.io_threads
         if len(items) <= 1 or threads == 1:
             return [fn(it) for it in items]
-        if self._pool is None:
+        attr = "_wpool" if writes else "_pool"
+        pool = getattr(self, attr)
+        if pool is None:
             with self._lock:
-                if self._pool is None:
-                    self._pool = ThreadPoolExecutor(threads,
-                                                    thread_name_prefix="kvtier-file-io")
+                pool = getattr(self, attr)
+                if pool is None:
+                    pool = ThreadPoolExecutor(
+                        threads, thread_name_prefix="kvtier-file-" + ("w" if writes else "r"))
+                    setattr(self, attr, pool)
         # A few items per task: less per-future overhead, still balanced across threads.
         step = max(1, -(-len(items) // (threads * 2)))
         chunks = [items[i:i + step] for i in range(0, len(items), step)]
-        return [ok for part in self._pool.map(lambda c: [fn(it) for it in c], chunks)
+        return [ok for part in pool.map(lambda c: [fn(it) for it in c], chunks)
                 for ok in part]
 
     def _check_open(self) -> None:

@@ -89,7 +89,8 @@ class SegmentWrites(SegmentReads):
             self.s._write_failed(os.path.join(self.s.dir, SEG_DIR), self._rotate_error,
                                  n - i)
         digests = [hashlib.sha256(k).digest() for k in keys]
-        for ok_idx in self.s._map(lambda w: self._write_run(w, keys, pages, digests), work):
+        for ok_idx in self.s._map(lambda w: self._write_run(w, keys, pages, digests), work,
+                                  writes=True):
             for j in ok_idx:
                 out[j] = True
         with self._wlock:

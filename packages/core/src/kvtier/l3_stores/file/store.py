@@ -71,7 +71,8 @@ class FileStore(_ObjectFormat):
         #: Bytes of objects (payload + trailer; segments: segment files) to keep before
         #: evicting; None = no limit.
         capacity_bytes: int | None = None
-        #: Threads doing file I/O in parallel for one batch.
+        #: Threads doing file I/O in parallel for one batch; reads and writes have this many
+        #: each, so a read never queues behind the pieces of a large write.
         io_threads: int = 4
         #: ``segments`` format: read and write calls in flight at once in this store, over
         #: all its threads and callers (0: one per I/O thread). With fewer than
@@ -211,6 +212,7 @@ class FileStore(_ObjectFormat):
         self._last_scan = 0.0
         self._scanning = False
         self._pool: ThreadPoolExecutor | None = None
+        self._wpool: ThreadPoolExecutor | None = None
         self._local = threading.local()
         self._direct, self._direct_reason = False, "off"
         if c.o_direct != "off":
@@ -415,7 +417,8 @@ class FileStore(_ObjectFormat):
         self._maybe_rescan()
         if fits:
             self._make_room(fits * size, keep={self._rel(k) for k in keys})
-        out = self._map(self._set_one, list(zip(keys[:fits], pages[:fits]))) + [False] * (n - fits)
+        out = self._map(self._set_one, list(zip(keys[:fits], pages[:fits])), writes=True) \
+            + [False] * (n - fits)
         self._order(keys, out)
         if cap is not None:
             self._make_room(0, keep=set())  # a rescan may have added other processes' objects
@@ -507,9 +510,11 @@ class FileStore(_ObjectFormat):
             if self._closed:
                 return
             self._closed = True
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        for attr in ("_pool", "_wpool"):
+            pool = getattr(self, attr)
+            if pool is not None:
+                pool.shutdown(wait=True)
+                setattr(self, attr, None)
         self._release_dir()
 
     def __del__(self) -> None:
