@@ -5,6 +5,7 @@ read groups gated and failed on demand here, so that what lands when is observed
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import threading
 import time
@@ -209,7 +210,7 @@ def _cache(store, **cfg):
     dpool = DeviceKVPool.empty(SPEC, 24)
     freed: list[int] = []
     config = dict(model_id="stream", host_pool_pages=24, write_policy="write_through",
-                  cost_aware_fetch=False,
+                  cost_aware_fetch=False, l3_stream_min_read_s=0,
                   l3_io_threads=1)
     config.update(cfg)
     cache = TieredKVCache(config, device_pool=dpool, free_device_pages=freed.extend,
@@ -305,4 +306,85 @@ def test_an_object_gone_before_the_first_group_shortens_the_fetch_as_a_whole_rea
     cache.release(m)
     assert cache.wait_idle(5)
     cache.check_invariants(idle=True)
+    cache.close()
+
+
+def test_a_fetch_streams_only_a_read_long_enough_to_pay():
+    """`l3_stream_min_read_s`: a read shorter than it at the measured L3 rate, or with no
+    rate measured yet, is read whole before the load; longer ones stream."""
+    store = GatedStore(spec=SPEC)
+    cache, dpool = _cache(store, l3_stream_min_read_s=0.5)
+    tokens = list(range(1, 3 * 4 + 1))
+    pages = random.Random(8).sample(range(24), 4)
+    _fill(dpool, pages, torch.Generator().manual_seed(8))
+    want = [dpool.page_bytes(p).clone() for p in pages]
+    cache.commit(tokens, pages)
+    assert cache.wait_idle(5)
+    dev = [p for p in range(24) if p not in pages][:4]
+
+    def fetch_from_l3() -> int:
+        cache.evict(24, "l1")
+        cache.evict(24, "l2")
+        assert cache.wait_idle(5)
+        before = cache.metrics().get("l3_streamed_pages", 0)
+        m = cache.match(tokens)
+        assert m.l3_count == 4
+        fh = cache.fetch(m, dev)
+        fh.wait()
+        assert [torch.equal(dpool.page_bytes(d), w) for d, w in zip(dev, want)] == [True] * 4
+        cache.release(m)
+        return cache.metrics().get("l3_streamed_pages", 0) - before
+
+    assert cache.cost.l3_bytes_per_s is None
+    assert fetch_from_l3() == 0                      # no rate yet: whole
+    assert cache.cost.l3_bytes_per_s is not None     # (that read measured it)
+    assert not cache.cost.stream_pays(4, SPEC.page_bytes, 0.5)
+    assert fetch_from_l3() == 0                      # 4 small pages: far below 0.5 s
+    assert cache.cost.stream_pays(4, SPEC.page_bytes, 0.0)
+    cache.config = dataclasses.replace(cache.config, l3_stream_min_read_s=0.0)
+    assert fetch_from_l3() == 4                      # 0: every read streams
+    cache.check_invariants(idle=True)
+    cache.close()
+
+
+def test_the_wait_before_a_streamed_prefill_teaches_the_split_its_fixed_cost():
+    """A streamed fetch times its wait for the first layer group: what the group's bytes do
+    not explain (here: the one L3 worker busy with a slow write) becomes `l3_fixed_s`, which
+    the split then pays once, before the first group, not spread over the groups."""
+    store = GatedStore(spec=SPEC)
+    cache, dpool = _cache(store)
+    tokens = list(range(1, 3 * 4 + 1))
+    pages = [3, 9, 14, 20]
+    _fill(dpool, pages, torch.Generator().manual_seed(9))
+    cache.commit(tokens, pages)
+    assert cache.wait_idle(5)
+    cache.cost.observe_load(SPEC.page_bytes, 1e-6)         # rates known: a fast L2 -> L1
+    cache.cost._l3.observe(SPEC.page_bytes, 1e-6)          # and a fast L3
+    cache.evict(24, "l1")
+    cache.evict(24, "l2")
+    assert cache.wait_idle(5)
+    m = cache.match(tokens)
+    slow = threading.Event()
+    real_set = store.batch_set
+
+    def batch_set(keys, host_pages):
+        slow.wait(0.3)                                     # holds the only L3 worker
+        return real_set(keys, host_pages)
+
+    store.batch_set = batch_set
+    other = [1, 2, 4, 5]
+    _fill(dpool, other, torch.Generator().manual_seed(10))
+    cache.commit(list(range(100, 112)), other)             # its L3 write goes first
+    time.sleep(0.05)
+    fh = cache.fetch(m, [6, 7, 8, 10])
+    fh.wait()
+    cache.release(m)
+    assert cache.cost.l3_fixed_s > 0.1, cache.cost.l3_fixed_s
+    f = cache.cost.l3_fixed_s
+    kw = dict(l2_pages=0, l3_pages=4, compute_tokens=3, page_size=3,
+              page_bytes=SPEC.page_bytes, h2d_bps=1e9, l3_bps=1e6, recompute_tps=1e3,
+              layers=5, groups=3)
+    assert split_time(4, **kw, l3_fixed_s=f) == pytest.approx(split_time(4, **kw) + f)
+    assert split_time(0, **kw, l3_fixed_s=f) == split_time(0, **kw)
+    assert cache.wait_idle(5)
     cache.close()

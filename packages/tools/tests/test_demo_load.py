@@ -112,8 +112,9 @@ def test_overload_is_detected_and_reported_without_a_mean():
     assert "overloaded" in line
 
 
-def _tiered_engine(tmp_path, **cfg):
-    """The tiny model served through L1+L2+L3 (a file L3 under ``tmp_path``)."""
+def _tiered_engine(tmp_path, cache=None, **cfg):
+    """The tiny model served through L1+L2+L3 (a file L3 under ``tmp_path``); ``cache``:
+    cache config over the demo's."""
     pytest.importorskip("transformers")
     from kvtier_tools.demo.engine import DemoEngine
     from kvtier_tools.demo.model import DemoModel
@@ -121,7 +122,7 @@ def _tiered_engine(tmp_path, **cfg):
     model = DemoModel("tiny", page_size=16, seed=0)
     cc = cache_config(DemoConfig.from_dict({**SMALL, **cfg}), "L1+L2+L3", model, 20,
                       str(tmp_path))
-    return model, DemoEngine(model, cc, l1_pages=40)
+    return model, DemoEngine(model, {**cc, **(cache or {})}, l1_pages=40)
 
 
 def test_prefetch_starts_at_arrival_and_a_landed_read_costs_nothing(tmp_path):
@@ -246,7 +247,8 @@ def test_a_serial_request_streams_its_l3_pages_and_a_failed_stream_is_recomputed
     """Served one at a time, a request's L3 pages are read by its fetch, layer group by layer
     group (no prefetch first); a group that misses after the prefill began fails the fetch,
     and the request is computed again on its L1 hit alone, right."""
-    model, eng = _tiered_engine(tmp_path, cost_aware=False)   # (loads every hit, any box)
+    model, eng = _tiered_engine(tmp_path, cost_aware=False,   # (loads every hit, any box)
+                                cache={"l3_stream_min_read_s": 0})   # streams any read
     try:
         assert eng.cache.streams_l3, eng.cache.stream_why_not
         eng.warm_up(model.vocab_size)

@@ -65,6 +65,7 @@ from .keying import make_keyer
 from .parts import build_parts
 from .l3io import L3IO
 from .plans import Plan, PlanResult
+from .stream import group_bytes
 from .unreadable import UnreadableKeys
 
 log = logging.getLogger("kvtier.cache")
@@ -279,7 +280,8 @@ class TieredKVCache:
         n3_want = min(match.l3_count, len(dev) - n2)
         skip2 = skip3 = 0
         direct = self._in_place if n3_want and self._l3_usable() else None
-        streams = direct is None and match.read is None and self.streams_l3
+        streams = direct is None and match.read is None and self.streams_l3 and \
+            self.cost.stream_pays(n3_want, self.spec.page_bytes, self.config.l3_stream_min_read_s)
         if self.cost.enabled and n2 + n3_want:
             k2, k3 = self._split(match, n2, n3_want, in_place=direct is not None,
                                  l3_ready=0 if direct is not None else match.l3_pages_landed,
@@ -317,6 +319,7 @@ class TieredKVCache:
                                            dev[len(nodes):])), l3_reads=reads)
             handle: TransferHandle = CompletedHandle(self.spec.num_layers)
             ph = None
+            t_submit = time.perf_counter()
             if not plan.empty:
                 booked = (lambda res: self._fetch_booked(box, res)) if stream is None else \
                     (lambda res: self._stream_booked(stream, box, res))
@@ -331,7 +334,14 @@ class TieredKVCache:
                 handle = ph
         # a streamed read: how many leading L3 pages load is known once the first layer
         # group is back (the prefill could not start before it anyway); waited for unlocked
-        n_stream = ph.stream.first_group() if ph is not None and ph.stream is not None else 0
+        n_stream = 0
+        if ph is not None and ph.stream is not None:
+            n_stream = ph.stream.first_group()
+            if n_stream:          # what the wait cost beyond the first group's bytes
+                st = ph.stream
+                self.cost.observe_l3_wait(
+                    time.perf_counter() - t_submit, group_bytes(
+                        self.spec.page_bytes, self.spec.num_layers, st.groups[0], n_stream), 0)
         with self._lock:
             n_load = 0 if ph is None else len(nodes) + ph.in_place_pages + n_stream
             load, unused = dev[:n_load], dev[n_load:]

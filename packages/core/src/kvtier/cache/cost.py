@@ -83,15 +83,15 @@ def split_time(k: int, *, l2_pages: int, l3_pages: int, l3_ready: int = 0, compu
     if not 0 <= k <= n:
         raise ValueError(f"k={k} outside [0, {n}]")
     from_l3 = max(0, k - l2_pages - l3_ready)
-    t3 = from_l3 * page_bytes / l3_bps + l3_fixed_s \
-        if from_l3 and l3_bps is not None else 0.0
+    t3 = from_l3 * page_bytes / l3_bps if from_l3 and l3_bps is not None else 0.0
+    fixed = l3_fixed_s if t3 else 0.0
     h = k * page_bytes / h2d_bps
     tokens = compute_tokens + (n - k) * page_size
     c = tokens / recompute_tps + (attn_s * pairs(context, tokens) if attn_s else 0.0)
     rest = max(h, c) + min(h, c) / max(1, layers)
-    if groups >= 2 and t3:
-        return t3 / groups + max(t3 * (groups - 1) / groups, rest)
-    return t3 + rest
+    if groups >= 2 and t3:       # the fixed cost comes whole before the first group
+        return fixed + t3 / groups + max(t3 * (groups - 1) / groups, rest)
+    return fixed + t3 + rest
 
 
 def best_split(*, l2_pages: int, l3_pages: int, l3_ready: int = 0, compute_tokens: int,
@@ -390,6 +390,15 @@ class CostModel:
         """Would reading a page from L3 take longer than recomputing it (rates known)?"""
         r, bw = self.recompute_tokens_per_s, self.l3_bytes_per_s
         return r is not None and bw is not None and page_bytes / max(bw, 1e-30) > page_size / r
+
+    def stream_pays(self, pages: int, page_bytes: int, min_read_s: float) -> bool:
+        """Should an L3 read of ``pages`` stream layer group by layer group: would its whole
+        read take at least ``min_read_s`` at the measured rate (``min_read_s`` 0: always;
+        rate unknown or collapsed: no)?"""
+        if min_read_s <= 0:
+            return True
+        bw = self.l3_bytes_per_s
+        return bw is not None and bw > 0 and pages * page_bytes / bw >= min_read_s
 
     def wants_l3_probe(self) -> bool:
         """Should an L3 read the split skips be made anyway (none started for
