@@ -2,11 +2,12 @@
 # One device call. Wheels: `pip wheel --no-deps packages/core packages/tools
 # packages/nvidia-tma -w .whl` plus transformers 5.24 and isal wheels in .whl/.
 # Run from the repository root: B=560 bash records/demo-stream/call-1.sh (S=... to change the setups)
-#  (written 2026-12-06; not run yet)
+#  (written 2026-12-06; ran the same day on an H100: records/demo-stream.md)
 #  1. 8B multi-turn, file L3 on tmpfs (8 I/O threads): L3 reads streamed layer group by layer
 #     group (the default), then the same with l3_stream_layers = false, in the same call;
 #  2. the same pair on the long-context workload;
-#  3. the file L3 on the host disk, streamed, against L1+L2.
+#  3. the file L3 on the host disk, streamed, against L1+L2;
+#  4. (after the multi-turn pair) the file store on /dev/shm against its raw modes, 8 I/O threads.
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 T0=$(date +%s); R=/tmp/res; mkdir -p $R
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/kv .whl/*.whl || exit 1
@@ -28,6 +29,11 @@ for w in mt long; do
     rm -rf /dev/shm/kvf; timeout $(lim 95) $D $W --setups "$S" --l3-config "$FT" --out $R/$w-$v > $R/$w-$v.log 2>&1; echo rc=$?; rm -rf /dev/shm/kvf
     tab $R/$w-$v.log
   done
+  if [ $w = mt ]; then
+    el store-shm
+    timeout $(lim 90) $K bench store --dir /dev/shm/kvb --total 1G --page-sizes 1M,2M,4M,8M --repeat 2 --threads 8 --json $R/store-shm.json > $R/store-shm.log 2>&1; echo rc=$?; rm -rf /dev/shm/kvb
+    tail -12 $R/store-shm.log
+  fi
 done
 unset KVTIER_CONFIG
 el mt-disk

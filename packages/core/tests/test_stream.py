@@ -85,7 +85,8 @@ class Rig:
         self.store.attach(self.host)
         engine = create_transfer_engine("torch", self.dpool, self.host)
         self.ex = CacheExecutor(host_pool=self.host, engine=engine, store=self.store,
-                                l3_io_threads=1, owned=(engine, self.store, self.host), **kw)
+                                l3_io_threads=1, owned=(engine, self.store, self.host),
+                                **{"l3_stream_layers": True, **kw})
 
     def put(self, n: int) -> list[tuple[bytes, torch.Tensor]]:
         out = []
@@ -210,7 +211,7 @@ def _cache(store, **cfg):
     dpool = DeviceKVPool.empty(SPEC, 24)
     freed: list[int] = []
     config = dict(model_id="stream", host_pool_pages=24, write_policy="write_through",
-                  cost_aware_fetch=False, l3_stream_min_read_s=0,
+                  cost_aware_fetch=False, l3_stream_layers=True, l3_stream_min_read_s=0,
                   l3_io_threads=1)
     config.update(cfg)
     cache = TieredKVCache(config, device_pool=dpool, free_device_pages=freed.extend,

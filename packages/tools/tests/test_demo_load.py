@@ -248,7 +248,7 @@ def test_a_serial_request_streams_its_l3_pages_and_a_failed_stream_is_recomputed
     group (no prefetch first); a group that misses after the prefill began fails the fetch,
     and the request is computed again on its L1 hit alone, right."""
     model, eng = _tiered_engine(tmp_path, cost_aware=False,   # (loads every hit, any box)
-                                cache={"l3_stream_min_read_s": 0})   # streams any read
+                                cache={"l3_stream_layers": True, "l3_stream_min_read_s": 0})
     try:
         assert eng.cache.streams_l3, eng.cache.stream_why_not
         eng.warm_up(model.vocab_size)

@@ -116,14 +116,19 @@ class CacheConfig:
     #: Read L3 pages into L2 layer group by layer group and load each group into the device
     #: as it lands, so a prefill's first layers start before the whole read is done, where
     #: the store reads layer ranges (`L3Store.read_groups`) and the transfer engine loads
-    #: them (``layer_ranges``). False: a load waits for its pages' whole L3 read.
-    l3_stream_layers: bool = True
+    #: them (``layer_ranges``). False (the default): a load waits for its pages' whole L3
+    #: read. Off by default: on an H100 and an H200 (8B, bf16) it won on long context with a
+    #: tmpfs L3 (1.13x -> 1.5x over L1 only) but lost on multi-turn (1.7-1.8x -> 1.4-1.5x)
+    #: and made a disk L3 slower than none (0.98-1.25x against L1+L2's 1.56-1.59x):
+    #: records/demo-stream.md.
+    l3_stream_layers: bool = False
     #: Stream a fetch's L3 pages only when their whole read would take at least this long
-    #: at the measured L3 rate (0: always; rate not measured yet: read whole). A streamed
-    #: prefill waits layer group by layer group, which costs it time of its own: on an H100
-    #: (8B, bf16) streaming lost 14 ms per request where whole reads took 6-15 ms, and won
-    #: 1.3x where they took 40 ms and more.
-    l3_stream_min_read_s: float = 0.02
+    #: at the measured L3 rate of whole reads (0: always; rate not measured yet: read
+    #: whole). A streamed prefill waits layer group by layer group, and its reads run beside
+    #: it: on an H100 (8B, bf16, file L3 on tmpfs) the groups came 3x slower than whole
+    #: reads, and streaming lost 1.7x -> 1.4x on multi-turn (whole reads of ~7 ms) while it
+    #: won 1.13x -> 1.4-1.5x on long context (reads of hundreds of ms).
+    l3_stream_min_read_s: float = 0.1
 
     def __post_init__(self) -> None:
         for name in _DICT_FIELDS:

@@ -340,10 +340,14 @@ class CostModel:
             self._inflight[self._next_call] = (time.perf_counter(), nbytes)
             return self._next_call
 
-    def l3_call_ended(self, call: int, nbytes_done: int) -> None:
+    def l3_call_ended(self, call: int, nbytes_done: int, *, whole: bool = True) -> None:
+        """``whole`` False: a streamed read's layer group. Its rate is not a whole read's (on
+        an H100 the groups of one read, each read beside the prefill, came 3x slower), so it
+        goes into the L3 rate only while none is measured; a stalled one still lowers it
+        while it runs."""
         with self._lock:
             t0, _ = self._inflight.pop(call, (None, 0))
-            if t0 is not None:
+            if t0 is not None and (whole or self._l3.value is None):
                 self._l3.observe(nbytes_done, time.perf_counter() - t0)
 
     # ----- rates ----------------------------------------------------------------------------
@@ -574,7 +578,8 @@ class TimedStore:
             self._cost.l3_call_ended(call, done * self._page_bytes)
 
     def batch_get_layers(self, keys, host_pages, group: int):
-        """A streamed read of one layer group, timed like ``batch_get`` for its bytes."""
+        """A streamed read of one layer group, timed like ``batch_get`` for its bytes (into
+        the L3 rate only while none is measured: `CostModel.l3_call_ended`)."""
         lo, hi = self._groups[group] if 0 <= group < len(self._groups) else (0, 0)
         nbytes = self._page_bytes * (hi - lo) // self._num_layers
         call = self._cost.l3_call_started(len(keys) * nbytes)
@@ -585,7 +590,7 @@ class TimedStore:
                 done = sum(1 for v in out if v is True)
             return out
         finally:
-            self._cost.l3_call_ended(call, done * nbytes)
+            self._cost.l3_call_ended(call, done * nbytes, whole=False)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._store, name)

@@ -69,7 +69,7 @@ class CacheExecutor:
                  in_place_why_not: str = "", l3_max_queued_pages: int | None = None,
                  metrics: Metrics | None = None, l3_name: str = "kvtier-executor-l3",
                  on_failure: Callable[[str, str, BaseException | None], None] | None = None,
-                 l3_stream_layers: bool = True):
+                 l3_stream_layers: bool = False):
         self.host_pool = host_pool
         #: The store's memory seen as a host pool, for plans' ``l3_loads`` (None: those fail,
         #: and ``in_place_why_not`` says why).
