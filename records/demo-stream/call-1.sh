@@ -8,18 +8,8 @@
 #  2. the same pair on the long-context workload;
 #  3. the file L3 on the host disk, streamed, against L1+L2;
 #  4. (after the multi-turn pair) the file store on /dev/shm against its raw modes, 8 I/O threads.
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-T0=$(date +%s); R=/tmp/res; mkdir -p $R
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/kv .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/kv
-el(){ echo "== $(( $(date +%s)-T0 ))s $*"; (cd /tmp && tar czf $OUT/res.tgz res); }
-lim(){ local l=$(( ${B:-560} - ($(date +%s)-T0) )); [ $l -gt $1 ] && l=$1; [ $l -lt 1 ] && l=1; echo $l; }
-{ nvidia-smi -L; free -g; nproc; df -h /dev/shm /tmp; } > $R/machine.txt 2>&1
-printf '[cache]\nl3_stream_layers = false\n' > /tmp/whole.toml
-K="python3 -m kvtier"
-D="$K demo --device cuda --model-size 8b --dtype bfloat16 --no-progress --no-plot"
+. records/demo-stream/common.sh   # (ran on 7c42447, where l3_stream_layers defaulted to true)
 S=${S:-'L1 only,L1+L2+L3,ideal (all in L1)'}
-FT='{"root":"/dev/shm/kvf","io_threads":8}'
 tab(){ grep -A6 "^| setup             | hit rate" $1 | head -6 | cut -d'|' -f2,3,7,10,12; grep "L3 read (" -A5 $1 | cut -d'|' -f2,4,5 | head -6; grep -i "ideal\|split" $1 | head -3; }
 for w in mt long; do
   [ $w = mt ] && W="" || W="--workload long --clients 4 --rounds 4"

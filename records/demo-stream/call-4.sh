@@ -2,27 +2,9 @@
 # One device call, after l3_stream_min_read_s = 0.1 s at the rate of whole reads (2026-12-06).
 # Wheels as in call-1.sh. Run from the repository root: B=560 bash records/demo-stream/call-4.sh
 #  multi-turn: default, whole; long context: default; the host disk: L1+L2 against L1+L2+L3.
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-T0=$(date +%s); R=/tmp/res; mkdir -p $R
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/kv .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/kv
-el(){ echo "== $(( $(date +%s)-T0 ))s $*"; (cd /tmp && tar czf $OUT/res.tgz res); }
-lim(){ local l=$(( ${B:-560} - ($(date +%s)-T0) )); [ $l -gt $1 ] && l=$1; [ $l -lt 1 ] && l=1; echo $l; }
-{ nvidia-smi -L; free -g; nproc; df -h /dev/shm /tmp; } > $R/machine.txt 2>&1
-printf '[cache]\nl3_stream_layers = false\n' > /tmp/whole.toml
-printf '[cache]\nl3_stream_min_read_s = 0\n' > /tmp/always.toml
-K="python3 -m kvtier"
-D="$K demo --device cuda --model-size 8b --dtype bfloat16 --no-progress --no-plot"
-S='L1 only,L1+L2+L3,ideal (all in L1)'
-FT='{"root":"/dev/shm/kvf","io_threads":8}'
-tab(){ grep -E "^\| (L1|ideal)" $1 | cut -d'|' -f2,3,7,8,10,12 | head -4; grep -E "^\| L1\+L2\+L3 " $1 | sed -n 3p | cut -d'|' -f2,4,5,6; grep -E "^\| L1\+L2\+L3 " $1 | sed -n 2p | cut -d'|' -f4,5; }
-one(){ # name, workload args, default|whole|always, setups, l3 config, seconds
-  el $1
-  case $3 in whole) export KVTIER_CONFIG=/tmp/whole.toml;; always) export KVTIER_CONFIG=/tmp/always.toml;; *) unset KVTIER_CONFIG;; esac
-  rm -rf /dev/shm/kvf /tmp/kvd; timeout $(lim $6) $D $2 --setups "$4" --l3-config "$5" --out $R/$1 > $R/$1.log 2>&1; echo rc=$?
-  rm -rf /dev/shm/kvf /tmp/kvd; unset KVTIER_CONFIG; tab $R/$1.log
-}
-L="--workload long --clients 4 --rounds 4"
+# Helpers: common.sh. It ran on the code named in records/demo-stream.md, where streaming was
+# on by default ("stream" and "default" below); since 4af217e the default reads whole.
+. records/demo-stream/common.sh
 one mt-default "" default "$S" "$FT" 60
 one mt-disk "" default 'L1 only,L1+L2,L1+L2+L3,ideal (all in L1)' '{"root":"/tmp/kvd"}' 70
 one long-default "$L" default "$S" "$FT" 90

@@ -56,7 +56,7 @@ from ..metrics import Metrics
 from ..policies import PrefetchPolicy, WritePolicy
 from . import eviction, handles, inplace, l3tasks, lifecycle, transfers
 from .config import CacheConfig
-from .cost import CostModel
+from .cost import CostModel, group_bytes
 from .executor import CacheExecutor
 from .planner import CachePlanner
 from .handles import CommitResult, FetchHandle, Match
@@ -65,7 +65,6 @@ from .keying import make_keyer
 from .parts import build_parts
 from .l3io import L3IO
 from .plans import Plan, PlanResult
-from .stream import group_bytes
 from .unreadable import UnreadableKeys
 
 log = logging.getLogger("kvtier.cache")

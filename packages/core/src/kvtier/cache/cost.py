@@ -39,7 +39,7 @@ from ..errors import ConfigError
 _Model = TypeVar("_Model", bound="CostModel")
 
 __all__ = ["CostModel", "ReportedCostModel", "TimedStore", "best_split", "split_time",
-           "check_rate", "pairs", "merge_rates", "load_seconds", "RATE_NAMES"]
+           "check_rate", "pairs", "merge_rates", "load_seconds", "group_bytes", "RATE_NAMES"]
 
 #: The keys of `CostModel.rates` (what one process reports to another).
 RATE_NAMES = ("recompute_tokens_per_s", "recompute_fixed_s", "recompute_attn_s_per_pair",
@@ -466,6 +466,12 @@ class CostModel:
                           l3_fixed_s=self.l3_fixed_s, groups=groups)
 
 
+def group_bytes(page_bytes: int, num_layers: int, group: tuple[int, int], pages: int) -> int:
+    """Bytes of layers ``group`` = (lo, hi) of ``pages`` pages."""
+    lo, hi = group
+    return pages * page_bytes * (hi - lo) // max(1, num_layers)
+
+
 def load_seconds(handle: Any, started: float) -> float:
     """How long a landed load took, for its bandwidth: the engine's own measure of its copies
     where it has one (`TransferHandle.busy_seconds`), else from ``started`` to now."""
@@ -580,8 +586,8 @@ class TimedStore:
     def batch_get_layers(self, keys, host_pages, group: int):
         """A streamed read of one layer group, timed like ``batch_get`` for its bytes (into
         the L3 rate only while none is measured: `CostModel.l3_call_ended`)."""
-        lo, hi = self._groups[group] if 0 <= group < len(self._groups) else (0, 0)
-        nbytes = self._page_bytes * (hi - lo) // self._num_layers
+        nbytes = group_bytes(self._page_bytes, self._num_layers, self._groups[group], 1) \
+            if 0 <= group < len(self._groups) else 0
         call = self._cost.l3_call_started(len(keys) * nbytes)
         done = 0
         try:

@@ -26,7 +26,7 @@ import time
 from typing import TYPE_CHECKING, Any, Sequence
 
 from ..interfaces import L3Store, TransferEngine, TransferHandle
-from .cost import load_seconds
+from .cost import group_bytes, load_seconds
 from .l3io import L3IO, first_miss
 from .runs import StoreTask
 
@@ -249,11 +249,6 @@ def group_loaded(ex: "CacheExecutor", run: "Run", g: int, idx: list[int],
             ex.metrics_registry.add("transfer_errors")
     finally:
         ex._part_done(run, "loads")
-
-
-def group_bytes(page_bytes: int, num_layers: int, group: tuple[int, int], pages: int) -> int:
-    lo, hi = group
-    return pages * page_bytes * (hi - lo) // max(1, num_layers)
 
 
 def handles_for(st: Stream, layer: int | None) -> Sequence[Any]:
