@@ -369,10 +369,12 @@ def test_split_loads_deep_pages_from_l3_when_attention_makes_them_dear():
 
 
 @pytest.mark.parametrize("prefetch", [True, False])
-def test_first_l3_read_is_a_probe_until_the_rate_is_known(prefetch):
-    """Before any L3 read was timed, a fetch reads only L3_PROBE_PAGES (8) of a 12-page L3 hit (a
-    slow disk must not hold the request for the whole prefix); once the rate is known (a
-    fast store here) the whole hit is read and loaded."""
+def test_first_l3_read_is_a_probe_until_the_rate_is_known(prefetch, monkeypatch):
+    """Before any L3 read was timed, a fetch reads only L3_PROBE_PAGES (8) of a 12-page L3 hit
+    (a slow disk must not hold the request for the whole prefix; the test's pages are small,
+    so L3_PROBE_BYTES is set to 8 of them); once the rate is known (a fast store here) the
+    whole hit is read and loaded."""
+    monkeypatch.setattr(CostModel, "L3_PROBE_BYTES", 8 * SPEC.page_bytes)
     store = CountingStore(spec=SPEC, delay=0.0)
     r = Rig(store=store, prefetch_policy="wait_complete", recompute_tokens_per_s=1.0)
     probe = CostModel.L3_PROBE_PAGES
@@ -554,6 +556,10 @@ def test_one_split_for_every_path():
     m = CostModel(recompute_tokens_per_s=30_000)
     kw = dict(compute_tokens=100, page_size=ps, page_bytes=pb, layers=layers, context=4096)
     assert m.first_read_cap(500) == CostModel.L3_PROBE_PAGES   # no L3 rate yet
+    assert m.first_read_cap(500, pb) == 8                      # 64 MiB of 8 MiB pages
+    assert m.first_read_cap(500, 256 << 10) == 256             # ... of 256 KiB pages
+    assert m.first_read_cap(100, 256 << 10) == 100
+    assert m.first_read_cap(500, 64 << 20) == CostModel.L3_PROBE_PAGES   # at least 8
     for _ in range(3):
         m.observe_load(pb * 8, pb * 8 / 48e9)                  # L2 -> L1 at 48 GB/s
         m._l3.observe(pb * 8, pb * 8 / 1.5e9)                  # reads of a 1.5 GB/s disk

@@ -216,7 +216,7 @@ class TieredKVCache:
                                        value=expected_wait_s)
         if match.l3_count == 0 or match.read is not None or self._in_place is not None:
             return            # in place: a fetch loads straight from the arena
-        limit = self.cost.first_read_cap(match.l3_count)
+        limit = self.cost.first_read_cap(match.l3_count, self.spec.page_bytes)
         if self.cost.enabled and limit == match.l3_count:
             ready = self.cost.pages_readable_in(expected_wait_s, self.spec.page_bytes,
                                                 match.l3_count)
@@ -293,9 +293,10 @@ class TieredKVCache:
         stream = None
         if n3_want and streams and match.read is None:
             # the read runs in the load's own plan, layer group by layer group
-            stream = l3tasks.stream_task(self, match, self.cost.first_read_cap(n3_want))
+            stream = l3tasks.stream_task(self, match,
+                                         self.cost.first_read_cap(n3_want, self.spec.page_bytes))
         elif n3_want and direct is None:
-            l3tasks.start_read(self, match, self.cost.first_read_cap(n3_want))
+            l3tasks.start_read(self, match, self.cost.first_read_cap(n3_want, self.spec.page_bytes))
             l3tasks.wait_read(self, match, n3_want)
         box: dict[str, Any] = {}
         with self._lock:

@@ -268,6 +268,9 @@ class CostModel:
     L3_PROBE_INTERVAL_S = 5.0
     #: Pages such a probe reads (enough for a rate, not a whole long document).
     L3_PROBE_PAGES = 8
+    #: The first read (before the rate is known) takes `L3_PROBE_PAGES` pages or this many
+    #: bytes, whichever is more: 8 pages of an 8B model's 8 MiB, 256 pages of 256 KiB.
+    L3_PROBE_BYTES = 64 << 20
 
     def __init__(self, *, enabled: bool = True, recompute_tokens_per_s: float | None = None,
                  alpha: float = 0.3, engine: str = "", store: str = ""):
@@ -443,13 +446,19 @@ class CostModel:
                                groups=groups)
         return min(l2_pages, k), min(l3_pages, max(0, k - l2_pages))
 
-    def first_read_cap(self, pages: int) -> int:
-        """Until the L3 rate is measured, a read takes only `L3_PROBE_PAGES` pages: the first
-        L3 hit of a slow store must not stall a request on a long prefix (on the H200, 2.9 GB
-        from a 1.35 GB/s disk held one request 2.2 s); the probe measures the rate, and the
-        rest of the hit is recomputed this once."""
+    def first_read_cap(self, pages: int, page_bytes: int = 0) -> int:
+        """Until the L3 rate is measured, a read takes only `L3_PROBE_PAGES` pages, or
+        `L3_PROBE_BYTES` of ``page_bytes`` pages where that is more: the first L3 hit of a
+        slow store must not stall a request on a long prefix (on the H200, 2.9 GB from a
+        1.35 GB/s disk held one request 2.2 s; 64 MiB takes 50 ms there), while a probe of
+        small pages must not cut a long document (on the CPU demo, 8 of a 64-page document
+        cost long context 14%); the probe measures the rate, and the rest of the hit is
+        recomputed this once."""
         if self.enabled and self.l3_bytes_per_s is None:
-            return min(pages, self.L3_PROBE_PAGES)
+            cap = self.L3_PROBE_PAGES
+            if page_bytes > 0:
+                cap = max(cap, self.L3_PROBE_BYTES // page_bytes)
+            return min(pages, cap)
         return pages
 
     def pages_to_load(self, *, l2_pages: int, l3_pages: int, l3_ready: int,

@@ -203,7 +203,7 @@ class CachePlanner:
             return Offer(hit, l2, l3)
         direct = self.in_place             # L3 pages load as L2 pages do: no read to measure
         if not direct:
-            l3 = cost.first_read_cap(l3)
+            l3 = cost.first_read_cap(l3, self.spec.page_bytes)
         ps = self.spec.page_size
         total = len(keys) * ps if num_tokens is None else num_tokens
         k2, k3 = cost.split(l2_pages=l2, l3_pages=l3, in_place=direct,
