@@ -370,10 +370,13 @@ def test_split_loads_deep_pages_from_l3_when_attention_makes_them_dear():
 
 @pytest.mark.parametrize("prefetch", [True, False])
 def test_first_l3_read_is_a_probe_until_the_rate_is_known(prefetch, monkeypatch):
-    """Before any L3 read was timed, a fetch reads only L3_PROBE_PAGES (8) of a 12-page L3 hit
-    (a slow disk must not hold the request for the whole prefix; the test's pages are small,
+    """Before any L3 read was timed (here: no rate probe after the writes, as for a store
+    another process filled), a fetch reads only L3_PROBE_PAGES (8) of a 12-page L3 hit (a
+    slow disk must not hold the request for the whole prefix; the test's pages are small,
     so L3_PROBE_BYTES is set to 8 of them); once the rate is known (a fast store here) the
     whole hit is read and loaded."""
+    from kvtier.cache import l3tasks
+    monkeypatch.setattr(l3tasks, "probe_read", lambda c, keys: None)
     monkeypatch.setattr(CostModel, "L3_PROBE_BYTES", 8 * SPEC.page_bytes)
     store = CountingStore(spec=SPEC, delay=0.0)
     r = Rig(store=store, prefetch_policy="wait_complete", recompute_tokens_per_s=1.0)
@@ -397,6 +400,38 @@ def test_first_l3_read_is_a_probe_until_the_rate_is_known(prefetch, monkeypatch)
             c.commit(t, list(h.device_pages[:want]) + new, match=m)
             r.alloc.free(c.release(m))
             c.wait_idle()
+        c.check_invariants(idle=True)
+    finally:
+        r.close()
+
+
+def test_the_first_l3_write_probes_the_read_rate_so_the_first_hit_is_read_whole(monkeypatch):
+    """The pages of the first L3 write are read back once into free host pages (never
+    evicting L2 for it): the L3 rate is measured before any hit, so the first fetch of a
+    12-page L3 hit reads and loads all of it (the first-read cap set to 8 of the test's
+    small pages would cut it otherwise); the probe's host pages are free again."""
+    monkeypatch.setattr(CostModel, "L3_PROBE_BYTES", 8 * SPEC.page_bytes)
+    store = CountingStore(spec=SPEC, delay=0.0)
+    r = Rig(store=store, prefetch_policy="wait_complete", recompute_tokens_per_s=1.0)
+    try:
+        c = r.cache
+        assert c.cost.l3_bytes_per_s is None
+        a = toks(12 * SPEC.page_size, seed=23)
+        _to_l3(r, a)
+        c.wait_idle()
+        assert c.cost.l3_bytes_per_s is not None
+        probed = c.metrics()["l3_probe_read_pages"]
+        assert 0 < probed <= CostModel.L3_PROBE_PAGES
+        before = store.got
+        m = c.match(a)
+        assert m.l3_count == 12
+        h = c.fetch(m, r.take(m.pages_to_load))
+        h.wait()
+        assert h.pages_loaded == 12 and store.got - before == 12
+        c.commit(a, list(h.device_pages), match=m)
+        r.alloc.free(c.release(m))
+        c.wait_idle()
+        assert c.metrics()["l3_probe_read_pages"] == probed        # once only
         c.check_invariants(idle=True)
     finally:
         r.close()

@@ -188,11 +188,15 @@ class OneProcess:
 
     def check_cached_pages(self) -> None:
         c = self.cache
-        for key, (d, h) in c.pages().items():
-            if d is not None:
-                self.m.check(key, self.page_bytes(d), f"L1 page {d}")
-            if h is not None:
-                self.m.check(key, as_bytes(raw_bytes(c.host_pool.view[h])), f"L2 page {h}")
+        # under the cache's lock: a page the index lets go of in the background (an L3
+        # write-back done) is not taken again (the rate probe's read) while it is compared
+        with c._lock:
+            for key, (d, h) in c.pages().items():
+                if d is not None:
+                    self.m.check(key, self.page_bytes(d), f"L1 page {d}")
+                if h is not None:
+                    self.m.check(key, as_bytes(raw_bytes(c.host_pool.view[h])),
+                                 f"L2 page {h}")
 
     def check_accounting(self) -> None:
         # Every device page is free on the engine side, held by the cache as an L1 page, or

@@ -181,9 +181,12 @@ def test_the_planner_loads_in_place_only_when_told_and_only_with_l3():
     assert p.in_place is False                           # no L3: nothing to load in place
 
 
-def test_the_split_counts_in_place_pages_at_the_l2_rate():
+def test_the_split_counts_in_place_pages_at_the_l2_rate(monkeypatch):
     """Before the L3 rate is measured, a split that reads through L2 offers a probe's worth
-    of L3 pages; loaded in place there is no read to measure and every hit is offered."""
+    of L3 pages (8: the test's pages are small, so L3_PROBE_BYTES is 8 of them); loaded in
+    place there is no read to measure and every hit is offered."""
+    from kvtier.cache.cost import CostModel
+    monkeypatch.setattr(CostModel, "L3_PROBE_BYTES", 8 * SPEC.page_bytes)
     with two_halves(cost_aware_fetch=True, recompute_tokens_per_s=1.0) as (a, b):
         keys = keys_of(a, 14, pages=12)
         a.save(keys)

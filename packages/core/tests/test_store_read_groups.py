@@ -472,7 +472,8 @@ def test_only_the_last_group_refreshes_the_lru_time(opened, kind):
 # --------------------------------------------------------------------------------------------
 def _check_groups_against_generations(store, pool, dst: list[int], seconds: float
                                       ) -> tuple[int, int, int]:
-    """Read every key group by group for ``seconds``; every True group must be bitwise the
+    """Read every key group by group for ``seconds`` (longer until a whole page came back);
+    every True group must be bitwise the
     range of the generation its layers name, and a page all of whose groups came back True
     one generation. Returns (true groups, whole pages, generations seen)."""
     spec = store.spec
@@ -487,7 +488,9 @@ def _check_groups_against_generations(store, pool, dst: list[int], seconds: floa
             cache[(i, gen)] = child.page_content(i, gen)
         return cache[(i, gen)]
     end = time.monotonic() + seconds
-    while time.monotonic() < end:
+    # past ``seconds`` with no whole page yet (a loaded box: every read straddled a rewrite),
+    # go on until one comes back -- the writer stops after its own few seconds
+    while time.monotonic() < end or (pages == 0 and time.monotonic() < end + 15):
         whole = [True] * len(keys)
         for g, grp in enumerate(groups):
             a, b = byte_range(spec, grp)

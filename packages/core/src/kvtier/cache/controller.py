@@ -104,6 +104,7 @@ class TieredKVCache:
         self._loading: dict[int, FetchHandle] = {}   # device pages of loads in flight
         self._closed = False
         self._closing = False
+        self._l3_probed = False            # `l3tasks.probe_read` made
         self._failure: TierFailureError | None = None
         self._failure_reported = True
         self.cost = CostModel.from_config(cfg)

@@ -172,6 +172,44 @@ class WriteTask:
         c.metrics_registry.add_many({
             "l3_written_pages": written, "bytes_l3_written": written * c.spec.page_bytes,
             "l2_evictions": len(freed), "l2_writebacks": written if self.evict_after else 0})
+        if written:
+            probe_read(c, [nd.key for nd, v in zip(self.nodes, ok) if v])
+
+
+def probe_read(c: "TieredKVCache", keys: list[bytes]) -> None:
+    """Once, while the L3 read rate is not measured: read back up to `CostModel.L3_PROBE_PAGES`
+    of the pages just written into free host pages (never evicting for it), so the rate is
+    known before the first L3 hit and the split need not cap that read
+    (`CostModel.first_read_cap`). The pages are freed when the read is done."""
+    if not c.cost.enabled or c.cost.l3_bytes_per_s is not None or not c._l3_usable():
+        return
+    with c._lock:
+        if c._l3_probed or c._closing:
+            return
+        pages = c.host_pool.alloc(min(len(keys), c.cost.L3_PROBE_PAGES,
+                                      c.host_pool.free_count))
+        if not pages:
+            return
+        c._l3_probed = True
+
+    def done(res: PlanResult) -> None:
+        if res.released_host_pages:
+            free = list(res.released_host_pages)
+        elif res.held_host_pages:                # a late call may still write them
+            held = set(res.held_host_pages)
+            free = [p for p in pages if p not in held]
+        else:
+            free = pages
+        with c._lock:
+            c.host_pool.free(free)
+        c.metrics_registry.add("l3_probe_read_pages", sum(1 for v in res.l3_reads if v))
+
+    plan = Plan(c._new_plan_id(), l3_reads=tuple(zip(keys, pages)))
+    try:
+        c._ex.submit(plan, on_done=done)
+    except InvalidArgumentError:           # closing
+        with c._lock:
+            c.host_pool.free(pages)
 
 
 def start_read(c: "TieredKVCache", match: "Match", limit: int | None = None) -> None:
