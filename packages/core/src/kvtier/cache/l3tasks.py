@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 from ..errors import InvalidArgumentError
 from . import eviction
@@ -112,17 +112,26 @@ class ReadTask:
         pages nothing landed in, but those a call past its deadline may still write into."""
         c = self.cache
         with c._lock:
+            rest = let_go(result, self.host_pages[self.used:])
             if result.released_host_pages:
-                c.host_pool.free(list(result.released_host_pages))
+                c.host_pool.free(rest)
                 return
-            held = set(result.held_host_pages)
-            rest = [hp for hp in self.host_pages[self.used:] if hp not in held]
             self.used = len(self.host_pages)
             if rest:
                 c.host_pool.free(rest)
         with self.cv:
             self.finished = True
             self.cv.notify_all()
+
+
+def let_go(result: PlanResult, pages: Sequence[int]) -> list[int]:
+    """The host pages a read plan's ``result`` lets go of: those a late store call released
+    (a release result), else ``pages`` but those a call past its deadline may still write
+    into."""
+    if result.released_host_pages:
+        return list(result.released_host_pages)
+    held = set(result.held_host_pages)
+    return [p for p in pages if p not in held]
 
 
 class WriteTask:
@@ -193,15 +202,8 @@ def probe_read(c: "TieredKVCache", keys: list[bytes]) -> None:
         c._l3_probed = True
 
     def done(res: PlanResult) -> None:
-        if res.released_host_pages:
-            free = list(res.released_host_pages)
-        elif res.held_host_pages:                # a late call may still write them
-            held = set(res.held_host_pages)
-            free = [p for p in pages if p not in held]
-        else:
-            free = pages
         with c._lock:
-            c.host_pool.free(free)
+            c.host_pool.free(let_go(res, pages))
         c.metrics_registry.add("l3_probe_read_pages", sum(1 for v in res.l3_reads if v))
 
     plan = Plan(c._new_plan_id(), l3_reads=tuple(zip(keys, pages)))

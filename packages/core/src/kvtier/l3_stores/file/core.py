@@ -60,8 +60,7 @@ class _FileStoreCore(L3Store):
     _bytes: int
     _last_scan: float
     _scanning: bool
-    _pool: ThreadPoolExecutor | None
-    _wpool: ThreadPoolExecutor | None
+    _pools: dict[bool, ThreadPoolExecutor]     # by ``writes``
     _local: threading.local
     _direct: bool
     _direct_reason: str
@@ -126,15 +125,13 @@ class _FileStoreCore(L3Store):
         threads = self.config.io_threads
         if len(items) <= 1 or threads == 1:
             return [fn(it) for it in items]
-        attr = "_wpool" if writes else "_pool"
-        pool = getattr(self, attr)
+        pool = self._pools.get(writes)
         if pool is None:
             with self._lock:
-                pool = getattr(self, attr)
+                pool = self._pools.get(writes)
                 if pool is None:
-                    pool = ThreadPoolExecutor(
+                    pool = self._pools[writes] = ThreadPoolExecutor(
                         threads, thread_name_prefix="kvtier-file-" + ("w" if writes else "r"))
-                    setattr(self, attr, pool)
         # A few items per task: less per-future overhead, still balanced across threads.
         step = max(1, -(-len(items) // (threads * 2)))
         chunks = [items[i:i + step] for i in range(0, len(items), step)]

@@ -211,8 +211,7 @@ class FileStore(_ObjectFormat):
         self._bytes = 0
         self._last_scan = 0.0
         self._scanning = False
-        self._pool: ThreadPoolExecutor | None = None
-        self._wpool: ThreadPoolExecutor | None = None
+        self._pools: dict[bool, ThreadPoolExecutor] = {}
         self._local = threading.local()
         self._direct, self._direct_reason = False, "off"
         if c.o_direct != "off":
@@ -510,11 +509,9 @@ class FileStore(_ObjectFormat):
             if self._closed:
                 return
             self._closed = True
-        for attr in ("_pool", "_wpool"):
-            pool = getattr(self, attr)
-            if pool is not None:
-                pool.shutdown(wait=True)
-                setattr(self, attr, None)
+        for pool in self._pools.values():
+            pool.shutdown(wait=True)
+        self._pools.clear()
         self._release_dir()
 
     def __del__(self) -> None:
