@@ -55,6 +55,7 @@ from kvtier.errors import ConfigError
 from kvtier.host_allocators.mmap import MmapAllocator
 from kvtier.host_pool import HostKVPool
 from kvtier.l3_stores.file import _CHECKSUMS, DIRECT_ALIGN, TRAILER_BYTES, FileStore, checksum_impl
+from kvtier.l3_stores.file._files import medium
 from kvtier.report import parse_size, progress, table
 from kvtier.spec import KVSpec
 
@@ -112,9 +113,16 @@ def _syncfs(path: str) -> None:
 
 def _pause(where: str) -> None:
     """The same untimed pause between every write phase and the read after it (the disk
-    behind a VM may still be flushing what was just written)."""
-    _syncfs(where)
-    time.sleep(1.0)
+    behind a VM may still be flushing what was just written). None on a filesystem in memory
+    (tmpfs, ramfs), which has nothing to flush."""
+    fd = os.open(where, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        in_memory = medium(fd) == "memory"
+    finally:
+        os.close(fd)
+    if not in_memory:
+        _syncfs(where)
+        time.sleep(1.0)
 
 
 def _drop(path: str) -> None:
