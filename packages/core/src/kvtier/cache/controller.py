@@ -109,15 +109,9 @@ class TieredKVCache:
         self._failure_reported = True
         self.cost = CostModel.from_config(cfg)
         #: The data path: every copy and store call of this cache runs as a `Plan` on it.
-        self._ex = CacheExecutor(
-            host_pool=parts.host_pool, engine=parts.engine, store=parts.store,
-            l3_io_threads=cfg.l3_io_threads, l3_batch_pages=cfg.l3_batch_pages,
-            l3_error_limit=cfg.l3_error_limit, l3_call_timeout_s=cfg.l3_call_timeout_s,
-            owned=tuple(parts.owned), cost=self.cost, in_place=parts.in_place,
-            in_place_why_not=parts.in_place_why_not,
-            l3_max_queued_pages=cfg.l3_max_queued_pages, metrics=self.metrics_registry,
-            l3_name="kvtier-l3-io", on_failure=self._tier_failed,
-            l3_stream_layers=cfg.l3_stream_layers)
+        self._ex = CacheExecutor.over_parts(
+            cfg, parts, cost=self.cost, metrics=self.metrics_registry, l3_name="kvtier-l3-io",
+            on_failure=self._tier_failed)
         self._l3: L3IO | None = self._ex.l3
         #: The index and policy half: the same planner vLLM's scheduler runs, its index
         #: covering L1 as well here, its host page ids the host pool's own.
@@ -167,16 +161,12 @@ class TieredKVCache:
                 node.l1_pins += 1
             for node in l2:
                 node.l2_pins += 1
-            backups: list[Node] = []
             for node in l1 + l2:
                 node.hits += 1
             idx.touch_chain(l1 + l2)
-            for node in l1:
-                if node.host_page is None and not node.backup_pending \
-                        and self.planner.wants_backup(node.key, node.hits, on_hit=True):
-                    backups.append(node)
-            if backups:
-                transfers.schedule_backup(self, backups)
+            # (the pages in L2 already or being copied there are not copied again)
+            transfers.schedule_backup(self, [nd for nd in l1 if self.planner.wants_backup(
+                nd.key, nd.hits, on_hit=True)])
         i = len(l1) + len(l2)
         l3 = 0
         if n - i and self._l3_usable() and \
@@ -421,7 +411,7 @@ class TieredKVCache:
         self._check()
         t0 = time.perf_counter()
         keys = self.keys(tokens)
-        dev = self._page_list(device_pages, "device_pages")
+        dev = handles.device_page_list(self.device_pool, device_pages, "device_pages")
         if len(dev) != len(keys):
             raise InvalidArgumentError(f"commit needs one device page per full page: "
                                        f"{len(keys)} full pages, {len(dev)} device pages",
@@ -480,14 +470,12 @@ class TieredKVCache:
                             match.take(d)
                 else:
                     not_taken.append(d)
-                if node.host_page is None and not node.backup_pending \
-                        and self.planner.wants_backup(key, node.hits):
-                    backups.append(node)
+                if self.planner.wants_backup(key, node.hits):
+                    backups.append(node)         # (but those in L2 already or on their way)
                 chain.append(node)
                 parent = node
             idx.touch_chain(chain)
-            if backups:
-                transfers.schedule_backup(self, backups)
+            transfers.schedule_backup(self, backups)
         self.metrics_registry.add_many({"commit_calls": 1, "committed_pages": new})
         self.metrics_registry.observe("commit", time.perf_counter() - t0)
         return CommitResult(new, tuple(taken), tuple(not_taken))
@@ -606,18 +594,10 @@ class TieredKVCache:
         """Wait (host side) for the match's fetch still in flight, then book its outcome."""
         fh = match.fetch_handle
         if fh is not None and not fh.finished:
-            try:
-                transfers.host_wait(fh.transfer)
-                err = None
-            except Exception as exc:
-                err = exc
-            self._finish_fetch(fh, err)
+            self._finish_fetch(fh, transfers.landed(fh.transfer))
 
     def _check_match(self, match: Match) -> None:
         handles.check_match(self, match)
-
-    def _page_list(self, pages: Any, what: str) -> list[int]:
-        return handles.device_page_list(self.device_pool, pages, what)
 
     def _check_engine_pages(self, pages: Any, what: str) -> list[int]:
         return handles.check_engine_pages(self, pages, what)

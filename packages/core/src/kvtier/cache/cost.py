@@ -543,13 +543,11 @@ class ReportedCostModel(CostModel):
     def recompute_tokens_per_s(self) -> float | None:
         if self._given_rate is not None:
             return self._given_rate
-        v = self._get("recompute_tokens_per_s")
-        return v if v else None
+        return self._get("recompute_tokens_per_s") or None
 
     @property
     def h2d_bytes_per_s(self) -> float | None:
-        v = self._get("l2_load_bytes_per_s")
-        return v if v else None
+        return self._get("l2_load_bytes_per_s") or None
 
     @property
     def l3_bytes_per_s(self) -> float | None:
@@ -581,31 +579,28 @@ class TimedStore:
         self._num_layers = max(1, num_layers)
 
     def batch_get(self, keys, host_pages, *args: Any, **kwargs: Any):
-        n = len(keys)
-        call = self._cost.l3_call_started(n * self._page_bytes)
-        done = 0
-        try:
-            out = self._store.batch_get(keys, host_pages, *args, **kwargs)
-            if isinstance(out, list):
-                done = sum(1 for v in out if v is True)
-            return out
-        finally:
-            self._cost.l3_call_ended(call, done * self._page_bytes)
+        return self._timed(self._page_bytes, True, "batch_get", keys, host_pages, *args,
+                           **kwargs)
 
     def batch_get_layers(self, keys, host_pages, group: int):
         """A streamed read of one layer group, timed like ``batch_get`` for its bytes (into
         the L3 rate only while none is measured: `CostModel.l3_call_ended`)."""
         nbytes = group_bytes(self._page_bytes, self._num_layers, self._groups[group], 1) \
             if 0 <= group < len(self._groups) else 0
-        call = self._cost.l3_call_started(len(keys) * nbytes)
+        return self._timed(nbytes, False, "batch_get_layers", keys, host_pages, group)
+
+    def _timed(self, page_bytes: int, whole: bool, op: str, keys, *args: Any, **kwargs: Any):
+        """The store's ``op`` of ``keys``, its bytes read (``page_bytes`` per page that came
+        back) over its seconds into the L3 rate."""
+        call = self._cost.l3_call_started(len(keys) * page_bytes)
         done = 0
         try:
-            out = self._store.batch_get_layers(keys, host_pages, group)
+            out = getattr(self._store, op)(keys, *args, **kwargs)
             if isinstance(out, list):
                 done = sum(1 for v in out if v is True)
             return out
         finally:
-            self._cost.l3_call_ended(call, done * nbytes, whole=False)
+            self._cost.l3_call_ended(call, done * page_bytes, whole=whole)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._store, name)

@@ -14,16 +14,16 @@ functions after them are the controller's: they allocate, copy and give pages ba
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from . import transfers
-from .index import Node, PageIndex
+from .index import HostPages, Node, PageIndex
 
 if TYPE_CHECKING:
     from .controller import TieredKVCache
 
 __all__ = ["L2Eviction", "select_l2", "after_l3_write", "select_l1", "release_l1",
-           "alloc_host", "evict_l1", "evict_l2", "allocate_device"]
+           "alloc_evicting", "alloc_host", "evict_l1", "evict_l2", "allocate_device"]
 
 
 @dataclass
@@ -150,18 +150,24 @@ def _l2_subtree(top: Node) -> list[Node] | None:
     return order
 
 
+def alloc_evicting(host: HostPages, n: int, evict: Callable[[int], object]) -> list[int]:
+    """Up to ``n`` pages of ``host``, ``evict(k)`` first when ``k`` of them are not free (the
+    controller's and the planner's L2 eviction)."""
+    if n <= 0:
+        return []
+    free = host.free_count
+    if free < n:
+        evict(n - free)
+        free = host.free_count
+    return host.alloc(min(n, free))
+
+
 # --------------------------------------------------------------------------------------------
 # The controller's eviction (L1 pages given back to the engine, demotions copied to L2)
 # --------------------------------------------------------------------------------------------
 def alloc_host(c: "TieredKVCache", n: int) -> list[int]:
     """Up to ``n`` host pages, evicting unpinned L2 leaves as needed (lock held)."""
-    if n <= 0:
-        return []
-    free = c.host_pool.free_count
-    if free < n:
-        evict_l2(c, n - free)
-        free = c.host_pool.free_count
-    return c.host_pool.alloc(min(n, free))
+    return alloc_evicting(c.host_pool, n, lambda k: evict_l2(c, k))
 
 
 def writes_back(c: "TieredKVCache") -> bool:

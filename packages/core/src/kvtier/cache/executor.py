@@ -43,7 +43,7 @@ from .config import CacheConfig
 from .cost import CostModel, TimedStore, load_seconds
 from .inplace import InPlace
 from .keying import make_keyer
-from .parts import build_parts
+from .parts import Parts, build_parts
 from .l3io import L3IO
 from .plans import Plan, PlanResult
 from .runs import PlanHandle, PlanIds, Run, StoreTask, close_one
@@ -128,15 +128,21 @@ class CacheExecutor:
         cfg = CacheConfig.from_dict(config)
         keyer = make_keyer(cfg, device_pool.spec, device_layout=device_pool.page_order,
                            engine=engine_identity)
-        p = build_parts(cfg, device_pool, keyer, num_host_pages=num_host_pages)
-        return cls(host_pool=p.host_pool, engine=p.engine, store=p.store,
+        parts = build_parts(cfg, device_pool, keyer, num_host_pages=num_host_pages)
+        return cls.over_parts(cfg, parts, cost=CostModel.from_config(cfg))
+
+    @classmethod
+    def over_parts(cls, cfg: CacheConfig, parts: Parts, **kwargs: Any) -> "CacheExecutor":
+        """The executor of ``cfg`` over ``parts`` (`build_parts`, closed with it); ``kwargs``:
+        the constructor's other arguments. `from_config` and `TieredKVCache` build theirs
+        here."""
+        return cls(host_pool=parts.host_pool, engine=parts.engine, store=parts.store,
                    l3_io_threads=cfg.l3_io_threads, l3_batch_pages=cfg.l3_batch_pages,
-                   l3_error_limit=cfg.l3_error_limit,
-                   l3_call_timeout_s=cfg.l3_call_timeout_s, owned=tuple(p.owned),
-                   cost=CostModel.from_config(cfg), in_place=p.in_place,
-                   in_place_why_not=p.in_place_why_not,
+                   l3_error_limit=cfg.l3_error_limit, l3_call_timeout_s=cfg.l3_call_timeout_s,
+                   owned=tuple(parts.owned), in_place=parts.in_place,
+                   in_place_why_not=parts.in_place_why_not,
                    l3_max_queued_pages=cfg.l3_max_queued_pages,
-                   l3_stream_layers=cfg.l3_stream_layers)
+                   l3_stream_layers=cfg.l3_stream_layers, **kwargs)
 
     @property
     def l3_state(self) -> str:
@@ -407,7 +413,7 @@ class CacheExecutor:
             return
         keys = [k for k, _ in p.l3_loads]
         try:
-            slots = direct.pin(keys)
+            slots = direct.reads.pin(keys)
         except Exception as exc:
             log.warning("kvtier executor: pinning %d L3 pages failed: %s", len(keys), exc)
             m.add("l3_read_failed_call_pages", len(keys))
@@ -432,7 +438,7 @@ class CacheExecutor:
     def _in_place_done(self, run: Run, slots: list[int], err: BaseException | None,
                        handle: TransferHandle | None = None, t0: float = 0.0) -> None:
         try:
-            self.in_place.unpin(slots)          # type: ignore[union-attr]
+            self.in_place.reads.unpin(slots)    # type: ignore[union-attr]
             if err is None:
                 run.in_place[:len(slots)] = [True] * len(slots)
                 nbytes = len(slots) * self.host_pool.spec.page_bytes

@@ -125,12 +125,6 @@ class PageIndex:
     def get(self, key: bytes) -> Node | None:
         return self.nodes.get(key)
 
-    def __contains__(self, key: bytes) -> bool:
-        return key in self.nodes
-
-    def __len__(self) -> int:
-        return len(self.nodes)
-
     def l1_owner(self, page: int) -> Node | None:
         return self.l1_by_page.get(page)
 
@@ -235,10 +229,6 @@ class PageIndex:
                 node.parent.kids.discard(node)
 
     # ----- views (tests, metrics) -------------------------------------------------------------
-    def l1_pages(self) -> dict[bytes, int]:
-        """Key -> device page of every L1 page."""
-        return {nd.key: nd.device_page for nd in self.l1_by_page.values()}  # type: ignore
-
     def l2_pages(self) -> dict[bytes, int]:
         """Key -> host page of every L2 page."""
         return {k: nd.host_page for k, nd in self.l2_lru.items()}

@@ -16,7 +16,8 @@ as before and says why once (``in_place_why_not``).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..interfaces import L3Store
 from ..layout import PAGE_FIRST
@@ -70,19 +71,14 @@ def register_host_memory(ptr: int, nbytes: int, device: Any) -> tuple[Any, str]:
     return _Registration(release), ""
 
 
+@dataclass(frozen=True, eq=False)
 class InPlace:
-    """The in-place path of one cache: the store's region, the pool over it and its engine."""
+    """The in-place path of one cache: the store's region (``reads.pin``/``unpin`` its
+    slots), the pool over it and its engine."""
 
-    def __init__(self, reads: "InPlaceReads", pool: "HostKVPool", engine: "TransferEngine"):
-        self.reads = reads
-        self.pool = pool
-        self.engine = engine
-
-    def pin(self, keys: Sequence[bytes]) -> list[int]:
-        return self.reads.pin(keys)
-
-    def unpin(self, slots: Sequence[int]) -> None:
-        self.reads.unpin(slots)
+    reads: "InPlaceReads"
+    pool: "HostKVPool"
+    engine: "TransferEngine"
 
 
 def open_in_place(cfg: "CacheConfig", store: "L3Store | None", device_pool: "DeviceKVPool",

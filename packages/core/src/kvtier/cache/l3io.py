@@ -30,6 +30,7 @@ import queue
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 from ..interfaces import L3Store
@@ -167,12 +168,6 @@ class TaskQueue:
             self.cv.notify_all()
             return tasks
 
-    def wait_idle(self, timeout: float | None, *, writes_only: bool = False) -> bool:
-        def idle() -> bool:
-            return not self.writes and self.inflight == 0 and (writes_only or not self.reads)
-        with self.cv:
-            return self.cv.wait_for(idle, timeout)
-
     def stop(self) -> None:
         with self.cv:
             self.stopping = True
@@ -193,15 +188,13 @@ class _ExistsJob:
         self.done.acquire()
 
 
+@dataclass(slots=True, eq=False)
 class _Call:
-    __slots__ = ("op", "deadline", "task", "timed_out", "thread")
-
-    def __init__(self, op: str, deadline: float, task: Any, thread: threading.Thread):
-        self.op = op
-        self.deadline = deadline
-        self.task = task
-        self.timed_out = False
-        self.thread = thread
+    op: str
+    deadline: float
+    task: Any
+    thread: threading.Thread
+    timed_out: bool = False
 
 
 class L3IO:

@@ -29,15 +29,16 @@ __all__ = ["ReadTask", "WriteTask", "start_read", "stream_task", "wait_read", "e
 
 
 class ReadTask:
-    """L3 -> L2 read of a match's L3 run into freshly allocated host pages."""
+    """L3 -> L2 read of a match's L3 run (its first ``len(host_pages)`` pages) into freshly
+    allocated host pages."""
 
-    def __init__(self, cache: "TieredKVCache", match: "Match", keys: list[bytes],
-                 host_pages: list[int], parent_key: bytes | None):
+    def __init__(self, cache: "TieredKVCache", match: "Match", host_pages: list[int]):
+        start = match.l1_count + match.l2_count
         self.cache = cache
         self.match = match
-        self.keys = keys
+        self.keys = match.keys[start:start + len(host_pages)]
         self.host_pages = host_pages
-        self.parent_key = parent_key
+        self.parent_key = match.keys[start - 1] if start else None
         self.landed: list[Node] = []     # nodes registered in L2 and pinned for the match
         self.used = 0                    # host pages consumed (registered or freed)
         self.cancelled = False           # the match no longer wants more pages
@@ -236,9 +237,7 @@ def start_read(c: "TieredKVCache", match: "Match", limit: int | None = None) -> 
             return
         if len(pages) < want:
             c.metrics_registry.add("prefetch_no_space_pages", want - len(pages))
-        start = match.l1_count + match.l2_count
-        task = ReadTask(c, match, match.keys[start:start + len(pages)], pages,
-                        match.keys[start - 1] if start else None)
+        task = ReadTask(c, match, pages)
         match.attach_read(task)
         if not pages:
             task.finished = True
@@ -261,9 +260,7 @@ def stream_task(c: "TieredKVCache", match: "Match", want: int) -> ReadTask | Non
             c.metrics_registry.add("prefetch_no_space_pages", want - len(pages))
         if not pages:
             return None
-        start = match.l1_count + match.l2_count
-        task = ReadTask(c, match, match.keys[start:start + len(pages)], pages,
-                        match.keys[start - 1] if start else None)
+        task = ReadTask(c, match, pages)
         match.attach_read(task)
         return task
 

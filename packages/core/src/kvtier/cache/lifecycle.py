@@ -11,6 +11,7 @@ is closed at interpreter exit (`close_on_exit`), while every thread still runs.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import threading
 import weakref
@@ -94,18 +95,16 @@ def close_on_exit(cache: "TieredKVCache") -> None:
     _live.add(cache)
     register = getattr(threading, "_register_atexit", None)
     if register is not None:
-        try:
+        with contextlib.suppress(RuntimeError):      # already shutting down
             register(_close_at_exit, weakref.ref(cache))
-            return
-        except RuntimeError:                 # already shutting down
-            pass
 
 
 atexit.register(_close_at_exit)              # the fallback (and a no-op for closed caches)
 
 
 def register_gauges(cache: Any) -> None:
-    """The controller's gauges (read at every metrics snapshot or scrape)."""
+    """The controller's gauges (read at every metrics snapshot or scrape; ``l3_state`` and
+    ``plans_running`` are its executor's)."""
     m = cache.metrics_registry
     io = cache._l3
     m.gauge("l1_pages", lambda: cache._index.l1_count)
@@ -117,7 +116,6 @@ def register_gauges(cache: Any) -> None:
     m.gauge("transfer_queue", lambda: cache._completer.depth())
     m.gauge("backups_in_flight", lambda: cache._index.backups_inflight)
     m.gauge("l3_unreadable_keys", lambda: len(cache.unreadable))
-    m.gauge("l3_state", lambda: io.state if io else "none")
     m.gauge("page_bytes", lambda: cache.spec.page_bytes)
     m.gauge("page_size", lambda: cache.spec.page_size)
     m.gauge("transfer_engine", lambda: cache.engine.name)   # what "auto" chose, say

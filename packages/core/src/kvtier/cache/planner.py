@@ -44,7 +44,7 @@ from ..policies import make_prefetch_policy, make_write_policy
 from ..spec import KVSpec
 from .config import CacheConfig
 from .cost import CostModel, ReportedCostModel
-from .eviction import after_l3_write, select_l2
+from .eviction import after_l3_write, alloc_evicting, select_l2
 from .index import Node, PageIdPool, PageIndex
 from .keying import make_keyer
 from .l3io import first_miss
@@ -303,12 +303,10 @@ class CachePlanner:
                 reads = self._reads(st, keys, first, n)
             loads = [(nd.host_page, d) for nd, d in zip(l2, dev)]
             loads += [(h, d) for (_, h), d in zip(reads, dev[len(l2):])]
-            plan = Plan(st.plan.plan_id, l3_reads=tuple(reads), loads=tuple(loads),  # type: ignore[arg-type]
-                        l3_writes=self._wb_ops(st), l3_loads=tuple(direct))
-            st.plan = plan
             if reads:
                 st.started = time.perf_counter()
-            self._plans[plan.plan_id] = st
+            plan = self._pend(st, l3_reads=tuple(reads), loads=tuple(loads),
+                              l3_loads=tuple(direct))
         self.metrics_registry.add_many({"planned_l2_load_pages": len(l2),
                                         "planned_l3_load_pages": len(reads) + len(direct)})
         return plan
@@ -327,9 +325,7 @@ class CachePlanner:
             st = _Pending(Plan(self._new_id()))
             first = start + len(self.index.l2_run(keys, start))
             reads = self._reads(st, keys, first, min(num_pages, len(keys) - first))
-            plan = Plan(st.plan.plan_id, l3_reads=tuple(reads), l3_writes=self._wb_ops(st))
-            st.plan = plan
-            self._plans[plan.plan_id] = st
+            plan = self._pend(st, l3_reads=tuple(reads))
         self.metrics_registry.add("planned_prefetch_pages", len(reads))
         return plan
 
@@ -382,9 +378,7 @@ class CachePlanner:
             for k in st.backup_keys:
                 self._pending[k] = st.plan.plan_id
                 st.keys.append(k)
-            plan = Plan(st.plan.plan_id, backups=backups, l3_writes=writes + self._wb_ops(st))
-            st.plan = plan
-            self._plans[plan.plan_id] = st
+            plan = self._pend(st, backups=backups, l3_writes=writes)
         self.metrics_registry.add_many({"planned_backup_pages": len(backups),
                                         "cost_skipped_l3_writes": skipped,
                                         "l3_known_skipped_writes": known})
@@ -399,10 +393,7 @@ class CachePlanner:
         with self._lock:
             st = _Pending(Plan(self._new_id()))
             self._evict(num_pages, st)
-            plan = Plan(st.plan.plan_id, l3_writes=self._wb_ops(st))
-            st.plan = plan
-            self._plans[plan.plan_id] = st
-        return plan
+            return self._pend(st)
 
     def complete(self, result: PlanResult) -> None:
         """Book what the data path did with a plan (once per plan; a plan whose writes were
@@ -511,11 +502,8 @@ class CachePlanner:
                 nd.l2_pins -= 1
             if ok:
                 nd.in_l3 = True
-        wb_res = list(result.l3_writes[st.wt_writes:])
-        ok_wb: list[bool | None] = []
-        it = iter(wb_res)
-        for w in st.wb_write:
-            ok_wb.append(next(it) if w else None)
+        it = iter(result.l3_writes[st.wt_writes:])
+        ok_wb = [next(it) if w else None for w in st.wb_write]
         evicted = after_l3_write(self.index, st.wb_nodes, ok_wb, evict_after=True)
         free += evicted
         self._unpend(st)
@@ -598,13 +586,9 @@ class CachePlanner:
         """Keep host pages a late store call may touch out of use: not freed, and pinned
         where they hold an L2 page. Returns the pages free now."""
         hs = set(held)
-        nodes = {nd.host_page: nd for _, nd in self.index.l2_lru.items() if nd.host_page in hs}
-        pinned: list[Node] = []
-        for hp in hs:
-            nd = nodes.get(hp)
-            if nd is not None:
-                nd.l2_pins += 1
-                pinned.append(nd)
+        pinned = [nd for _, nd in self.index.l2_lru.items() if nd.host_page in hs]
+        for nd in pinned:
+            nd.l2_pins += 1
         self._held[plan_id] = (set(hs), pinned)
         self.metrics_registry.add("held_host_pages", len(hs))
         return [hp for hp in free if hp not in hs]
@@ -704,13 +688,7 @@ class CachePlanner:
         return pol.backup_on_commit(n)
 
     def _alloc(self, n: int, st: _Pending) -> list[int]:
-        if n <= 0:
-            return []
-        free = self.host.free_count
-        if free < n:
-            self._evict(n - free, st)
-            free = self.host.free_count
-        return self.host.alloc(min(n, free))
+        return alloc_evicting(self.host, n, lambda k: self._evict(k, st))
 
     def _evict(self, n: int, st: _Pending) -> None:
         ev = select_l2(self.index, n, l3_writeback=self.write_policy.l3_on_l2_evict
@@ -721,9 +699,14 @@ class CachePlanner:
         st.wb_nodes += ev.later
         st.wb_write += ev.write
 
-    def _wb_ops(self, st: _Pending) -> tuple[tuple[int, bytes], ...]:
-        return tuple((nd.host_page, nd.key) for nd, w in zip(st.wb_nodes, st.wb_write)  # type: ignore[misc]
-                     if w)
+    def _pend(self, st: _Pending, *, l3_writes: tuple[tuple[int, bytes], ...] = (),
+              **ops: Any) -> Plan:
+        """The plan of ``st``: ``ops``, and ``l3_writes`` then the write-backs its evictions
+        need; pending from now on."""
+        wb = tuple((nd.host_page, nd.key) for nd, w in zip(st.wb_nodes, st.wb_write) if w)
+        st.plan = Plan(st.plan.plan_id, l3_writes=l3_writes + wb, **ops)  # type: ignore[operator]
+        self._plans[st.plan.plan_id] = st
+        return st.plan
 
     def _exists(self, keys: list[bytes]) -> int:
         try:

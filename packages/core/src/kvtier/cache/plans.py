@@ -194,12 +194,8 @@ class PlanResult:
     @property
     def loaded_prefix(self) -> int:
         """How many leading loads succeeded (the pages an engine may use as a prefix)."""
-        n = 0
-        for ok in self.load_results:
-            if not ok:
-                break
-            n += 1
-        return n
+        res = self.load_results
+        return next((i for i, ok in enumerate(res) if not ok), len(res))
 
 
 def hit_counts(l2_pages: int, l3_pages: int, page_size: int) -> dict[str, int]:

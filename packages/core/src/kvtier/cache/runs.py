@@ -169,13 +169,10 @@ class StoreTask:
             pages = [p.l3_writes[i][0] for i in self.idx]
         m = self.ex.metrics_registry
         tried = 0
-        hook = self.run_.stop
-        stop = (lambda: self._gave_up) if hook is None else \
-            (lambda: self._gave_up or hook())
         try:
             for start, count, got in store_batches(
                     io, "batch_get" if self.is_read else "batch_set", keys, pages,
-                    self.ex.batch_pages, task=self, calling=self._calling, stop=stop):
+                    self.ex.batch_pages, task=self, calling=self._calling, stop=self._stop):
                 tried = start + count
                 if self.is_read:
                     self.run_.reads_tried = tried
@@ -183,21 +180,28 @@ class StoreTask:
                     m.add("l3_read_failed_call_pages" if self.is_read
                           else "l3_write_failed_pages", count)
                 else:
-                    if not self.is_read:
-                        m.add("l3_write_failed_pages", count - sum(got))
                     for i, ok in zip(self.idx[start:start + count], got):
                         out[i] = ok
-                    if self.is_read:    # the store's stats say why (corrupted, errors, ...)
-                        m.add("l3_read_missed_pages", count - sum(got))
+                    # (a read's misses: the store's stats say why -- corrupted, errors, ...)
+                    m.add("l3_read_missed_pages" if self.is_read else "l3_write_failed_pages",
+                          count - sum(got))
                 if self.is_read and self.run_.on_read is not None:
                     self.run_.on_read(self.idx[start], count, got)
             if self.is_read and not self._gave_up and tried < len(keys):
                 m.add("l3_read_skipped_pages", len(keys) - tried)   # after a miss, or L3 off
         finally:
-            if self._gave_up:
-                self.ex._release_held(self.run_, self._held)
-            else:
-                self.ex._part_done(self.run_, self._part)
+            self._end()
+
+    def _stop(self) -> bool:
+        """End the store work here? (A call passed its deadline, or the plan's ``stop``.)"""
+        return self._gave_up or (self.run_.stop is not None and self.run_.stop())
+
+    def _end(self) -> None:
+        """The task's part of the plan is done (or, past a deadline, its held pages free)."""
+        if self._gave_up:
+            self.ex._release_held(self.run_, self._held)
+        else:
+            self.ex._part_done(self.run_, self._part)
 
     def _calling(self, pages: Any) -> None:
         with self._lock:

@@ -124,8 +124,6 @@ class StreamTask(StoreTask):
         pages = [hp for _, hp in run.plan.l3_reads]
         n = len(keys)
         m = ex.metrics_registry
-        hook = run.stop
-        stop = (lambda: self._gave_up) if hook is None else (lambda: self._gave_up or hook())
         fn = io.store.batch_get_layers
         batch = ex.batch_pages
         alive = [False] * n      # pages every group so far came back for
@@ -139,7 +137,7 @@ class StreamTask(StoreTask):
                 cand = list(range(n)) if g == 0 else [j for j in range(tried) if alive[j]]
                 cut = False
                 for s in range(0, len(cand), batch):
-                    if not io.usable() or stop():
+                    if not io.usable() or self._stop():
                         cut = True
                         break
                     js = cand[s:s + batch]
@@ -148,7 +146,7 @@ class StreamTask(StoreTask):
                     ok = io.call("batch_get_layers", fn, kb, pb, g, task=self,
                                  check=lambda r, c=len(kb): isinstance(r, list) and len(r) == c)
                     self._calling([])
-                    if stop():
+                    if self._stop():
                         cut = True
                         break
                     got = None if ok is None else [v is True for v in ok]
@@ -182,10 +180,7 @@ class StreamTask(StoreTask):
                 run.on_read(0, tried, done)
         finally:
             st.start_rest()
-            if self._gave_up:
-                ex._release_held(run, self._held)
-            else:
-                ex._part_done(run, "reads")
+            self._end()
 
     def deadline_passed(self) -> None:
         self.run_.stream.start_rest()         # type: ignore[union-attr]

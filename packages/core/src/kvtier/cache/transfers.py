@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvtier.cache")
 
-__all__ = ["host_wait", "Completer", "schedule_backup", "submit_backup", "undo_backup",
+__all__ = ["host_wait", "landed", "Completer", "schedule_backup", "submit_backup", "undo_backup",
            "finish_backup", "finish_fetch"]
 
 
@@ -44,6 +44,15 @@ def host_wait(handle: TransferHandle) -> None:
     while not handle.done():
         time.sleep(delay)
         delay = min(delay * 2, 1e-3)
+
+
+def landed(handle: TransferHandle) -> BaseException | None:
+    """Wait (`host_wait`) for ``handle``'s copies; the error they ended with, if any."""
+    try:
+        host_wait(handle)
+    except Exception as exc:
+        return exc
+    return None
 
 
 class Completer:
@@ -69,17 +78,8 @@ class Completer:
             self._cv.notify()
 
     @staticmethod
-    def _landed(handle: TransferHandle) -> BaseException | None:
-        """Wait for ``handle``'s copies; the error they ended with, if any."""
-        try:
-            host_wait(handle)
-        except Exception as exc:
-            return exc
-        return None
-
-    @classmethod
-    def _finish(cls, handle: TransferHandle, callback: Callable) -> None:
-        callback(cls._landed(handle))
+    def _finish(handle: TransferHandle, callback: Callable) -> None:
+        callback(landed(handle))
 
     def _run(self) -> None:
         item = None
@@ -95,7 +95,7 @@ class Completer:
                     self._busy += 1
                 called = False
                 try:
-                    err = self._landed(item[0])
+                    err = landed(item[0])
                     called = True
                     item[1](err)
                 finally:
@@ -139,7 +139,8 @@ class Completer:
 # The controller's bookkeeping (lock held where said)
 # --------------------------------------------------------------------------------------------
 def schedule_backup(c: "TieredKVCache", nodes: list[Node]) -> None:
-    """Copy L1 pages to new host pages in the background (lock held)."""
+    """Copy those of ``nodes`` in L1, not in L2 and not on their way there to new host pages
+    in the background (lock held)."""
     cand = [nd for nd in nodes if nd.device_page is not None and nd.host_page is None
             and not nd.backup_pending]
     if not cand:
@@ -172,18 +173,17 @@ def submit_backup(c: "TieredKVCache", nodes: list[Node], pages: list[int], *, l3
         raise
 
 
-def pin_backup(c: "TieredKVCache", nodes: list[Node]) -> None:
+def pin_backup(c: "TieredKVCache", nodes: list[Node], pin: bool = True) -> None:
+    """Pin ``nodes`` for their L1 -> L2 copy, or (``pin`` False) unpin them (lock held)."""
+    step = 1 if pin else -1
     for nd in nodes:
-        nd.backup_pending = True
-        c._index.backups_inflight += 1
-        nd.l1_pins += 1
+        nd.backup_pending = pin
+        c._index.backups_inflight += step
+        nd.l1_pins += step
 
 
 def undo_backup(c: "TieredKVCache", nodes: list[Node], pages: list[int]) -> None:
-    for nd in nodes:
-        nd.backup_pending = False
-        c._index.backups_inflight -= 1
-        nd.l1_pins -= 1
+    pin_backup(c, nodes, False)
     c.host_pool.free(pages)
 
 
@@ -197,10 +197,8 @@ def finish_backup(c: "TieredKVCache", nodes: list[Node], pages: list[int],
     unused: list[int] = []
     idx = c._index
     with c._lock:
+        pin_backup(c, nodes, False)
         for nd, p in zip(nodes, pages):
-            nd.backup_pending = False
-            idx.backups_inflight -= 1
-            nd.l1_pins -= 1
             if err is not None or nd.host_page is not None:
                 unused.append(p)
                 continue

@@ -54,10 +54,9 @@ def cache_config_from_vllm(vllm_config: "VllmConfig") -> CacheConfig:
                              model_revision=str(vllm_config.model_config.revision or ""),
                              tp_size=int(pc.tensor_parallel_size),
                              pp_size=int(pc.pipeline_parallel_size))
-    if vllm_config.parallel_config.pipeline_parallel_size != 1:
+    if pc.pipeline_parallel_size != 1:
         raise ConfigError("kvtier's vLLM connector does not support pipeline parallelism yet",
-                          key="pipeline_parallel_size",
-                          value=vllm_config.parallel_config.pipeline_parallel_size)
+                          key="pipeline_parallel_size", value=pc.pipeline_parallel_size)
     return cfg
 
 

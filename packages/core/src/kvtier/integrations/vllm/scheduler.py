@@ -46,7 +46,6 @@ class _Req:
         self.max_pages: int | None = None
 
 
-
 def _outside_window(block_ids: list[int]) -> int:
     """How many leading pages of a sliding-window request's external hit vLLM holds no block
     for (the null block: before the window)."""

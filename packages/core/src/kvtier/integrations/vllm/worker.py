@@ -98,22 +98,14 @@ class WorkerSide:
         for order in meta.loads:
             self._load_errors.update(order.failed_blocks)
             if order.plan.empty:
-                if order.is_async:        # still reported as received (nothing loaded)
-                    self._async[order.plan.plan_id] = order
-                    self._results[order.plan.plan_id] = order.plan.failed()
-                else:
-                    self._to_scheduler.append(order.plan.failed())
+                self._not_run(order)
                 continue
             try:
                 ex.submit(order.plan)
             except Exception as exc:       # malformed plan: its blocks are recomputed
                 log.warning("kvtier: load plan %d refused: %s", order.plan.plan_id, exc)
                 self._load_errors.update(order.plan.load_pages)
-                if order.is_async:        # reported received (and failed) like any other
-                    self._async[order.plan.plan_id] = order
-                    self._results[order.plan.plan_id] = order.plan.failed()
-                else:
-                    self._to_scheduler.append(order.plan.failed())
+                self._not_run(order)
                 continue
             if order.is_async:
                 self._async[order.plan.plan_id] = order
@@ -127,6 +119,15 @@ class WorkerSide:
                 self._to_scheduler.append(plan.failed())
                 continue
             self._prefetch_ids.add(plan.plan_id)
+
+    def _not_run(self, order: LoadOrder) -> None:
+        """A load that does not run (nothing to load, or refused) fails; an asynchronous one
+        is still reported received, like any other."""
+        if order.is_async:
+            self._async[order.plan.plan_id] = order
+            self._results[order.plan.plan_id] = order.plan.failed()
+        else:
+            self._to_scheduler.append(order.plan.failed())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         i = self._layer_idx.get(layer_name)
