@@ -10,7 +10,7 @@ import time
 import pytest
 
 from kvtier.cache import CacheConfig
-from kvtier.cache.cost import (CostModel, ReportedCostModel, best_split, check_rate,
+from kvtier.cache.cost import (SKIP_GAIN, CostModel, ReportedCostModel, best_split, check_rate,
                               load_seconds, merge_rates, split_time)
 from kvtier.errors import ConfigError, InvalidArgumentError
 from kvtier.host_allocators.torch_pinned import TorchPinnedAllocator
@@ -471,15 +471,16 @@ def test_a_configured_recompute_rate_beats_the_reported_one():
 
 def test_ranks_rates_merge_to_the_slowest():
     a = {"recompute_tokens_per_s": 1e4, "recompute_fixed_s": 0.01,
-         "recompute_attn_s_per_pair": None, "l2_load_bytes_per_s": 5e9,
-         "l3_read_bytes_per_s": None}
+         "recompute_attn_s_per_pair": None, "recompute_knee_tokens": 700.0,
+         "l2_load_bytes_per_s": 5e9, "l3_read_bytes_per_s": None}
     b = {"recompute_tokens_per_s": 2e4, "recompute_fixed_s": 0.03,
-         "recompute_attn_s_per_pair": 1e-12, "l2_load_bytes_per_s": 4e9,
-         "l3_read_bytes_per_s": 1e9}
+         "recompute_attn_s_per_pair": 1e-12, "recompute_knee_tokens": 300.0,
+         "l2_load_bytes_per_s": 4e9, "l3_read_bytes_per_s": 1e9}
     m = merge_rates(a, b)
+    # the lower knee: recompute is free for fewer tokens on the slower rank
     assert m == {"recompute_tokens_per_s": 1e4, "recompute_fixed_s": 0.03,
-                 "recompute_attn_s_per_pair": 1e-12, "l2_load_bytes_per_s": 4e9,
-                 "l3_read_bytes_per_s": 1e9}
+                 "recompute_attn_s_per_pair": 1e-12, "recompute_knee_tokens": 300.0,
+                 "l2_load_bytes_per_s": 4e9, "l3_read_bytes_per_s": 1e9}
     assert merge_rates(a, None) is a and merge_rates(None, b) is b
     assert merge_rates(None, None) is None
 
@@ -610,3 +611,78 @@ def test_one_split_for_every_path():
     off = CostModel(enabled=False)
     assert off.split(l2_pages=3, l3_pages=5, **kw) == (3, 5)
     assert off.first_read_cap(500) == 500
+
+
+def _h100_prefill(n: int) -> float:
+    """The demo's 8B prefill on an H100 (records/demo-h100-load.md): 21-25 ms whatever it
+    computes up to ~640 tokens, then 31K tokens/s."""
+    return max(0.023, 0.0023 + n / 31_000)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_recompute_fit_finds_the_prefill_floor_and_its_knee(seed):
+    import random
+    rng = random.Random(seed)
+    m = CostModel()
+    for _ in range(200):
+        n = rng.choice((rng.randint(64, 400), rng.randint(400, 1600), rng.randint(900, 3000)))
+        m.observe_recompute(n, _h100_prefill(n) * (1 + rng.uniform(-0.05, 0.05)))
+    assert 400 < m.recompute_knee_tokens < 900, m.recompute_knee_tokens
+    assert 25_000 < m.recompute_tokens_per_s < 40_000, m.recompute_tokens_per_s
+    assert 0.020 < m.recompute_fixed_s < 0.026, m.recompute_fixed_s
+    assert m.rates()["recompute_knee_tokens"] == m.recompute_knee_tokens
+    # a line's prefills (the H200's 70 ms + 75K tokens/s) get no knee
+    line = CostModel()
+    for n in (1335, 250, 400, 180, 900, 300, 260, 1100, 220, 350) * 3:
+        line.observe_recompute(n, (0.070 + n / 75_000) * (1 + rng.uniform(-0.03, 0.03)))
+    assert line.recompute_knee_tokens == 0.0
+    assert line.recompute_tokens_per_s == pytest.approx(75_000, rel=0.1)
+
+
+def test_recorded_h100_prefills_never_make_the_split_skip_in_place_pages():
+    """Every prefill of an H100 demo run (16 conversations x 12 rounds, in order), whose
+    times at equal work vary up to 2x: after each, a typical request's split of 10 L3 pages
+    loaded in place at 46 GB/s (350K tokens/s) against recomputing them (31K tokens/s above
+    a ~23 ms floor). A moving-average line through these swung 9K-170M tokens/s and skipped
+    pages in 59 of 192 splits; on the engine such skips cost L1+L2+L3 its hits under load
+    (63.6% against 81-85%)."""
+    import json
+    import pathlib
+    rows = json.loads((pathlib.Path(__file__).parent / "data" / "h100_8b_prefills.json")
+                      .read_text())["prefills"]
+    page_bytes = 64 * 128 * 1024
+    m = CostModel()
+    m.observe_load(page_bytes * 8, page_bytes * 8 / 46e9)
+    skipped = []
+    for tokens, seconds, context in rows:
+        m.observe_recompute(tokens, seconds, context=context)
+        _, l3 = m.split(l2_pages=0, l3_pages=10, in_place=True, compute_tokens=300,
+                        page_size=64, page_bytes=page_bytes, layers=32, context=1000)
+        skipped.append(10 - l3)
+    assert sum(skipped) == 0, skipped
+
+
+def test_a_split_skips_pages_only_for_a_gain_above_the_margin():
+    # 1 MiB pages that take 1.01 ms to load against 1 ms to recompute each (one layer, no
+    # overlap): skipping all 10 is modelled faster, by less than SKIP_GAIN (0.9%)
+    kw = dict(l2_pages=0, l3_pages=10, compute_tokens=64, h2d_bps=MIB / 1.01e-3,
+              l3_bps=None, layers=1, **BASE)
+    assert best_split(**kw, skip_gain=0.0) < 10
+    t_all, t_best = split_time(10, **kw), split_time(best_split(**kw, skip_gain=0.0), **kw)
+    assert t_best < t_all < t_best / (1 - SKIP_GAIN)
+    assert best_split(**kw) == 10
+    # a slow L3 gains far more than the margin by being skipped
+    assert best_split(**{**kw, "h2d_bps": 10e9, "l3_bps": 100e6, "l2_pages": 2,
+                         "l3_pages": 8}) == 2
+
+
+def test_loads_overlap_the_prefills_fixed_cost():
+    # 10 pages at 2 GB/s (5.2 ms) against 10 ms of recompute: with a 20 ms fixed cost the
+    # load hides under the prefill; without it, recomputing everything looks as good
+    kw = dict(l2_pages=10, l3_pages=0, compute_tokens=64, h2d_bps=2e9, l3_bps=None,
+              layers=32, **BASE)
+    assert split_time(10, **kw, recompute_fixed_s=0.020) == pytest.approx(
+        0.020 + 64 / 64_000 + 10 * MIB / 2e9 / 32)
+    assert split_time(0, **kw, recompute_fixed_s=0.020, knee_tokens=1000) == pytest.approx(
+        0.020)
+    assert best_split(**kw, recompute_fixed_s=0.020) == 10

@@ -13,13 +13,17 @@ of the pages not yet in L2 before it::
     l3(k)   = pages of the first k not yet in L2 x page_bytes / L3 bandwidth
               (+ the fixed cost of waiting for an L3 read at all, where the engine has one)
     h2d(k)  = k x page_bytes / L2 -> L1 bandwidth
-    comp(k) = c / recompute rate + attn x pairs(n, c)
+    comp(k) = fixed + max(0, c - knee) / recompute rate + attn x pairs(n, c)
     c       = tokens computed anyway + (hit pages - k) x page_size  (the last c of n tokens)
     pairs   = (n^2 - (n - c)^2) / 2  (query-key pairs of attention over the context)
 
-The recompute rate and ``attn`` come from an online fit of the engine's prefills (fixed cost
-+ per token + per pair, see `_Marginal`); ``attn`` is 0 until the engine reports each
-prefill's context (``observe_recompute(..., context=n)``) and the data tell it apart.
+The recompute rate, ``fixed``, ``knee`` and ``attn`` come from a fit of the engine's recent
+prefills (see `_Marginal`): a prefill costs ``fixed`` whatever it computes up to ``knee``
+tokens (0 where its cost is a line), and ``attn`` is 0 until the engine reports each
+prefill's context (``observe_recompute(..., context=n)``) and the data tell it apart. The
+fixed cost is the same for every split, but loads overlap it. A split that loads fewer pages
+than were hit is taken only where it is modelled `SKIP_GAIN` faster than loading them all:
+skipping a page for less is a bet on the model, not on the measurement.
 
 Until a rate is known nothing is cut (every hit is loaded, and the load measures it). A store
 call still running counts in the L3 bandwidth as soon as it is slower than the EWMA, so a
@@ -32,6 +36,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections import deque
 from typing import Any, TypeVar
 
 from ..errors import ConfigError
@@ -43,7 +48,12 @@ __all__ = ["CostModel", "ReportedCostModel", "TimedStore", "best_split", "split_
 
 #: The keys of `CostModel.rates` (what one process reports to another).
 RATE_NAMES = ("recompute_tokens_per_s", "recompute_fixed_s", "recompute_attn_s_per_pair",
-              "l2_load_bytes_per_s", "l3_read_bytes_per_s")
+              "recompute_knee_tokens", "l2_load_bytes_per_s", "l3_read_bytes_per_s")
+
+#: A split that loads fewer pages than were hit must be modelled at least this much (a
+#: fraction of loading them all) faster: on an H100 the demo's prefills vary by several % at
+#: equal work, and a split chasing less than that skipped pages for nothing.
+SKIP_GAIN = 0.02
 
 
 def pairs(context: int | None, computed: int) -> float:
@@ -70,7 +80,8 @@ def check_rate(name: str, value: Any) -> float:
 def split_time(k: int, *, l2_pages: int, l3_pages: int, l3_ready: int = 0, compute_tokens: int,
                page_size: int, page_bytes: int, h2d_bps: float, l3_bps: float | None,
                recompute_tps: float, layers: int = 1, attn_s: float = 0.0,
-               context: int | None = None, l3_fixed_s: float = 0.0, groups: int = 0) -> float:
+               context: int | None = None, l3_fixed_s: float = 0.0, groups: int = 0,
+               recompute_fixed_s: float = 0.0, knee_tokens: float = 0.0) -> float:
     """Modelled seconds to the first token when the first ``k`` of the ``l2_pages +
     l3_pages`` hit pages are loaded and the rest recomputed (see the module doc);
     ``l3_ready`` of the L3 pages are already in L2. ``l3_bps`` None: L3 pages cost no read.
@@ -78,7 +89,9 @@ def split_time(k: int, *, l2_pages: int, l3_pages: int, l3_ready: int = 0, compu
     ``l3_fixed_s``: what waiting for any L3 read costs beyond its bytes (vLLM: the request
     leaves the batch until the read is reported); ``groups`` (>= 2): the L3 read streams in
     that many layer groups, each loaded and computed as it lands (`kvtier.cache.stream`), so
-    only its first group comes before the prefill and the rest runs beside it."""
+    only its first group comes before the prefill and the rest runs beside it.
+    ``recompute_fixed_s``, ``knee_tokens``: a prefill costs the fixed seconds for up to that
+    many tokens, then each token more at ``recompute_tps``."""
     n = l2_pages + l3_pages
     if not 0 <= k <= n:
         raise ValueError(f"k={k} outside [0, {n}]")
@@ -87,7 +100,8 @@ def split_time(k: int, *, l2_pages: int, l3_pages: int, l3_ready: int = 0, compu
     fixed = l3_fixed_s if t3 else 0.0
     h = k * page_bytes / h2d_bps
     tokens = compute_tokens + (n - k) * page_size
-    c = tokens / recompute_tps + (attn_s * pairs(context, tokens) if attn_s else 0.0)
+    c = recompute_fixed_s + max(0.0, tokens - knee_tokens) / recompute_tps + \
+        (attn_s * pairs(context, tokens) if attn_s else 0.0)
     rest = max(h, c) + min(h, c) / max(1, layers)
     if groups >= 2 and t3:       # the fixed cost comes whole before the first group
         return fixed + t3 / groups + max(t3 * (groups - 1) / groups, rest)
@@ -97,8 +111,11 @@ def split_time(k: int, *, l2_pages: int, l3_pages: int, l3_ready: int = 0, compu
 def best_split(*, l2_pages: int, l3_pages: int, l3_ready: int = 0, compute_tokens: int,
                page_size: int, page_bytes: int, h2d_bps: float | None, l3_bps: float | None,
                recompute_tps: float | None, layers: int = 1, attn_s: float = 0.0,
-               context: int | None = None, l3_fixed_s: float = 0.0, groups: int = 0) -> int:
-    """How many leading hit pages to load (the fastest split; ties load more). Unknown rates
+               context: int | None = None, l3_fixed_s: float = 0.0, groups: int = 0,
+               recompute_fixed_s: float = 0.0, knee_tokens: float = 0.0,
+               skip_gain: float = SKIP_GAIN) -> int:
+    """How many leading hit pages to load: the fastest split, or every page where that is not
+    ``skip_gain`` (a fraction) faster than loading them all (ties load more). Unknown rates
     (None) cut nothing -- except a collapsed L3 (``l3_bps`` 0): its pages not in L2 are
     never waited for."""
     n = l2_pages + l3_pages
@@ -113,13 +130,15 @@ def best_split(*, l2_pages: int, l3_pages: int, l3_ready: int = 0, compute_token
     kw = dict(l2_pages=l2_pages, l3_pages=l3_pages, l3_ready=l3_ready,
               compute_tokens=compute_tokens, page_size=page_size, page_bytes=page_bytes,
               h2d_bps=h2d_bps, l3_bps=l3_bps, recompute_tps=recompute_tps, layers=layers,
-              attn_s=attn_s, context=context, l3_fixed_s=l3_fixed_s, groups=groups)
+              attn_s=attn_s, context=context, l3_fixed_s=l3_fixed_s, groups=groups,
+              recompute_fixed_s=recompute_fixed_s, knee_tokens=knee_tokens)
     best_k, best_t = n, split_time(n, **kw)
+    t_all = best_t
     for k in range(n - 1, -1, -1):
         t = split_time(k, **kw)
         if t < best_t * (1 - 1e-9):
             best_k, best_t = k, t
-    return best_k
+    return best_k if best_t < t_all * (1 - skip_gain) else n
 
 
 class _Rate:
@@ -160,12 +179,22 @@ class _Mean:
 
 
 class _Marginal:
-    """The engine's recompute cost as ``fixed + tokens / rate + attn x pairs``, fitted online
-    (moving averages of the normal equations of the least-squares fit). The split decision
-    needs the marginal ``rate``: a prefill pays its fixed cost whether a prefix is loaded or
-    not, and folding that cost into tokens/s makes recompute look several times slower than
-    it is (on the H200, 70 ms fixed + 75K tokens/s read as 5K tokens/s and let a 13K-tokens/s
-    L3 through).
+    """The engine's recompute cost as ``fixed + max(0, tokens - knee) / rate + attn x pairs``,
+    fitted by least squares to the last `WINDOW` prefills. The split decision needs the
+    marginal ``rate``: a prefill pays its fixed cost whether a prefix is loaded or not, and
+    folding that cost into tokens/s makes recompute look several times slower than it is (on
+    the H200, 70 ms fixed + 75K tokens/s read as 5K tokens/s and let a 13K-tokens/s L3
+    through).
+
+    The knee: a GPU's prefill costs about the same up to some hundreds of tokens (the host
+    launching kernels, the weights read once), then rises (on an H100, the demo's 8B model:
+    21-25 ms up to ~700 tokens, then 31K tokens/s). A line fitted to prefills that mostly sit
+    on the flat part has almost no slope, which reads as recompute for free: the online line
+    swung 12K-714K tokens/s over one run and the split skipped in-place L3 pages at 350K
+    tokens/s, pushing prefills past the knee (66% of the ideal under load, against 72% on a
+    machine where it skipped none). So the fit tries knees at quantiles of the window's
+    prefill sizes and keeps one only where it explains them `KNEE_GAIN` better than a line,
+    with `KNEE_SUPPORT` of the prefills above it to measure the slope.
 
     The third term is attention over the context: computing positions ``s..n`` costs about
     ``(n^2 - s^2) / 2`` query-key pairs, which makes a token at position 30K several times
@@ -173,73 +202,93 @@ class _Marginal:
     It is fitted only when the engine reports the context (``pairs``); every coefficient
     stays >= 0 (the best fit over the subsets of terms that keeps them so).
 
-    The fit remembers long (its moving averages weigh a new prefill at most `FIT_ALPHA`):
-    telling a fixed cost from a per-token one needs prefills of different lengths, and in a
-    multi-turn run the long first prompts come early, the short suffixes after. With the
-    rates' usual 0.3 the fit forgot the long ones within a dozen requests and the slope
-    became noise: on the H200 (DeepSeek-V2-Lite shape, 36 ms fixed + 72-86K tokens/s) it
-    settled at 6.4K tokens/s with no fixed cost, and let a 52K-tokens/s disk through (1.24x
-    slower than loading nothing from it); fed the same shape, 0.3 gave 6K-611K tokens/s over
-    five seeds and 0.05 gave 73-90K."""
+    The window remembers long: telling a fixed cost from a per-token one needs prefills of
+    different lengths, and in a multi-turn run the long first prompts come early, the short
+    suffixes after. A moving average with the rates' 0.3 forgot the long ones within a dozen
+    requests (on the H200's DeepSeek-V2-Lite shape, 36 ms fixed + 72-86K tokens/s, it settled
+    at 6.4K tokens/s and let a 52K-tokens/s disk through)."""
 
-    #: The most weight a new observation gets in the fit (the engine's speed changes slowly).
-    FIT_ALPHA = 0.05
+    #: Prefills the fit is made over (the most recent).
+    WINDOW = 256
+    #: A knee is kept only where its squared error is at most this share of a line's.
+    KNEE_GAIN = 0.8
+    #: ... and at least this share of the window (and 3 prefills) lie above it.
+    KNEE_SUPPORT = 0.1
+    #: Where knees are tried: these quantiles of the window's prefill sizes.
+    KNEE_QUANTILES = (0.2, 0.35, 0.5, 0.65, 0.8)
 
-    #: feature scales (kilo-tokens, mega-pairs) keep the normal equations well conditioned
+    #: feature scales (kilo-tokens, mega-pairs) keep the least squares well conditioned
     _SCALE = (1.0, 1e-3, 1e-6)
     _SUBSETS = ((0, 1, 2), (1, 2), (0, 1), (1,))
 
     def __init__(self, alpha: float):
-        self.alpha = alpha
-        self._xx = [[0.0] * 3 for _ in range(3)]     # E[x x^T]
-        self._xt = [0.0] * 3                          # E[x t]
-        self._tt = 0.0                                # E[t^2]
+        self._obs: deque[tuple[float, float, float]] = deque(maxlen=self.WINDOW)
         self.samples = 0
         self._ratio = _Rate(alpha)
-        self._fit: tuple[float, float, float] | None = None
+        self._fit: tuple[float, float, float, float] | None = None
+        self._stale = False
 
     def observe(self, tokens: float, seconds: float, pairs: float = 0.0) -> None:
         if tokens <= 0:
             return
-        a = 1.0 if not self.samples else min(self.alpha, self.FIT_ALPHA)
-        x = [f * v for f, v in zip(self._SCALE, (1.0, tokens, max(0.0, pairs)))]
-        for i in range(3):
-            for j in range(3):
-                self._xx[i][j] = (1 - a) * self._xx[i][j] + a * x[i] * x[j]
-            self._xt[i] = (1 - a) * self._xt[i] + a * x[i] * seconds
-        self._tt = (1 - a) * self._tt + a * seconds * seconds
+        self._obs.append((float(tokens), max(0.0, float(pairs)), float(seconds)))
         self.samples += 1
-        self._fit = None
+        self._stale = True
         self._ratio.observe(tokens, seconds)
 
-    def _solve(self) -> tuple[float, float, float] | None:
-        """(fixed s, s per token, s per pair), or None until the data tell them apart."""
-        if self._fit is not None or self.samples < 3:
+    def _solve(self) -> tuple[float, float, float, float] | None:
+        """(fixed s, s per token above the knee, s per pair, knee tokens), or None until the
+        data tell them apart."""
+        if not self._stale:
             return self._fit
+        self._stale = False
+        self._fit = None
+        if len(self._obs) < 3:
+            return None
         import numpy as np
-        xx, xt = np.array(self._xx), np.array(self._xt)
-        best: tuple[float, np.ndarray] | None = None
-        for cols in self._SUBSETS:
-            a = xx[np.ix_(cols, cols)]
-            if np.linalg.cond(a) > 1e9:
+        obs = np.array(self._obs)
+        n, p, t = obs[:, 0], obs[:, 1], obs[:, 2]
+        line = self._best(np, n, p, t, 0.0, self._SUBSETS)
+        knee: tuple[float, np.ndarray, float] | None = None
+        least = max(3, int(self.KNEE_SUPPORT * len(n)))
+        for k in sorted(set(np.quantile(n, self.KNEE_QUANTILES).round().tolist())):
+            if k <= 0 or int((n > k).sum()) < least:
+                continue
+            fit = self._best(np, n, p, t, k, ((0, 1, 2), (0, 1)))   # a floor needs its level
+            if fit is not None and (knee is None or fit[0] < knee[0]):
+                knee = fit
+        if knee is not None and (line is None or knee[0] <= self.KNEE_GAIN * line[0]):
+            line = knee
+        if line is not None:
+            c = line[1] * np.array(self._SCALE)
+            self._fit = (float(c[0]), float(c[1]), float(c[2]), float(line[2]))
+        return self._fit
+
+    @staticmethod
+    def _best(np: Any, n: Any, p: Any, t: Any, knee: float, subsets: Any) -> Any:
+        """(squared error, scaled coefficients, knee) of the best fit over ``subsets`` of the
+        terms that keeps every coefficient >= 0 and the slope > 0; None if none does."""
+        x = np.stack([np.ones_like(n), np.maximum(0.0, n - knee), p], 1) * \
+            np.array(_Marginal._SCALE)
+        best = None
+        for cols in subsets:
+            a = x[:, cols]
+            if np.linalg.cond(a.T @ a) > 1e9:
                 continue                      # a term the data do not vary in
-            coef = np.linalg.solve(a, xt[list(cols)])
+            coef = np.linalg.lstsq(a, t, rcond=None)[0]
             if not np.isfinite(coef).all() or (coef < 0).any() or coef[cols.index(1)] <= 0:
                 continue
-            full = np.zeros(3)
-            full[list(cols)] = coef
-            err = self._tt - 2 * float(full @ xt) + float(full @ xx @ full)
-            if best is None or err < best[0] - 1e-12 * max(self._tt, 1e-30):
-                best = (err, full)
-        if best is not None:
-            c = best[1] * np.array(self._SCALE)
-            self._fit = (float(c[0]), float(c[1]), float(c[2]))
-        return self._fit
+            err = float(((a @ coef - t) ** 2).sum())
+            if best is None or err < best[0] - 1e-12 * float((t * t).sum()):
+                full = np.zeros(3)
+                full[list(cols)] = coef
+                best = (err, full, knee)
+        return best
 
     @property
     def value(self) -> float | None:
-        """Marginal tokens/s once the data tell slope from fixed cost; until then the plain
-        ratio (an underestimate: it counts the fixed cost too)."""
+        """Marginal tokens/s (above the knee) once the data tell slope from fixed cost; until
+        then the plain ratio (an underestimate: it counts the fixed cost too)."""
         fit = self._solve()
         if fit is not None:
             return max(1.0 / fit[1], self._ratio.value or 0.0)
@@ -257,6 +306,12 @@ class _Marginal:
         if fit is not None:
             return fit[0]
         return None if not self.samples else 0.0
+
+    @property
+    def knee_tokens(self) -> float:
+        """Tokens a prefill computes for its fixed cost alone (0: none fitted)."""
+        fit = self._solve()
+        return 0.0 if fit is None else fit[3]
 
 
 class CostModel:
@@ -382,13 +437,19 @@ class CostModel:
 
     @property
     def recompute_fixed_s(self) -> float | None:
-        """The fitted fixed cost of one prefill (not part of the split decision)."""
+        """The fitted fixed cost of one prefill (the same for every split; loads overlap it)."""
         return None if self._given_rate is not None else self._recompute.fixed_s
+
+    @property
+    def recompute_knee_tokens(self) -> float:
+        """Tokens a prefill computes for its fixed cost alone (0: none fitted, or given rate)."""
+        return 0.0 if self._given_rate is not None else self._recompute.knee_tokens
 
     def rates(self) -> dict[str, float | None]:
         return {"recompute_tokens_per_s": self.recompute_tokens_per_s,
                 "recompute_fixed_s": self.recompute_fixed_s,
                 "recompute_attn_s_per_pair": self.recompute_attn_s,
+                "recompute_knee_tokens": self.recompute_knee_tokens,
                 "l2_load_bytes_per_s": self.h2d_bytes_per_s,
                 "l3_read_bytes_per_s": self.l3_bytes_per_s,
                 "l3_wait_fixed_s": self.l3_fixed_s}
@@ -472,7 +533,9 @@ class CostModel:
                           l3_bps=self.l3_bytes_per_s if l3_pages > l3_ready else None,
                           recompute_tps=self.recompute_tokens_per_s, layers=layers,
                           attn_s=self.recompute_attn_s, context=context,
-                          l3_fixed_s=self.l3_fixed_s, groups=groups)
+                          l3_fixed_s=self.l3_fixed_s, groups=groups,
+                          recompute_fixed_s=self.recompute_fixed_s or 0.0,
+                          knee_tokens=self.recompute_knee_tokens)
 
 
 def group_bytes(page_bytes: int, num_layers: int, group: tuple[int, int], pages: int) -> int:
@@ -500,7 +563,8 @@ def _reported(value: Any) -> float | None:
 
 def merge_rates(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, Any] | None:
     """Two processes' `CostModel.rates` as one (tensor-parallel ranks of one engine: a load is
-    done when the slowest rank's is): the lower of each rate, the higher of each cost."""
+    done when the slowest rank's is): the lower of each rate and knee, the higher of each
+    cost."""
     if not a or not b:
         return a or b
     out: dict[str, Any] = {}
@@ -508,7 +572,7 @@ def merge_rates(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str,
         x, y = _reported(a.get(name)), _reported(b.get(name))
         if x is None or y is None:
             out[name] = x if y is None else y
-        elif name.endswith("_per_s"):
+        elif name.endswith(("_per_s", "_knee_tokens")):
             out[name] = min(x, y)
         else:
             out[name] = max(x, y)
@@ -563,6 +627,12 @@ class ReportedCostModel(CostModel):
     @property
     def recompute_fixed_s(self) -> float | None:
         return None if self._given_rate is not None else self._get("recompute_fixed_s")
+
+    @property
+    def recompute_knee_tokens(self) -> float:
+        if self._given_rate is not None:
+            return 0.0
+        return self._get("recompute_knee_tokens") or 0.0
 
 
 class TimedStore:

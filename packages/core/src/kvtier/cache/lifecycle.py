@@ -124,5 +124,6 @@ def register_gauges(cache: Any) -> None:
     m.gauge("recompute_tokens_per_s", lambda: cost.recompute_tokens_per_s or 0.0)
     m.gauge("recompute_fixed_s", lambda: cost.recompute_fixed_s or 0.0)
     m.gauge("recompute_attn_s_per_pair", lambda: cost.recompute_attn_s)
+    m.gauge("recompute_knee_tokens", lambda: cost.recompute_knee_tokens)
     m.gauge("l2_load_bytes_per_s", lambda: cost.h2d_bytes_per_s or 0.0)
     m.gauge("l3_read_bytes_per_s", lambda: cost.l3_bytes_per_s or 0.0)
