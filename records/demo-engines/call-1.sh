@@ -8,16 +8,8 @@
 #     in-use check (verify_mib = 0), and the copy engine alone;
 #  3. the file L3 on tmpfs (8 I/O threads) with the router and with the copy engine;
 #  4. the file L3 on the host disk with whole reads (the default since 4af217e) against L1+L2.
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-T0=$(date +%s); R=/tmp/res; mkdir -p $R
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/kv .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/kv
-el(){ echo "== $(( $(date +%s)-T0 ))s $*"; (cd /tmp && tar czf $OUT/res.tgz --exclude='*.png' res); }
-lim(){ local l=$(( ${B:-560} - ($(date +%s)-T0) )); [ $l -gt $1 ] && l=$1; [ $l -lt 1 ] && l=1; echo $l; }
-{ nvidia-smi -L; free -g; nproc; df -h /dev/shm /tmp; } > $R/machine.txt 2>&1
+. records/demo-stream/common.sh    # install, el, lim (B), machine.txt, K, D
 printf '[cache]\ntransfer_config = { verify_mib = 0 }\n' > /tmp/noverify.toml
-K="python3 -m kvtier"
-D="$K demo --device cuda --model-size 8b --dtype bfloat16 --no-progress --no-plot"
 SHM='{"root":"/dev/shm/kva","capacity_bytes":8589934592}'
 FT='{"root":"/dev/shm/kvf","io_threads":8}'
 tab(){ grep -E "^\| (L1|ideal)" $1 | grep -v "GB/s\|in place\|^| L1 only  *| [0-9,]* *| -" | cut -d"|" -f2,3,8,12 | head -5

@@ -7,15 +7,7 @@
 #  2. the demo's file L3 on tmpfs with 16 I/O threads;
 #  3. issue 41: 8B multi-turn under an open-loop load, with enough requests (16 conversations
 #     x 12 rounds) for L1 only's queue to build, shm L3 loaded in place.
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-T0=$(date +%s); R=/tmp/res; mkdir -p $R
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/kv .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/kv
-el(){ echo "== $(( $(date +%s)-T0 ))s $*"; (cd /tmp && tar czf $OUT/res.tgz --exclude='*.png' res); }
-lim(){ local l=$(( ${B:-560} - ($(date +%s)-T0) )); [ $l -gt $1 ] && l=$1; [ $l -lt 1 ] && l=1; echo $l; }
-{ nvidia-smi -L; free -g; nproc; df -h /dev/shm /tmp; } > $R/machine.txt 2>&1
-K="python3 -m kvtier"
-D="$K demo --device cuda --model-size 8b --dtype bfloat16 --no-progress --no-plot"
+. records/demo-stream/common.sh    # install, el, lim (B), machine.txt, K, D
 sb(){ # name, seconds, bench args...
   local n=$1 s=$2; shift 2; el $n
   timeout $(lim $s) $K bench store --store file --dir /dev/shm/kvb --json $R/$n.json "$@" > $R/$n.log 2>&1; echo rc=$?

@@ -5,14 +5,7 @@
 #     the cost-aware split against loading every hit, to see whether the split's skipped
 #     pages are what holds L1+L2+L3 at 67% of the ideal under load (call 2);
 #  2. the file L3 on the host disk against L1+L2 again (the run-to-run spread of call 1).
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-T0=$(date +%s); R=/tmp/res; mkdir -p $R
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/kv .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/kv
-el(){ echo "== $(( $(date +%s)-T0 ))s $*"; (cd /tmp && tar czf $OUT/res.tgz --exclude='*.png' res); }
-lim(){ local l=$(( ${B:-420} - ($(date +%s)-T0) )); [ $l -gt $1 ] && l=$1; [ $l -lt 1 ] && l=1; echo $l; }
-{ nvidia-smi -L; free -g; nproc; df -h /dev/shm /tmp; } > $R/machine.txt 2>&1
-D="python3 -m kvtier demo --device cuda --model-size 8b --dtype bfloat16 --no-progress --no-plot"
+. records/demo-stream/common.sh    # install, el, lim (B), machine.txt, K, D
 el load
 rm -rf /dev/shm/kva; timeout $(lim 280) $D --clients 16 --rounds 12 --setups 'L1 only,L1+L2+L3,L1+L2+L3 load all,ideal (all in L1)' --l3-store shm --l3-config '{"root":"/dev/shm/kva","capacity_bytes":25769803776}' --loads 1.05 --out $R/load-16x12-all > $R/load-16x12-all.log 2>&1; echo rc=$?; rm -rf /dev/shm/kva
 grep -E "capacity|^\| (load|serial|1[0-9][0-9]%)" $R/load-16x12-all.log | cut -d'|' -f1-6,8,9,13-18 | head -24

@@ -5,14 +5,8 @@
 # in call-1.sh. From the repository root: B=540 bash records/demo-engines/call-4.sh
 #  1. 16 conversations x 12 rounds at 105% of L1 only's capacity, shm L3 in place: before, after;
 #  2. multi-turn with the file L3 on tmpfs: the split against loading every hit and none.
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-T0=$(date +%s); R=/tmp/res; mkdir -p $R
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/kv .whl/*.whl || exit 1
+. records/demo-stream/common.sh    # install, el, lim (B), machine.txt, K, D
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/kv-old .whl/old/kvtier_*.whl .whl/isal*.whl .whl/transformers*.whl || exit 1
-el(){ echo "== $(( $(date +%s)-T0 ))s $*"; (cd /tmp && tar czf $OUT/res.tgz --exclude='*.png' res); }
-lim(){ local l=$(( ${B:-540} - ($(date +%s)-T0) )); [ $l -gt $1 ] && l=$1; [ $l -lt 1 ] && l=1; echo $l; }
-{ nvidia-smi -L; free -g; nproc; df -h /dev/shm /tmp; } > $R/machine.txt 2>&1
-D="python3 -m kvtier demo --device cuda --model-size 8b --dtype bfloat16 --no-progress --no-plot"
 load(){ # name, python path
   el $1; rm -rf /dev/shm/kva
   PYTHONPATH=$2 timeout $(lim 190) $D --clients 16 --rounds 12 --setups 'L1 only,L1+L2+L3,ideal (all in L1)' --l3-store shm --l3-config '{"root":"/dev/shm/kva","capacity_bytes":25769803776}' --loads 1.05 --out $R/$1 > $R/$1.log 2>&1; echo rc=$?; rm -rf /dev/shm/kva
