@@ -686,3 +686,25 @@ def test_loads_overlap_the_prefills_fixed_cost():
     assert split_time(0, **kw, recompute_fixed_s=0.020, knee_tokens=1000) == pytest.approx(
         0.020)
     assert best_split(**kw, recompute_fixed_s=0.020) == 10
+
+
+def test_the_recompute_fit_is_made_again_every_few_prefills_not_every_one(monkeypatch):
+    """A serving engine observes every step; the least squares cost ~0.5 ms, so once the window
+    holds REFIT_FROM prefills the fit is redone after REFIT_EVERY new ones."""
+    from kvtier.cache.cost import _Marginal
+    calls = []
+    real = _Marginal._best
+    monkeypatch.setattr(_Marginal, "_best", staticmethod(
+        lambda *a: calls.append(1) or real(*a)))
+    m = CostModel()
+    for i in range(_Marginal.REFIT_FROM - 1):              # below REFIT_FROM: every one
+        m.observe_recompute(100 + 37 * i, _h100_prefill(100 + 37 * i))
+        assert m.recompute_tokens_per_s is not None
+    fit, calls[:] = m._recompute._fit, []
+    for i in range(_Marginal.REFIT_EVERY - 1):
+        m.observe_recompute(500 + i, 0.5)                 # outliers: a refit would move
+        m.rates()
+    assert not calls and m._recompute._fit == fit
+    m.observe_recompute(600, 0.5)
+    m.rates()
+    assert calls and m._recompute._fit != fit
