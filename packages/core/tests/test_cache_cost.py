@@ -708,3 +708,31 @@ def test_the_recompute_fit_is_made_again_every_few_prefills_not_every_one(monkey
     m.observe_recompute(600, 0.5)
     m.rates()
     assert calls and m._recompute._fit != fit
+
+
+def test_a_reader_during_a_refit_gets_the_last_fit_not_none(monkeypatch):
+    """The cache reads the rates on an arriving request's thread while the engine's thread
+    observes prefills and refits: a split made during a refit must see the last fit, not a
+    model without one (the plain ratio, no fixed cost, no knee)."""
+    import random
+    from kvtier.cache.cost import _Marginal
+    rng = random.Random(1)
+    m = CostModel()
+    for _ in range(_Marginal.REFIT_FROM):
+        n = rng.randint(64, 3000)
+        m.observe_recompute(n, _h100_prefill(n) * (1 + rng.uniform(-0.05, 0.05)))
+    before = m.rates()
+    assert before["recompute_fixed_s"] and before["recompute_tokens_per_s"]
+    seen = []
+    real = _Marginal._fit_of
+
+    def fit_while_read(self, obs):
+        seen.append(m.rates())          # what another thread reads while this one fits
+        return real(self, obs)
+
+    monkeypatch.setattr(_Marginal, "_fit_of", fit_while_read)
+    for _ in range(_Marginal.REFIT_EVERY):
+        m.observe_recompute(5000, 0.5)
+    m.rates()
+    assert seen == [before]
+    assert m.rates() != before

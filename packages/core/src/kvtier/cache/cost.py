@@ -231,48 +231,55 @@ class _Marginal:
         self._ratio = _Rate(alpha)
         self._fit: tuple[float, float, float, float] | None = None
         self._new = 0                       # prefills observed since the last fit
+        self._lock = threading.Lock()       # the window and the count against the fit
 
     def observe(self, tokens: float, seconds: float, pairs: float = 0.0) -> None:
         if tokens <= 0:
             return
-        self._obs.append((float(tokens), max(0.0, float(pairs)), float(seconds)))
-        self.samples += 1
-        self._new += 1
+        with self._lock:
+            self._obs.append((float(tokens), max(0.0, float(pairs)), float(seconds)))
+            self.samples += 1
+            self._new += 1
         self._ratio.observe(tokens, seconds)
 
     def _solve(self) -> tuple[float, float, float, float] | None:
         """(fixed s, s per token above the knee, s per pair, knee tokens), or None until the
-        data tell them apart."""
-        if not self._new or (self._new < self.REFIT_EVERY
-                             and len(self._obs) >= self.REFIT_FROM):
-            return self._fit
-        self._new = 0
-        self._fit = None
-        if len(self._obs) < 3:
-            return None
+        data tell them apart. The fit is made over a copy of the window; a reader on another
+        thread meanwhile gets the last fit."""
+        with self._lock:
+            if not self._new or (self._new < self.REFIT_EVERY
+                                 and len(self._obs) >= self.REFIT_FROM):
+                return self._fit
+            self._new = 0
+            obs = list(self._obs)
+        self._fit = fit = self._fit_of(obs) if len(obs) >= 3 else None
+        return fit
+
+    def _fit_of(self, obs: list[tuple[float, float, float]]
+                ) -> tuple[float, float, float, float] | None:
         import numpy as np
-        obs = np.array(self._obs)
-        n, p, t = obs[:, 0], obs[:, 1], obs[:, 2]
-        line = self._best(np, n, p, t, 0.0, self._SUBSETS)
+        n, p, t = np.array(obs).T
+        line = self._best(n, p, t, 0.0, self._SUBSETS)
         knee: tuple[float, np.ndarray, float] | None = None
         least = max(3, int(self.KNEE_SUPPORT * len(n)))
         for k in sorted(set(np.quantile(n, self.KNEE_QUANTILES).round().tolist())):
             if k <= 0 or int((n > k).sum()) < least:
                 continue
-            fit = self._best(np, n, p, t, k, ((0, 1, 2), (0, 1)))   # a floor needs its level
+            fit = self._best(n, p, t, k, ((0, 1, 2), (0, 1)))   # a floor needs its level
             if fit is not None and (knee is None or fit[0] < knee[0]):
                 knee = fit
         if knee is not None and (line is None or knee[0] <= self.KNEE_GAIN * line[0]):
             line = knee
-        if line is not None:
-            c = line[1] * np.array(self._SCALE)
-            self._fit = (float(c[0]), float(c[1]), float(c[2]), float(line[2]))
-        return self._fit
+        if line is None:
+            return None
+        c = line[1] * np.array(self._SCALE)
+        return (float(c[0]), float(c[1]), float(c[2]), float(line[2]))
 
     @staticmethod
-    def _best(np: Any, n: Any, p: Any, t: Any, knee: float, subsets: Any) -> Any:
+    def _best(n: Any, p: Any, t: Any, knee: float, subsets: Any) -> Any:
         """(squared error, scaled coefficients, knee) of the best fit over ``subsets`` of the
         terms that keeps every coefficient >= 0 and the slope > 0; None if none does."""
+        import numpy as np
         x = np.stack([np.ones_like(n), np.maximum(0.0, n - knee), p], 1) * \
             np.array(_Marginal._SCALE)
         best = None
