@@ -643,7 +643,7 @@ def test_recorded_h100_prefills_never_make_the_split_skip_in_place_pages():
     """Every prefill of an H100 demo run (16 conversations x 12 rounds, in order), whose
     times at equal work vary up to 2x: after each, a typical request's split of 10 L3 pages
     loaded in place at 46 GB/s (350K tokens/s) against recomputing them (31K tokens/s above
-    a ~23 ms floor). A moving-average line through these swung 9K-170M tokens/s and skipped
+    a ~23 ms floor). A moving-average line through these swung 9K-175M tokens/s and skipped
     pages in 59 of 192 splits; on the engine such skips cost L1+L2+L3 its hits under load
     (63.6% against 81-85%)."""
     import json
