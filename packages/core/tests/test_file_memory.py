@@ -38,8 +38,10 @@ from file_formats import flip  # noqa: E402
 ODD = KVSpec.mha(num_layers=3, num_kv_heads=2, head_dim=24, page_size=5, dtype="bfloat16")
 ALIGNED = KVSpec.mha(num_layers=2, num_kv_heads=2, head_dim=64, page_size=8,
                      dtype="bfloat16")
+#: bytes per call of the stores below (``io_call_bytes``): pages of several calls
+PIECE = 512 << 10
 #: a page of 1.5 hot calls (and not a multiple of 4 KiB): pieces split inside a page
-BIG_ODD = KVSpec.mha(num_layers=1, num_kv_heads=1, head_dim=3 * _hotio.HOT_BYTES // 4 + 6,
+BIG_ODD = KVSpec.mha(num_layers=1, num_kv_heads=1, head_dim=3 * PIECE // 4 + 6,
                      page_size=1, dtype="bfloat16")
 #: 2 MiB pages: four hot calls each, O_DIRECT-aligned
 BIG = KVSpec.mha(num_layers=4, num_kv_heads=4, head_dim=128, page_size=256, dtype="bfloat16")
@@ -72,8 +74,8 @@ def root(request, tmp_path, monkeypatch):
 
 
 def open_store(root, spec=ODD, **config) -> FileStore:
-    return FileStore({"root": str(root), "format": "segments", "io_threads": 3, **config},
-                     spec=spec)
+    return FileStore({"root": str(root), "format": "segments", "io_threads": 3,
+                      "io_call_bytes": PIECE, **config}, spec=spec)
 
 
 def keys(n: int, tag: str = "") -> list[bytes]:
@@ -261,21 +263,59 @@ def test_a_full_memory_filesystem_is_a_counted_miss(root, monkeypatch):
         s.close()
 
 
+@pytest.mark.parametrize("call", [8 << 20, 1 << 20, 12345], ids=["8M", "1M", "odd"])
+def test_calls_in_memory_follow_io_call_bytes(root, monkeypatch, call):
+    """In memory a run moves in calls of about io_call_bytes (rounded down to 4 KiB): at the
+    default 8 MiB four 2 MiB pages share a call -- each call is a round trip through the
+    interpreter lock -- at 1 MiB a page takes two; every page still reads back."""
+    sizes: dict[str, list[int]] = {"w": [], "r": []}
+    real_w, real_r = _files._pwrite_all, _files._pread_all
+
+    def w(fd, bufs, off):
+        sizes["w"].append(sum(len(b) for b in bufs))
+        return real_w(fd, bufs, off)
+
+    def r(fd, bufs, off):
+        sizes["r"].append(sum(len(b) for b in bufs))
+        return real_r(fd, bufs, off)
+    monkeypatch.setattr(_files, "_pwrite_all", w)
+    monkeypatch.setattr(_files, "_pread_all", r)
+    n = 6
+    with HostKVPool(BIG, 2 * n, allocator=MmapAllocator()) as pool:
+        fill_random(pool.raw)
+        s = open_store(root, BIG, io_threads=1, io_call_bytes=call)
+        s.attach(pool)
+        k = keys(n)
+        want = [page(pool, p) for p in range(n)]
+        assert s.batch_set(k, list(range(n))) == [True] * n
+        fill_random(pool.raw[n * BIG.page_bytes:])
+        assert s.batch_get(k, list(range(n, 2 * n))) == [True] * n
+        assert all(torch.equal(page(pool, n + i), want[i]) for i in range(n))
+        s.close()
+    piece = max(4096, call // 4096 * 4096)
+    slot = -(-(BIG.page_bytes + 128) // 4096) * 4096
+    for op in ("w", "r"):
+        got = sizes[op]
+        assert sum(got) == n * slot, op                    # every page and tail, once
+        assert all(piece <= x < 2 * piece + slot - BIG.page_bytes for x in got[:-1]), (op, got)
+        assert len(got) <= -(-n * slot // piece) + 1, (op, len(got))
+
+
 def test_hot_reads_stop_at_an_early_end(tmp_path):
     """read_hot over a file shorter than the slots asked: the bytes read, and whole pages'
     checksums for what arrived."""
     import isal.isal_zlib as crc_mod  # noqa: F401 - any crc32 does; zlib's is the reference
     import zlib
-    data = os.urandom(2 * _hotio.HOT_BYTES + 100)   # ends inside the second page
+    data = os.urandom(2 * PIECE + 100)   # ends inside the second page
     path = tmp_path / "f"
     path.write_bytes(data)
     fd = os.open(path, os.O_RDONLY)
     try:
-        a, b = bytearray(_hotio.HOT_BYTES + 50), bytearray(_hotio.HOT_BYTES * 2)
+        a, b = bytearray(PIECE + 50), bytearray(PIECE * 2)
         ta, tb = bytearray(10), bytearray(10)
         got, sums = _hotio.read_hot(fd, 0, [([memoryview(a)], memoryview(ta)),
                                             ([memoryview(b)], memoryview(tb))],
-                                    zlib.crc32, 0)
+                                    zlib.crc32, 0, PIECE)
     finally:
         os.close(fd)
     assert got == len(data)

@@ -1,15 +1,16 @@
 """Slot I/O for the `file` store's segments where the medium is memory (tmpfs, ramfs): the
-payload checksum runs on each piece while it is in the CPU cache.
+payload checksum runs on each piece right next to the call that copies it.
 
 On a disk the checksum is a pass over host memory before a write call (or after a read
 call) of several MiB, and the device is the limit. In memory the copy into or out of the
-file is the whole cost, and the checksum's own pass over a run of pages -- read back from
-DRAM after the run's copy -- costs as much again per byte as the copy (ISA-L's CRC-32 runs at
-13 GB/s per core from DRAM, at 90-100 from L2). So here a run is moved in calls of about
-``HOT_BYTES``: a write checksums each piece just before the call that copies it (the copy
-then reads the piece from the cache too), a read checksums each piece just after the call
-that copied it. Calls are small (the copy is the cost; a syscall per 512 KiB is noise), and
-offsets stay multiples of 4 KiB wherever the pages are, so ``O_DIRECT`` descriptors work.
+file is the whole cost, so a run is moved in calls of about ``piece`` bytes (the store's
+``io_call_bytes``): a write checksums each piece just before the call that copies it, a
+read checksums each piece just after the call that copied it. Small pieces (512 KiB, within
+a core's L2) keep the checksum's read in the cache -- on a two-core box up to 30% of the
+store's rate for 1 MiB pages -- but every call is a round trip through the interpreter lock;
+on a 16-core host pieces of 2-8 MiB were as fast or faster (records/file-store-threads.md),
+so the default is the store's 8 MiB. Offsets stay multiples of 4 KiB wherever the pages are,
+so ``O_DIRECT`` descriptors work.
 
 Nothing changes on disk: a slot is still the page followed by its trailer block, the
 trailer written in the same call as the page's last piece or after it, and the index record
@@ -22,19 +23,22 @@ from __future__ import annotations
 from typing import Callable, Iterator, Sequence
 
 from . import _files
-
-#: Bytes per call: pieces of at most this, and a call is made once this much is pending, so
-#: at most about twice this is in flight between checksum and copy (within a core's L2).
-HOT_BYTES = 512 << 10
+from .format import DIRECT_ALIGN
 
 
-def _pieces(views: Sequence[memoryview]) -> Iterator[memoryview]:
+def piece_bytes(call_bytes: int) -> int:
+    """Bytes per call for a store whose calls aim at ``call_bytes``: pieces of at most this,
+    and a call is made once this much is pending; a multiple of 4 KiB."""
+    return max(DIRECT_ALIGN, call_bytes // DIRECT_ALIGN * DIRECT_ALIGN)
+
+
+def _pieces(views: Sequence[memoryview], piece: int) -> Iterator[memoryview]:
     for v in views:
-        for o in range(0, len(v), HOT_BYTES):
-            yield v[o:o + HOT_BYTES]
+        for o in range(0, len(v), piece):
+            yield v[o:o + piece]
 
 
-def _cut(views: Sequence[memoryview], ends: Sequence[int]
+def _cut(views: Sequence[memoryview], ends: Sequence[int], piece: int
          ) -> Iterator[tuple[memoryview, bool]]:
     """``_pieces`` also cut where a layer group ends: (piece, whether a group ends with it)."""
     at = 0
@@ -43,7 +47,7 @@ def _cut(views: Sequence[memoryview], ends: Sequence[int]
         n = len(v)
         o = 0
         while o < n:
-            stop = min(n, o + HOT_BYTES)
+            stop = min(n, o + piece)
             while i < len(ends) and ends[i] - at <= o:
                 i += 1           # an end at a piece boundary already passed
             if i < len(ends) and ends[i] - at < stop:
@@ -55,7 +59,8 @@ def _cut(views: Sequence[memoryview], ends: Sequence[int]
 
 def write_hot(fd: int, offset: int, pages: Sequence[tuple[Sequence[memoryview], memoryview]],
               fn: Callable[..., int], start: int,
-              seal: Callable[[int, list[int]], None], ends: Sequence[int]) -> None:
+              seal: Callable[[int, list[int]], None], ends: Sequence[int], piece: int
+              ) -> None:
     """Write consecutive slots from ``offset``: per page its views then its tail block;
     ``seal(j, sums)`` fills page j's tail (its trailer) once its running checksums at
     ``ends`` (where each layer group ends; the last is the page's checksum) are known,
@@ -66,13 +71,13 @@ def write_hot(fd: int, offset: int, pages: Sequence[tuple[Sequence[memoryview], 
     for j, (views, tail) in enumerate(pages):
         value = start
         sums: list[int] = []
-        for piece, ends_group in _cut(views, ends):
-            value = fn(piece, value)
+        for part, ends_group in _cut(views, ends, piece):
+            value = fn(part, value)
             if ends_group:
                 sums.append(value & 0xFFFFFFFF)
-            pend.append(piece)
-            pend_bytes += len(piece)
-            if pend_bytes >= HOT_BYTES:
+            pend.append(part)
+            pend_bytes += len(part)
+            if pend_bytes >= piece:
                 _files._pwrite_all(fd, pend, at)
                 at, pend, pend_bytes = at + pend_bytes, [], 0
         seal(j, sums)
@@ -83,7 +88,7 @@ def write_hot(fd: int, offset: int, pages: Sequence[tuple[Sequence[memoryview], 
 
 
 def read_hot(fd: int, offset: int, pages: Sequence[tuple[Sequence[memoryview], memoryview]],
-             fn: Callable[..., int], start: int) -> tuple[int, list[int]]:
+             fn: Callable[..., int], start: int, piece: int) -> tuple[int, list[int]]:
     """Read consecutive slots from ``offset`` into each page's views and tail block; returns
     (bytes read, each page's checksum of what is now in its views). A read that ends early
     (end of file) stops there: pages past ``bytes read`` are incomplete, their checksums
@@ -107,10 +112,10 @@ def read_hot(fd: int, offset: int, pages: Sequence[tuple[Sequence[memoryview], m
         return n == pend_bytes
 
     for j, (views, tail) in enumerate(pages):
-        for piece in _pieces(views):
-            pend.append((piece, j))
-            pend_bytes += len(piece)
-            if pend_bytes >= HOT_BYTES:
+        for part in _pieces(views, piece):
+            pend.append((part, j))
+            pend_bytes += len(part)
+            if pend_bytes >= piece:
                 if not flush():
                     return got, [v & 0xFFFFFFFF for v in sums]
                 pend, pend_bytes = [], 0

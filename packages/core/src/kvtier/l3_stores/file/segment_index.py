@@ -109,6 +109,7 @@ class SegmentIndex:
     seg_slots: int
     medium: str
     hot: bool
+    piece: int
     lanes: int
     _io_gate: threading.Semaphore | None
     _local: threading.local

@@ -179,7 +179,8 @@ class SegmentReads(SegmentCapacity):
                         got, sums = _hotio.read_hot(
                             fd, first * self.slot_bytes,
                             [(s._views(page), smv[j * tb:(j + 1) * tb])
-                             for j, (_, _, _, page) in enumerate(run)], fn, start)
+                             for j, (_, _, _, page) in enumerate(run)], fn, start,
+                            self.piece)
                     else:
                         got = _files._pread_all(fd, bufs, first * self.slot_bytes)
             except OSError as exc:

@@ -326,7 +326,7 @@ class SegmentWrites(SegmentReads):
                     if self.hot:
                         fn, start = self._crc()
                         _hotio.write_hot(fd, first * self.slot_bytes, hot, fn, start, seal,
-                                         s._group_ends)
+                                         s._group_ends, self.piece)
                     else:
                         _files._pwrite_all(fd, bufs, first * self.slot_bytes)
                 if self._sync:

@@ -103,6 +103,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+from . import _hotio
 from .format import DIRECT_ALIGN, TRAILER_BYTES
 from .segment_index import _LOG_RE, _SEAL, _SEG_RE, SEG_DIR, _Fd, _Log, _Seg, pack_record
 from .segment_writes import SegmentWrites, _Lane
@@ -146,6 +147,8 @@ class SegmentFormat(SegmentWrites):
         #: and logs are sized with ftruncate while there is ample room (tmpfs allocates on
         #: write; preallocating is one more pass over the pages' memory; see _reserve)
         self.hot = self.medium == "memory"
+        #: bytes per call there (``_hotio``): the store's ``io_call_bytes``
+        self.piece = _hotio.piece_bytes(c.io_call_bytes)
         #: write lanes: each its own writer, appending to its own current segment
         self.lanes = c.write_lanes or (c.io_threads if self.medium == "memory" else 1)
         self._lanes: list[_Lane] = []
