@@ -90,6 +90,21 @@ def proc_reader(base, hot, ready, go, stop, q):
     shutil.rmtree(root, ignore_errors=True)
 
 
+def beside(threads, moved, stop, iters):
+    """The launch loop timed while ``threads`` run (they add bytes to ``moved[0]`` until
+    ``stop``): (loop times, their GB/s meanwhile)."""
+    for t in threads:
+        t.start()
+    time.sleep(0.2)
+    m0, t0 = moved[0], time.perf_counter()
+    loop = launch_loop(iters)
+    gbps = (moved[0] - m0) / (time.perf_counter() - t0) / 1e9
+    stop.set()
+    for t in threads:
+        t.join()
+    return loop, gbps
+
+
 def row(name, loop, alone, gbps):
     med = statistics.median(loop)
     r = {"readers": name, "loop_ms": round(med, 3), "vs_alone": round(med / alone, 3),
@@ -109,14 +124,8 @@ def main():
     for hot in [int(h) for h in os.environ.get("HOTS", "524288,2097152,0,-1").split(",") if h]:
         store, pool, keys, root = make_store(base, hot)
         stop, moved = threading.Event(), [0]
-        th = threading.Thread(target=read_loop, args=(store, keys, stop, moved))
-        th.start()
-        time.sleep(0.2)
-        m0, t0 = moved[0], time.perf_counter()
-        loop = launch_loop(iters)
-        gbps = (moved[0] - m0) / (time.perf_counter() - t0) / 1e9
-        stop.set()
-        th.join()
+        loop, gbps = beside([threading.Thread(target=read_loop, args=(store, keys, stop, moved))],
+                            moved, stop, iters)
         name = {0: "store threads, shipped pieces (io_call_bytes)",
                 -1: "store threads, no pieces (hot path off)"}.get(
             hot, f"store threads, {hot >> 10} KiB pieces")
@@ -152,16 +161,8 @@ def main():
         while not tstop.is_set():
             dst[i].copy_(src[i])
             moved[0] += PAGE
-    ths = [threading.Thread(target=copier, args=(i,)) for i in range(8)]
-    for t in ths:
-        t.start()
-    time.sleep(0.2)
-    m0, t0 = moved[0], time.perf_counter()
-    loop = launch_loop(iters)
-    gbps = (moved[0] - m0) / (time.perf_counter() - t0) / 1e9
-    tstop.set()
-    for t in ths:
-        t.join()
+    loop, gbps = beside([threading.Thread(target=copier, args=(i,)) for i in range(8)],
+                        moved, tstop, iters)
     rows.append(row("8 threads of torch copies", loop, alone, gbps))
     with open(out, "w") as f:
         json.dump({"device": DEV, "alone_ms": alone, "rows": rows}, f, indent=1)
