@@ -35,8 +35,8 @@ writer's segment is sealed (nothing appends to it again).
 In memory (tmpfs, ramfs; ``statfs`` tells, stats say ``medium``) three things change, none on
 disk: a store appends to ``write_lanes`` segments at once (default: one per I/O thread), each
 lane a writer identity of its own (own segments, logs and seal), since tmpfs serialises the
-writes to one file; a run is moved in calls of 512 KiB with the checksum taken while each
-piece is in the CPU cache (``_hotio``); segments are sized with ``ftruncate`` while the
+writes to one file; a run is moved in calls of ``io_call_bytes`` with each call's checksum
+taken beside it (``_hotio``); segments are sized with ``ftruncate`` while the
 filesystem has ample room (preallocated when nearly full). ``fsync`` is skipped there.
 
 Reads: an in-memory index (SHA-256 of the key -> segment, slot) built at open from the logs
@@ -143,7 +143,7 @@ class SegmentFormat(SegmentWrites):
         #: sync calls do nothing where the medium is memory (tmpfs): skipped, said in stats
         self.medium = store.medium
         self._sync = store._sync
-        #: in memory: checksum each piece while it is cache-hot (``_hotio``), and segments
+        #: in memory: checksum each call's piece beside it (``_hotio``), and segments
         #: and logs are sized with ftruncate while there is ample room (tmpfs allocates on
         #: write; preallocating is one more pass over the pages' memory; see _reserve)
         self.hot = self.medium == "memory"
