@@ -291,9 +291,9 @@ def test_calls_in_memory_follow_io_call_bytes(root, monkeypatch, call):
         fill_random(pool.raw[n * BIG.page_bytes:])
         assert s.batch_get(k, list(range(n, 2 * n))) == [True] * n
         assert all(torch.equal(page(pool, n + i), want[i]) for i in range(n))
+        slot = s._seg.slot_bytes
         s.close()
     piece = max(4096, call // 4096 * 4096)
-    slot = -(-(BIG.page_bytes + 128) // 4096) * 4096
     for op in ("w", "r"):
         got = sizes[op]
         assert sum(got) == n * slot, op                    # every page and tail, once
