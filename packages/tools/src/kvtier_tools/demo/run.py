@@ -838,6 +838,11 @@ def run_loads(cfg: DemoConfig, names: list[str], model: DemoModel, workload: Wor
             # a shared-memory arena of this level's own, as a store root of its own is
             lc = cc["l3_config"]
             lc.update(name=f"{lc.get('name', 'kvtier')}-load{tag}", remove_when_unused=True)
+        if has_l3(name):
+            # and keys of its own: a store the user placed (a root or arena named in
+            # --l3-config, a chain's members) is shared with the serial replay, whose pages
+            # of the same prefix may differ in their last bits (another split into chunks)
+            cc["salt"] = f"{cc.get('salt', '')}|load{tag}"
         eng = DemoEngine(model, cc, l1_pages=l1_of[name], lower_tiers=loads_below_l1(name),
                          prefill_mode="paged" if cfg.check_mode == "bitwise" else "fast",
                          digests=digests)
