@@ -281,6 +281,14 @@ class L3Store(Backend):
         they are copied; None (the default) where reads go through a host pool page."""
         return None
 
+    def stage(self, keys: Sequence[bytes]) -> Any:
+        """Start copying ``keys`` into the region `in_place_reads` exposes, from wherever
+        else the store holds them, without the caller's threads doing the copy; returns at
+        once with a ticket (``wait(timeout) -> bool``, ``done()``, ``cancel()``, ``staged``),
+        or None (the default) where the store has nothing to stage (every page it holds is
+        already in place, or it has no such region)."""
+        return None
+
     def _check_batch(self, keys: Sequence[bytes], host_pages: Sequence[int] | None = None,
                      *, distinct_pages: bool = False) -> list[int]:
         """Validate a batch before anything is touched; returns the pages as ints.

@@ -205,8 +205,11 @@ class TieredKVCache:
             raise InvalidArgumentError(f"expected_wait_s must be a finite number >= 0, got "
                                        f"{expected_wait_s!r}", argument="expected_wait_s",
                                        value=expected_wait_s)
-        if match.l3_count == 0 or match.read is not None or self._in_place is not None:
-            return            # in place: a fetch loads straight from the arena
+        if match.l3_count == 0 or match.read is not None:
+            return
+        if self._in_place is not None:      # in place: a fetch loads straight from the arena
+            self._stage(match)              # (into which the store copies what it lacks)
+            return
         limit = self.cost.first_read_cap(match.l3_count, self.spec.page_bytes)
         if self.cost.enabled and limit == match.l3_count:
             ready = self.cost.pages_readable_in(expected_wait_s, self.spec.page_bytes,
@@ -280,6 +283,9 @@ class TieredKVCache:
             n2, n3_want = k2, k3
             if skip3 and direct is None and match.read is None and self.cost.wants_l3_probe():
                 l3tasks.start_read(self, match, self.cost.L3_PROBE_PAGES)  # keeps it measured
+        if direct is not None and n3_want:
+            self._stage(match)
+            self._wait_stage(match, n3_want)
         n_direct = n3_want if direct is not None else 0
         stream = None
         if n3_want and streams and match.read is None:
@@ -583,6 +589,32 @@ class TieredKVCache:
     def _new_plan_id(self) -> int:
         with self._lock:
             return self.planner._new_id()      # one id scheme: the planner instance's
+
+    def _stage(self, match: Match) -> None:
+        """Ask the store to stage the match's L3 run into its in-place region (once)."""
+        if match.stage is not None or not self._l3_usable():
+            return
+        start = match.l1_count + match.l2_count
+        try:
+            match.stage = self._l3.store.stage(          # type: ignore[union-attr]
+                match.keys[start:start + match.l3_count])
+        except Exception as exc:       # a broken store: its in-place pins will miss
+            log.warning("kvtier cache: staging %d L3 pages failed: %s", match.l3_count, exc)
+            self.metrics_registry.add("l3_stage_errors")
+
+    def _wait_stage(self, match: Match, n_pages: int) -> None:
+        """Wait for the match's staging within the prefetch policy's budget (from the
+        staging's start) and the store's own bound; what is not staged then is recomputed."""
+        ticket = match.stage
+        if ticket is None or ticket.done():
+            return
+        budget = self.prefetch_policy.wait_budget_s(n_pages * self.spec.page_size)
+        left = min(budget, float(getattr(ticket, "timeout_s", budget))) - \
+            (time.perf_counter() - ticket.t0)
+        t0 = time.perf_counter()
+        if not ticket.wait(max(0.0, left)):
+            self.metrics_registry.add("l3_stage_late_fetches")
+        self.metrics_registry.observe("l3_stage_wait", time.perf_counter() - t0)
 
     def _l3_usable(self) -> bool:
         return self._l3 is not None and self._l3.usable()

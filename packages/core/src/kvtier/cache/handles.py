@@ -52,6 +52,9 @@ class Match:
         self._given: set[int] = set()      # engine pages passed in (not the cache's then)
         self._taken: set[int] = set()      # of those, the ones the cache took
         self._read: ReadTask | None = None
+        #: Where the store stages its L3 run into the region loads read in place: the
+        #: store's ticket (`L3Store.stage`), cancelled at release.
+        self.stage: Any = None
         self._fetch: FetchHandle | None = None
         self._released = False
 
@@ -163,6 +166,8 @@ class Match:
         self._released = True
         if self._read is not None:
             self._read.cancelled = True
+        if self.stage is not None:
+            self.stage.cancel()
         l1, l2 = self._pinned_l1, self._pinned_l2
         self._pinned_l1, self._pinned_l2 = [], []
         return l1, l2, sorted(self._given - self._taken)

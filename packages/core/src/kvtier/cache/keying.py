@@ -116,6 +116,9 @@ class RankKeyStore(L3Store):
         inner = self.inner.in_place_reads()
         return None if inner is None else _RankInPlace(inner, self._map)
 
+    def stage(self, keys: Sequence[bytes]) -> Any:
+        return self.inner.stage(self._map(keys))
+
     def stats(self) -> dict[str, Any]:
         return self.inner.stats()
 

@@ -78,20 +78,66 @@ class ChainStore(L3Store):
         promote: bool = True
         #: Key namespace, handed to members that have the setting and do not set it.
         namespace: str = ""
+        #: Helper processes that copy pages only slower members hold into the first
+        #: member's shared-memory arena when the cache asks (``stage``: at a request's
+        #: prefetch, while it waits for its turn), so the engine loads them in place
+        #: without reading them on its own interpreter (`kvtier.l3_stores.staging`). 0: off;
+        #: a chain loads in place only with staging on and an ``shm`` first member.
+        stage_processes: int = 0
+        #: Pages a helper copies per step (its private host pages).
+        stage_batch_pages: int = 32
+        #: Most pages sent to the helpers and not yet back; a batch past it stages what fits.
+        stage_max_queued_pages: int = 4096
+        #: Longest wait of a load for its staged pages; the rest are recomputed.
+        stage_timeout_s: float = 2.0
 
     def __init__(self, config: Any = None, *, spec):
         super().__init__(config, spec=spec)
         from ..registry import create_l3_store
+        c = self.config
+        for key, least in (("stage_processes", 0), ("stage_batch_pages", 1),
+                           ("stage_max_queued_pages", 1)):
+            v = getattr(c, key)
+            if isinstance(v, bool) or not isinstance(v, int) or v < least:
+                raise ConfigError(f"chain.{key} must be an int >= {least}, got {v!r}",
+                                  key=f"chain.{key}", value=v)
+        if isinstance(c.stage_timeout_s, bool) or not isinstance(c.stage_timeout_s, (int, float)) \
+                or not 0 <= c.stage_timeout_s < float("inf"):
+            raise ConfigError(f"chain.stage_timeout_s must be a finite number >= 0, got "
+                              f"{c.stage_timeout_s!r}", key="chain.stage_timeout_s",
+                              value=c.stage_timeout_s)
         self.member_names: list[str] = []
         self.members: list[L3Store] = []
         self._closed = False
+        self._stager: Any = None
+        self.in_place_why_not = ""
         try:
-            for name, cfg in _member_configs(self.config.stores, self.config.namespace):
+            configs = _member_configs(c.stores, c.namespace)
+            for name, cfg in configs:
                 self.members.append(create_l3_store(name, cfg, spec=spec))
                 self.member_names.append(name)
+            if c.stage_processes:
+                self._start_staging(configs)
         except BaseException:
             self.close()
             raise
+
+    def _start_staging(self, configs: list[tuple[str, dict[str, Any]]]) -> None:
+        if len(self.members) < 2:
+            raise ConfigError("chain.stage_processes needs a slower member to stage from "
+                              "(two stores or more)", key="chain.stage_processes",
+                              value=self.config.stage_processes)
+        if type(self.members[0]).in_place_reads is L3Store.in_place_reads:
+            raise ConfigError(f"chain.stage_processes: the first member "
+                              f"({self.member_names[0]!r}) keeps no shared-memory arena to "
+                              "stage into (use 'shm')", key="chain.stage_processes",
+                              value=self.config.stage_processes)
+        from .staging import Stager
+        c = self.config
+        self._stager = Stager(self.spec, configs, processes=c.stage_processes,
+                              batch_pages=c.stage_batch_pages,
+                              max_queued_pages=c.stage_max_queued_pages,
+                              timeout_s=float(c.stage_timeout_s), stats=self._bump)
 
     @classmethod
     def probe(cls) -> Availability:
@@ -192,6 +238,28 @@ class ChainStore(L3Store):
         for m in self.members:
             m.clear()
 
+    def in_place_reads(self):
+        """The first member's arena, where helper processes stage the slower members' pages
+        into it (``stage_processes``); None otherwise: a page only a slower member holds
+        could not be loaded in place."""
+        if self._stager is None:
+            self.in_place_why_not = "a chain loads in place only with staging on " \
+                "(chain.stage_processes) and an 'shm' first member"
+            return None
+        reads = self.members[0].in_place_reads()
+        if reads is None:
+            self.in_place_why_not = getattr(self.members[0], "in_place_why_not", "")
+        return reads
+
+    def stage(self, keys: Sequence[bytes]):
+        """Copy into the first member's arena, in the helper processes, those of ``keys``
+        it lacks and a slower member holds; a `StageTicket` at once (None: staging off)."""
+        self._check_open()
+        self._check_batch(keys)
+        if self._stager is None:
+            return None
+        return self._stager.stage(keys)
+
     def object_nbytes(self) -> int:
         return max((m.object_nbytes() for m in self.members), default=self.spec.page_bytes)
 
@@ -199,6 +267,12 @@ class ChainStore(L3Store):
         d = super().stats()
         d.setdefault("promoted", 0)
         d.setdefault("write_through_failed", 0)
+        if self._stager is not None:
+            for k in ("staged_pages", "stage_pages", "stage_read_pages", "stage_failed_pages",
+                      "stage_refused_pages", "stage_cancelled_pages", "stage_helper_exits"):
+                d.setdefault(k, 0)
+            d["stage_helpers_alive"] = self._stager.alive()
+            d["stage_queued_pages"] = self._stager.queued_pages()
         d.update(members=[{"store": n, **m.stats()}
                           for n, m in zip(self.member_names, self.members)])
         return d
@@ -206,6 +280,9 @@ class ChainStore(L3Store):
     def close(self) -> None:
         self._closed = True
         errors = []
+        stager, self._stager = getattr(self, "_stager", None), None
+        if stager is not None:
+            stager.close()
         members, self.members = list(getattr(self, "members", [])), []
         for m in reversed(members):
             try:

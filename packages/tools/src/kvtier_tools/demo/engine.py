@@ -143,7 +143,7 @@ class DemoEngine:
         m = self.cache.match(tokens_np[:int(tokens_np.shape[0]) - 1])
         if m.l3_count:
             self.cache.prefetch(m, expected_wait_s=expected_wait_s)
-        if m.read is None:
+        if m.read is None and m.stage is None:
             self.cache.release(m)
             return None
         return m
@@ -167,6 +167,8 @@ class DemoEngine:
         l3_wait = 0.0
         prefetched: set[bytes] = set()
         task = queued.read if queued is not None else None
+        # an in-place L3 staged while the request waited: its pages count as prefetched
+        staged = queued is not None and queued.stage is not None and queued.stage.done()
         if task is not None:
             done = lambda: task.settled or task.n_landed >= task.num_pages  # noqa: E731
             with task.cv:
@@ -178,6 +180,8 @@ class DemoEngine:
         # produce the logits of the first output token.
         m = cache.match(tokens_np[:n - 1])
         if queued is not None:
+            # the staging of an in-place L3 goes on for the new match (its fetch waits)
+            m.stage, queued.stage = queued.stage, None
             cache.release(queued)      # the new match holds what landed
         if self.lower_tiers and m.l3_count and not cache.streams_l3:
             cache.prefetch(m)                 # L3 -> L2 starts as early as the match
@@ -259,6 +263,7 @@ class DemoEngine:
                                  else self._key(tokens_np, where[d]) for d in taken], taken)
         l2 = min(loaded, m.l2_count)
         pre = sum(1 for k in m.keys[m.l1_count:m.l1_count + l2] if k in prefetched)
+        pre_l3 = loaded - l2 if staged else 0
         return RequestResult(
             index=request.index, round=request.round, tokens=n,
             l1_tokens=m.l1_count * ps, l2_tokens=(l2 - pre) * ps,
@@ -270,7 +275,7 @@ class DemoEngine:
             l3_hit_tokens=m.l3_count * ps if self.lower_tiers else 0,
             skipped_tokens=skipped * ps,
             restored_checked=loaded - len(bad), restored_bad=len(bad),
-            l3_prefetched_tokens=pre * ps, l3_wait_s=l3_wait, load_failed=failed)
+            l3_prefetched_tokens=(pre + pre_l3) * ps, l3_wait_s=l3_wait, load_failed=failed)
 
     def _key(self, tokens_np: np.ndarray, j: int) -> bytes:
         """The key of full page ``j`` of ``tokens`` (the match covers n - 1 tokens, so the

@@ -1,0 +1,439 @@
+"""Staging: a chain's slower members read into its first member's arena by helper processes.
+
+A `chain` whose first member keeps its pages in a shared-memory arena (``shm``) can be loaded
+in place: straight from the arena's slots into device pages. Pages that only a slower member
+holds (``file``) must first be copied into the arena. Done by the engine's own threads, those
+reads share the engine's interpreter lock with the Python code that launches its prefill and
+slow it (records/file-store-threads.md: a launch-bound loop ran 1.4-4.1x slower beside
+reads on 8 threads, 0.96x beside the same reads from 8 processes). So the chain hands them to
+``stage_processes`` helper processes (``python -m kvtier.l3_stores.staging``): each opens the
+same member stores (same configs, so the same arena and directory), and for every key it is
+given that the arena lacks, reads the page from the first slower member that has it into a
+private host page and writes it into the arena. The engine only sends keys and gets counts.
+
+`Stager.stage` splits a batch of keys over the helpers and returns a `StageTicket` at once;
+`StageTicket.wait` waits for the parts, with a timeout. Nothing here can hand out wrong data:
+a helper writes through the arena's own crash-safe protocol, and the engine's in-place load
+pins only slots the arena holds (a page not staged in time is recomputed).
+
+Failures are counted, never waited on without bound: a helper that exits, or that a frame
+cannot reach, resolves its outstanding parts as not staged (``stage_failed_pages``) and is
+started again at the next batch, at most once per ``RESTART_S``; a part not back within the
+chain's ``stage_timeout_s`` stops being waited for (``stage_late_pages``). A ticket whose
+request left (``cancel``) drops the parts a helper has not begun. Outstanding pages are
+bounded (``stage_max_queued_pages``): a batch beyond it stages only what fits and counts the
+rest (``stage_refused_pages``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import select
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from typing import Any, Sequence
+
+log = logging.getLogger("kvtier.staging")
+
+__all__ = ["Stager", "StageTicket"]
+
+_HEAD = struct.Struct("!I")
+#: Seconds between two starts of one helper slot after it exited.
+RESTART_S = 5.0
+#: Fewest keys in one helper's part of a batch (smaller batches are not split further).
+MIN_PART = 4
+
+
+def _send(fd: int, obj: Any) -> None:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    buf = memoryview(_HEAD.pack(len(data)) + data)
+    while buf:
+        n = os.write(fd, buf)
+        buf = buf[n:]
+
+
+def _read_exact(fd: int, n: int) -> bytes | None:
+    out = bytearray()
+    while len(out) < n:
+        chunk = os.read(fd, n - len(out))
+        if not chunk:
+            return None
+        out += chunk
+    return bytes(out)
+
+
+def _recv(fd: int) -> Any:
+    """One frame, or None at end of file."""
+    head = _read_exact(fd, _HEAD.size)
+    if head is None:
+        return None
+    data = _read_exact(fd, _HEAD.unpack(head)[0])
+    return None if data is None else pickle.loads(data)
+
+
+class StageTicket:
+    """The staging of one batch of keys: ``staged`` counts the keys the arena held once their
+    part came back; ``done()`` once every part is back (or failed)."""
+
+    def __init__(self, num_keys: int, timeout_s: float = 2.0):
+        self.num_keys = num_keys
+        #: The longest a load should wait for this ticket (the chain's ``stage_timeout_s``).
+        self.timeout_s = timeout_s
+        self.staged = 0
+        self.failed = 0
+        self.t0 = time.perf_counter()
+        self.cancelled = False
+        self._open = 0
+        self._cv = threading.Condition()
+        self._parts: list[tuple["_Helper", int]] = []
+
+    def _add(self, helper: "_Helper", part: int) -> None:
+        with self._cv:
+            self._open += 1
+            self._parts.append((helper, part))
+
+    def _settle(self, staged: int, failed: int) -> None:
+        with self._cv:
+            self.staged += staged
+            self.failed += failed
+            self._open -= 1
+            self._cv.notify_all()
+
+    def done(self) -> bool:
+        with self._cv:
+            return self._open <= 0
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for every part; True if all are back."""
+        deadline = time.perf_counter() + max(0.0, timeout)
+        with self._cv:
+            while self._open > 0:
+                left = deadline - time.perf_counter()
+                if left <= 0:
+                    return False
+                self._cv.wait(left)
+            return True
+
+    def cancel(self) -> None:
+        """The request left: parts no helper has begun are dropped (idempotent)."""
+        with self._cv:
+            if self.cancelled:
+                return
+            self.cancelled = True
+            parts = list(self._parts)
+        for helper, part in parts:
+            helper.cancel(part)
+
+
+class _Helper:
+    """One helper process and the parts sent to it."""
+
+    def __init__(self, stager: "Stager", index: int):
+        self.stager = stager
+        self.index = index
+        self.proc: subprocess.Popen | None = None
+        self.alive = False
+        self.started_at = -RESTART_S
+        self.outstanding: dict[int, tuple[StageTicket, int]] = {}
+        self.lock = threading.Lock()
+
+    def start(self) -> None:
+        s = self.stager
+        self.started_at = time.monotonic()
+        try:
+            proc = subprocess.Popen([sys.executable, "-m", "kvtier.l3_stores.staging"],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    close_fds=True)
+            assert proc.stdin is not None and proc.stdout is not None
+            _send(proc.stdin.fileno(), {"spec": s.spec, "members": s.members,
+                                        "pages": s.batch_pages,
+                                        "level": log.getEffectiveLevel()})
+        except (OSError, pickle.PicklingError) as exc:
+            s._bump("stage_helper_start_failed", 1)
+            log.warning("kvtier staging: helper %d did not start: %s", self.index, exc)
+            return
+        self.proc, self.alive = proc, True
+        threading.Thread(target=self._replies, args=(proc,), daemon=True,
+                         name=f"kvtier-stage-{self.index}").start()
+
+    def load(self) -> int:
+        with self.lock:
+            return sum(n for _, n in self.outstanding.values())
+
+    def send(self, ticket: StageTicket, part: int, keys: list[bytes]) -> bool:
+        with self.lock:
+            if not self.alive or self.proc is None:
+                return False
+            self.outstanding[part] = (ticket, len(keys))
+            try:
+                _send(self.proc.stdin.fileno(), ("stage", part, keys))   # type: ignore[union-attr]
+            except (OSError, ValueError) as exc:
+                self.outstanding.pop(part, None)
+                log.warning("kvtier staging: helper %d is unreachable: %s", self.index, exc)
+                self._lost_locked()
+                return False
+        ticket._add(self, part)
+        return True
+
+    def cancel(self, part: int) -> None:
+        with self.lock:
+            if self.alive and part in self.outstanding and self.proc is not None:
+                try:
+                    _send(self.proc.stdin.fileno(), ("cancel", part))    # type: ignore[union-attr]
+                except (OSError, ValueError):
+                    pass                # its reply thread sees the exit
+
+    def _replies(self, proc: subprocess.Popen) -> None:
+        fd = proc.stdout.fileno()                                        # type: ignore[union-attr]
+        while True:
+            try:
+                msg = _recv(fd)
+            except (OSError, EOFError, pickle.UnpicklingError, ValueError) as exc:
+                log.warning("kvtier staging: helper %d sent a bad reply: %s", self.index, exc)
+                msg = None
+            if msg is None:
+                break
+            kind = msg[0]
+            if kind == "done":
+                _, part, staged, read, cancelled = msg
+                with self.lock:
+                    ticket, n = self.outstanding.pop(part, (None, 0))
+                if ticket is None:
+                    continue
+                self.stager._bump_many({"stage_pages": n, "staged_pages": staged,
+                                        "stage_read_pages": read,
+                                        "stage_cancelled_pages": cancelled})
+                ticket._settle(staged, n - staged - cancelled)
+            elif kind == "ready":
+                self.stager._bump("stage_helpers_ready", 1)
+        with self.lock:
+            if self.proc is proc:
+                self._lost_locked()
+
+    def _lost_locked(self) -> None:
+        """The process is gone or unreachable: its parts are settled as not staged."""
+        proc, self.proc, self.alive = self.proc, None, False
+        parts, self.outstanding = self.outstanding, {}
+        if proc is not None:
+            for f in (proc.stdin, proc.stdout):
+                try:
+                    if f is not None:
+                        f.close()
+                except OSError:
+                    pass
+            if not self.stager.closing:
+                self.stager._bump("stage_helper_exits", 1)
+                log.warning("kvtier staging: helper %d (pid %d) exited; its %d part(s) are "
+                            "not staged", self.index, proc.pid, len(parts))
+            threading.Thread(target=_reap, args=(proc,), daemon=True).start()
+        for ticket, n in parts.values():
+            self.stager._bump("stage_failed_pages", n)
+            ticket._settle(0, n)
+
+    def stop(self) -> None:
+        with self.lock:
+            proc = self.proc
+            if proc is not None and self.alive:
+                try:
+                    _send(proc.stdin.fileno(), ("stop",))                # type: ignore[union-attr]
+                except (OSError, ValueError):
+                    pass
+        if proc is not None:
+            try:
+                proc.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        with self.lock:
+            if self.proc is proc:
+                self._lost_locked()
+
+
+def _reap(proc: subprocess.Popen) -> None:
+    try:
+        proc.wait(timeout=10.0)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+class Stager:
+    """``processes`` helpers that copy pages of ``members[1:]`` into ``members[0]``'s arena.
+
+    ``members`` are (store name, config) pairs as the chain built them; ``spec`` the KVSpec.
+    """
+
+    def __init__(self, spec: Any, members: list[tuple[str, dict[str, Any]]], *,
+                 processes: int, batch_pages: int, max_queued_pages: int,
+                 timeout_s: float = 2.0, stats: Any):
+        self.spec = spec
+        self.members = members
+        self.batch_pages = batch_pages
+        self.max_queued_pages = max_queued_pages
+        self.timeout_s = timeout_s
+        self._stats = stats            # the chain's _bump(counter, n)
+        self.closing = False
+        self._lock = threading.Lock()
+        self._next = 0
+        self.helpers = [_Helper(self, i) for i in range(processes)]
+        for h in self.helpers:
+            h.start()
+
+    def _bump(self, counter: str, n: int) -> None:
+        if n:
+            self._stats(counter, n)
+
+    def _bump_many(self, counts: dict[str, int]) -> None:
+        for k, v in counts.items():
+            self._bump(k, v)
+
+    def queued_pages(self) -> int:
+        return sum(h.load() for h in self.helpers)
+
+    def stage(self, keys: Sequence[bytes]) -> StageTicket:
+        """Send ``keys`` to the helpers; returns at once."""
+        keys = list(keys)
+        with self._lock:
+            if self.closing:
+                return StageTicket(len(keys), self.timeout_s)
+            now = time.monotonic()
+            for h in self.helpers:
+                if not h.alive and now - h.started_at >= RESTART_S:
+                    h.start()
+            live = [h for h in self.helpers if h.alive]
+            room = max(0, self.max_queued_pages - self.queued_pages())
+            take = keys[:room] if live else []
+            self._bump("stage_refused_pages", len(keys) - len(take))
+            ticket = StageTicket(len(keys), self.timeout_s)
+            if not take:
+                return ticket
+            n_parts = max(1, min(len(live), len(take) // MIN_PART))
+            base, extra = divmod(len(take), n_parts)
+            live.sort(key=lambda h: h.load())
+            at = 0
+            for i in range(n_parts):
+                size = base + (1 if i < extra else 0)
+                part_keys = take[at:at + size]
+                at += size
+                self._next += 1
+                if not live[i].send(ticket, self._next, part_keys):
+                    self._bump("stage_failed_pages", len(part_keys))
+                    ticket.failed += len(part_keys)
+            return ticket
+
+    def alive(self) -> int:
+        return sum(1 for h in self.helpers if h.alive)
+
+    def close(self) -> None:
+        with self._lock:
+            self.closing = True
+        for h in self.helpers:
+            h.stop()
+
+
+# ------------------------------------------------------------------------------------------
+# The helper process
+# ------------------------------------------------------------------------------------------
+def _serve(fd_in: int, fd_out: int) -> int:
+    from ..host_pool import HostKVPool
+    from ..layout import PAGE_FIRST
+    from ..registry import create_host_allocator, create_l3_store
+
+    init = _recv(fd_in)
+    if not isinstance(init, dict):
+        return 2
+    logging.basicConfig(level=init.get("level", logging.WARNING),
+                        format="%(asctime)s kvtier-stage[%(process)d] %(levelname)s %(message)s")
+    spec, members, pages = init["spec"], init["members"], int(init["pages"])
+    stores = []
+    pool = None
+    try:
+        for name, cfg in members:
+            stores.append(create_l3_store(name, cfg, spec=spec))
+        pool = HostKVPool(spec, pages, allocator=create_host_allocator("mmap", {}),
+                          layout=PAGE_FIRST)
+        for st in stores:
+            st.attach(pool)
+        _send(fd_out, ("ready", os.getpid()))
+        return _loop(fd_in, fd_out, stores, pages)
+    finally:
+        for st in reversed(stores):
+            try:
+                st.close()
+            except Exception as exc:     # pragma: no cover (a store broken at exit)
+                log.warning("closing %s: %s", st.name, exc)
+        if pool is not None:
+            pool.close()
+
+
+def _loop(fd_in: int, fd_out: int, stores: list[Any], pages: int) -> int:
+    arena, slower = stores[0], stores[1:]
+    queue: deque[tuple[int, list[bytes]]] = deque()
+    dropped: set[int] = set()
+    while True:
+        # take every frame already sent (cancels reach parts not yet begun)
+        while True:
+            ready, _, _ = select.select([fd_in], [], [], 0 if queue else None)
+            if not ready:
+                break
+            msg = _recv(fd_in)
+            if msg is None or msg[0] == "stop":
+                return 0
+            if msg[0] == "stage":
+                queue.append((msg[1], msg[2]))
+            elif msg[0] == "cancel":
+                dropped.add(msg[1])
+            if not queue:
+                continue
+        part, keys = queue.popleft()
+        if part in dropped:
+            dropped.discard(part)
+            _send(fd_out, ("done", part, 0, 0, len(keys)))
+            continue
+        staged = read = 0
+        for at in range(0, len(keys), pages):
+            s, r = _stage_chunk(arena, slower, keys[at:at + pages])
+            staged, read = staged + s, read + r
+        _send(fd_out, ("done", part, staged, read, 0))
+
+
+def _stage_chunk(arena: Any, slower: list[Any], keys: list[bytes]) -> tuple[int, int]:
+    """Bring ``keys`` into the arena: (keys it holds now, pages read from slower members)."""
+    todo = [k for k in keys if arena.batch_exists([k]) == 0]
+    staged = len(keys) - len(todo)
+    read = 0
+    for m in slower:
+        if not todo:
+            break
+        try:
+            got = m.batch_get(todo, list(range(len(todo))))
+        except Exception as exc:
+            log.warning("reading %d pages from %s failed: %s", len(todo), m.name, exc)
+            continue
+        found = [i for i, ok in enumerate(got) if ok is True]
+        read += len(found)
+        if found:
+            try:
+                put = arena.batch_set([todo[i] for i in found], found)
+            except Exception as exc:
+                log.warning("writing %d pages into %s failed: %s", len(found), arena.name, exc)
+                put = [False] * len(found)
+            staged += sum(1 for ok in put if ok is True)
+        todo = [k for k, ok in zip(todo, got) if ok is not True]
+    return staged, read
+
+
+def main() -> int:
+    # the protocol owns the process's stdout; anything printed goes to stderr
+    fd_out = os.dup(1)
+    os.dup2(2, 1)
+    return _serve(0, fd_out)
+
+
+if __name__ == "__main__":          # pragma: no cover (run as a helper process)
+    sys.exit(main())

@@ -1,0 +1,266 @@
+"""Staging (`kvtier.l3_stores.staging`): helper processes copy the pages only a chain's slower
+member (`file`) holds into its first member's shared-memory arena (`shm`), and a cache loads
+them from there in place.
+
+Pages are random bytes, keys random, host and device pages random indices, page sizes odd
+and exact multiples of 4 KiB. The helpers are real processes: killed, stopped and restarted
+here as an operator's machine would see them."""
+
+from __future__ import annotations
+
+import glob
+import os
+import random
+import signal
+import time
+
+import pytest
+
+from kvtier.errors import ConfigError
+from kvtier.l3_stores import shm as shm_mod
+from kvtier.l3_stores import staging
+from kvtier.l3_stores.chain import ChainStore
+from kvtier.l3_stores.shm import ShmStore
+from kvtier.testing.contracts import assert_bitwise_equal
+from kvtier.testing.data import fill_random, make_host_pool, random_specs
+from test_cache_in_place import SPEC as PAGE_SPEC
+from test_cache_in_place import Engine, tokens
+
+pytestmark = pytest.mark.skipif(not ShmStore.probe().ok, reason="shm unavailable here")
+
+#: pages of an odd size (not a multiple of 4 KiB)
+ODD_SPEC = random_specs()[0]
+
+
+@pytest.fixture
+def shm_name():
+    n = f"kvtier-test-stage-{os.getpid()}-{os.urandom(4).hex()}"
+    yield n
+    for path in glob.glob(os.path.join(shm_mod.DEFAULT_ROOT, f"{n}-*")):
+        os.unlink(path)
+
+
+def chain_config(name: str, root, *, slots: int = 64, processes: int = 2, **kw) -> dict:
+    return {"stores": [{"store": "shm", "config": {"name": name, "capacity_pages": slots,
+                                                    "remove_when_unused": True}},
+                       {"store": "file", "config": {"root": str(root)}}],
+            "stage_processes": processes, **kw}
+
+
+def saved_in_file(c: ChainStore, pool, n: int, seed: int) -> tuple[list[bytes], list]:
+    """``n`` random pages written to the chain's file member only (from random host
+    pages); returns their keys and bytes."""
+    rng = random.Random(seed)
+    fill_random(pool.raw)
+    keys = [os.urandom(32) for _ in range(n)]
+    src = rng.sample(range(pool.num_pages), n)
+    want = [pool.view[p].clone() for p in src]
+    assert c.members[1].batch_set(keys, src) == [True] * n
+    assert c.members[0].batch_exists(keys) == 0
+    return keys, want
+
+
+def test_staged_pages_are_bitwise_the_saved_ones(tmp_path, shm_name):
+    pool = make_host_pool(ODD_SPEC, 40)
+    try:
+        with ChainStore(chain_config(shm_name, tmp_path / "f", processes=3,
+                                     stage_batch_pages=4), spec=ODD_SPEC) as c:
+            c.attach(pool)
+            keys, want = saved_in_file(c, pool, 13, seed=1)
+            absent = os.urandom(32)
+            t = c.stage(keys[:7] + [absent] + keys[7:])
+            assert t.wait(60) and t.done()
+            assert t.staged == 13 and t.failed == 1      # the absent key is no page
+            assert c.members[0].batch_exists(keys) == 13
+            fill_random(pool.raw)
+            dst = random.Random(2).sample(range(40), 13)
+            assert c.members[0].batch_get(keys, dst) == [True] * 13
+            for i, p in enumerate(dst):
+                assert_bitwise_equal(pool.view[p], want[i], f"key {i}")
+            st = c.stats()
+            assert st["stage_read_pages"] == 13 and st["staged_pages"] == 13
+            # again: already in the arena, nothing is read
+            t = c.stage(keys)
+            assert t.wait(60) and t.staged == 13
+            assert c.stats()["stage_read_pages"] == 13
+            assert st["stage_helpers_alive"] == 3
+    finally:
+        pool.close()
+
+
+def test_a_chain_without_staging_reads_through_l2(tmp_path, shm_name):
+    with ChainStore(chain_config(shm_name, tmp_path / "f", processes=0), spec=PAGE_SPEC) as c:
+        assert c.in_place_reads() is None and "stage_processes" in c.in_place_why_not
+        assert c.stage([b"k"]) is None
+
+
+@pytest.mark.parametrize("config, what", [
+    ({"stage_processes": -1}, "stage_processes"), ({"stage_processes": True}, "stage_processes"),
+    ({"stage_processes": 1.5}, "stage_processes"), ({"stage_batch_pages": 0}, "batch"),
+    ({"stage_max_queued_pages": 0}, "queued"), ({"stage_timeout_s": float("nan")}, "timeout"),
+    ({"stage_timeout_s": -1}, "timeout")])
+def test_bad_staging_settings_are_config_errors(tmp_path, shm_name, config, what):
+    with pytest.raises(ConfigError, match=what):
+        ChainStore({**chain_config(shm_name, tmp_path / "f", processes=1), **config},
+                   spec=PAGE_SPEC)
+
+
+def test_staging_needs_an_arena_first_and_a_slower_member(tmp_path, shm_name):
+    with pytest.raises(ConfigError, match="arena"):
+        ChainStore({"stores": [{"store": "memory"}, {"store": "file",
+                                                     "config": {"root": str(tmp_path)}}],
+                    "stage_processes": 1}, spec=PAGE_SPEC)
+    with pytest.raises(ConfigError, match="slower member"):
+        ChainStore({"stores": [{"store": "shm", "config": {"name": shm_name,
+                                                           "remove_when_unused": True}}],
+                    "stage_processes": 1}, spec=PAGE_SPEC)
+
+
+def test_outstanding_pages_are_bounded(tmp_path, shm_name):
+    pool = make_host_pool(ODD_SPEC, 24)
+    try:
+        with ChainStore(chain_config(shm_name, tmp_path / "f", processes=1,
+                                     stage_max_queued_pages=5), spec=ODD_SPEC) as c:
+            c.attach(pool)
+            keys, _ = saved_in_file(c, pool, 12, seed=3)
+            t = c.stage(keys)
+            assert t.wait(60)
+            assert t.staged == 5 and c.stats()["stage_refused_pages"] == 7
+            assert c.members[0].batch_exists(keys) == 5
+    finally:
+        pool.close()
+
+
+def wait_ready(c: ChainStore, n: int) -> None:
+    deadline = time.monotonic() + 60
+    while c.stats().get("stage_helpers_ready", 0) < n:
+        assert time.monotonic() < deadline, "helpers did not start"
+        time.sleep(0.05)
+
+
+def test_a_killed_helper_settles_its_parts_and_is_started_again(tmp_path, shm_name,
+                                                                 monkeypatch):
+    monkeypatch.setattr(staging, "RESTART_S", 0.0)
+    pool = make_host_pool(ODD_SPEC, 24)
+    try:
+        with ChainStore(chain_config(shm_name, tmp_path / "f", processes=1), spec=ODD_SPEC) as c:
+            c.attach(pool)
+            keys, want = saved_in_file(c, pool, 8, seed=4)
+            wait_ready(c, 1)
+            helper = c._stager.helpers[0]
+            os.kill(helper.proc.pid, signal.SIGSTOP)      # it takes the part, never answers
+            t = c.stage(keys)
+            assert not t.wait(0.3)
+            os.kill(helper.proc.pid, signal.SIGKILL)
+            assert t.wait(30), "a dead helper's part must settle"
+            assert t.staged == 0 and t.failed == 8
+            st = c.stats()
+            assert st["stage_helper_exits"] == 1 and st["stage_failed_pages"] == 8
+            assert st["stage_helpers_alive"] == 0
+            t = c.stage(keys)                               # started again
+            assert t.wait(60) and t.staged == 8
+            fill_random(pool.raw)
+            assert c.members[0].batch_get(keys, list(range(8))) == [True] * 8
+            for i in range(8):
+                assert_bitwise_equal(pool.view[i], want[i], f"key {i}")
+    finally:
+        pool.close()
+
+
+def test_cancel_drops_parts_a_helper_has_not_begun(tmp_path, shm_name):
+    pool = make_host_pool(ODD_SPEC, 24)
+    try:
+        with ChainStore(chain_config(shm_name, tmp_path / "f", processes=1), spec=ODD_SPEC) as c:
+            c.attach(pool)
+            keys, _ = saved_in_file(c, pool, 8, seed=5)
+            wait_ready(c, 1)
+            pid = c._stager.helpers[0].proc.pid
+            os.kill(pid, signal.SIGSTOP)       # everything below waits in its pipe
+            try:
+                first, second = c.stage(keys[:4]), c.stage(keys[4:])
+                second.cancel()
+                second.cancel()                # idempotent
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            assert first.wait(60) and second.wait(60)
+            assert first.staged == 4 and second.staged == 0
+            assert c.stats()["stage_cancelled_pages"] == 4
+            assert c.members[0].batch_exists(keys[:4]) == 4
+            assert c.members[0].batch_exists(keys[4:]) == 0
+    finally:
+        pool.close()
+
+
+def test_close_stops_the_helpers(tmp_path, shm_name):
+    c = ChainStore(chain_config(shm_name, tmp_path / "f", processes=2), spec=PAGE_SPEC)
+    wait_ready(c, 2)
+    procs = [h.proc for h in c._stager.helpers]
+    c.close()
+    for p in procs:
+        assert p.wait(10) == 0
+    assert not glob.glob(os.path.join(shm_mod.DEFAULT_ROOT, f"{shm_name}-*"))
+
+
+# ----- under a cache ----------------------------------------------------------------------
+def cache_on_chain(tmp_path, name: str, seed: int, **config) -> Engine:
+    store = ChainStore(chain_config(name, tmp_path / "f", slots=64, processes=2,
+                                    **config.pop("chain", {})), spec=PAGE_SPEC)
+    return Engine(PAGE_SPEC, store, seed=seed, l3_store="chain", **config)
+
+
+def test_a_cache_loads_staged_pages_in_place_bitwise(tmp_path, shm_name):
+    e = cache_on_chain(tmp_path, shm_name, seed=21, prefetch_policy="wait_complete")
+    try:
+        assert e.cache.in_place_why_not == ""
+        wait_ready(e.store, 2)
+        toks = tokens(31)
+        want = e.compute(toks)
+        e.cache.evict(100)
+        e.cache.evict(100, tier="l2")
+        arena = e.store.members[0]
+        keys = e.cache.keys(toks)
+        arena.delete(keys)                      # in the file only now
+        m = e.cache.match(toks)
+        assert m.l3_count == len(want)
+        e.cache.prefetch(m)                     # staging starts here, in the helpers
+        assert m.stage is not None
+        dev = e.pages(m.pages_to_load)
+        h = e.cache.fetch(m, dev)
+        h.wait()
+        assert h.pages_loaded == len(want)
+        assert [e.page(d) for d in dev] == want
+        e.alloc.free(e.cache.release(m))
+        mc = e.cache.metrics()
+        assert mc["l3_in_place_pages"] == len(want)
+        assert e.cache.host_pool.free_count == 16           # nothing went through L2
+        assert arena.arena.pinned() == 0
+    finally:
+        e.close()
+
+
+def test_a_stuck_helper_costs_its_pages_not_a_hang(tmp_path, shm_name):
+    e = cache_on_chain(tmp_path, shm_name, seed=22, prefetch_policy="wait_complete",
+                       chain={"stage_timeout_s": 0.5})
+    pids = []
+    try:
+        toks = tokens(33)
+        e.compute(toks)
+        e.cache.evict(100)
+        e.cache.evict(100, tier="l2")
+        e.store.members[0].delete(e.cache.keys(toks))
+        wait_ready(e.store, 2)
+        pids = [h.proc.pid for h in e.store._stager.helpers]
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        m = e.cache.match(toks)
+        t0 = time.monotonic()
+        h = e.cache.fetch(m, e.pages(m.pages_to_load))
+        h.wait()
+        assert time.monotonic() - t0 < 5
+        assert h.pages_loaded == 0                        # recomputed, never wrong
+        assert e.cache.metrics()["l3_stage_late_fetches"] == 1
+        e.alloc.free(e.cache.release(m))
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+        e.close()
