@@ -131,11 +131,15 @@ def test_outstanding_pages_are_bounded(tmp_path, shm_name):
         pool.close()
 
 
-def wait_ready(c: ChainStore, n: int) -> None:
+def wait_stat(c: ChainStore, counter: str, n: int) -> None:
     deadline = time.monotonic() + 60
-    while c.stats().get("stage_helpers_ready", 0) < n:
-        assert time.monotonic() < deadline, "helpers did not start"
-        time.sleep(0.05)
+    while c.stats().get(counter, 0) < n:
+        assert time.monotonic() < deadline, f"{counter} never reached {n}"
+        time.sleep(0.02)
+
+
+def wait_ready(c: ChainStore, n: int) -> None:
+    wait_stat(c, "stage_helpers_ready", n)
 
 
 def test_a_killed_helper_settles_its_parts_and_is_started_again(tmp_path, shm_name,
@@ -215,6 +219,7 @@ def test_a_cache_loads_staged_pages_in_place_bitwise(tmp_path, shm_name):
         wait_ready(e.store, 2)
         toks = tokens(31)
         want = e.compute(toks)
+        wait_stat(e.store, "demoted_pages", len(want))   # the helpers wrote the file too
         e.cache.evict(100)
         e.cache.evict(100, tier="l2")
         arena = e.store.members[0]
@@ -244,7 +249,7 @@ def test_a_stuck_helper_costs_its_pages_not_a_hang(tmp_path, shm_name):
     pids = []
     try:
         toks = tokens(33)
-        e.compute(toks)
+        wait_stat(e.store, "demoted_pages", len(e.compute(toks)))
         e.cache.evict(100)
         e.cache.evict(100, tier="l2")
         e.store.members[0].delete(e.cache.keys(toks))
@@ -264,3 +269,48 @@ def test_a_stuck_helper_costs_its_pages_not_a_hang(tmp_path, shm_name):
         for pid in pids:
             os.kill(pid, signal.SIGCONT)
         e.close()
+
+
+# ----- writes behind the arena --------------------------------------------------------------
+def test_writes_reach_the_file_through_the_helpers_bitwise(tmp_path, shm_name):
+    pool = make_host_pool(ODD_SPEC, 40)
+    try:
+        with ChainStore(chain_config(shm_name, tmp_path / "f", processes=2), spec=ODD_SPEC) as c:
+            c.attach(pool)
+            fill_random(pool.raw)
+            keys = [os.urandom(32) for _ in range(11)]
+            src = random.Random(6).sample(range(40), 11)
+            want = [pool.view[p].clone() for p in src]
+            assert c.batch_set(keys, src) == [True] * 11
+            assert c.members[0].batch_exists(keys) == 11      # the arena at once
+            wait_stat(c, "demoted_pages", 11)
+            st = c.stats()
+            assert st["demote_missed_pages"] == 0 and st["members"][1]["set_ok"] == 0, \
+                "this process wrote nothing into the file"
+            fill_random(pool.raw)
+            dst = random.Random(7).sample(range(40), 11)
+            assert c.members[1].batch_get(keys, dst) == [True] * 11
+            for i, p in enumerate(dst):
+                assert_bitwise_equal(pool.view[p], want[i], f"key {i}")
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize("config", [{"stage_max_queued_pages": 3}, {"stage_writes": False}])
+def test_writes_the_helpers_cannot_take_are_written_by_the_caller(tmp_path, shm_name, config):
+    pool = make_host_pool(ODD_SPEC, 24)
+    try:
+        with ChainStore(chain_config(shm_name, tmp_path / "f", processes=1, **config),
+                        spec=ODD_SPEC) as c:
+            c.attach(pool)
+            fill_random(pool.raw)
+            keys = [os.urandom(32) for _ in range(9)]
+            assert c.batch_set(keys, list(range(9))) == [True] * 9
+            mine = 9 if "stage_writes" in config else 6
+            assert c.stats()["members"][1]["set_ok"] == mine
+            if "stage_writes" not in config:
+                assert c.stats()["demote_refused_pages"] == 6
+                wait_stat(c, "demoted_pages", 3)
+            assert c.members[1].batch_exists(keys) == 9
+    finally:
+        pool.close()

@@ -90,6 +90,10 @@ class ChainStore(L3Store):
         stage_max_queued_pages: int = 4096
         #: Longest wait of a load for its staged pages; the rest are recomputed.
         stage_timeout_s: float = 2.0
+        #: With staging on, ``batch_set`` writes the first member and the helpers copy what
+        #: it took from there into the slower members (what they cannot take in time, and
+        #: what the first member refused, is written by the caller as without staging).
+        stage_writes: bool = True
 
     def __init__(self, config: Any = None, *, spec):
         super().__init__(config, spec=spec)
@@ -212,21 +216,39 @@ class ChainStore(L3Store):
         self._check_open()
         pages = self._check_batch(keys, host_pages)
         out = [False] * len(keys)
-        for m in self.members:
-            got = m.batch_set(keys, pages)
-            failed = []
-            for i, ok in enumerate(got):
-                if ok is True:
-                    out[i] = True
-                else:
-                    failed.append(keys[i])
-            if failed:
-                self._bump("write_through_failed", len(failed))
-                m.delete(failed)       # never leave an older copy to be read instead
+        members, todo = self.members, list(range(len(keys)))
+        if self._stager is not None and self.config.stage_writes and len(keys):
+            took = self._write(members[0], keys, pages, todo, out)
+            ticket = self._stager.demote([keys[i] for i in took])
+            # the slower members: the helpers copy what the arena took; the rest is ours
+            behind = set(took[:len(took) - ticket.refused])
+            members, todo = members[1:], [i for i in todo if i not in behind]
+        for m in members:
+            self._write(m, keys, pages, todo, out)
         stored = sum(out)
         self._count(sets=len(keys), set_ok=stored, bytes_written=stored * self.spec.page_bytes,
                     errors=len(keys) - stored)
         return out
+
+    def _write(self, m: L3Store, keys: Sequence[bytes], pages: list[int], todo: list[int],
+               out: list[bool]) -> list[int]:
+        """``m.batch_set`` of the keys at ``todo``; marks ``out``; a key ``m`` did not store
+        is deleted there (never leave an older copy to be read instead). Returns the
+        positions stored."""
+        if not todo:
+            return []
+        got = m.batch_set([keys[i] for i in todo], [pages[i] for i in todo])
+        stored, failed = [], []
+        for i, ok in zip(todo, got):
+            if ok is True:
+                out[i] = True
+                stored.append(i)
+            else:
+                failed.append(keys[i])
+        if failed:
+            self._bump("write_through_failed", len(failed))
+            m.delete(failed)
+        return stored
 
     def delete(self, keys: Sequence[bytes]) -> int:
         self._check_open()
@@ -269,7 +291,9 @@ class ChainStore(L3Store):
         d.setdefault("write_through_failed", 0)
         if self._stager is not None:
             for k in ("staged_pages", "stage_pages", "stage_read_pages", "stage_failed_pages",
-                      "stage_refused_pages", "stage_cancelled_pages", "stage_helper_exits"):
+                      "stage_refused_pages", "stage_cancelled_pages", "stage_helper_exits",
+                      "demote_pages", "demoted_pages", "demote_missed_pages",
+                      "demote_failed_pages", "demote_refused_pages"):
                 d.setdefault(k, 0)
             d["stage_helpers_alive"] = self._stager.alive()
             d["stage_queued_pages"] = self._stager.queued_pages()

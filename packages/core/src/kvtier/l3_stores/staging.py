@@ -81,12 +81,15 @@ class StageTicket:
     """The staging of one batch of keys: ``staged`` counts the keys the arena held once their
     part came back; ``done()`` once every part is back (or failed)."""
 
-    def __init__(self, num_keys: int, timeout_s: float = 2.0):
+    def __init__(self, num_keys: int, timeout_s: float = 2.0, op: str = "stage"):
         self.num_keys = num_keys
+        self.op = op
         #: The longest a load should wait for this ticket (the chain's ``stage_timeout_s``).
         self.timeout_s = timeout_s
         self.staged = 0
         self.failed = 0
+        #: Keys not sent: the helpers' queue was full, none was alive, or it was closing.
+        self.refused = 0
         self.t0 = time.perf_counter()
         self.cancelled = False
         self._open = 0
@@ -166,13 +169,14 @@ class _Helper:
         with self.lock:
             return sum(n for _, n in self.outstanding.values())
 
-    def send(self, ticket: StageTicket, part: int, keys: list[bytes]) -> bool:
+    def send(self, ticket: StageTicket, part: int, keys: list[bytes], op: str = "stage"
+             ) -> bool:
         with self.lock:
             if not self.alive or self.proc is None:
                 return False
             self.outstanding[part] = (ticket, len(keys))
             try:
-                _send(self.proc.stdin.fileno(), ("stage", part, keys))   # type: ignore[union-attr]
+                _send(self.proc.stdin.fileno(), (op, part, keys))        # type: ignore[union-attr]
             except (OSError, ValueError) as exc:
                 self.outstanding.pop(part, None)
                 log.warning("kvtier staging: helper %d is unreachable: %s", self.index, exc)
@@ -206,9 +210,13 @@ class _Helper:
                     ticket, n = self.outstanding.pop(part, (None, 0))
                 if ticket is None:
                     continue
-                self.stager._bump_many({"stage_pages": n, "staged_pages": staged,
-                                        "stage_read_pages": read,
-                                        "stage_cancelled_pages": cancelled})
+                if ticket.op == "demote":
+                    self.stager._bump_many({"demote_pages": n, "demoted_pages": staged,
+                                            "demote_missed_pages": n - read})
+                else:
+                    self.stager._bump_many({"stage_pages": n, "staged_pages": staged,
+                                            "stage_read_pages": read,
+                                            "stage_cancelled_pages": cancelled})
                 ticket._settle(staged, n - staged - cancelled)
             elif kind == "ready":
                 self.stager._bump("stage_helpers_ready", 1)
@@ -296,11 +304,23 @@ class Stager:
         return sum(h.load() for h in self.helpers)
 
     def stage(self, keys: Sequence[bytes]) -> StageTicket:
-        """Send ``keys`` to the helpers; returns at once."""
+        """Send ``keys`` to the helpers to copy into the arena; returns at once."""
+        return self._send("stage", keys)
+
+    def demote(self, keys: Sequence[bytes]) -> StageTicket:
+        """Send ``keys`` (just written into the arena) to the helpers to copy into the slower
+        members; returns at once. ``staged`` counts the keys written (into any of them); a key
+        the arena lost before its helper read it is counted ``demote_missed_pages``; keys
+        past the queue bound are not sent (the ticket's ``refused``: the caller writes them)."""
+        return self._send("demote", keys)
+
+    def _send(self, op: str, keys: Sequence[bytes]) -> StageTicket:
         keys = list(keys)
         with self._lock:
             if self.closing:
-                return StageTicket(len(keys), self.timeout_s)
+                t = StageTicket(len(keys), self.timeout_s, op)
+                t.refused = len(keys)
+                return t
             now = time.monotonic()
             for h in self.helpers:
                 if not h.alive and now - h.started_at >= RESTART_S:
@@ -308,8 +328,9 @@ class Stager:
             live = [h for h in self.helpers if h.alive]
             room = max(0, self.max_queued_pages - self.queued_pages())
             take = keys[:room] if live else []
-            self._bump("stage_refused_pages", len(keys) - len(take))
-            ticket = StageTicket(len(keys), self.timeout_s)
+            self._bump(f"{op}_refused_pages", len(keys) - len(take))
+            ticket = StageTicket(len(keys), self.timeout_s, op)
+            ticket.refused = len(keys) - len(take)
             if not take:
                 return ticket
             n_parts = max(1, min(len(live), len(take) // MIN_PART))
@@ -321,8 +342,8 @@ class Stager:
                 part_keys = take[at:at + size]
                 at += size
                 self._next += 1
-                if not live[i].send(ticket, self._next, part_keys):
-                    self._bump("stage_failed_pages", len(part_keys))
+                if not live[i].send(ticket, self._next, part_keys, op):
+                    self._bump(f"{op}_failed_pages", len(part_keys))
                     ticket.failed += len(part_keys)
             return ticket
 
@@ -373,7 +394,7 @@ def _serve(fd_in: int, fd_out: int) -> int:
 
 def _loop(fd_in: int, fd_out: int, stores: list[Any], pages: int) -> int:
     arena, slower = stores[0], stores[1:]
-    queue: deque[tuple[int, list[bytes]]] = deque()
+    queue: deque[tuple[str, int, list[bytes]]] = deque()
     dropped: set[int] = set()
     while True:
         # take every frame already sent (cancels reach parts not yet begun)
@@ -384,20 +405,21 @@ def _loop(fd_in: int, fd_out: int, stores: list[Any], pages: int) -> int:
             msg = _recv(fd_in)
             if msg is None or msg[0] == "stop":
                 return 0
-            if msg[0] == "stage":
-                queue.append((msg[1], msg[2]))
+            if msg[0] in ("stage", "demote"):
+                queue.append((msg[0], msg[1], msg[2]))
             elif msg[0] == "cancel":
                 dropped.add(msg[1])
             if not queue:
                 continue
-        part, keys = queue.popleft()
+        op, part, keys = queue.popleft()
         if part in dropped:
             dropped.discard(part)
             _send(fd_out, ("done", part, 0, 0, len(keys)))
             continue
         staged = read = 0
+        step = _stage_chunk if op == "stage" else _demote_chunk
         for at in range(0, len(keys), pages):
-            s, r = _stage_chunk(arena, slower, keys[at:at + pages])
+            s, r = step(arena, slower, keys[at:at + pages])
             staged, read = staged + s, read + r
         _send(fd_out, ("done", part, staged, read, 0))
 
@@ -426,6 +448,29 @@ def _stage_chunk(arena: Any, slower: list[Any], keys: list[bytes]) -> tuple[int,
             staged += sum(1 for ok in put if ok is True)
         todo = [k for k, ok in zip(todo, got) if ok is not True]
     return staged, read
+
+
+def _demote_chunk(arena: Any, slower: list[Any], keys: list[bytes]) -> tuple[int, int]:
+    """Copy ``keys`` from the arena into every slower member: (keys written into one of
+    them at least, keys the arena still held)."""
+    try:
+        got = arena.batch_get(keys, list(range(len(keys))))
+    except Exception as exc:
+        log.warning("reading %d pages from %s failed: %s", len(keys), arena.name, exc)
+        return 0, 0
+    found = [i for i, ok in enumerate(got) if ok is True]
+    if not found:
+        return 0, 0
+    fk = [keys[i] for i in found]
+    written = [False] * len(found)
+    for m in slower:
+        try:
+            put = m.batch_set(fk, found)
+        except Exception as exc:
+            log.warning("writing %d pages into %s failed: %s", len(fk), m.name, exc)
+            continue
+        written = [w or ok is True for w, ok in zip(written, put)]
+    return sum(written), len(found)
 
 
 def main() -> int:
