@@ -314,3 +314,39 @@ def test_writes_the_helpers_cannot_take_are_written_by_the_caller(tmp_path, shm_
             assert c.members[1].batch_exists(keys) == 9
     finally:
         pool.close()
+
+
+def test_the_two_halves_stage_off_the_callers_thread_and_load_in_place(tmp_path, shm_name):
+    """As the vLLM connector runs the cache: a load plan's L3 pages that only the file holds
+    are staged by the helpers while the executor's caller goes on, then loaded in place."""
+    from test_executor_in_place import Half, keys_of
+    l3 = chain_config(shm_name, tmp_path / "f", processes=2)
+    a = Half(shm_name, seed=3, l3_store="chain", l3_config=l3)
+    h = Half(shm_name, seed=4, l3_store="chain", l3_config=l3)   # a second engine process
+    try:
+        chain = h.ex.store
+        assert h.ex.in_place is not None, h.ex.in_place_why_not
+        wait_ready(chain, 2)
+        keys = keys_of(a, 41)
+        want = a.save(keys)
+        wait_stat(a.ex.store, "demoted_pages", len(keys))
+        chain.members[0].delete(keys)                   # in the file only now
+        h.planner.set_in_place(True)
+        hit = h.planner.lookup(keys)
+        assert hit.l3_pages == len(keys), hit
+        dev = h.pages(len(keys))
+        plan = h.planner.plan_load(keys, dev)
+        assert plan.stage and len(plan.l3_loads) == len(keys)
+        t0 = time.perf_counter()
+        h.ex.submit(plan)
+        assert time.perf_counter() - t0 < 0.5, "the caller does not wait for the helpers"
+        assert h.ex.wait(plan.plan_id, 30)
+        res = [r for r in h.ex.poll() if r.plan_id == plan.plan_id][0]
+        h.planner.complete(res)
+        assert list(res.l3_loads) == [True] * len(keys)
+        assert [h.page(d) for d in dev] == want
+        assert chain.members[0].arena.pinned() == 0
+        assert chain.stats()["stage_read_pages"] == len(keys)
+    finally:
+        h.close()
+        a.close()

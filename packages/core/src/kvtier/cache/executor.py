@@ -412,6 +412,15 @@ class CacheExecutor:
             self._part_done(run, "in_place")
             return
         keys = [k for k, _ in p.l3_loads]
+        self._pin_and_load(run, keys, stage=p.stage)
+
+    def _pin_and_load(self, run: Run, keys: list[bytes], stage: bool) -> None:
+        """Pin the leading run of ``keys`` the arena holds and load it. ``stage``: where the
+        run is short and the store stages (`L3Store.stage`), let go, have it staged and
+        come back here from a thread of its own once that is done (bounded by the store's
+        timeout): the caller's thread never waits for it."""
+        p, m, direct = run.plan, self.metrics_registry, self.in_place
+        assert direct is not None
         try:
             slots = direct.reads.pin(keys)
         except Exception as exc:
@@ -419,6 +428,19 @@ class CacheExecutor:
             m.add("l3_read_failed_call_pages", len(keys))
             self._part_done(run, "in_place")
             return
+        if stage and len(slots) < len(keys) and self.l3 is not None:
+            ticket = None
+            try:
+                ticket = self.l3.store.stage(keys[len(slots):])
+            except Exception as exc:        # a broken store: what is in the arena loads
+                log.warning("kvtier executor: staging %d L3 pages failed: %s",
+                            len(keys) - len(slots), exc)
+                m.add("l3_stage_errors")
+            if ticket is not None:
+                direct.reads.unpin(slots)
+                threading.Thread(target=self._when_staged, args=(run, keys, ticket),
+                                 daemon=True, name="kvtier-stage-wait").start()
+                return
         m.add("l3_read_missed_pages", len(keys) - len(slots))   # gone since the lookup
         if run.handle is not None:
             run.handle.in_place_pages = len(slots)
@@ -434,6 +456,13 @@ class CacheExecutor:
             return
         run.handles.append(h)
         self._completer.submit(h, lambda err: self._in_place_done(run, slots, err, h, t0))
+
+    def _when_staged(self, run: Run, keys: list[bytes], ticket: Any) -> None:
+        t0 = time.perf_counter()
+        if not ticket.wait(float(getattr(ticket, "timeout_s", 2.0))):
+            self.metrics_registry.add("l3_stage_late_fetches")
+        self.metrics_registry.observe("l3_stage_wait", time.perf_counter() - t0)
+        self._pin_and_load(run, keys, stage=False)
 
     def _in_place_done(self, run: Run, slots: list[int], err: BaseException | None,
                        handle: TransferHandle | None = None, t0: float = 0.0) -> None:

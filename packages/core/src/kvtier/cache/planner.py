@@ -306,7 +306,7 @@ class CachePlanner:
             if reads:
                 st.started = time.perf_counter()
             plan = self._pend(st, l3_reads=tuple(reads), loads=tuple(loads),
-                              l3_loads=tuple(direct))
+                              l3_loads=tuple(direct), stage=bool(direct))
         self.metrics_registry.add_many({"planned_l2_load_pages": len(l2),
                                         "planned_l3_load_pages": len(reads) + len(direct)})
         return plan

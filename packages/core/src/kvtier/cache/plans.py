@@ -97,6 +97,11 @@ class Plan:
     backups: tuple[tuple[int, int], ...] = ()
     l3_writes: tuple[tuple[int, bytes], ...] = ()
     l3_loads: tuple[tuple[bytes, int], ...] = ()
+    #: The store may first have to stage ``l3_loads`` into the memory it loads in place from
+    #: (`L3Store.stage`): where the arena holds fewer of them than asked, the data path has
+    #: the rest staged and loads once that is done (bounded by the store), off the caller's
+    #: thread. (The controller stages at prefetch and waits itself: off there.)
+    stage: bool = False
 
     @property
     def empty(self) -> bool:
