@@ -280,7 +280,8 @@ class ChainStore(L3Store):
         self._check_batch(keys)
         if self._stager is None:
             return None
-        return self._stager.stage(keys)
+        held = self.members[0].batch_exists(keys)   # the arena's leading run: no round trip
+        return self._stager.stage(keys[held:], held=held)
 
     def object_nbytes(self) -> int:
         return max((m.object_nbytes() for m in self.members), default=self.spec.page_bytes)

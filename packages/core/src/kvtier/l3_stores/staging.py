@@ -81,12 +81,13 @@ class StageTicket:
     """The staging of one batch of keys: ``staged`` counts the keys the arena held once their
     part came back; ``done()`` once every part is back (or failed)."""
 
-    def __init__(self, num_keys: int, timeout_s: float = 2.0, op: str = "stage"):
+    def __init__(self, num_keys: int, timeout_s: float = 2.0, op: str = "stage",
+                 staged: int = 0):
         self.num_keys = num_keys
         self.op = op
         #: The longest a load should wait for this ticket (the chain's ``stage_timeout_s``).
         self.timeout_s = timeout_s
-        self.staged = 0
+        self.staged = staged
         self.failed = 0
         #: Keys not sent: the helpers' queue was full, none was alive, or it was closing.
         self.refused = 0
@@ -303,9 +304,10 @@ class Stager:
     def queued_pages(self) -> int:
         return sum(h.load() for h in self.helpers)
 
-    def stage(self, keys: Sequence[bytes]) -> StageTicket:
-        """Send ``keys`` to the helpers to copy into the arena; returns at once."""
-        return self._send("stage", keys)
+    def stage(self, keys: Sequence[bytes], held: int = 0) -> StageTicket:
+        """Send ``keys`` to the helpers to copy into the arena; returns at once. ``held``:
+        keys before these that the arena holds already (counted staged, not sent)."""
+        return self._send("stage", keys, held)
 
     def demote(self, keys: Sequence[bytes]) -> StageTicket:
         """Send ``keys`` (just written into the arena) to the helpers to copy into the slower
@@ -314,11 +316,11 @@ class Stager:
         past the queue bound are not sent (the ticket's ``refused``: the caller writes them)."""
         return self._send("demote", keys)
 
-    def _send(self, op: str, keys: Sequence[bytes]) -> StageTicket:
+    def _send(self, op: str, keys: Sequence[bytes], held: int = 0) -> StageTicket:
         keys = list(keys)
         with self._lock:
             if self.closing:
-                t = StageTicket(len(keys), self.timeout_s, op)
+                t = StageTicket(held + len(keys), self.timeout_s, op, staged=held)
                 t.refused = len(keys)
                 return t
             now = time.monotonic()
@@ -329,7 +331,7 @@ class Stager:
             room = max(0, self.max_queued_pages - self.queued_pages())
             take = keys[:room] if live else []
             self._bump(f"{op}_refused_pages", len(keys) - len(take))
-            ticket = StageTicket(len(keys), self.timeout_s, op)
+            ticket = StageTicket(held + len(keys), self.timeout_s, op, staged=held)
             ticket.refused = len(keys) - len(take)
             if not take:
                 return ticket
