@@ -296,8 +296,11 @@ def test_writes_reach_the_file_through_the_helpers_bitwise(tmp_path, shm_name):
         pool.close()
 
 
-@pytest.mark.parametrize("config", [{"stage_max_queued_pages": 3}, {"stage_writes": False}])
+@pytest.mark.parametrize("config", [{"stage_max_queued_pages": 3}, {"slots": 12},
+                                    {"stage_writes": False}])
 def test_writes_the_helpers_cannot_take_are_written_by_the_caller(tmp_path, shm_name, config):
+    """Past the queue bound, or a quarter of the arena's slots (12 // 4 = 3) waiting to be
+    copied out, or with writes behind the arena off."""
     pool = make_host_pool(ODD_SPEC, 24)
     try:
         with ChainStore(chain_config(shm_name, tmp_path / "f", processes=1, **config),

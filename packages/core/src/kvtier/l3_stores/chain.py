@@ -91,8 +91,9 @@ class ChainStore(L3Store):
         #: Longest wait of a load for its staged pages; the rest are recomputed.
         stage_timeout_s: float = 2.0
         #: With staging on, ``batch_set`` writes the first member and the helpers copy what
-        #: it took from there into the slower members (what they cannot take in time, and
-        #: what the first member refused, is written by the caller as without staging).
+        #: it took from there into the slower members. What they cannot take (more than a
+        #: quarter of the arena's slots waiting to be copied out, or the queue bound), and
+        #: what the first member refused, is written by the caller as without staging.
         stage_writes: bool = True
 
     def __init__(self, config: Any = None, *, spec):
@@ -138,10 +139,12 @@ class ChainStore(L3Store):
                               value=self.config.stage_processes)
         from .staging import Stager
         c = self.config
+        slots = self._arena_slots()
         self._stager = Stager(self.spec, configs, processes=c.stage_processes,
                               batch_pages=c.stage_batch_pages,
                               max_queued_pages=c.stage_max_queued_pages,
-                              timeout_s=float(c.stage_timeout_s), stats=self._bump)
+                              timeout_s=float(c.stage_timeout_s), stats=self._bump,
+                              max_demote_pages=max(1, slots // 4) if slots else None)
 
     @classmethod
     def probe(cls) -> Availability:
@@ -259,6 +262,12 @@ class ChainStore(L3Store):
         self._check_open()
         for m in self.members:
             m.clear()
+
+    def _arena_slots(self) -> int:
+        try:
+            return int(self.members[0].stats().get("slots", 0))
+        except Exception:           # a store without the figure: the queue bound alone
+            return 0
 
     def in_place_reads(self):
         """The first member's arena, where helper processes stage the slower members' pages

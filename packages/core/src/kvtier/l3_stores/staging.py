@@ -166,9 +166,9 @@ class _Helper:
         threading.Thread(target=self._replies, args=(proc,), daemon=True,
                          name=f"kvtier-stage-{self.index}").start()
 
-    def load(self) -> int:
+    def load(self, op: str | None = None) -> int:
         with self.lock:
-            return sum(n for _, n in self.outstanding.values())
+            return sum(n for t, n in self.outstanding.values() if op is None or t.op == op)
 
     def send(self, ticket: StageTicket, part: int, keys: list[bytes], op: str = "stage"
              ) -> bool:
@@ -279,11 +279,16 @@ class Stager:
 
     def __init__(self, spec: Any, members: list[tuple[str, dict[str, Any]]], *,
                  processes: int, batch_pages: int, max_queued_pages: int,
-                 timeout_s: float = 2.0, stats: Any):
+                 timeout_s: float = 2.0, stats: Any, max_demote_pages: int | None = None):
         self.spec = spec
         self.members = members
         self.batch_pages = batch_pages
         self.max_queued_pages = max_queued_pages
+        #: Pages written into the arena and not yet copied out: past it the caller writes
+        #: them (a page the arena evicts before its helper copies it is lost to the slower
+        #: members, so the window stays a small part of the arena).
+        self.max_demote_pages = max_queued_pages if max_demote_pages is None else \
+            max(1, min(max_queued_pages, max_demote_pages))
         self.timeout_s = timeout_s
         self._stats = stats            # the chain's _bump(counter, n)
         self.closing = False
@@ -301,8 +306,8 @@ class Stager:
         for k, v in counts.items():
             self._bump(k, v)
 
-    def queued_pages(self) -> int:
-        return sum(h.load() for h in self.helpers)
+    def queued_pages(self, op: str | None = None) -> int:
+        return sum(h.load(op) for h in self.helpers)
 
     def stage(self, keys: Sequence[bytes], held: int = 0) -> StageTicket:
         """Send ``keys`` to the helpers to copy into the arena; returns at once. ``held``:
@@ -329,6 +334,8 @@ class Stager:
                     h.start()
             live = [h for h in self.helpers if h.alive]
             room = max(0, self.max_queued_pages - self.queued_pages())
+            if op == "demote":
+                room = min(room, max(0, self.max_demote_pages - self.queued_pages(op)))
             take = keys[:room] if live else []
             self._bump(f"{op}_refused_pages", len(keys) - len(take))
             ticket = StageTicket(held + len(keys), self.timeout_s, op, staged=held)
