@@ -205,6 +205,34 @@ def test_close_stops_the_helpers(tmp_path, shm_name):
     assert not glob.glob(os.path.join(shm_mod.DEFAULT_ROOT, f"{shm_name}-*"))
 
 
+def test_close_copies_out_the_pages_written_into_the_arena_first(tmp_path, shm_name):
+    from kvtier.l3_stores.file import FileStore
+    pool = make_host_pool(ODD_SPEC, 24)
+    try:
+        c = ChainStore(chain_config(shm_name, tmp_path / "f", processes=1), spec=ODD_SPEC)
+        c.attach(pool)
+        wait_ready(c, 1)
+        pid = c._stager.helpers[0].proc.pid
+        fill_random(pool.raw)
+        keys = [os.urandom(32) for _ in range(7)]
+        want = [pool.view[p].clone() for p in range(7)]
+        os.kill(pid, signal.SIGSTOP)        # the copies wait in its pipe
+        try:
+            assert c.batch_set(keys, list(range(7))) == [True] * 7
+            assert c.stats()["demoted_pages"] == 0
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        c.close()
+        with FileStore({"root": str(tmp_path / "f")}, spec=ODD_SPEC) as files:
+            files.attach(pool)
+            fill_random(pool.raw)
+            assert files.batch_get(keys, list(range(10, 17))) == [True] * 7
+            for i in range(7):
+                assert_bitwise_equal(pool.view[10 + i], want[i], f"key {i}")
+    finally:
+        pool.close()
+
+
 # ----- under a cache ----------------------------------------------------------------------
 def cache_on_chain(tmp_path, name: str, seed: int, **config) -> Engine:
     store = ChainStore(chain_config(name, tmp_path / "f", slots=64, processes=2,

@@ -46,6 +46,8 @@ __all__ = ["Stager", "StageTicket"]
 _HEAD = struct.Struct("!I")
 #: Seconds between two starts of one helper slot after it exited.
 RESTART_S = 5.0
+#: Longest wait at close for a helper to copy out what was written into the arena and exit.
+CLOSE_S = 30.0
 #: Fewest keys in one helper's part of a batch (smaller batches are not split further).
 MIN_PART = 4
 
@@ -254,8 +256,8 @@ class _Helper:
                 except (OSError, ValueError):
                     pass
         if proc is not None:
-            try:
-                proc.wait(timeout=5.0)
+            try:                        # it copies out the pages written so far, then exits
+                proc.wait(timeout=CLOSE_S)
             except subprocess.TimeoutExpired:
                 proc.kill()
         with self.lock:
@@ -405,21 +407,28 @@ def _loop(fd_in: int, fd_out: int, stores: list[Any], pages: int) -> int:
     arena, slower = stores[0], stores[1:]
     queue: deque[tuple[str, int, list[bytes]]] = deque()
     dropped: set[int] = set()
+    stopping = False
     while True:
         # take every frame already sent (cancels reach parts not yet begun)
-        while True:
+        while not stopping:
             ready, _, _ = select.select([fd_in], [], [], 0 if queue else None)
             if not ready:
                 break
             msg = _recv(fd_in)
-            if msg is None or msg[0] == "stop":
-                return 0
+            if msg is None:
+                return 0                  # the engine is gone: nobody to answer
+            if msg[0] == "stop":          # a clean close: copy out what was written first
+                stopping = True
+                queue = deque(q for q in queue if q[0] == "demote")
+                break
             if msg[0] in ("stage", "demote"):
                 queue.append((msg[0], msg[1], msg[2]))
             elif msg[0] == "cancel":
                 dropped.add(msg[1])
             if not queue:
                 continue
+        if not queue:
+            return 0
         op, part, keys = queue.popleft()
         if part in dropped:
             dropped.discard(part)
