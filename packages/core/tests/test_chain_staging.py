@@ -15,6 +15,7 @@ import signal
 import time
 
 import pytest
+import torch
 
 from kvtier.errors import ConfigError
 from kvtier.l3_stores import shm as shm_mod
@@ -371,13 +372,59 @@ def test_the_two_halves_stage_off_the_callers_thread_and_load_in_place(tmp_path,
         t0 = time.perf_counter()
         h.ex.submit(plan)
         assert time.perf_counter() - t0 < 0.5, "the caller does not wait for the helpers"
+        for layer in range(PAGE_SPEC.num_layers):     # as vLLM's forward waits, layer by layer
+            assert h.ex.wait_layer(plan.plan_id, layer, timeout=30) is None
+        assert [h.page(d) for d in dev] == want, "a layer was let through before it landed"
         assert h.ex.wait(plan.plan_id, 30)
         res = [r for r in h.ex.poll() if r.plan_id == plan.plan_id][0]
         h.planner.complete(res)
         assert list(res.l3_loads) == [True] * len(keys)
-        assert [h.page(d) for d in dev] == want
         assert chain.members[0].arena.pinned() == 0
         assert chain.stats()["stage_read_pages"] == len(keys)
     finally:
         h.close()
         a.close()
+
+
+def test_pages_an_engine_wrote_reach_the_file_after_it_dies(tmp_path, shm_name):
+    """The engine process exits without closing (os._exit) right after writing, its helpers
+    still starting: they copy what it wrote into the arena into the file, then exit."""
+    import subprocess
+    import sys
+    import textwrap
+    from kvtier.l3_stores.file import FileStore
+    script = textwrap.dedent(f"""
+        import os
+        import torch
+        from kvtier.l3_stores.chain import ChainStore
+        from kvtier.testing.data import fill_random, make_host_pool, random_specs
+        spec = random_specs()[0]
+        pool = make_host_pool(spec, 8)
+        fill_random(pool.raw)
+        c = ChainStore({chain_config(shm_name, tmp_path / "f", processes=2)!r}, spec=spec)
+        c.attach(pool)
+        keys = [bytes([i + 1]) * 32 for i in range(6)]
+        assert c.batch_set(keys, list(range(6))) == [True] * 6
+        with open({str(tmp_path / "want")!r}, "wb") as f:
+            for p in range(6):
+                f.write(pool.view[p].contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        os._exit(0)
+        """)
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+    keys = [bytes([i + 1]) * 32 for i in range(6)]
+    pool = make_host_pool(ODD_SPEC, 8)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            with FileStore({"root": str(tmp_path / "f")}, spec=ODD_SPEC) as files:
+                files.attach(pool)
+                if files.batch_exists(keys) == 6:
+                    assert files.batch_get(keys, list(range(6))) == [True] * 6
+                    break
+            assert time.monotonic() < deadline, "the dead engine's pages never reached the file"
+            time.sleep(0.2)
+        got = b"".join(pool.view[p].contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+                       for p in range(6))
+        assert got == (tmp_path / "want").read_bytes()
+    finally:
+        pool.close()

@@ -356,6 +356,39 @@ def test_two_engine_processes_share_prefixes_through_the_shm_store(model, refere
     assert _outputs(one, 0) == _outputs(two, 0) == _outputs(reference, 0)[:1]
 
 
+def test_a_second_engine_loads_pages_staged_from_the_file_in_place(model, reference):
+    """A chain of an `shm` arena and a `file` store with staging: the first engine's pages
+    reach the file through the helpers; the arena is then removed (as after a reboot), so the
+    second engine's helpers stage them from the file into a new arena, off vLLM's thread,
+    and vLLM loads them in place, with its outputs."""
+    import shutil
+    import tempfile
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm on this host")
+    root = tempfile.mkdtemp(prefix="kvtier-test-", dir="/dev/shm")
+    files = tempfile.mkdtemp(prefix="kvtier-test-files-")
+    chain = {"l3_store": "chain", "l3_config": {
+        "stage_processes": 2,
+        "stores": [{"store": "shm", "config": {"root": root, "capacity_pages": 64}},
+                   {"store": "file", "config": {"root": files}}]}}
+    try:
+        one = _run({"model": model, "kv_transfer_config": _ktc(**chain),
+                    "phases": [{"prompts": [PROMPT]}]})
+        for name in os.listdir(root):                   # the arena is gone
+            os.unlink(os.path.join(root, name))
+        two = _run({"model": model, "kv_transfer_config": _ktc(**chain),
+                    "phases": [{"prompts": [PROMPT]}]})
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(files, ignore_errors=True)
+    assert one["kvtier"]["l3_set_ok"] >= 4, one["kvtier"]
+    assert _cached(two, 0) == [4 * BLOCK]
+    assert two["kvtier"]["hit_tokens_l3"] == 4 * BLOCK, two["kvtier"]
+    assert two["kvtier"]["planner"]["l3_in_place_pages"] == 4, two["kvtier"]
+    assert two["kvtier"]["l3_stage_read_pages"] == 4, two["kvtier"]     # from the file
+    assert _outputs(one, 0) == _outputs(two, 0) == _outputs(reference, 0)[:1]
+
+
 # ----- 10. concurrent requests --------------------------------------------------------------------
 def test_conversations_sent_together_are_batched_and_hit(model, tmp_path):
     """Four conversations send each turn together (one `generate` call: vLLM batches them,

@@ -438,6 +438,7 @@ class CacheExecutor:
                 m.add("l3_stage_errors")
             if ticket is not None:
                 direct.reads.unpin(slots)
+                run.defer_load_group()          # wait_layer waits for the load's handle
                 threading.Thread(target=self._when_staged, args=(run, keys, ticket),
                                  daemon=True, name="kvtier-stage-wait").start()
                 return
@@ -458,11 +459,14 @@ class CacheExecutor:
         self._completer.submit(h, lambda err: self._in_place_done(run, slots, err, h, t0))
 
     def _when_staged(self, run: Run, keys: list[bytes], ticket: Any) -> None:
-        t0 = time.perf_counter()
-        if not ticket.wait(float(getattr(ticket, "timeout_s", 2.0))):
-            self.metrics_registry.add("l3_stage_late_fetches")
-        self.metrics_registry.observe("l3_stage_wait", time.perf_counter() - t0)
-        self._pin_and_load(run, keys, stage=False)
+        try:
+            t0 = time.perf_counter()
+            if not ticket.wait(float(getattr(ticket, "timeout_s", 2.0))):
+                self.metrics_registry.add("l3_stage_late_fetches")
+            self.metrics_registry.observe("l3_stage_wait", time.perf_counter() - t0)
+            self._pin_and_load(run, keys, stage=False)
+        finally:
+            run.load_group_started()       # its handle (if any) is in run.handles now
 
     def _in_place_done(self, run: Run, slots: list[int], err: BaseException | None,
                        handle: TransferHandle | None = None, t0: float = 0.0) -> None:

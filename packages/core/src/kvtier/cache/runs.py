@@ -109,6 +109,12 @@ class Run:
         self.now_writes = [i for i, (hp, _) in enumerate(plan.l3_writes)
                            if hp not in backup_hp]
 
+    def defer_load_group(self) -> None:
+        """One more group of loads will have its handle later (its `load_group_started`
+        comes then): in-place loads waiting for their pages to be staged."""
+        with self._start_lock:
+            self._to_start += 1
+
     def load_group_started(self) -> None:
         """One group of the plan's loads has its handle (or will have none)."""
         with self._start_lock:

@@ -391,8 +391,12 @@ def _serve(fd_in: int, fd_out: int) -> int:
                           layout=PAGE_FIRST)
         for st in stores:
             st.attach(pool)
-        _send(fd_out, ("ready", os.getpid()))
-        return _loop(fd_in, fd_out, stores, pages)
+        try:
+            _send(fd_out, ("ready", os.getpid()))
+            gone = False
+        except OSError:                     # the engine is gone already: copy out, then go
+            gone = True
+        return _loop(fd_in, fd_out, stores, pages, gone)
     finally:
         for st in reversed(stores):
             try:
@@ -403,7 +407,7 @@ def _serve(fd_in: int, fd_out: int) -> int:
             pool.close()
 
 
-def _loop(fd_in: int, fd_out: int, stores: list[Any], pages: int) -> int:
+def _loop(fd_in: int, fd_out: int, stores: list[Any], pages: int, gone: bool = False) -> int:
     arena, slower = stores[0], stores[1:]
     queue: deque[tuple[str, int, list[bytes]]] = deque()
     dropped: set[int] = set()
@@ -415,10 +419,11 @@ def _loop(fd_in: int, fd_out: int, stores: list[Any], pages: int) -> int:
             if not ready:
                 break
             msg = _recv(fd_in)
-            if msg is None:
-                return 0                  # the engine is gone: nobody to answer
-            if msg[0] == "stop":          # a clean close: copy out what was written first
+            if msg is None or msg[0] == "stop":
+                # closed, or the engine is gone: the pages it wrote into the arena are still
+                # there and sound, so they are copied out first (stages are dropped)
                 stopping = True
+                gone = msg is None
                 queue = deque(q for q in queue if q[0] == "demote")
                 break
             if msg[0] in ("stage", "demote"):
@@ -432,14 +437,19 @@ def _loop(fd_in: int, fd_out: int, stores: list[Any], pages: int) -> int:
         op, part, keys = queue.popleft()
         if part in dropped:
             dropped.discard(part)
-            _send(fd_out, ("done", part, 0, 0, len(keys)))
-            continue
-        staged = read = 0
-        step = _stage_chunk if op == "stage" else _demote_chunk
-        for at in range(0, len(keys), pages):
-            s, r = step(arena, slower, keys[at:at + pages])
-            staged, read = staged + s, read + r
-        _send(fd_out, ("done", part, staged, read, 0))
+            reply = ("done", part, 0, 0, len(keys))
+        else:
+            staged = read = 0
+            step = _stage_chunk if op == "stage" else _demote_chunk
+            for at in range(0, len(keys), pages):
+                s, r = step(arena, slower, keys[at:at + pages])
+                staged, read = staged + s, read + r
+            reply = ("done", part, staged, read, 0)
+        if not gone:
+            try:
+                _send(fd_out, reply)
+            except OSError:                 # the engine is gone: copy out the rest anyway
+                gone = True
 
 
 def _stage_chunk(arena: Any, slower: list[Any], keys: list[bytes]) -> tuple[int, int]:
