@@ -272,6 +272,33 @@ def test_a_cache_loads_staged_pages_in_place_bitwise(tmp_path, shm_name):
         e.close()
 
 
+def test_pages_that_left_the_arena_while_the_request_waited_are_staged_again(tmp_path,
+                                                                           shm_name):
+    e = cache_on_chain(tmp_path, shm_name, seed=23, prefetch_policy="wait_complete")
+    try:
+        wait_ready(e.store, 2)
+        toks = tokens(35)
+        want = e.compute(toks)
+        wait_stat(e.store, "demoted_pages", len(want))
+        e.cache.evict(100)
+        e.cache.evict(100, tier="l2")
+        arena, keys = e.store.members[0], e.cache.keys(toks)
+        arena.delete(keys)
+        m = e.cache.match(toks)
+        e.cache.prefetch(m)
+        assert m.stage.wait(30) and m.stage.staged == len(want)
+        arena.delete(keys[2:4])                 # pushed out by others before its turn
+        dev = e.pages(m.pages_to_load)
+        h = e.cache.fetch(m, dev)
+        h.wait()
+        assert h.pages_loaded == len(want)
+        assert [e.page(d) for d in dev] == want
+        assert e.cache.metrics()["l3_stage_again_fetches"] == 1
+        e.alloc.free(e.cache.release(m))
+    finally:
+        e.close()
+
+
 def test_a_stuck_helper_costs_its_pages_not_a_hang(tmp_path, shm_name):
     e = cache_on_chain(tmp_path, shm_name, seed=22, prefetch_policy="wait_complete",
                        chain={"stage_timeout_s": 0.5})
