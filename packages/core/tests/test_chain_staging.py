@@ -343,6 +343,7 @@ def test_writes_reach_the_file_through_the_helpers_bitwise(tmp_path, shm_name):
             st = c.stats()
             assert st["demote_missed_pages"] == 0 and st["members"][1]["set_ok"] == 0, \
                 "this process wrote nothing into the file"
+            assert st["members"][1]["writers"] == 1, "one helper of two writes the file"
             fill_random(pool.raw)
             dst = random.Random(7).sample(range(40), 11)
             assert c.members[1].batch_get(keys, dst) == [True] * 11

@@ -334,7 +334,11 @@ class Stager:
             for h in self.helpers:
                 if not h.alive and now - h.started_at >= RESTART_S:
                     h.start()
-            live = [h for h in self.helpers if h.alive]
+            # copies out go to the first quarter of the helpers only: each helper that writes
+            # the file is a writer of its own there (its own preallocated segments)
+            pool = self.helpers if op == "stage" else \
+                self.helpers[:max(1, len(self.helpers) // 4)]
+            live = [h for h in pool if h.alive]
             room = max(0, self.max_queued_pages - self.queued_pages())
             if op == "demote":
                 room = min(room, max(0, self.max_demote_pages - self.queued_pages(op)))
