@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, InvalidArgumentError
 from kvtier.l3_stores import shm as shm_mod
 from kvtier.l3_stores import staging
 from kvtier.l3_stores.chain import ChainStore
@@ -455,4 +455,44 @@ def test_pages_an_engine_wrote_reach_the_file_after_it_dies(tmp_path, shm_name):
                        for p in range(6))
         assert got == (tmp_path / "want").read_bytes()
     finally:
+        pool.close()
+
+
+def test_staging_keeps_the_pages_of_the_run_the_arena_already_holds(tmp_path, shm_name):
+    """One set of 16 slots: the run's first 8 pages are its oldest, 8 others came after;
+    staging the run's other 8 pages evicts the others, not the run's own."""
+    pool = make_host_pool(ODD_SPEC, 40)
+    try:
+        with ChainStore(chain_config(shm_name, tmp_path / "f", slots=16, processes=1),
+                        spec=ODD_SPEC) as c:
+            c.attach(pool)
+            arena, files = c.members
+            fill_random(pool.raw)
+            run = [os.urandom(32) for _ in range(16)]
+            others = [os.urandom(32) for _ in range(8)]
+            assert arena.batch_set(run[:8], list(range(8))) == [True] * 8
+            time.sleep(0.01)
+            assert arena.batch_set(others, list(range(8, 16))) == [True] * 8
+            assert files.batch_set(run[8:], list(range(16, 24))) == [True] * 8
+            t = c.stage(run)
+            assert t.wait(60) and t.staged == 16
+            assert arena.batch_exists(run) == 16, "the run's own pages were evicted"
+            assert arena.touch(others) == [False] * 8
+    finally:
+        pool.close()
+
+
+def test_shm_touch_says_what_it_holds(shm_name):
+    pool = make_host_pool(ODD_SPEC, 8)
+    store = ShmStore({"name": shm_name, "capacity_pages": 16, "remove_when_unused": True},
+                     spec=ODD_SPEC)
+    try:
+        store.attach(pool)
+        keys = [os.urandom(32) for _ in range(3)]
+        assert store.batch_set(keys[:2], [0, 1]) == [True, True]
+        assert store.touch([keys[0], keys[2], keys[1]]) == [True, False, True]
+        with pytest.raises(InvalidArgumentError):
+            store.touch([b""])
+    finally:
+        store.close()
         pool.close()

@@ -132,7 +132,8 @@ class ChainStore(L3Store):
             raise ConfigError("chain.stage_processes needs a slower member to stage from "
                               "(two stores or more)", key="chain.stage_processes",
                               value=self.config.stage_processes)
-        if type(self.members[0]).in_place_reads is L3Store.in_place_reads:
+        if type(self.members[0]).in_place_reads is L3Store.in_place_reads or \
+                not callable(getattr(self.members[0], "touch", None)):
             raise ConfigError(f"chain.stage_processes: the first member "
                               f"({self.member_names[0]!r}) keeps no shared-memory arena to "
                               "stage into (use 'shm')", key="chain.stage_processes",
@@ -289,7 +290,10 @@ class ChainStore(L3Store):
         self._check_batch(keys)
         if self._stager is None:
             return None
-        held = self.members[0].batch_exists(keys)   # the arena's leading run: no round trip
+        # the arena's leading run is not sent (no round trip), and every page of the run
+        # it holds becomes recent: the pages the helpers bring in must not evict them
+        there = self.members[0].touch(keys)            # type: ignore[attr-defined]
+        held = there.index(False) if False in there else len(there)
         return self._stager.stage(keys[held:], held=held)
 
     def object_nbytes(self) -> int:

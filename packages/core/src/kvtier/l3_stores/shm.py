@@ -380,6 +380,23 @@ class ShmStore(L3Store):
                 n += 1
             return n
 
+    def touch(self, keys: Sequence[bytes]) -> list[bool]:
+        """Which of ``keys`` the arena holds; those it holds become its most recently used
+        (the first key the most recent), so that slots about to be read are not the next
+        to be evicted. An LRU hint: nothing is held."""
+        self._check_batch(keys)
+        out = []
+        with self._use():
+            arena, now = self.arena, time.monotonic_ns()
+            for j, key in enumerate(keys):
+                d = arena.digest(key)
+                i = arena.find(d)
+                ok = i >= 0 and arena.present(d)
+                if ok:
+                    arena.touch(i, now - j)
+                out.append(ok)
+        return out
+
     def batch_get(self, keys: Sequence[bytes], host_pages: Sequence[int]) -> list[bool]:
         pages = self._check_batch(keys, host_pages, distinct_pages=True)
         counts = dict.fromkeys(("torn_reads", "in_flight", "crc_mismatch", "errors"), 0)

@@ -458,7 +458,8 @@ def _loop(fd_in: int, fd_out: int, stores: list[Any], pages: int, gone: bool = F
 
 def _stage_chunk(arena: Any, slower: list[Any], keys: list[bytes]) -> tuple[int, int]:
     """Bring ``keys`` into the arena: (keys it holds now, pages read from slower members)."""
-    todo = [k for k in keys if arena.batch_exists([k]) == 0]
+    there = arena.touch(keys)      # held ones become recent: the copies must not evict them
+    todo = [k for k, ok in zip(keys, there) if not ok]
     staged = len(keys) - len(todo)
     read = 0
     for m in slower:
