@@ -34,6 +34,14 @@ ODD_SPEC = random_specs()[0]
 
 
 @pytest.fixture
+def pool():
+    """Host pages of an odd size (not a multiple of 4 KiB)."""
+    p = make_host_pool(ODD_SPEC, 40)
+    yield p
+    p.close()
+
+
+@pytest.fixture
 def shm_name():
     n = f"kvtier-test-stage-{os.getpid()}-{os.urandom(4).hex()}"
     yield n
@@ -61,32 +69,28 @@ def saved_in_file(c: ChainStore, pool, n: int, seed: int) -> tuple[list[bytes], 
     return keys, want
 
 
-def test_staged_pages_are_bitwise_the_saved_ones(tmp_path, shm_name):
-    pool = make_host_pool(ODD_SPEC, 40)
-    try:
-        with ChainStore(chain_config(shm_name, tmp_path / "f", processes=3,
-                                     stage_batch_pages=4), spec=ODD_SPEC) as c:
-            c.attach(pool)
-            keys, want = saved_in_file(c, pool, 13, seed=1)
-            absent = os.urandom(32)
-            t = c.stage(keys[:7] + [absent] + keys[7:])
-            assert t.wait(60) and t.done()
-            assert t.staged == 13 and t.failed == 1      # the absent key is no page
-            assert c.members[0].batch_exists(keys) == 13
-            fill_random(pool.raw)
-            dst = random.Random(2).sample(range(40), 13)
-            assert c.members[0].batch_get(keys, dst) == [True] * 13
-            for i, p in enumerate(dst):
-                assert_bitwise_equal(pool.view[p], want[i], f"key {i}")
-            st = c.stats()
-            assert st["stage_read_pages"] == 13 and st["staged_pages"] == 13
-            # again: already in the arena, nothing is sent
-            t = c.stage(keys)
-            assert t.done() and t.staged == 13
-            assert c.stats()["stage_read_pages"] == 13
-            assert st["stage_helpers_alive"] == 3
-    finally:
-        pool.close()
+def test_staged_pages_are_bitwise_the_saved_ones(tmp_path, shm_name, pool):
+    with ChainStore(chain_config(shm_name, tmp_path / "f", processes=3,
+                                 stage_batch_pages=4), spec=ODD_SPEC) as c:
+        c.attach(pool)
+        keys, want = saved_in_file(c, pool, 13, seed=1)
+        absent = os.urandom(32)
+        t = c.stage(keys[:7] + [absent] + keys[7:])
+        assert t.wait(60) and t.done()
+        assert t.staged == 13 and t.failed == 1      # the absent key is no page
+        assert c.members[0].batch_exists(keys) == 13
+        fill_random(pool.raw)
+        dst = random.Random(2).sample(range(40), 13)
+        assert c.members[0].batch_get(keys, dst) == [True] * 13
+        for i, p in enumerate(dst):
+            assert_bitwise_equal(pool.view[p], want[i], f"key {i}")
+        st = c.stats()
+        assert st["stage_read_pages"] == 13 and st["staged_pages"] == 13
+        # again: already in the arena, nothing is sent
+        t = c.stage(keys)
+        assert t.done() and t.staged == 13
+        assert c.stats()["stage_read_pages"] == 13
+        assert st["stage_helpers_alive"] == 3
 
 
 def test_a_chain_without_staging_reads_through_l2(tmp_path, shm_name):
@@ -117,19 +121,15 @@ def test_staging_needs_an_arena_first_and_a_slower_member(tmp_path, shm_name):
                     "stage_processes": 1}, spec=PAGE_SPEC)
 
 
-def test_outstanding_pages_are_bounded(tmp_path, shm_name):
-    pool = make_host_pool(ODD_SPEC, 24)
-    try:
-        with ChainStore(chain_config(shm_name, tmp_path / "f", processes=1,
-                                     stage_max_queued_pages=5), spec=ODD_SPEC) as c:
-            c.attach(pool)
-            keys, _ = saved_in_file(c, pool, 12, seed=3)
-            t = c.stage(keys)
-            assert t.wait(60)
-            assert t.staged == 5 and c.stats()["stage_refused_pages"] == 7
-            assert c.members[0].batch_exists(keys) == 5
-    finally:
-        pool.close()
+def test_outstanding_pages_are_bounded(tmp_path, shm_name, pool):
+    with ChainStore(chain_config(shm_name, tmp_path / "f", processes=1,
+                                 stage_max_queued_pages=5), spec=ODD_SPEC) as c:
+        c.attach(pool)
+        keys, _ = saved_in_file(c, pool, 12, seed=3)
+        t = c.stage(keys)
+        assert t.wait(60)
+        assert t.staged == 5 and c.stats()["stage_refused_pages"] == 7
+        assert c.members[0].batch_exists(keys) == 5
 
 
 def wait_stat(c: ChainStore, counter: str, n: int) -> None:
@@ -144,56 +144,48 @@ def wait_ready(c: ChainStore, n: int) -> None:
 
 
 def test_a_killed_helper_settles_its_parts_and_is_started_again(tmp_path, shm_name,
-                                                                 monkeypatch):
+                                                                 monkeypatch, pool):
     monkeypatch.setattr(staging, "RESTART_S", 0.0)
-    pool = make_host_pool(ODD_SPEC, 24)
-    try:
-        with ChainStore(chain_config(shm_name, tmp_path / "f", processes=1), spec=ODD_SPEC) as c:
-            c.attach(pool)
-            keys, want = saved_in_file(c, pool, 8, seed=4)
-            wait_ready(c, 1)
-            helper = c._stager.helpers[0]
-            os.kill(helper.proc.pid, signal.SIGSTOP)      # it takes the part, never answers
-            t = c.stage(keys)
-            assert not t.wait(0.3)
-            os.kill(helper.proc.pid, signal.SIGKILL)
-            assert t.wait(30), "a dead helper's part must settle"
-            assert t.staged == 0 and t.failed == 8
-            st = c.stats()
-            assert st["stage_helper_exits"] == 1 and st["stage_failed_pages"] == 8
-            assert st["stage_helpers_alive"] == 0
-            t = c.stage(keys)                               # started again
-            assert t.wait(60) and t.staged == 8
-            fill_random(pool.raw)
-            assert c.members[0].batch_get(keys, list(range(8))) == [True] * 8
-            for i in range(8):
-                assert_bitwise_equal(pool.view[i], want[i], f"key {i}")
-    finally:
-        pool.close()
+    with ChainStore(chain_config(shm_name, tmp_path / "f", processes=1), spec=ODD_SPEC) as c:
+        c.attach(pool)
+        keys, want = saved_in_file(c, pool, 8, seed=4)
+        wait_ready(c, 1)
+        helper = c._stager.helpers[0]
+        os.kill(helper.proc.pid, signal.SIGSTOP)      # it takes the part, never answers
+        t = c.stage(keys)
+        assert not t.wait(0.3)
+        os.kill(helper.proc.pid, signal.SIGKILL)
+        assert t.wait(30), "a dead helper's part must settle"
+        assert t.staged == 0 and t.failed == 8
+        st = c.stats()
+        assert st["stage_helper_exits"] == 1 and st["stage_failed_pages"] == 8
+        assert st["stage_helpers_alive"] == 0
+        t = c.stage(keys)                               # started again
+        assert t.wait(60) and t.staged == 8
+        fill_random(pool.raw)
+        assert c.members[0].batch_get(keys, list(range(8))) == [True] * 8
+        for i in range(8):
+            assert_bitwise_equal(pool.view[i], want[i], f"key {i}")
 
 
-def test_cancel_drops_parts_a_helper_has_not_begun(tmp_path, shm_name):
-    pool = make_host_pool(ODD_SPEC, 24)
-    try:
-        with ChainStore(chain_config(shm_name, tmp_path / "f", processes=1), spec=ODD_SPEC) as c:
-            c.attach(pool)
-            keys, _ = saved_in_file(c, pool, 8, seed=5)
-            wait_ready(c, 1)
-            pid = c._stager.helpers[0].proc.pid
-            os.kill(pid, signal.SIGSTOP)       # everything below waits in its pipe
-            try:
-                first, second = c.stage(keys[:4]), c.stage(keys[4:])
-                second.cancel()
-                second.cancel()                # idempotent
-            finally:
-                os.kill(pid, signal.SIGCONT)
-            assert first.wait(60) and second.wait(60)
-            assert first.staged == 4 and second.staged == 0
-            assert c.stats()["stage_cancelled_pages"] == 4
-            assert c.members[0].batch_exists(keys[:4]) == 4
-            assert c.members[0].batch_exists(keys[4:]) == 0
-    finally:
-        pool.close()
+def test_cancel_drops_parts_a_helper_has_not_begun(tmp_path, shm_name, pool):
+    with ChainStore(chain_config(shm_name, tmp_path / "f", processes=1), spec=ODD_SPEC) as c:
+        c.attach(pool)
+        keys, _ = saved_in_file(c, pool, 8, seed=5)
+        wait_ready(c, 1)
+        pid = c._stager.helpers[0].proc.pid
+        os.kill(pid, signal.SIGSTOP)       # everything below waits in its pipe
+        try:
+            first, second = c.stage(keys[:4]), c.stage(keys[4:])
+            second.cancel()
+            second.cancel()                # idempotent
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert first.wait(60) and second.wait(60)
+        assert first.staged == 4 and second.staged == 0
+        assert c.stats()["stage_cancelled_pages"] == 4
+        assert c.members[0].batch_exists(keys[:4]) == 4
+        assert c.members[0].batch_exists(keys[4:]) == 0
 
 
 def test_close_stops_the_helpers(tmp_path, shm_name):
@@ -206,32 +198,28 @@ def test_close_stops_the_helpers(tmp_path, shm_name):
     assert not glob.glob(os.path.join(shm_mod.DEFAULT_ROOT, f"{shm_name}-*"))
 
 
-def test_close_copies_out_the_pages_written_into_the_arena_first(tmp_path, shm_name):
+def test_close_copies_out_the_pages_written_into_the_arena_first(tmp_path, shm_name, pool):
     from kvtier.l3_stores.file import FileStore
-    pool = make_host_pool(ODD_SPEC, 24)
+    c = ChainStore(chain_config(shm_name, tmp_path / "f", processes=1), spec=ODD_SPEC)
+    c.attach(pool)
+    wait_ready(c, 1)
+    pid = c._stager.helpers[0].proc.pid
+    fill_random(pool.raw)
+    keys = [os.urandom(32) for _ in range(7)]
+    want = [pool.view[p].clone() for p in range(7)]
+    os.kill(pid, signal.SIGSTOP)        # the copies wait in its pipe
     try:
-        c = ChainStore(chain_config(shm_name, tmp_path / "f", processes=1), spec=ODD_SPEC)
-        c.attach(pool)
-        wait_ready(c, 1)
-        pid = c._stager.helpers[0].proc.pid
-        fill_random(pool.raw)
-        keys = [os.urandom(32) for _ in range(7)]
-        want = [pool.view[p].clone() for p in range(7)]
-        os.kill(pid, signal.SIGSTOP)        # the copies wait in its pipe
-        try:
-            assert c.batch_set(keys, list(range(7))) == [True] * 7
-            assert c.stats()["demoted_pages"] == 0
-        finally:
-            os.kill(pid, signal.SIGCONT)
-        c.close()
-        with FileStore({"root": str(tmp_path / "f")}, spec=ODD_SPEC) as files:
-            files.attach(pool)
-            fill_random(pool.raw)
-            assert files.batch_get(keys, list(range(10, 17))) == [True] * 7
-            for i in range(7):
-                assert_bitwise_equal(pool.view[10 + i], want[i], f"key {i}")
+        assert c.batch_set(keys, list(range(7))) == [True] * 7
+        assert c.stats()["demoted_pages"] == 0
     finally:
-        pool.close()
+        os.kill(pid, signal.SIGCONT)
+    c.close()
+    with FileStore({"root": str(tmp_path / "f")}, spec=ODD_SPEC) as files:
+        files.attach(pool)
+        fill_random(pool.raw)
+        assert files.batch_get(keys, list(range(10, 17))) == [True] * 7
+        for i in range(7):
+            assert_bitwise_equal(pool.view[10 + i], want[i], f"key {i}")
 
 
 # ----- under a cache ----------------------------------------------------------------------
@@ -328,52 +316,45 @@ def test_a_stuck_helper_costs_its_pages_not_a_hang(tmp_path, shm_name):
 
 
 # ----- writes behind the arena --------------------------------------------------------------
-def test_writes_reach_the_file_through_the_helpers_bitwise(tmp_path, shm_name):
-    pool = make_host_pool(ODD_SPEC, 40)
-    try:
-        with ChainStore(chain_config(shm_name, tmp_path / "f", processes=2), spec=ODD_SPEC) as c:
-            c.attach(pool)
-            fill_random(pool.raw)
-            keys = [os.urandom(32) for _ in range(11)]
-            src = random.Random(6).sample(range(40), 11)
-            want = [pool.view[p].clone() for p in src]
-            assert c.batch_set(keys, src) == [True] * 11
-            assert c.members[0].batch_exists(keys) == 11      # the arena at once
-            wait_stat(c, "demoted_pages", 11)
-            st = c.stats()
-            assert st["demote_missed_pages"] == 0 and st["members"][1]["set_ok"] == 0, \
-                "this process wrote nothing into the file"
-            assert st["members"][1]["writers"] == 1, "one helper of two writes the file"
-            fill_random(pool.raw)
-            dst = random.Random(7).sample(range(40), 11)
-            assert c.members[1].batch_get(keys, dst) == [True] * 11
-            for i, p in enumerate(dst):
-                assert_bitwise_equal(pool.view[p], want[i], f"key {i}")
-    finally:
-        pool.close()
+def test_writes_reach_the_file_through_the_helpers_bitwise(tmp_path, shm_name, pool):
+    with ChainStore(chain_config(shm_name, tmp_path / "f", processes=2), spec=ODD_SPEC) as c:
+        c.attach(pool)
+        fill_random(pool.raw)
+        keys = [os.urandom(32) for _ in range(11)]
+        src = random.Random(6).sample(range(40), 11)
+        want = [pool.view[p].clone() for p in src]
+        assert c.batch_set(keys, src) == [True] * 11
+        assert c.members[0].batch_exists(keys) == 11      # the arena at once
+        wait_stat(c, "demoted_pages", 11)
+        st = c.stats()
+        assert st["demote_missed_pages"] == 0 and st["members"][1]["set_ok"] == 0, \
+            "this process wrote nothing into the file"
+        assert st["members"][1]["writers"] == 1, "one helper of two writes the file"
+        fill_random(pool.raw)
+        dst = random.Random(7).sample(range(40), 11)
+        assert c.members[1].batch_get(keys, dst) == [True] * 11
+        for i, p in enumerate(dst):
+            assert_bitwise_equal(pool.view[p], want[i], f"key {i}")
 
 
 @pytest.mark.parametrize("config", [{"stage_max_queued_pages": 3}, {"slots": 12},
                                     {"stage_writes": False}])
-def test_writes_the_helpers_cannot_take_are_written_by_the_caller(tmp_path, shm_name, config):
+def test_writes_the_helpers_cannot_take_are_written_by_the_caller(tmp_path, shm_name, config,
+                                                                pool):
     """Past the queue bound, or a quarter of the arena's slots (12 // 4 = 3) waiting to be
     copied out, or with writes behind the arena off."""
-    pool = make_host_pool(ODD_SPEC, 24)
-    try:
-        with ChainStore(chain_config(shm_name, tmp_path / "f", processes=1, **config),
-                        spec=ODD_SPEC) as c:
-            c.attach(pool)
-            fill_random(pool.raw)
-            keys = [os.urandom(32) for _ in range(9)]
-            assert c.batch_set(keys, list(range(9))) == [True] * 9
-            mine = 9 if "stage_writes" in config else 6
-            assert c.stats()["members"][1]["set_ok"] == mine
-            if "stage_writes" not in config:
-                assert c.stats()["demote_refused_pages"] == 6
-                wait_stat(c, "demoted_pages", 3)
-            assert c.members[1].batch_exists(keys) == 9
-    finally:
-        pool.close()
+    with ChainStore(chain_config(shm_name, tmp_path / "f", processes=1, **config),
+                    spec=ODD_SPEC) as c:
+        c.attach(pool)
+        fill_random(pool.raw)
+        keys = [os.urandom(32) for _ in range(9)]
+        assert c.batch_set(keys, list(range(9))) == [True] * 9
+        mine = 9 if "stage_writes" in config else 6
+        assert c.stats()["members"][1]["set_ok"] == mine
+        if "stage_writes" not in config:
+            assert c.stats()["demote_refused_pages"] == 6
+            wait_stat(c, "demoted_pages", 3)
+        assert c.members[1].batch_exists(keys) == 9
 
 
 def test_the_two_halves_stage_off_the_callers_thread_and_load_in_place(tmp_path, shm_name):
@@ -414,6 +395,15 @@ def test_the_two_halves_stage_off_the_callers_thread_and_load_in_place(tmp_path,
         a.close()
 
 
+def running(pid: int) -> bool:
+    """Is ``pid`` still running (not gone, not a zombie nobody has reaped)?"""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def test_pages_an_engine_wrote_reach_the_file_after_it_dies(tmp_path, shm_name):
     """The engine process exits without closing (os._exit) right after writing, its helpers
     still starting: they copy what it wrote into the arena into the file, then exit."""
@@ -433,6 +423,8 @@ def test_pages_an_engine_wrote_reach_the_file_after_it_dies(tmp_path, shm_name):
         c.attach(pool)
         keys = [bytes([i + 1]) * 32 for i in range(6)]
         assert c.batch_set(keys, list(range(6))) == [True] * 6
+        with open({str(tmp_path / "pids")!r}, "w") as f:
+            f.write(" ".join(str(h.proc.pid) for h in c._stager.helpers))
         with open({str(tmp_path / "want")!r}, "wb") as f:
             for p in range(6):
                 f.write(pool.view[p].contiguous().view(-1).view(torch.uint8).numpy().tobytes())
@@ -440,17 +432,17 @@ def test_pages_an_engine_wrote_reach_the_file_after_it_dies(tmp_path, shm_name):
         """)
     subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
     keys = [bytes([i + 1]) * 32 for i in range(6)]
+    # its helpers copy out what it wrote, then exit
+    pids = [int(p) for p in (tmp_path / "pids").read_text().split()]
+    deadline = time.monotonic() + 120
+    while any(running(p) for p in pids):
+        assert time.monotonic() < deadline, "the dead engine's helpers never exited"
+        time.sleep(0.1)
     pool = make_host_pool(ODD_SPEC, 8)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            with FileStore({"root": str(tmp_path / "f")}, spec=ODD_SPEC) as files:
-                files.attach(pool)
-                if files.batch_exists(keys) == 6:
-                    assert files.batch_get(keys, list(range(6))) == [True] * 6
-                    break
-            assert time.monotonic() < deadline, "the dead engine's pages never reached the file"
-            time.sleep(0.2)
+        with FileStore({"root": str(tmp_path / "f")}, spec=ODD_SPEC) as files:
+            files.attach(pool)
+            assert files.batch_get(keys, list(range(6))) == [True] * 6
         got = b"".join(pool.view[p].contiguous().view(-1).view(torch.uint8).numpy().tobytes()
                        for p in range(6))
         assert got == (tmp_path / "want").read_bytes()
@@ -458,28 +450,25 @@ def test_pages_an_engine_wrote_reach_the_file_after_it_dies(tmp_path, shm_name):
         pool.close()
 
 
-def test_staging_keeps_the_pages_of_the_run_the_arena_already_holds(tmp_path, shm_name):
+def test_staging_keeps_the_pages_of_the_run_the_arena_already_holds(tmp_path, shm_name,
+                                                                    pool):
     """One set of 16 slots: the run's first 8 pages are its oldest, 8 others came after;
     staging the run's other 8 pages evicts the others, not the run's own."""
-    pool = make_host_pool(ODD_SPEC, 40)
-    try:
-        with ChainStore(chain_config(shm_name, tmp_path / "f", slots=16, processes=1),
-                        spec=ODD_SPEC) as c:
-            c.attach(pool)
-            arena, files = c.members
-            fill_random(pool.raw)
-            run = [os.urandom(32) for _ in range(16)]
-            others = [os.urandom(32) for _ in range(8)]
-            assert arena.batch_set(run[:8], list(range(8))) == [True] * 8
-            time.sleep(0.01)
-            assert arena.batch_set(others, list(range(8, 16))) == [True] * 8
-            assert files.batch_set(run[8:], list(range(16, 24))) == [True] * 8
-            t = c.stage(run)
-            assert t.wait(60) and t.staged == 16
-            assert arena.batch_exists(run) == 16, "the run's own pages were evicted"
-            assert arena.touch(others) == [False] * 8
-    finally:
-        pool.close()
+    with ChainStore(chain_config(shm_name, tmp_path / "f", slots=16, processes=1),
+                    spec=ODD_SPEC) as c:
+        c.attach(pool)
+        arena, files = c.members
+        fill_random(pool.raw)
+        run = [os.urandom(32) for _ in range(16)]
+        others = [os.urandom(32) for _ in range(8)]
+        assert arena.batch_set(run[:8], list(range(8))) == [True] * 8
+        time.sleep(0.01)
+        assert arena.batch_set(others, list(range(8, 16))) == [True] * 8
+        assert files.batch_set(run[8:], list(range(16, 24))) == [True] * 8
+        t = c.stage(run)
+        assert t.wait(60) and t.staged == 16
+        assert arena.batch_exists(run) == 16, "the run's own pages were evicted"
+        assert arena.touch(others) == [False] * 8
 
 
 def test_shm_touch_says_what_it_holds(shm_name):
