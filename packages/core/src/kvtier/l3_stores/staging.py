@@ -390,6 +390,10 @@ def _serve(fd_in: int, fd_out: int) -> int:
     pool = None
     try:
         for name, cfg in members:
+            if isinstance(cfg, dict) and cfg.get("remove_when_unused"):
+                # the engine removes the arena, never a helper: a helper that closes first
+                # (its engine gone) would remove it under another still opening it
+                cfg = {**cfg, "remove_when_unused": False}
             stores.append(create_l3_store(name, cfg, spec=spec))
         pool = HostKVPool(spec, pages, allocator=create_host_allocator("mmap", {}),
                           layout=PAGE_FIRST)
