@@ -46,6 +46,8 @@ __all__ = ["Stager", "StageTicket"]
 _HEAD = struct.Struct("!I")
 #: Seconds between two starts of one helper slot after it exited.
 RESTART_S = 5.0
+#: Longest wait, when the chain is built, for its helpers to be ready.
+START_S = 60.0
 #: Longest wait at close for a helper to copy out what was written into the arena and exit.
 CLOSE_S = 30.0
 #: Fewest keys in one helper's part of a batch (smaller batches are not split further).
@@ -148,10 +150,12 @@ class _Helper:
         self.started_at = -RESTART_S
         self.outstanding: dict[int, tuple[StageTicket, int]] = {}
         self.lock = threading.Lock()
+        self.ready = threading.Event()
 
     def start(self) -> None:
         s = self.stager
         self.started_at = time.monotonic()
+        self.ready.clear()
         try:
             proc = subprocess.Popen([sys.executable, "-m", "kvtier.l3_stores.staging"],
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -222,6 +226,7 @@ class _Helper:
                                             "stage_cancelled_pages": cancelled})
                 ticket._settle(staged, n - staged - cancelled)
             elif kind == "ready":
+                self.ready.set()
                 self.stager._bump("stage_helpers_ready", 1)
         with self.lock:
             if self.proc is proc:
@@ -299,6 +304,15 @@ class Stager:
         self.helpers = [_Helper(self, i) for i in range(processes)]
         for h in self.helpers:
             h.start()
+        # a helper takes seconds to start (it imports torch): wait for them here, once, so
+        # that the first requests are staged rather than recomputed after stage_timeout_s
+        deadline = time.monotonic() + START_S
+        for h in self.helpers:
+            while h.alive and not h.ready.wait(0.05):
+                if time.monotonic() > deadline:
+                    log.warning("kvtier staging: helper %d not ready after %.0f s; requests "
+                                "are staged once it is", h.index, START_S)
+                    break
 
     def _bump(self, counter: str, n: int) -> None:
         if n:
