@@ -284,8 +284,9 @@ class L3Store(Backend):
     def stage(self, keys: Sequence[bytes]) -> Any:
         """Start copying ``keys`` into the region `in_place_reads` exposes, from wherever
         else the store holds them, without the caller's threads doing the copy; returns at
-        once with a ticket (``wait(timeout) -> bool``, ``done()``, ``cancel()``, ``staged``),
-        or None (the default) where the store has nothing to stage (every page it holds is
+        once with a ticket (``wait(timeout) -> bool``, ``done()``, ``cancel()``, ``staged``,
+        ``t0`` its start on ``time.perf_counter()``, ``timeout_s`` the store's longest wait
+        for it), or None (the default) where the store has nothing to stage (every page it holds is
         already in place, or it has no such region)."""
         return None
 

@@ -592,48 +592,36 @@ class TieredKVCache:
 
     def _stage(self, match: Match) -> None:
         """Ask the store to stage the match's L3 run into its in-place region (once)."""
-        if match.stage is not None or not self._l3_usable():
-            return
+        if match.stage is None and self._l3_usable():
+            match.stage = self._ask_stage(match, match.l3_count)
+
+    def _ask_stage(self, match: Match, n_pages: int) -> Any:
+        """The store's ticket for staging the first ``n_pages`` of the match's L3 run (None:
+        nothing to stage, or the store failed: its in-place pins will miss)."""
         start = match.l1_count + match.l2_count
         try:
-            match.stage = self._l3.store.stage(          # type: ignore[union-attr]
-                match.keys[start:start + match.l3_count])
-        except Exception as exc:       # a broken store: its in-place pins will miss
-            log.warning("kvtier cache: staging %d L3 pages failed: %s", match.l3_count, exc)
+            return self._l3.store.stage(match.keys[start:start + n_pages])  # type: ignore[union-attr]
+        except Exception as exc:
+            log.warning("kvtier cache: staging %d L3 pages failed: %s", n_pages, exc)
             self.metrics_registry.add("l3_stage_errors")
+            return None
 
     def _wait_stage(self, match: Match, n_pages: int) -> None:
         """Wait for the match's staging within the prefetch policy's budget (from the
-        staging's start) and the store's own bound; what is not staged then is recomputed."""
-        ticket = match.stage
-        if ticket is None:
+        staging's start) and the store's own bound; what is not staged then is recomputed.
+        Pages staged while the request waited may have left the arena since (staged for
+        others, written by others): they are asked for once more, within the same bounds
+        (a run the arena holds whole costs no round trip)."""
+        if match.stage is None:
             return
         budget = self.prefetch_policy.wait_budget_s(n_pages * self.spec.page_size)
         t0 = time.perf_counter()
-        for again in (False, True):
-            if not ticket.done():
-                left = min(budget, float(getattr(ticket, "timeout_s", budget))) - \
-                    (time.perf_counter() - ticket.t0)
-                if not ticket.wait(max(0.0, left)):
-                    self.metrics_registry.add("l3_stage_late_fetches")
-                    break
-            if again:
-                break
-            # pages staged while the request waited may have left the arena since (staged
-            # for others, written by others): once more, for those only (a run the arena
-            # holds whole costs no round trip)
-            start = match.l1_count + match.l2_count
-            try:
-                ticket = self._l3.store.stage(              # type: ignore[union-attr]
-                    match.keys[start:start + n_pages])
-            except Exception as exc:
-                log.warning("kvtier cache: staging %d L3 pages failed: %s", n_pages, exc)
-                self.metrics_registry.add("l3_stage_errors")
-                break
-            if ticket is None or ticket.done():
-                break
-            match.stage = ticket
-            self.metrics_registry.add("l3_stage_again_fetches")
+        if inplace.wait_staged(match.stage, self.metrics_registry, budget):
+            again = self._ask_stage(match, n_pages)
+            if again is not None and not again.done():
+                match.stage = again
+                self.metrics_registry.add("l3_stage_again_fetches")
+                inplace.wait_staged(again, self.metrics_registry, budget)
         self.metrics_registry.observe("l3_stage_wait", time.perf_counter() - t0)
 
     def _l3_usable(self) -> bool:

@@ -41,7 +41,7 @@ from ..interfaces import L3Store, TransferEngine, TransferHandle
 from ..metrics import Metrics
 from .config import CacheConfig
 from .cost import CostModel, TimedStore, load_seconds
-from .inplace import InPlace
+from .inplace import InPlace, wait_staged
 from .keying import make_keyer
 from .parts import Parts, build_parts
 from .l3io import L3IO
@@ -461,8 +461,7 @@ class CacheExecutor:
     def _when_staged(self, run: Run, keys: list[bytes], ticket: Any) -> None:
         try:
             t0 = time.perf_counter()
-            if not ticket.wait(float(getattr(ticket, "timeout_s", 2.0))):
-                self.metrics_registry.add("l3_stage_late_fetches")
+            wait_staged(ticket, self.metrics_registry)
             self.metrics_registry.observe("l3_stage_wait", time.perf_counter() - t0)
             self._pin_and_load(run, keys, stage=False)
         finally:

@@ -16,6 +16,7 @@ as before and says why once (``in_place_why_not``).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvtier.cache")
 
 __all__ = ["InPlace", "open_in_place", "store_loads_in_place", "says_why_not",
-           "register_host_memory"]
+           "register_host_memory", "wait_staged"]
 
 
 class _Registration:
@@ -122,6 +123,19 @@ def store_loads_in_place(cfg: "CacheConfig", store: "L3Store | None") -> bool:
     except Exception as exc:           # a broken store: its reads say so
         log.debug("kvtier: in_place_reads failed: %s", exc)
         return False
+
+
+def wait_staged(ticket: Any, metrics: Any, budget_s: float = float("inf")) -> bool:
+    """Wait for a staging ticket (`L3Store.stage`) until ``budget_s`` or the store's own
+    ``timeout_s``, whichever comes first, counted from the staging's start (``t0``); True if
+    every part is back, else False and counted (``l3_stage_late_fetches``)."""
+    if ticket.done():
+        return True
+    left = min(budget_s, ticket.timeout_s) - (time.perf_counter() - ticket.t0)
+    if ticket.wait(max(0.0, left)):
+        return True
+    metrics.add("l3_stage_late_fetches")
+    return False
 
 
 def says_why_not(why: str, store: "L3Store | None") -> None:

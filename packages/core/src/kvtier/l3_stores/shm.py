@@ -389,12 +389,10 @@ class ShmStore(L3Store):
         with self._use():
             arena, now = self.arena, time.monotonic_ns()
             for j, key in enumerate(keys):
-                d = arena.digest(key)
-                i = arena.find(d)
-                ok = i >= 0 and arena.present(d)
-                if ok:
+                i = arena.complete(arena.digest(key))
+                if i >= 0:
                     arena.touch(i, now - j)
-                out.append(ok)
+                out.append(i >= 0)
         return out
 
     def batch_get(self, keys: Sequence[bytes], host_pages: Sequence[int]) -> list[bool]:

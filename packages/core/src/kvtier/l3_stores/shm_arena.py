@@ -399,12 +399,16 @@ class Arena:
             return TORN, i, 0
         return HIT, i, word
 
-    def present(self, d: Digest) -> bool:
+    def complete(self, d: Digest) -> int:
+        """The slot holding key ``d``'s complete object, or -1."""
         i = self.find(d)
         if i < 0:
-            return False
+            return -1
         g = self.m[8 * i]
-        return not g & 1 and self._holds(i, d) and self.m[8 * i] == g
+        return i if not g & 1 and self._holds(i, d) and self.m[8 * i] == g else -1
+
+    def present(self, d: Digest) -> bool:
+        return self.complete(d) >= 0
 
     def touch(self, slot: int, stamp: int) -> None:
         """Record a use (an LRU hint: a race here only misorders eviction)."""

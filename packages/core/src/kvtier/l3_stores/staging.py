@@ -19,7 +19,8 @@ pins only slots the arena holds (a page not staged in time is recomputed).
 Failures are counted, never waited on without bound: a helper that exits, or that a frame
 cannot reach, resolves its outstanding parts as not staged (``stage_failed_pages``) and is
 started again at the next batch, at most once per ``RESTART_S``; a part not back within the
-chain's ``stage_timeout_s`` stops being waited for (``stage_late_pages``). A ticket whose
+chain's ``stage_timeout_s`` stops being waited for (the cache counts
+``l3_stage_late_fetches``). A ticket whose
 request left (``cancel``) drops the parts a helper has not begun. Outstanding pages are
 bounded (``stage_max_queued_pages``): a batch beyond it stages only what fits and counts the
 rest (``stage_refused_pages``).
@@ -373,7 +374,8 @@ class Stager:
                 self._next += 1
                 if not live[i].send(ticket, self._next, part_keys, op):
                     self._bump(f"{op}_failed_pages", len(part_keys))
-                    ticket.failed += len(part_keys)
+                    with ticket._cv:        # other parts settle on reply threads
+                        ticket.failed += len(part_keys)
             return ticket
 
     def alive(self) -> int:
