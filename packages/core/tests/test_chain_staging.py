@@ -103,7 +103,11 @@ def test_a_chain_without_staging_reads_through_l2(tmp_path, shm_name):
     ({"stage_processes": -1}, "stage_processes"), ({"stage_processes": True}, "stage_processes"),
     ({"stage_processes": 1.5}, "stage_processes"), ({"stage_batch_pages": 0}, "batch"),
     ({"stage_max_queued_pages": 0}, "queued"), ({"stage_timeout_s": float("nan")}, "timeout"),
-    ({"stage_timeout_s": -1}, "timeout")])
+    ({"stage_timeout_s": -1}, "timeout"), ({"stage_hold_fraction": -0.1}, "hold_fraction"),
+    ({"stage_hold_fraction": 0.9}, "hold_fraction"),
+    ({"stage_hold_fraction": float("nan")}, "hold_fraction"),
+    ({"stage_hold_fraction": "1/4"}, "hold_fraction"), ({"stage_hold_s": 0}, "hold_s"),
+    ({"stage_hold_s": float("inf")}, "hold_s"), ({"stage_hold_s": True}, "hold_s")])
 def test_bad_staging_settings_are_config_errors(tmp_path, shm_name, config, what):
     with pytest.raises(ConfigError, match=what):
         ChainStore({**chain_config(shm_name, tmp_path / "f", processes=1), **config},
@@ -262,7 +266,9 @@ def test_a_cache_loads_staged_pages_in_place_bitwise(tmp_path, shm_name):
 
 def test_pages_that_left_the_arena_while_the_request_waited_are_staged_again(tmp_path,
                                                                            shm_name):
-    e = cache_on_chain(tmp_path, shm_name, seed=23, prefetch_policy="wait_complete")
+    # without holds: with them, the staged pages cannot be pushed out (the next test)
+    e = cache_on_chain(tmp_path, shm_name, seed=23, prefetch_policy="wait_complete",
+                       chain={"stage_hold_fraction": 0})
     try:
         wait_ready(e.store, 2)
         toks = tokens(35)
@@ -485,3 +491,106 @@ def test_shm_touch_says_what_it_holds(shm_name):
     finally:
         store.close()
         pool.close()
+
+
+def others_written(c: ChainStore, pool, n: int, seed: int) -> None:
+    """``n`` pages of new keys written into the arena: the pressure of other requests."""
+    rng = random.Random(seed)
+    keys = [os.urandom(32) for _ in range(n)]
+    for i in range(0, n, 8):
+        c.members[0].batch_set(keys[i:i + 8], rng.sample(range(pool.num_pages), len(keys[i:i + 8])))
+
+
+@pytest.mark.parametrize("fraction", [0.25, 0])
+def test_staged_pages_are_held_until_the_ticket_is_cancelled(tmp_path, shm_name, pool, fraction):
+    """Pages staged for a queued request survive the writes of others until it lets go
+    (without holds, fraction 0, the same writes push them out)."""
+    with ChainStore(chain_config(shm_name, tmp_path / "f", slots=64,
+                                 stage_hold_fraction=fraction), spec=ODD_SPEC) as c:
+        c.attach(pool)
+        keys, want = saved_in_file(c, pool, 12, seed=31)
+        wait_ready(c, 2)
+        t = c.stage(keys)
+        assert t.wait(60) and t.staged == 12
+        arena = c.members[0]
+        others_written(c, pool, 3 * 64, seed=32)
+        if fraction:
+            assert c.held_pages() == 12 and arena.arena.pinned() == 12
+            assert arena.batch_exists(keys) == 12
+            fill_random(pool.raw)
+            dst = random.Random(33).sample(range(40), 12)
+            assert arena.batch_get(keys, dst) == [True] * 12
+            for i, p in enumerate(dst):
+                assert_bitwise_equal(pool.view[p], want[i], f"key {i}")
+        else:
+            assert c.held_pages() == 0 and arena.batch_exists(keys) < 12
+        t.cancel()
+        t.cancel()                                 # idempotent
+        assert c.held_pages() == 0 and arena.arena.pinned() == 0
+        assert c.stats()["stage_held_pages"] == (12 if fraction else 0)
+        others_written(c, pool, 3 * 64, seed=34)
+        assert arena.batch_exists(keys) < 12       # let go: evictable again
+
+
+def test_holds_are_bounded_and_a_forgotten_one_expires(tmp_path, shm_name, pool):
+    with ChainStore(chain_config(shm_name, tmp_path / "f", slots=64, stage_hold_fraction=0.25,
+                                 stage_hold_s=0.5), spec=ODD_SPEC) as c:
+        c.attach(pool)
+        keys, _ = saved_in_file(c, pool, 24, seed=35)
+        wait_ready(c, 2)
+        t = c.stage(keys)                          # never cancelled
+        assert t.wait(60) and t.staged == 24
+        st = c.stats()
+        assert c.held_pages() == 16 == st["stage_holding_pages"]        # a quarter of 64
+        assert st["stage_held_pages"] == 16 and st["stage_hold_refused_pages"] == 8
+        # the run the arena holds whole is held at once, but there is no room left
+        again = c.stage(keys[:4])
+        assert again.done() and c.held_pages() == 16
+        again.cancel()
+        time.sleep(0.6)
+        late = c.stage([os.urandom(32)])           # any stage lets the old holds go
+        assert late.wait(60)
+        assert c.held_pages() == 0 and c.members[0].arena.pinned() == 0
+        assert c.stats()["stage_hold_expired_pages"] == 16
+
+
+def test_close_lets_the_holds_go(tmp_path, shm_name, pool):
+    c = ChainStore(chain_config(shm_name, tmp_path / "f", slots=64), spec=ODD_SPEC)
+    c.attach(pool)
+    keys, _ = saved_in_file(c, pool, 8, seed=36)
+    wait_ready(c, 2)
+    t = c.stage(keys)
+    assert t.wait(60) and c.held_pages() == 8
+    t0 = time.monotonic()
+    c.close()
+    assert time.monotonic() - t0 < 30 and c.held_pages() == 0
+    t.cancel()                                     # after close: nothing to let go, no error
+    assert not glob.glob(os.path.join(shm_mod.DEFAULT_ROOT, f"{shm_name}-*"))
+
+
+def test_a_cache_lets_its_holds_go_at_release(tmp_path, shm_name):
+    e = cache_on_chain(tmp_path, shm_name, seed=37, prefetch_policy="wait_complete")
+    try:
+        wait_ready(e.store, 2)
+        toks = tokens(35)
+        want = e.compute(toks)
+        wait_stat(e.store, "demoted_pages", len(want))
+        e.cache.evict(100)
+        e.cache.evict(100, tier="l2")
+        arena, keys = e.store.members[0], e.cache.keys(toks)
+        arena.delete(keys)
+        m = e.cache.match(toks)
+        e.cache.prefetch(m)
+        assert m.stage.wait(30) and m.stage.staged == len(want)
+        assert e.store.held_pages() == len(want)
+        assert arena.delete(keys[2:4]) == 0        # held: others cannot push them out
+        dev = e.pages(m.pages_to_load)
+        h = e.cache.fetch(m, dev)
+        h.wait()
+        assert h.pages_loaded == len(want)
+        assert [e.page(d) for d in dev] == want
+        assert e.cache.metrics().get("l3_stage_again_fetches", 0) == 0
+        e.alloc.free(e.cache.release(m))
+        assert e.store.held_pages() == 0 and arena.arena.pinned() == 0
+    finally:
+        e.close()

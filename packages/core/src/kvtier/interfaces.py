@@ -287,7 +287,9 @@ class L3Store(Backend):
         once with a ticket (``wait(timeout) -> bool``, ``done()``, ``cancel()``, ``staged``,
         ``t0`` its start on ``time.perf_counter()``, ``timeout_s`` the store's longest wait
         for it), or None (the default) where the store has nothing to stage (every page it holds is
-        already in place, or it has no such region)."""
+        already in place, or it has no such region). The store may hold the staged pages in
+        that region until ``cancel()``, which the caller calls once it has pinned them for
+        its load, or when the request leaves."""
         return None
 
     def _check_batch(self, keys: Sequence[bytes], host_pages: Sequence[int] | None = None,

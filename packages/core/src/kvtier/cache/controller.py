@@ -618,8 +618,11 @@ class TieredKVCache:
         t0 = time.perf_counter()
         if inplace.wait_staged(match.stage, self.metrics_registry, budget):
             again = self._ask_stage(match, n_pages)
-            if again is not None and not again.done():
-                match.stage = again
+            if again is not None and again.done():
+                again.cancel()              # nothing left to stage: its holds are not needed
+            elif again is not None:
+                match.stage, old = again, match.stage
+                old.cancel()
                 self.metrics_registry.add("l3_stage_again_fetches")
                 inplace.wait_staged(again, self.metrics_registry, budget)
         self.metrics_registry.observe("l3_stage_wait", time.perf_counter() - t0)

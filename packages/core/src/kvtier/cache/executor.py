@@ -466,6 +466,7 @@ class CacheExecutor:
             self._pin_and_load(run, keys, stage=False)
         finally:
             run.load_group_started()       # its handle (if any) is in run.handles now
+            ticket.cancel()                # pinned by the load: the store's hold can go
 
     def _in_place_done(self, run: Run, slots: list[int], err: BaseException | None,
                        handle: TransferHandle | None = None, t0: float = 0.0) -> None:

@@ -23,6 +23,8 @@ is built, as it would be alone.
 from __future__ import annotations
 
 import dataclasses
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -90,6 +92,12 @@ class ChainStore(L3Store):
         stage_max_queued_pages: int = 4096
         #: Longest wait of a load for its staged pages; the rest are recomputed.
         stage_timeout_s: float = 2.0
+        #: Most of the arena's slots (a fraction) held for staged pages until their request
+        #: loads them or leaves: without it, the pages staged for requests further back in
+        #: the queue, and new writes, evict the ones staged for the next request. 0: none.
+        stage_hold_fraction: float = 0.25
+        #: A hold older than this is let go (a request that never came back for its pages).
+        stage_hold_s: float = 30.0
         #: With staging on, ``batch_set`` writes the first member and the helpers copy what
         #: it took from there into the slower members. What they cannot take (more than a
         #: quarter of the arena's slots waiting to be copied out, or the queue bound), and
@@ -111,9 +119,21 @@ class ChainStore(L3Store):
             raise ConfigError(f"chain.stage_timeout_s must be a finite number >= 0, got "
                               f"{c.stage_timeout_s!r}", key="chain.stage_timeout_s",
                               value=c.stage_timeout_s)
+        for key, hi in (("stage_hold_fraction", 0.75), ("stage_hold_s", float("inf"))):
+            v = getattr(c, key)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= hi \
+                    or v == float("inf") or (key == "stage_hold_s" and v == 0):
+                what = "a number in [0, 0.75]" if key == "stage_hold_fraction" else \
+                    "a finite number > 0"
+                raise ConfigError(f"chain.{key} must be {what}, got {v!r}", key=f"chain.{key}",
+                                  value=v)
         self.member_names: list[str] = []
         self.members: list[L3Store] = []
         self._closed = False
+        self._hold_lock = threading.Lock()
+        self._held = 0                  # slots held for staged pages, over every ticket
+        self._max_held = 0
+        self._holding: dict[int, Any] = {}
         self._stager: Any = None
         self.in_place_why_not = ""
         try:
@@ -146,6 +166,7 @@ class ChainStore(L3Store):
                               max_queued_pages=c.stage_max_queued_pages,
                               timeout_s=float(c.stage_timeout_s), stats=self._bump,
                               max_demote_pages=max(1, slots // 4) if slots else None)
+        self._max_held = int(slots * c.stage_hold_fraction)
 
     @classmethod
     def probe(cls) -> Availability:
@@ -294,7 +315,58 @@ class ChainStore(L3Store):
         # it holds becomes recent: the pages the helpers bring in must not evict them
         there = self.members[0].touch(keys)            # type: ignore[attr-defined]
         held = there.index(False) if False in there else len(there)
-        return self._stager.stage(keys[held:], held=held)
+        self._expire_holds()
+        if not self._max_held:
+            return self._stager.stage(keys[held:], held=held)
+
+        def setup(t: Any) -> None:      # before any part is sent: its reply may come at once
+            t.on_cancel = lambda: self._let_go(t)
+            t.on_part = lambda part: self._hold(t, part)
+            if held:
+                self._hold(t, list(keys[:held]))
+        return self._stager.stage(keys[held:], held=held, setup=setup)
+
+    # ----- holds: staged pages kept in the arena until their request loads them ----------
+    def _hold(self, ticket: Any, keys: list[bytes]) -> None:
+        """Pin ``keys`` (those the arena holds) for ``ticket``, within the chain's bound."""
+        arena = self.members[0]
+        with self._hold_lock:
+            if ticket.let_go or self._closed:
+                return
+            room = self._max_held - self._held
+            take = keys[:max(0, room)]
+            slots = arena.hold(take) if take else []         # type: ignore[attr-defined]
+            if slots:
+                ticket.held.append(slots)
+                self._held += len(slots)
+                self._holding[id(ticket)] = ticket
+        self._bump("stage_held_pages", len(slots))
+        self._bump("stage_hold_refused_pages", len(keys) - len(take))
+
+    def _let_go(self, ticket: Any) -> None:
+        with self._hold_lock:
+            if ticket.let_go:
+                return
+            ticket.let_go = True
+            groups, ticket.held = ticket.held, []
+            self._holding.pop(id(ticket), None)
+            self._held -= sum(len(g) for g in groups)
+        for g in groups:
+            self.members[0].let_go(g)                         # type: ignore[attr-defined]
+
+    def _expire_holds(self) -> None:
+        """Let go of the holds of tickets older than ``stage_hold_s``."""
+        now, limit = time.perf_counter(), self.config.stage_hold_s
+        with self._hold_lock:
+            old = [t for t in self._holding.values() if now - t.t0 > limit]
+        for t in old:
+            self._bump("stage_hold_expired_pages", sum(len(g) for g in t.held))
+            self._let_go(t)
+
+    def held_pages(self) -> int:
+        """Slots of the arena held now for staged pages."""
+        with self._hold_lock:
+            return self._held
 
     def object_nbytes(self) -> int:
         return max((m.object_nbytes() for m in self.members), default=self.spec.page_bytes)
@@ -307,8 +379,10 @@ class ChainStore(L3Store):
             for k in ("staged_pages", "stage_pages", "stage_read_pages", "stage_failed_pages",
                       "stage_refused_pages", "stage_cancelled_pages", "stage_helper_exits",
                       "demote_pages", "demoted_pages", "demote_missed_pages",
-                      "demote_failed_pages", "demote_refused_pages"):
+                      "demote_failed_pages", "demote_refused_pages", "stage_held_pages",
+                      "stage_hold_refused_pages", "stage_hold_expired_pages"):
                 d.setdefault(k, 0)
+            d["stage_holding_pages"] = self.held_pages()
             d["stage_helpers_alive"] = self._stager.alive()
             d["stage_queued_pages"] = self._stager.queued_pages()
         d.update(members=[{"store": n, **m.stats()}
@@ -320,6 +394,10 @@ class ChainStore(L3Store):
         errors = []
         stager, self._stager = getattr(self, "_stager", None), None
         if stager is not None:
+            with self._hold_lock:
+                tickets = list(self._holding.values())
+            for t in tickets:
+                self._let_go(t)
             stager.close()
         members, self.members = list(getattr(self, "members", [])), []
         for m in reversed(members):

@@ -395,6 +395,40 @@ class ShmStore(L3Store):
                 out.append(i >= 0)
         return out
 
+    def hold(self, keys: Sequence[bytes]) -> list[int]:
+        """Pin every one of ``keys`` the arena holds complete (the shared slot lock in-place
+        reads take), so that no writer of any process evicts or changes it until
+        `let_go`: pages staged for a request that waits for its turn. Not a read (no read
+        counters move); the slots held, in no particular order ([] once closed)."""
+        self._check_batch(keys)
+        try:
+            self._enter()                 # held while any slot is: the arena stays mapped
+        except StoreError:
+            return []
+        arena, slots = self.arena, []
+        try:
+            for key in keys:
+                slot = arena.pin(arena.digest(key))
+                if slot >= 0:
+                    slots.append(slot)
+        except (OSError, ValueError, TypeError) as exc:   # a broken mapping or lock call
+            log.debug("shm: holding failed: %s", exc)
+            self._count(errors=1)
+        finally:
+            if not slots:
+                self._leave()
+        return slots
+
+    def let_go(self, slots: Sequence[int]) -> None:
+        """Undo one `hold` (the slots it returned, all of them)."""
+        if not slots:
+            return
+        try:
+            for slot in slots:
+                self.arena.unpin(slot)
+        finally:
+            self._leave()
+
     def batch_get(self, keys: Sequence[bytes], host_pages: Sequence[int]) -> list[bool]:
         pages = self._check_batch(keys, host_pages, distinct_pages=True)
         counts = dict.fromkeys(("torn_reads", "in_flight", "crc_mismatch", "errors"), 0)

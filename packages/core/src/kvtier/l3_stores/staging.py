@@ -101,6 +101,14 @@ class StageTicket:
         self._open = 0
         self._cv = threading.Condition()
         self._parts: list[tuple["_Helper", int]] = []
+        #: Called with a part's keys when the part comes back with pages staged (the chain
+        #: holds them in the arena until the ticket is cancelled).
+        self.on_part: Any = None
+        #: Called once, at `cancel`: let go of what is held for this ticket.
+        self.on_cancel: Any = None
+        #: The slot groups the chain holds for this ticket (its own bookkeeping).
+        self.held: list[list[int]] = []
+        self.let_go = False
 
     def _add(self, helper: "_Helper", part: int) -> None:
         with self._cv:
@@ -130,14 +138,18 @@ class StageTicket:
             return True
 
     def cancel(self) -> None:
-        """The request left: parts no helper has begun are dropped (idempotent)."""
+        """The request left, or loaded what it wanted: parts no helper has begun are
+        dropped and what the store holds for it is let go (idempotent)."""
         with self._cv:
             if self.cancelled:
                 return
             self.cancelled = True
             parts = list(self._parts)
+            release, self.on_cancel = self.on_cancel, None
         for helper, part in parts:
             helper.cancel(part)
+        if release is not None:
+            release()
 
 
 class _Helper:
@@ -149,7 +161,7 @@ class _Helper:
         self.proc: subprocess.Popen | None = None
         self.alive = False
         self.started_at = -RESTART_S
-        self.outstanding: dict[int, tuple[StageTicket, int]] = {}
+        self.outstanding: dict[int, tuple[StageTicket, list[bytes]]] = {}
         self.lock = threading.Lock()
         self.ready = threading.Event()
 
@@ -175,14 +187,14 @@ class _Helper:
 
     def load(self, op: str | None = None) -> int:
         with self.lock:
-            return sum(n for t, n in self.outstanding.values() if op is None or t.op == op)
+            return sum(len(k) for t, k in self.outstanding.values() if op is None or t.op == op)
 
     def send(self, ticket: StageTicket, part: int, keys: list[bytes], op: str = "stage"
              ) -> bool:
         with self.lock:
             if not self.alive or self.proc is None:
                 return False
-            self.outstanding[part] = (ticket, len(keys))
+            self.outstanding[part] = (ticket, keys)
             try:
                 _send(self.proc.stdin.fileno(), (op, part, keys))        # type: ignore[union-attr]
             except (OSError, ValueError) as exc:
@@ -215,9 +227,10 @@ class _Helper:
             if kind == "done":
                 _, part, staged, read, cancelled = msg
                 with self.lock:
-                    ticket, n = self.outstanding.pop(part, (None, 0))
+                    ticket, keys = self.outstanding.pop(part, (None, []))
                 if ticket is None:
                     continue
+                n = len(keys)
                 if ticket.op == "demote":
                     self.stager._bump_many({"demote_pages": n, "demoted_pages": staged,
                                             "demote_missed_pages": n - read})
@@ -225,6 +238,11 @@ class _Helper:
                     self.stager._bump_many({"stage_pages": n, "staged_pages": staged,
                                             "stage_read_pages": read,
                                             "stage_cancelled_pages": cancelled})
+                if ticket.on_part is not None and staged and not ticket.cancelled:
+                    try:
+                        ticket.on_part(keys)        # held before the waiter is woken
+                    except Exception as exc:        # a hold is an optimisation: never fatal
+                        log.warning("kvtier staging: holding staged pages failed: %s", exc)
                 ticket._settle(staged, n - staged - cancelled)
             elif kind == "ready":
                 self.ready.set()
@@ -249,9 +267,9 @@ class _Helper:
                 log.warning("kvtier staging: helper %d (pid %d) exited; its %d part(s) are "
                             "not staged", self.index, proc.pid, len(parts))
             threading.Thread(target=_reap, args=(proc,), daemon=True).start()
-        for ticket, n in parts.values():
-            self.stager._bump("stage_failed_pages", n)
-            ticket._settle(0, n)
+        for ticket, keys in parts.values():
+            self.stager._bump("stage_failed_pages", len(keys))
+            ticket._settle(0, len(keys))
 
     def stop(self) -> None:
         with self.lock:
@@ -326,10 +344,11 @@ class Stager:
     def queued_pages(self, op: str | None = None) -> int:
         return sum(h.load(op) for h in self.helpers)
 
-    def stage(self, keys: Sequence[bytes], held: int = 0) -> StageTicket:
+    def stage(self, keys: Sequence[bytes], held: int = 0, setup: Any = None) -> StageTicket:
         """Send ``keys`` to the helpers to copy into the arena; returns at once. ``held``:
-        keys before these that the arena holds already (counted staged, not sent)."""
-        return self._send("stage", keys, held)
+        keys before these that the arena holds already (counted staged, not sent);
+        ``setup(ticket)`` is called before any part is sent (to set its hooks)."""
+        return self._send("stage", keys, held, setup)
 
     def demote(self, keys: Sequence[bytes]) -> StageTicket:
         """Send ``keys`` (just written into the arena) to the helpers to copy into the slower
@@ -338,7 +357,8 @@ class Stager:
         past the queue bound are not sent (the ticket's ``refused``: the caller writes them)."""
         return self._send("demote", keys)
 
-    def _send(self, op: str, keys: Sequence[bytes], held: int = 0) -> StageTicket:
+    def _send(self, op: str, keys: Sequence[bytes], held: int = 0, setup: Any = None
+              ) -> StageTicket:
         keys = list(keys)
         with self._lock:
             if self.closing:
@@ -361,6 +381,8 @@ class Stager:
             self._bump(f"{op}_refused_pages", len(keys) - len(take))
             ticket = StageTicket(held + len(keys), self.timeout_s, op, staged=held)
             ticket.refused = len(keys) - len(take)
+            if setup is not None:
+                setup(ticket)
             if not take:
                 return ticket
             n_parts = max(1, min(len(live), len(take) // MIN_PART))
