@@ -644,14 +644,7 @@ class _ShmInPlace(InPlaceReads):
         return slots
 
     def unpin(self, slots: Sequence[int]) -> None:
-        if not slots:
-            return
-        s = self.store
-        try:
-            for slot in slots:
-                s.arena.unpin(slot)
-        finally:
-            s._leave()
+        self.store.let_go(slots)
 
 
 class _InUse:
