@@ -401,18 +401,27 @@ class ShmStore(L3Store):
         `let_go`: pages staged for a request that waits for its turn. Not a read (no read
         counters move); the slots held, in no particular order ([] once closed)."""
         self._check_batch(keys)
+        return self._pin(keys, run=False)
+
+    def _pin(self, keys: Sequence[bytes], run: bool) -> list[int]:
+        """Pin ``keys``' complete slots: with ``run``, the leading run only, each touched
+        (about to be read); else every one present. [] once closed."""
         try:
             self._enter()                 # held while any slot is: the arena stays mapped
         except StoreError:
             return []
-        arena, slots = self.arena, []
+        arena, slots, now = self.arena, [], time.monotonic_ns()
         try:
-            for key in keys:
+            for j, key in enumerate(keys):
                 slot = arena.pin(arena.digest(key))
+                if slot < 0 and run:
+                    break
                 if slot >= 0:
+                    if run:
+                        arena.touch(slot, now - j)
                     slots.append(slot)
         except (OSError, ValueError, TypeError) as exc:   # a broken mapping or lock call
-            log.debug("shm: holding failed: %s", exc)
+            log.debug("shm: pinning failed: %s", exc)
             self._count(errors=1)
         finally:
             if not slots:
@@ -618,26 +627,7 @@ class _ShmInPlace(InPlaceReads):
     def pin(self, keys: Sequence[bytes]) -> list[int]:
         s = self.store
         s._check_batch(keys)
-        slots: list[int] = []
-        try:
-            s._enter()                    # held while any slot is pinned: no unmap under a copy
-        except StoreError:                # closed: nothing to read in place
-            return slots
-        arena = s.arena
-        now = time.monotonic_ns()
-        try:
-            for j, key in enumerate(keys):
-                slot = arena.pin(arena.digest(key))
-                if slot < 0:
-                    break
-                arena.touch(slot, now - j)
-                slots.append(slot)
-        except (OSError, ValueError, TypeError) as exc:   # a broken mapping or lock call
-            log.debug("shm: pinning failed: %s", exc)
-            s._count(errors=1)
-        finally:
-            if not slots:
-                s._leave()
+        slots = s._pin(keys, run=True)   # no unmap under a copy while any is pinned
         s._count(gets=min(len(keys), len(slots) + 1), get_hits=len(slots),
                  bytes_read=len(slots) * s.spec.page_bytes)
         s._bump({"in_place_reads": len(slots)})
