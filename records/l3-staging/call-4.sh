@@ -1,7 +1,8 @@
 # Fourth device call: does the SM copy kernel the router moves loads to slow the prefill under
 # load? The chain with a 16 GiB arena (it holds every page: L3 is in place, nothing staged) at
 # the same load, with the router (default) and with the copy engine alone, in one call.
-# From the repository root with the wheels in .whl: B=400 bash records/l3-staging/call-4.sh (each run needs more than 150 s)
+# From the repository root with the wheels in .whl (each run needs more than 150 s):
+# B=400 bash records/l3-staging/call-4.sh
 . records/l3-staging/lib.sh        # FILE, chain (bytes, helpers), run (name, s, args)
 S='L1 only,L1+L2+L3,ideal (all in L1)'
 C="$(chain 17179869184 8)"
