@@ -572,3 +572,27 @@ def test_close_lets_the_holds_go(tmp_path, shm_name, pool):
     t.cancel()                                     # after close: nothing to let go, no error
     assert not glob.glob(os.path.join(shm_mod.DEFAULT_ROOT, f"{shm_name}-*"))
 
+
+
+def test_writing_a_held_key_does_not_wait_and_reaches_the_file(tmp_path, shm_name, pool):
+    """A key held for a queued request and written again (another request computed it):
+    the arena refuses it at once (its slot is held), the file takes it; nothing waits for
+    a lock, the held copy stays."""
+    with ChainStore(chain_config(shm_name, tmp_path / "f", slots=64), spec=ODD_SPEC) as c:
+        c.attach(pool)
+        keys, want = saved_in_file(c, pool, 6, seed=38)
+        wait_ready(c, 2)
+        t = c.stage(keys)
+        assert t.wait(60) and c.held_pages() == 6
+        c.members[1].delete(keys[:3])                # so the write's landing there is seen
+        t0 = time.monotonic()
+        assert c.batch_set(keys[:3], random.Random(39).sample(range(40), 3)) == [True] * 3
+        assert time.monotonic() - t0 < 0.5
+        assert c.members[1].batch_exists(keys[:3]) == 3
+        assert c.members[0].stats()["set_busy"] >= 3
+        fill_random(pool.raw)
+        dst = random.Random(40).sample(range(40), 6)
+        assert c.members[0].batch_get(keys, dst) == [True] * 6
+        for i, p in enumerate(dst):
+            assert_bitwise_equal(pool.view[p], want[i], f"key {i}")
+        t.cancel()
