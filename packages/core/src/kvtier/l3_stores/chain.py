@@ -114,17 +114,13 @@ class ChainStore(L3Store):
             if isinstance(v, bool) or not isinstance(v, int) or v < least:
                 raise ConfigError(f"chain.{key} must be an int >= {least}, got {v!r}",
                                   key=f"chain.{key}", value=v)
-        if isinstance(c.stage_timeout_s, bool) or not isinstance(c.stage_timeout_s, (int, float)) \
-                or not 0 <= c.stage_timeout_s < float("inf"):
-            raise ConfigError(f"chain.stage_timeout_s must be a finite number >= 0, got "
-                              f"{c.stage_timeout_s!r}", key="chain.stage_timeout_s",
-                              value=c.stage_timeout_s)
-        for key, hi in (("stage_hold_fraction", 0.75), ("stage_hold_s", float("inf"))):
+        inf = float("inf")
+        for key, ok, what in (
+                ("stage_timeout_s", lambda v: 0 <= v < inf, "a finite number >= 0"),
+                ("stage_hold_fraction", lambda v: 0 <= v <= 0.75, "a number in [0, 0.75]"),
+                ("stage_hold_s", lambda v: 0 < v < inf, "a finite number > 0")):
             v = getattr(c, key)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= hi \
-                    or v == float("inf") or (key == "stage_hold_s" and v == 0):
-                what = "a number in [0, 0.75]" if key == "stage_hold_fraction" else \
-                    "a finite number > 0"
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not ok(v):
                 raise ConfigError(f"chain.{key} must be {what}, got {v!r}", key=f"chain.{key}",
                                   value=v)
         self.member_names: list[str] = []
@@ -343,25 +339,27 @@ class ChainStore(L3Store):
         self._bump("stage_held_pages", len(slots))
         self._bump("stage_hold_refused_pages", len(keys) - len(take))
 
-    def _let_go(self, ticket: Any) -> None:
+    def _let_go(self, ticket: Any) -> int:
+        """Let go of what is held for ``ticket`` (once); the slots let go."""
         with self._hold_lock:
             if ticket.let_go:
-                return
+                return 0
             ticket.let_go = True
             groups, ticket.held = ticket.held, []
             self._holding.pop(id(ticket), None)
-            self._held -= sum(len(g) for g in groups)
+            n = sum(len(g) for g in groups)
+            self._held -= n
         for g in groups:
             self.members[0].let_go(g)                         # type: ignore[attr-defined]
+        return n
 
     def _expire_holds(self) -> None:
         """Let go of the holds of tickets older than ``stage_hold_s``."""
         now, limit = time.perf_counter(), self.config.stage_hold_s
         with self._hold_lock:
             old = [t for t in self._holding.values() if now - t.t0 > limit]
-        for t in old:
-            self._bump("stage_hold_expired_pages", sum(len(g) for g in t.held))
-            self._let_go(t)
+        for t in old:                  # counted by this call only: a cancel may come first
+            self._bump("stage_hold_expired_pages", self._let_go(t))
 
     def held_pages(self) -> int:
         """Slots of the arena held now for staged pages."""
