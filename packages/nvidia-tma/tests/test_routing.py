@@ -16,7 +16,7 @@ from kvtier.testing.contracts import DEVICE_LAYOUTS, layout_specs, make_layout_p
 from kvtier.testing.data import make_host_pool
 
 from kvtier_nvidia_tma._plan import (PathRates, calibrated_rate, choose_crossover,
-                                     copy_engine_falls_short)
+                                     copy_engine_falls_short, sm_beats_copy_in_use)
 from kvtier_nvidia_tma._driver import OP3D
 from kvtier_nvidia_tma.transfer_engine import (chunk_runs, copy_list, layer_copy_lists,
                                                strided_ops, strided_runs)
@@ -264,6 +264,21 @@ def test_calibrated_rate_takes_the_largest_measured_size_not_above_the_chunk():
 ])
 def test_copy_engine_route_is_kept_only_if_it_holds_up_in_use(measured, expected, need, want):
     assert copy_engine_falls_short(measured, expected, 0.10, need) is want
+
+
+@pytest.mark.parametrize("sm, copy, need, want", [
+    ([40.0, 41.0], [30.0, 31.0, 32.0], 3, None),        # the trial has not timed enough yet
+    ([40.0, 41.0, 39.0], [30.0, 31.0, 32.0], 3, True),  # 40 > 1.1 x 31: the SM kernel stays
+    ([38.0, 39.0, 40.0], [38.5, 38.9, 39.5], 3, False),  # as slow in use: back to the copy engine
+    ([42.0, 42.5, 43.0], [38.5, 38.9, 39.5], 3, False),  # 9% faster: within the margin
+    ([43.0, 43.0, 60.0], [38.5, 38.9, 39.5], 3, True),   # 10.5% faster: past it
+    ([10.0, 50.0, 11.0], [30.0, 31.0, 32.0], 3, False),  # one fast transfer does not decide
+    ([5.0, 5.0, 5.0], [], 3, True),                     # nothing of the copy engine measured
+])
+def test_sm_kernel_is_kept_only_if_clearly_faster_under_the_same_load(sm, copy, need, want):
+    """The trial that follows a copy-engine shortfall: both medians in use, the copy engine
+    at equal rates (the SM kernel takes SMs from the model beside it)."""
+    assert sm_beats_copy_in_use(sm, copy, 0.10, need) is want
 
 
 def _entry(table):

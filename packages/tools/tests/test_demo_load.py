@@ -213,6 +213,8 @@ def test_results_json_carries_the_per_load_table(tmp_path):
     assert under[0]["hit_rate_pct"] > 0
     assert "Under load" in tables(rep) and "Where a request's service went" in tables(rep)
     assert files["load_plot"].endswith("load.png")
+    # the transfer engine's own stats per run where it keeps them (none does on the CPU)
+    assert all({"setup", "level"} <= set(e) for e in data["engine_stats"])
     # every restored page under load matched its digest (a mismatch fails the run)
     assert sum(r.result.restored_checked for run in rep.load.runs for r in run.served) > 0
 

@@ -574,3 +574,20 @@ def copy_engine_falls_short(measured_gbps: Sequence[float], expected_gbps: float
         return False
     med = sorted(measured_gbps)[len(measured_gbps) // 2]
     return med < (1 - margin) * expected_gbps
+
+
+def sm_beats_copy_in_use(sm_gbps: Sequence[float], copy_gbps: Sequence[float],
+                         margin: float, need: int) -> bool | None:
+    """After the copy engine fell short of its calibrated rate in use, the SM kernel is tried
+    on the same transfers: whether its median rate in use beats the copy engine's median in
+    use by more than ``margin`` (None until ``need`` SM transfers are measured). Both are timed
+    under the same load; a copy engine slowed by the host (other copies, memory traffic) is
+    not compared with an SM kernel timed on an idle machine, and the SM kernel, which takes
+    SMs from the model beside it, must be clearly faster to be kept."""
+    if len(sm_gbps) < need:
+        return None
+    if not copy_gbps:
+        return True
+    sm = sorted(sm_gbps)[len(sm_gbps) // 2]
+    ce = sorted(copy_gbps)[len(copy_gbps) // 2]
+    return sm > (1 + margin) * ce

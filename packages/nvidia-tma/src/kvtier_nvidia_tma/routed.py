@@ -66,9 +66,14 @@ class RoutedTransferEngine(TransferEngine):
     A calibrated route to the copy engine is then checked in use: the first ``verify_count``
     transfers of at least ``verify_mib`` in a direction (with no transfer of the engine running
     the other way, from their start to their end) are timed with CUDA events, off the caller's
-    streams; if their median falls below the copy engine's own calibrated rate from an idle GPU
-    by more than ``verify_margin``, that direction moves to the SM kernel from then on, with a
-    warning and ``stats()["rerouted"]``."""
+    streams. If their median falls below the copy engine's own calibrated rate from an idle GPU
+    by more than ``verify_margin``, the SM kernel is tried on the next ``verify_count`` such
+    transfers, timed the same way: the direction moves to it from then on (with a warning and
+    ``stats()["rerouted"]``) only if it runs faster in use than the copy engine did by more
+    than ``verify_margin``; otherwise it goes back to the copy engine for good
+    (``stats()["route_trials"]`` says both rates). A copy engine slowed by the host's own
+    traffic is not traded for an SM kernel that is slowed as much and takes SMs from the model
+    beside it."""
 
     name = "nvidia-routed"
     interface_version = KVTIER_INTERFACE_VERSION
@@ -125,7 +130,8 @@ class RoutedTransferEngine(TransferEngine):
         #: rate fired at 6% under with 128 KiB chunks, then the SM kernel moved those loads at
         #: 85.5% of the link where the copy engine moved them at 87.4%, and a GEMM beside them
         #: slowed by 47-51% instead of 0. Shortfalls it must catch were 17% and more (a copy
-        #: engine at 35-48 GB/s against 49.9).
+        #: engine at 35-48 GB/s against 49.9). The SM kernel, tried after such a shortfall,
+        #: is kept only if it beats the copy engine's rate in use by more than this too.
         verify_margin: float = 0.10
 
         def __post_init__(self) -> None:
@@ -184,8 +190,11 @@ class RoutedTransferEngine(TransferEngine):
         # direction (a transfer timed while the other way runs would read low)
         self._verify = {d for d in ("h2d", "d2h") if self.route[d] == "copy_engine"
                         and self.crossover_source != "configured" and c.verify_mib > 0}
-        self._timed: dict[str, list[tuple[Any, Any, int]]] = {"h2d": [], "d2h": []}
+        self._timed: dict[str, list[tuple[Any, Any, int, str]]] = {"h2d": [], "d2h": []}
         self._measured: dict[str, list[float]] = {"h2d": [], "d2h": []}
+        # the SM kernel's rates in use while it is tried after a copy-engine shortfall
+        self._sm_measured: dict[str, list[float]] = {"h2d": [], "d2h": []}
+        self.route_trials: dict[str, dict[str, Any]] = {}
         self._last: dict[str, TransferHandle | None] = {"h2d": None, "d2h": None}
         self._timing_stream: Any = None
         self.rerouted: dict[str, dict[str, Any]] = {}
@@ -222,6 +231,8 @@ class RoutedTransferEngine(TransferEngine):
                 "crossover_source": self.crossover_source, "sm_engine": self.sm.name,
                 "copy_engine_gbps_in_use": {d: list(v) for d, v in self._measured.items()
                                             if v},
+                "sm_gbps_in_use": {d: list(v) for d, v in self._sm_measured.items() if v},
+                "route_trials": {d: dict(v) for d, v in self.route_trials.items()},
                 "rerouted": {d: dict(v) for d, v in self.rerouted.items()}}
 
     def describe(self) -> dict[str, Any]:
@@ -248,22 +259,22 @@ class RoutedTransferEngine(TransferEngine):
             self._timed[back] = [t for t in self._timed[back] if t[1].query()]
         other = self._last[back]
         start = None
-        if path == "copy_engine" and direction in self._verify \
-                and nbytes >= self.config.verify_mib << 20 \
+        if direction in self._verify and nbytes >= self.config.verify_mib << 20 \
                 and (other is None or other.done()):
             import torch
             start = torch.cuda.Event(enable_timing=True)
             start.record(torch.cuda.current_stream(self.device))
         handle = call(self.copy if path == "copy_engine" else self.sm)
         if start is not None:
-            self._time(direction, start, handle, nbytes)
+            self._time(direction, start, handle, nbytes, path)
         self._bytes[path] += nbytes
         self._transfers[path] += 1
         self._last[direction] = handle
         return RoutedHandle(handle, path)
 
     # ----- in-use check of a calibrated copy-engine route -------------------------------------
-    def _time(self, direction: str, start, handle: TransferHandle, nbytes: int) -> None:
+    def _time(self, direction: str, start, handle: TransferHandle, nbytes: int,
+              path: str) -> None:
         """End event on a stream of the engine's own that waits for the transfer (the
         caller's streams are not touched)."""
         import torch
@@ -274,44 +285,71 @@ class RoutedTransferEngine(TransferEngine):
             handle.wait()
         end = torch.cuda.Event(enable_timing=True)
         end.record(ts)
-        self._timed[direction].append((start, end, nbytes))
+        self._timed[direction].append((start, end, nbytes, path))
 
     def _check_route(self, direction: str) -> None:
         """Collect the timed transfers that have finished; once enough are measured, keep the
-        copy engine or move the direction to the SM kernel."""
-        from ._plan import calibrated_rate, copy_engine_falls_short
+        copy engine, try the SM kernel, or (after the trial) keep whichever ran faster in use
+        by the margin, the copy engine at equal rates."""
+        from ._plan import calibrated_rate, copy_engine_falls_short, sm_beats_copy_in_use
         pending = []
-        for start, end, nbytes in self._timed[direction]:
+        for start, end, nbytes, path in self._timed[direction]:
             if end.query():
                 ms = start.elapsed_time(end)
                 if ms > 0:
-                    self._measured[direction].append(nbytes / ms / 1e6)
+                    into = self._measured if path == "copy_engine" else self._sm_measured
+                    into[direction].append(nbytes / ms / 1e6)
             else:
-                pending.append((start, end, nbytes))
+                pending.append((start, end, nbytes, path))
         self._timed[direction] = pending
         table = {int(k): v for k, v in
                  self.calibration.get(direction, {}).get("table", {}).items()}
         expected = calibrated_rate(table, self.chunk_bytes, "copy")
-        verdict = copy_engine_falls_short(self._measured[direction], expected,
-                                          self.config.verify_margin,
-                                          self.config.verify_count)
-        if verdict is None:
+        margin, need = self.config.verify_margin, self.config.verify_count
+        ce = self._measured[direction]
+        if self.route[direction] == "copy_engine":
+            verdict = copy_engine_falls_short(ce, expected, margin, need)
+            if verdict is None:
+                return
+            if not verdict:
+                self._verify.discard(direction)
+                self._timed[direction] = []
+                return
+            # fell short: the SM kernel is timed on the next transfers, under the same load
+            self._set_route(direction, "sm")
+            self._timed[direction] = []
+            return
+        better = sm_beats_copy_in_use(self._sm_measured[direction], ce, margin, need)
+        if better is None:
             return
         self._verify.discard(direction)
         self._timed[direction] = []
-        if verdict:
-            got = sorted(self._measured[direction])[len(self._measured[direction]) // 2]
-            self.route[direction] = "sm"
-            if "sm" in self.route.values():
-                self.ctas = self.sm.ctas
+        got = sorted(ce)[len(ce) // 2]
+        sm = sorted(self._sm_measured[direction])[len(self._sm_measured[direction]) // 2]
+        self.route_trials[direction] = {"copy_engine_gbps": got, "sm_gbps": sm,
+                                        "copy_engine_calibrated_gbps": expected,
+                                        "chunk_bytes": self.chunk_bytes,
+                                        "route": "sm" if better else "copy_engine"}
+        if better:
             self.rerouted[direction] = {
                 "copy_engine_gbps": got, "copy_engine_calibrated_gbps": expected,
-                "sm_calibrated_gbps": calibrated_rate(table, self.chunk_bytes, "sm"),
+                "sm_gbps": sm, "sm_calibrated_gbps": calibrated_rate(table, self.chunk_bytes,
+                                                                     "sm"),
                 "chunk_bytes": self.chunk_bytes}
             log.warning("%s: %s on the copy engine ran at %.1f GB/s in use, under its "
-                        "calibrated %.1f GB/s by more than %.0f%% (%d-byte chunks): moved to %s",
-                        self.name, direction, got, expected, 100 * self.config.verify_margin,
-                        self.chunk_bytes, self.sm.name)
+                        "calibrated %.1f GB/s by more than %.0f%%, and %s at %.1f GB/s "
+                        "(%d-byte chunks): moved to %s", self.name, direction, got, expected,
+                        100 * margin, self.sm.name, sm, self.chunk_bytes, self.sm.name)
+        else:
+            self._set_route(direction, "copy_engine")
+            log.info("%s: %s on the copy engine ran at %.1f GB/s in use (calibrated %.1f), "
+                     "%s at %.1f GB/s under the same load (%d-byte chunks): kept on the copy "
+                     "engine", self.name, direction, got, expected or 0.0, self.sm.name, sm,
+                     self.chunk_bytes)
+
+    def _set_route(self, direction: str, path: str) -> None:
+        self.route[direction] = path
+        self.ctas = self.sm.ctas if "sm" in self.route.values() else 0
 
     # ----- calibration --------------------------------------------------------------------
     def _cache_key(self) -> str:

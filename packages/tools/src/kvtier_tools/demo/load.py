@@ -110,6 +110,9 @@ class LoadRun:
     checks: int = 0
     max_queue: int = 0
     released_for_room: int = 0      # queued matches released to make room in L1
+    #: The transfer engine's own ``stats()`` at the end of the run, where it has them (the
+    #: router's paths and in-use checks): recorded, not tabled.
+    engine_stats: dict[str, Any] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
         s = self.served

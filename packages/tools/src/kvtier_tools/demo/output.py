@@ -174,7 +174,10 @@ def write_outputs(report: DemoReport, out_dir: str) -> dict[str, str]:
                         "capacity_run": None if cal is None else cal.summary(),
                         "levels": [asdict(lv) | {"label": lv.label}
                                    for lv in report.load.levels],
-                        "table": report.load.table(IDEAL)}
+                        "table": report.load.table(IDEAL),
+                        "engine_stats": [{"setup": r.setup, "level": r.level.label,
+                                          **r.engine_stats}
+                                         for r in report.load.runs if r.engine_stats]}
     path = os.path.join(out_dir, "results.json")
     with open(path, "w") as fh:
         json.dump(data, fh, indent=1, default=str)

@@ -861,8 +861,11 @@ def run_loads(cfg: DemoConfig, names: list[str], model: DemoModel, workload: Wor
                 if res.check is not None and not res.check.passed:
                     raise _check_failed(where, req, res)
 
-            return serve_queue(eng, workload, lv, check, seed=seed, name=name,
-                               on_result=verify)
+            run = serve_queue(eng, workload, lv, check, seed=seed, name=name,
+                              on_result=verify)
+            stats = getattr(eng.cache.engine, "stats", None)
+            run.engine_stats = dict(stats()) if callable(stats) else {}
+            return run
         finally:
             eng.close()
 
