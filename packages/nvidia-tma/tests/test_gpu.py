@@ -835,12 +835,28 @@ def test_routed_calibration_is_measured_then_cached(tmp_path):
         hpool.close()
 
 
+def _calibrate_then_say_copy_runs(dpool, hpool, cfg, rates) -> None:
+    """Calibrate the router once into ``cfg["cache_file"]``, then edit the cached table: at
+    every chunk size the copy engine's rates (from idle, behind GPU work) become ``rates(row)``
+    and its call time nearly nothing, so the next engine built from the cache routes to it."""
+    import json
+    import pathlib
+    _engine("nvidia-routed", dpool, hpool, **cfg).close()
+    cache = pathlib.Path(cfg["cache_file"])
+    data = json.loads(cache.read_text())
+    for entry in data.values():
+        for d in ("h2d", "d2h"):
+            entry[d]["table"] = {k: {**v, **dict(zip(("copy", "copy_device"), rates(v))),
+                                     "copy_call_share": 0.01}
+                                 for k, v in entry[d]["table"].items()}
+    cache.write_text(json.dumps(data))
+
+
 def test_routed_copy_engine_route_that_is_slow_in_use_moves_to_the_sm_kernel(tmp_path,
                                                                            caplog):
     """A calibration that wrongly favours the copy engine (the cached table is edited to say
     so for 4 KiB chunks, where it really runs at a few GB/s) is caught by the first timed
     transfers: the route moves to the SM kernel, with a warning, and data stays bitwise."""
-    import json
     import logging
     _available("nvidia-routed")
     spec = KVSpec.mha(num_layers=2, num_kv_heads=1, head_dim=128, page_size=16)  # 4 KiB
@@ -849,15 +865,8 @@ def test_routed_copy_engine_route_that_is_slow_in_use_moves_to_the_sm_kernel(tmp
     cache = tmp_path / "routes.json"
     cfg = {"cache_file": str(cache), "calibrate_mib": 8, "verify_mib": 1, "verify_count": 3}
     try:
-        _engine("nvidia-routed", dpool, hpool, **cfg).close()
-        data = json.loads(cache.read_text())
-        for entry in data.values():
-            for d in ("h2d", "d2h"):
-                entry[d]["table"] = {k: {**v, "copy": 2 * v["sm"],
-                                         "copy_device": 2 * v["sm_device"],
-                                         "copy_call_share": 0.01}
-                                     for k, v in entry[d]["table"].items()}
-        cache.write_text(json.dumps(data))
+        _calibrate_then_say_copy_runs(dpool, hpool, cfg,
+                                      lambda v: (2 * v["sm"], 2 * v["sm_device"]))
         eng = _engine("nvidia-routed", dpool, hpool, **cfg)
         assert eng.crossover_source == "cached" and eng.route["h2d"] == "copy_engine"
         fill_random(hpool.raw)
@@ -900,7 +909,6 @@ def test_routed_trial_keeps_the_copy_engine_when_the_sm_kernel_is_no_faster_in_u
     faster on the same transfers (the cached table says the copy engine is twice as fast as
     it is, at 128 KiB chunks where both paths run near the link): the SM kernel is tried and
     the direction goes back to the copy engine for good, bitwise throughout."""
-    import json
     _available("nvidia-routed")
     spec = KVSpec.mha(num_layers=2, num_kv_heads=8, head_dim=128, page_size=64)   # 128 KiB
     dpool = DeviceKVPool.empty(spec, 256, "cuda")
@@ -908,16 +916,9 @@ def test_routed_trial_keeps_the_copy_engine_when_the_sm_kernel_is_no_faster_in_u
     cache = tmp_path / "routes.json"
     cfg = {"cache_file": str(cache), "calibrate_mib": 8, "verify_mib": 8, "verify_count": 3}
     try:
-        _engine("nvidia-routed", dpool, hpool, **cfg).close()
-        data = json.loads(cache.read_text())
-        for entry in data.values():
-            for d in ("h2d", "d2h"):
-                entry[d]["table"] = {k: {**v, "copy": 2 * max(v["copy"], v["sm"]),
-                                         "copy_device": 2 * max(v["copy_device"],
-                                                                v["sm_device"]),
-                                         "copy_call_share": 0.01}
-                                     for k, v in entry[d]["table"].items()}
-        cache.write_text(json.dumps(data))
+        _calibrate_then_say_copy_runs(
+            dpool, hpool, cfg, lambda v: (2 * max(v["copy"], v["sm"]),
+                                          2 * max(v["copy_device"], v["sm_device"])))
         eng = _engine("nvidia-routed", dpool, hpool, **cfg)
         assert eng.route["h2d"] == "copy_engine" and "h2d" in eng._verify
         fill_random(hpool.raw)
