@@ -177,8 +177,15 @@ def test_bad_load_config_is_a_typed_error(data):
         DemoConfig.from_dict(data)
 
 
-def test_results_json_carries_the_per_load_table(tmp_path):
+def test_results_json_carries_the_per_load_table(tmp_path, monkeypatch):
     pytest.importorskip("transformers")
+    from kvtier.transfer_engines.torch_engine import TorchTransferEngine
+    # the CPU's engine keeps no stats of its own: give it some, as the router's are recorded
+    # (a number per engine built: each run has an engine of its own)
+    built = iter(range(1_000_000))
+    monkeypatch.setattr(TorchTransferEngine, "stats", lambda self: {
+        "route": {"h2d": "here"},
+        "engine": self.__dict__.setdefault("_test_no", next(built))}, raising=False)
     from kvtier_tools.demo.output import tables, write_outputs
     from kvtier_tools.demo.run import run_demo
     cfg = DemoConfig.from_dict(SMALL | {"check": "all", "plot": True, "out": str(tmp_path),
@@ -213,8 +220,11 @@ def test_results_json_carries_the_per_load_table(tmp_path):
     assert under[0]["hit_rate_pct"] > 0
     assert "Under load" in tables(rep) and "Where a request's service went" in tables(rep)
     assert files["load_plot"].endswith("load.png")
-    # the transfer engine's own stats per run where it keeps them (none does on the CPU)
-    assert all({"setup", "level"} <= set(e) for e in data["engine_stats"])
+    # each load run's transfer engine's own stats, one entry per run (each run's own engine)
+    runs = [(r["setup"], r["level"]) for r in data["table"] if r["level"] != "serial"]
+    assert [(e["setup"], e["level"]) for e in data["engine_stats"]] == runs
+    assert all(e["route"] == {"h2d": "here"} for e in data["engine_stats"])
+    assert len({e["engine"] for e in data["engine_stats"]}) == len(runs)
     # every restored page under load matched its digest (a mismatch fails the run)
     assert sum(r.result.restored_checked for run in rep.load.runs for r in run.served) > 0
 

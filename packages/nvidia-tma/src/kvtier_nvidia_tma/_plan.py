@@ -562,6 +562,12 @@ def calibrated_rate(table: dict[int, Any], chunk_bytes: int, field: str) -> floa
     return float(getattr(PathRates.of(table[below[-1] if below else sizes[0]]), field))
 
 
+def median_rate(gbps: Sequence[float]) -> float:
+    """The middle of the rates measured (the upper one of an even count), as the in-use check
+    and its trial decide on."""
+    return sorted(gbps)[len(gbps) // 2]
+
+
 def copy_engine_falls_short(measured_gbps: Sequence[float], expected_gbps: float | None,
                             margin: float, need: int) -> bool | None:
     """Whether the copy engine, routed to on the calibration's word, delivers less in use than
@@ -572,8 +578,7 @@ def copy_engine_falls_short(measured_gbps: Sequence[float], expected_gbps: float
         return None
     if not expected_gbps:
         return False
-    med = sorted(measured_gbps)[len(measured_gbps) // 2]
-    return med < (1 - margin) * expected_gbps
+    return median_rate(measured_gbps) < (1 - margin) * expected_gbps
 
 
 def sm_beats_copy_in_use(sm_gbps: Sequence[float], copy_gbps: Sequence[float],
@@ -588,6 +593,4 @@ def sm_beats_copy_in_use(sm_gbps: Sequence[float], copy_gbps: Sequence[float],
         return None
     if not copy_gbps:
         return True
-    sm = sorted(sm_gbps)[len(sm_gbps) // 2]
-    ce = sorted(copy_gbps)[len(copy_gbps) // 2]
-    return sm > (1 + margin) * ce
+    return median_rate(sm_gbps) > (1 + margin) * median_rate(copy_gbps)

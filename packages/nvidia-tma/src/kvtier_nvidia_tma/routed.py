@@ -182,7 +182,6 @@ class RoutedTransferEngine(TransferEngine):
         self.route = {d: ("copy_engine" if self.crossover[d] is not None
                           and self.chunk_bytes >= self.crossover[d] else "sm")
                       for d in ("h2d", "d2h")}
-        self.ctas = self.sm.ctas if "sm" in self.route.values() else 0
         self._bytes = {"copy_engine": 0, "sm": 0}
         self._transfers = {"copy_engine": 0, "sm": 0}
         # in-use check of calibrated copy-engine routes: directions still being checked,
@@ -214,6 +213,12 @@ class RoutedTransferEngine(TransferEngine):
 
     def backup(self, device_pages, host_pages) -> TransferHandle:
         return self._go("d2h", lambda e: e.backup(device_pages, host_pages), host_pages)
+
+    @property
+    def ctas(self) -> int:
+        """CTAs of the SM kernel where a direction is routed to it, else 0 (follows the
+        routes as the in-use check moves them)."""
+        return self.sm.ctas if "sm" in self.route.values() else 0
 
     def indices_on_host(self, direction: str) -> bool:
         """Host indices where ``direction`` goes to the copy engine (it builds its copies'
@@ -291,7 +296,8 @@ class RoutedTransferEngine(TransferEngine):
         """Collect the timed transfers that have finished; once enough are measured, keep the
         copy engine, try the SM kernel, or (after the trial) keep whichever ran faster in use
         by the margin, the copy engine at equal rates."""
-        from ._plan import calibrated_rate, copy_engine_falls_short, sm_beats_copy_in_use
+        from ._plan import (calibrated_rate, copy_engine_falls_short, median_rate,
+                            sm_beats_copy_in_use)
         pending = []
         for start, end, nbytes, path in self._timed[direction]:
             if end.query():
@@ -316,7 +322,7 @@ class RoutedTransferEngine(TransferEngine):
                 self._timed[direction] = []
                 return
             # fell short: the SM kernel is timed on the next transfers, under the same load
-            self._set_route(direction, "sm")
+            self.route[direction] = "sm"
             self._timed[direction] = []
             return
         better = sm_beats_copy_in_use(self._sm_measured[direction], ce, margin, need)
@@ -324,8 +330,7 @@ class RoutedTransferEngine(TransferEngine):
             return
         self._verify.discard(direction)
         self._timed[direction] = []
-        got = sorted(ce)[len(ce) // 2]
-        sm = sorted(self._sm_measured[direction])[len(self._sm_measured[direction]) // 2]
+        got, sm = median_rate(ce), median_rate(self._sm_measured[direction])
         self.route_trials[direction] = {"copy_engine_gbps": got, "sm_gbps": sm,
                                         "copy_engine_calibrated_gbps": expected,
                                         "chunk_bytes": self.chunk_bytes,
@@ -341,15 +346,11 @@ class RoutedTransferEngine(TransferEngine):
                         "(%d-byte chunks): moved to %s", self.name, direction, got, expected,
                         100 * margin, self.sm.name, sm, self.chunk_bytes, self.sm.name)
         else:
-            self._set_route(direction, "copy_engine")
+            self.route[direction] = "copy_engine"
             log.info("%s: %s on the copy engine ran at %.1f GB/s in use (calibrated %.1f), "
                      "%s at %.1f GB/s under the same load (%d-byte chunks): kept on the copy "
                      "engine", self.name, direction, got, expected or 0.0, self.sm.name, sm,
                      self.chunk_bytes)
-
-    def _set_route(self, direction: str, path: str) -> None:
-        self.route[direction] = path
-        self.ctas = self.sm.ctas if "sm" in self.route.values() else 0
 
     # ----- calibration --------------------------------------------------------------------
     def _cache_key(self) -> str:
