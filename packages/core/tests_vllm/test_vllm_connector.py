@@ -413,6 +413,57 @@ def test_conversations_sent_together_are_batched_and_hit(model, tmp_path):
         [r["cached"] for r in reqs]
 
 
+# ----- 11. backups when vLLM evicts (l2_backup="on_evict") ---------------------------------------
+def _on_evict(model, tmp_path, blocks, concurrency=1):
+    return _run({"model": model,
+                 "engine": {"enable_prefix_caching": True, "num_gpu_blocks_override": blocks,
+                            "max_model_len": 1024},
+                 "kv_transfer_config": _ktc(str(tmp_path / "l3"), file_format=None,
+                                            host_pool_pages=10, l2_backup="on_evict"),
+                 "phases": [{"conversations": CONVS, "concurrency": concurrency}]})
+
+
+def test_on_evict_backs_up_the_blocks_vllm_hands_out_again_outputs_identical(
+        model, reference, tmp_path):
+    """vLLM's pool (10 blocks) cannot keep the conversations: each page is copied to L2 (and
+    written to L3) when vLLM gives its block to other tokens, before they are written; later
+    turns load it back, and every output is vLLM's own."""
+    res = _on_evict(model, tmp_path, 10)
+    k, p = res["kvtier"], res["kvtier"]["planner"]
+    assert p["reused_backup_pages"] > 0 and p["deferred_backup_pages"] > 0, p
+    assert k["backup_pages"] == p["reused_backup_pages"], (k, p)
+    assert k["hit_tokens_l2"] + k.get("hit_tokens_l3", 0) > 0, k
+    assert p["load_failed_pages"] == 0
+    assert _outputs(res, 0) == _outputs(reference, 2)
+    later = [r for r in res["phases"][0]["requests"] if r["turn"] > 0]
+    assert all(r["cached"] >= BLOCK for r in later), [r["cached"] for r in later]
+
+
+def test_on_evict_copies_nothing_while_vllm_keeps_every_page(model, reference, tmp_path):
+    """A pool large enough for every conversation: vLLM's own prefix cache serves the later
+    turns and kvtier copies nothing (the cost of backups on save, gone at low load)."""
+    res = _on_evict(model, tmp_path, 64)
+    k, p = res["kvtier"], res["kvtier"]["planner"]
+    assert p["deferred_backup_pages"] > 0, p
+    assert k.get("backup_pages", 0) == 0 and p.get("reused_backup_pages", 0) == 0, (k, p)
+    assert _outputs(res, 0) == _outputs(reference, 2)
+
+
+def test_on_evict_with_conversations_sent_together(model, tmp_path):
+    """Four conversations at a time (batched steps, asynchronous L3 loads beside running
+    requests) over a pool of 16 blocks: every request finishes, later turns hit, no load
+    fails."""
+    res = _on_evict(model, tmp_path, 16, concurrency=4)
+    reqs = res["phases"][0]["requests"]
+    assert len(reqs) == sum(len(c) for c in CONVS)
+    k, p = res["kvtier"], res["kvtier"]["planner"]
+    assert p["reused_backup_pages"] > 0, p
+    assert k.get("hit_tokens_l2", 0) + k.get("hit_tokens_l3", 0) > 0, k
+    assert p["load_failed_pages"] == 0, p
+    assert all(r["cached"] >= BLOCK for r in reqs if r["turn"] > 0), \
+        [r["cached"] for r in reqs]
+
+
 # ----- the plugin entry point ------------------------------------------------------------------
 def test_general_plugin_registers_the_connector_name():
     eps = importlib.metadata.entry_points(group="vllm.general_plugins")
