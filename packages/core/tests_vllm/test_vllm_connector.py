@@ -413,57 +413,6 @@ def test_conversations_sent_together_are_batched_and_hit(model, tmp_path):
         [r["cached"] for r in reqs]
 
 
-# ----- 11. backups when vLLM evicts (l2_backup="on_evict") ---------------------------------------
-def _on_evict(model, tmp_path, blocks, concurrency=1):
-    return _run({"model": model,
-                 "engine": {"enable_prefix_caching": True, "num_gpu_blocks_override": blocks,
-                            "max_model_len": 1024},
-                 "kv_transfer_config": _ktc(str(tmp_path / "l3"), file_format=None,
-                                            host_pool_pages=10, l2_backup="on_evict"),
-                 "phases": [{"conversations": CONVS, "concurrency": concurrency}]})
-
-
-def test_on_evict_backs_up_the_blocks_vllm_hands_out_again_outputs_identical(
-        model, reference, tmp_path):
-    """vLLM's pool (10 blocks) cannot keep the conversations: each page is copied to L2 (and
-    written to L3) when vLLM gives its block to other tokens, before they are written; later
-    turns load it back, and every output is vLLM's own."""
-    res = _on_evict(model, tmp_path, 10)
-    k, p = res["kvtier"], res["kvtier"]["planner"]
-    assert p["reused_backup_pages"] > 0 and p["deferred_backup_pages"] > 0, p
-    assert k["backup_pages"] == p["reused_backup_pages"], (k, p)
-    assert k["hit_tokens_l2"] + k.get("hit_tokens_l3", 0) > 0, k
-    assert p["load_failed_pages"] == 0
-    assert _outputs(res, 0) == _outputs(reference, 2)
-    later = [r for r in res["phases"][0]["requests"] if r["turn"] > 0]
-    assert all(r["cached"] >= BLOCK for r in later), [r["cached"] for r in later]
-
-
-def test_on_evict_copies_nothing_while_vllm_keeps_every_page(model, reference, tmp_path):
-    """A pool large enough for every conversation: vLLM's own prefix cache serves the later
-    turns and kvtier copies nothing (the cost of backups on save, gone at low load)."""
-    res = _on_evict(model, tmp_path, 64)
-    k, p = res["kvtier"], res["kvtier"]["planner"]
-    assert p["deferred_backup_pages"] > 0, p
-    assert k.get("backup_pages", 0) == 0 and p.get("reused_backup_pages", 0) == 0, (k, p)
-    assert _outputs(res, 0) == _outputs(reference, 2)
-
-
-def test_on_evict_with_conversations_sent_together(model, tmp_path):
-    """Four conversations at a time (batched steps, asynchronous L3 loads beside running
-    requests) over a pool of 16 blocks: every request finishes, later turns hit, no load
-    fails."""
-    res = _on_evict(model, tmp_path, 16, concurrency=4)
-    reqs = res["phases"][0]["requests"]
-    assert len(reqs) == sum(len(c) for c in CONVS)
-    k, p = res["kvtier"], res["kvtier"]["planner"]
-    assert p["reused_backup_pages"] > 0, p
-    assert k.get("hit_tokens_l2", 0) + k.get("hit_tokens_l3", 0) > 0, k
-    assert p["load_failed_pages"] == 0, p
-    assert all(r["cached"] >= BLOCK for r in reqs if r["turn"] > 0), \
-        [r["cached"] for r in reqs]
-
-
 # ----- the plugin entry point ------------------------------------------------------------------
 def test_general_plugin_registers_the_connector_name():
     eps = importlib.metadata.entry_points(group="vllm.general_plugins")
@@ -552,6 +501,49 @@ def _worker_side(model_id: str, *, l3_writer: bool):
             t.view(torch.uint8).copy_(torch.randint(1, 256, t.view(torch.uint8).shape,
                                                     dtype=torch.uint8, generator=gen))
     return side, cfg, pool
+
+
+def test_the_step_after_a_save_starts_the_connector_before_its_forward():
+    """vLLM 0.32 calls start_load_kv after launching the forward unless the scheduler output
+    says the step loads synchronously. A step's backups read blocks that the next step may
+    write (vLLM gave them to another request), and start_load_kv is where they are waited
+    for: the scheduler side marks the step after every save, and only that step."""
+    from collections import Counter
+    from types import SimpleNamespace
+
+    from kvtier import KVSpec
+    from kvtier.cache import CacheConfig
+    from kvtier.cache.keying import make_keyer
+    from kvtier.integrations.vllm.config import EngineView
+    from kvtier.integrations.vllm.scheduler import SchedulerSide
+    spec = KVSpec.mha(num_layers=2, num_kv_heads=2, head_dim=16, page_size=16,
+                      dtype="bfloat16")
+    cfg = CacheConfig.from_dict({"model_id": "sync-after-save", "host_pool_pages": 8})
+    view = EngineView(cfg=cfg, spec=spec, layer_names=("l0", "l1"), layout="vllm_cpu",
+                      page_order="hkv", device_type="cpu", identity={},
+                      keyer=make_keyer(cfg, spec, device_layout="hkv"), num_host_pages=8,
+                      tp_size=1)
+    side = SchedulerSide(view, Counter())
+    tokens = [rng.randrange(1, 500) for _ in range(3 * 16 + 5)]
+    req = SimpleNamespace(request_id="r", all_token_ids=tokens, num_tokens=len(tokens),
+                          mm_features=[], lora_request=None, cache_salt=None)
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+
+    def step(new=(), cached=(), n=1):
+        out = SimpleNamespace(
+            scheduled_new_reqs=[SimpleNamespace(req_id="r", block_ids=([1, 2, 3, 4],),
+                                                num_computed_tokens=0) for _ in new],
+            scheduled_cached_reqs=SimpleNamespace(
+                req_ids=list(cached), resumed_req_ids=set(), new_block_ids=[None],
+                num_computed_tokens=[len(tokens)]),
+            num_scheduled_tokens={"r": n}, has_sync_kv_loads=False)
+        return side.build_connector_meta(out), out
+    meta, out = step(new=["r"], n=len(tokens))               # the prefill: 3 pages saved
+    assert len(meta.saves) == 1 and not out.has_sync_kv_loads
+    meta, out = step(cached=["r"])                            # a decode step: no new page
+    assert not meta.saves and out.has_sync_kv_loads
+    meta, out = step(cached=["r"])
+    assert not out.has_sync_kv_loads
 
 
 def test_backups_run_past_their_step_and_land_before_the_next_step_touches_a_block():

@@ -75,14 +75,6 @@ class CacheConfig:
     write_policy: Literal["write_through", "write_through_selective",
                           "write_back"] = "write_through"
     selective_threshold: int = 2
-    #: When a page is backed up to L2 (and written to L3 under the write policy):
-    #: ``on_save`` as soon as it is computed, in the step that computed it; ``on_evict`` only
-    #: when the engine is about to write its device page again, before that step's forward:
-    #: a page L1 never evicts is never copied, and a page reaches L2 and L3 only once L1
-    #: evicts it (other engines sharing the L3 see it then; a page still in L1 at shutdown
-    #: is not kept). For engines that report the reuse of their device pages: the vLLM
-    #: connector.
-    l2_backup: Literal["on_save", "on_evict"] = "on_save"
     #: How long a fetch waits for L3 pages (see `kvtier.policies`): ``wait_complete`` (all
     #: of them; each store call within ``l3_call_timeout_s``), ``timeout`` (a budget that
     #: grows with the request) or ``best_effort`` (never waits: loads only what a prefetch()

@@ -47,7 +47,7 @@ import time
 from typing import Any, Callable, Literal, Mapping, Sequence
 
 from ..device_pool import DeviceKVPool
-from ..errors import (ConfigError, InvalidArgumentError, PageIndexError, TierFailureError,
+from ..errors import (InvalidArgumentError, PageIndexError, TierFailureError,
                       TokensError, TransferError)
 from ..host_pool import HostKVPool
 from ..interfaces import CompletedHandle, L3Store, TransferEngine, TransferHandle
@@ -82,11 +82,6 @@ class TieredKVCache:
                  engine: TransferEngine | None = None,
                  engine_identity: Mapping[str, Any] | None = None):
         self.config = cfg = CacheConfig.from_dict(config)
-        if cfg.l2_backup != "on_save":
-            raise ConfigError(f"l2_backup={cfg.l2_backup!r} needs an engine that reports the "
-                              "reuse of its device pages (the vLLM connector); TieredKVCache "
-                              "evicts its own L1 and backs pages up on save",
-                              key="l2_backup", value=cfg.l2_backup)
         if not isinstance(device_pool, DeviceKVPool):
             raise InvalidArgumentError(f"device_pool must be a DeviceKVPool, got "
                                        f"{type(device_pool).__name__}", argument="device_pool")

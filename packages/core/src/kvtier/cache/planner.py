@@ -126,9 +126,6 @@ class CachePlanner:
         self._pending: dict[bytes, int] = {}      # key -> plan reading / backing it up
         self._held: dict[int, tuple[set[int], list[Node]]] = {}   # late store calls
         self._saves: OrderedDict[bytes, int] = OrderedDict()   # selective: saves per key
-        #: device page -> (key, parent key) of a page whose backup waits for the engine to
-        #: write the device page again (`defer_save`, `plan_reused`)
-        self._deferred: dict[int, tuple[bytes, bytes | None]] = {}
         #: Plan ids carry this planner's instance in their high bits, so a result of another
         #: planner (one before a restart) is refused instead of booked against a new plan.
         self.instance = secrets.randbits(30) + 1
@@ -289,7 +286,6 @@ class CachePlanner:
         no longer holds fails in the result (use `PlanResult.loaded_prefix`)."""
         dev = self._span(keys, device_pages, start, "plan_load")
         with self._lock:
-            self._overwritten(dev)
             st = _Pending(Plan(self._new_id()))
             l2 = self.index.l2_run(keys, start)[:len(dev)]
             for nd in l2:
@@ -339,95 +335,34 @@ class CachePlanner:
         write policy; pages already in L2 or in flight are skipped. The write-through L3
         writes are dropped (counted in ``cost_skipped_l3_writes``) when `l3_write_pays` says
         no, or ``l3_write=False``."""
-        dev = self._span(keys, device_pages, start, "plan_save")
-        l3_write = self._l3_write_arg(l3_write)
-        with self._lock:
-            self._overwritten(dev)
-        items = [(keys[start + i], keys[start + i - 1] if start + i > 0 else None, d)
-                 for i, d in enumerate(dev)]
-        return self._plan_backups(items, l3_write)
-
-    def defer_save(self, keys: Sequence[bytes], device_pages: Sequence[int], start: int = 0
-                   ) -> int:
-        """Remember that ``device_pages[i]`` holds ``keys[start + i]`` instead of backing it up
-        now: `plan_reused` backs it up when the engine is about to write the device page
-        again (L1 evicts it), so a page L1 keeps costs no copy. Pages already in L2 are not
-        remembered. Returns how many were."""
-        dev = self._span(keys, device_pages, start, "defer_save")
-        n = 0
-        with self._lock:
-            for i, d in enumerate(dev):
-                k = keys[start + i]
-                nd = self.index.get(k)
-                if nd is not None and nd.host_page is not None:
-                    self._deferred.pop(d, None)
-                    continue
-                self._deferred[d] = (k, keys[start + i - 1] if start + i > 0 else None)
-                n += 1
-        self.metrics_registry.add("deferred_backup_pages", n)
-        return n
-
-    def plan_reused(self, device_pages: Sequence[int], *, l3_write: bool | None = None) -> Plan:
-        """The backups (and L3 writes, as `plan_save`) of the deferred pages (`defer_save`)
-        among ``device_pages``, which the engine is about to write again: the plan must run
-        before anything writes them. Pages not deferred are ignored; each deferred page is
-        planned once."""
-        dev = self._pages(device_pages)
-        l3_write = self._l3_write_arg(l3_write)
-        with self._lock:
-            items = [(k, parent, d) for d in dev
-                     for k, parent in [self._deferred.pop(d, (b"", None))] if k]
-        plan = self._plan_backups(items, l3_write)
-        self.metrics_registry.add("reused_backup_pages", len(plan.backups))
-        return plan
-
-    def _l3_write_arg(self, l3_write: bool | None) -> bool:
         if l3_write is None:
-            return self.l3_write_pays()
+            l3_write = self.l3_write_pays()
         if not isinstance(l3_write, bool):
             raise InvalidArgumentError(f"l3_write must be a bool, got {l3_write!r}",
                                        argument="l3_write", value=l3_write)
-        return l3_write
-
-    def _overwritten(self, device_pages: Sequence[int]) -> None:
-        """``device_pages`` hold other pages now (a load into them, or a backup planned of
-        what they hold): their deferred backups are dropped, never run on the new bytes."""
-        if self._deferred:
-            lost = sum(self._deferred.pop(d, None) is not None for d in device_pages)
-            if lost:
-                self.metrics_registry.add("deferred_dropped_pages", lost)
-
-    @property
-    def deferred_pages(self) -> int:
-        """Device pages whose backup waits for their reuse (`defer_save`)."""
-        return len(self._deferred)
-
-    def _plan_backups(self, items: Sequence[tuple[bytes, bytes | None, int]],
-                      l3_write: bool | None) -> Plan:
-        """Back up each (key, parent key, device page) of ``items`` to L2 (and L3) under the
-        write policy; pages already in L2 or in flight are skipped."""
-        l3_write = self._l3_write_arg(l3_write)
+        dev = self._span(keys, device_pages, start, "plan_save")
         pol = self.write_policy
         with self._lock:
             st = _Pending(Plan(self._new_id()))
-            cand: list[tuple[bytes, bytes | None, int]] = []
+            cand: list[tuple[int, int]] = []           # (key index, device page)
             seen: list[Node] = []
-            for k, parent, d in items:
+            for i, d in enumerate(dev):
+                k = keys[start + i]
                 nd = self.index.get(k)
                 if nd is not None and nd.host_page is not None:
                     seen.append(nd)
                     continue
                 if k in self._pending or not self.wants_backup(k):
                     continue
-                cand.append((k, parent, d))
+                cand.append((start + i, d))
             self.index.touch_l2_up(seen)
             pages = self._alloc(len(cand), st)
             if len(pages) < len(cand):
                 self.metrics_registry.add("backup_skipped_pages", len(cand) - len(pages))
                 cand = cand[:len(pages)]
-            backups = tuple((d, h) for (_, _, d), h in zip(cand, pages))
-            st.backup_keys = [k for k, _, _ in cand]
-            st.backup_parents = [parent for _, parent, _ in cand]
+            backups = tuple((d, h) for (_, d), h in zip(cand, pages))
+            st.backup_keys = [keys[i] for i, _ in cand]
+            st.backup_parents = [keys[i - 1] if i > 0 else None for i, _ in cand]
             writes: tuple[tuple[int, bytes], ...] = ()
             skipped = 0
             known = 0

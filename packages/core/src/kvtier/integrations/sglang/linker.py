@@ -114,10 +114,6 @@ def check_extra_config(extra: Any, **from_sglang: Any) -> CacheConfig:
     if cfg.host_layout != "page_first":
         raise ConfigError("the SGLang linker needs host_layout='page_first'",
                           key="host_layout", value=cfg.host_layout)
-    if cfg.l2_backup != "on_save":
-        raise ConfigError(f"l2_backup={cfg.l2_backup!r} is not supported by the SGLang linker "
-                          "(SGLang's radix tree backs pages up itself); supported: ['on_save']",
-                          key="l2_backup", value=cfg.l2_backup)
     return cfg
 
 

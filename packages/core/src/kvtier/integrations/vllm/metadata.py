@@ -38,9 +38,6 @@ class KVTierMetadata(KVConnectorMetadata):
     saves: list[Plan] = field(default_factory=list)
     #: L3 -> L2 reads that no request waits for (probes that keep the L3 rate measured).
     prefetches: list[Plan] = field(default_factory=list)
-    #: ``l2_backup="on_evict"``: backups of pages whose blocks this step writes again; they
-    #: land before the step's loads and forward.
-    reused: list[Plan] = field(default_factory=list)
     #: A step to time for the recompute rate (0: not timed -- no prefill, or loads the
     #: forward waits for): its scheduled tokens and their query-key pairs of attention.
     step_tokens: int = 0

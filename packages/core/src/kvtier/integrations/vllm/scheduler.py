@@ -31,7 +31,7 @@ log = logging.getLogger("kvtier.vllm")
 
 class _Req:
     __slots__ = ("request", "keys", "root", "block_ids", "cacheable", "saved", "load_plan",
-                 "max_pages", "local_pages")
+                 "max_pages")
 
     def __init__(self, request: "Request", cacheable: bool, root: bytes | None):
         self.request = request
@@ -44,9 +44,6 @@ class _Req:
         #: After a load of this request failed: the pages it delivered, which bounds what
         #: a later lookup may offer (a failed page is retried at most once).
         self.max_pages: int | None = None
-        #: Leading pages vLLM's own prefix cache held when it last asked (their blocks are
-        #: shared, not written again).
-        self.local_pages = 0
 
 
 def _outside_window(block_ids: list[int]) -> int:
@@ -116,10 +113,6 @@ class SchedulerSide:
         self._interval: Counter[str] = Counter()
         self._async_reqs: dict[int, str] = {}                    # plan id -> request
         self._load_reqs: dict[int, tuple[str, int]] = {}  # load plan -> (request, start)
-        #: ``l2_backup="on_evict"``: pages are backed up when vLLM hands their blocks out
-        #: again (`CachePlanner.defer_save`, `plan_reused`); those backups, for this step
-        self.on_evict = cfg.l2_backup == "on_evict"
-        self._reused: list[Plan] = []
         self._saved_last_step = False
 
     def _req(self, request: "Request") -> _Req:
@@ -142,7 +135,6 @@ class SchedulerSide:
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
         r = self._req(request)
-        r.local_pages = num_computed_tokens // self.block_size
         if not r.cacheable:
             return 0, False
         limit = (request.num_tokens - 1) // self.block_size   # vLLM computes >= 1 token
@@ -187,7 +179,6 @@ class SchedulerSide:
         # they count as computed and only the window's pages are loaded
         skip = _outside_window(block_ids) if self.view.sliding_window else 0
         first, block_ids = start + skip, block_ids[skip:]
-        self._reuse(block_ids)             # the load writes them: what they held goes first
         plan = self.planner.plan_load(r.keys, block_ids, first)
         covered = set(plan.load_pages)
         failed = [b for b in block_ids if b not in covered]     # recomputed by vLLM
@@ -205,12 +196,9 @@ class SchedulerSide:
         self._loads.append(LoadOrder(request.request_id, plan, failed, is_async))
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVTierMetadata:
+        meta = KVTierMetadata(loads=self._loads, prefetches=self._prefetches)
+        self._loads, self._prefetches = [], []
         sched = scheduler_output.num_scheduled_tokens
-        if self.on_evict:
-            self._reuse_scheduled(scheduler_output)
-        meta = KVTierMetadata(loads=self._loads, prefetches=self._prefetches,
-                              reused=self._reused)
-        self._loads, self._prefetches, self._reused = [], [], []
         step: list[tuple[int, int]] = []           # (scheduled, computed before) per request
         for new in scheduler_output.scheduled_new_reqs:
             step.append((sched.get(new.req_id, 0), new.num_computed_tokens))
@@ -232,46 +220,19 @@ class SchedulerSide:
                 r.block_ids.extend(nb[self.group])
             self._plan_saves(r, cached.num_computed_tokens[i] + sched.get(req_id, 0),
                              meta.saves)
-        # vLLM starts a step's connector work after its forward unless told the forward
-        # depends on it: blocks this step writes again must be copied out before it, and so
-        # must last step's backups have landed (`WorkerSide.start_load_kv`)
-        if meta.reused or self._saved_last_step:
+        # vLLM 0.32 starts a step's connector work after launching its forward unless told
+        # the step loads synchronously: last step's backups (blocks -> host pages, on a copy
+        # stream where there is one) must land before this forward can write a block vLLM
+        # gave away (`WorkerSide.start_load_kv`)
+        if self._saved_last_step:
             scheduler_output.has_sync_kv_loads = True
         self._saved_last_step = bool(meta.saves)
         # a step with a prefill and no load its forward waits for times the recompute rate
-        if any(n > 1 for n, _ in step) and not meta.reused and \
+        if any(n > 1 for n, _ in step) and \
                 not any(not o.is_async and not o.plan.empty for o in meta.loads):
             meta.step_tokens = sum(n for n, _ in step)
             meta.step_pairs = sum(pairs(done + n, n) for n, done in step)
         return meta
-
-    def _reuse_scheduled(self, out: "SchedulerOutput") -> None:
-        """Back up the deferred pages in every block this step hands out again, of every
-        scheduled request (kvtier's or not): new requests' blocks past vLLM's own prefix hit,
-        running requests' new blocks, a resumed request's blocks past its prefix hit."""
-        for new in out.scheduled_new_reqs:
-            r = self.reqs.get(new.req_id)
-            self._reuse(new.block_ids[self.group][r.local_pages if r is not None else 0:])
-        cached = out.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            nb = cached.new_block_ids[i]
-            if nb is None:
-                continue
-            r = self.reqs.get(req_id)
-            skip = r.local_pages if r is not None and req_id in cached.resumed_req_ids else 0
-            self._reuse(nb[self.group][skip:])
-
-    def _reuse(self, block_ids: Any) -> None:
-        """``l2_backup="on_evict"``: the backups of the deferred pages these blocks hold,
-        which this step writes again (run before its loads and forward)."""
-        if not self.on_evict or not self.planner.deferred_pages:
-            return
-        ids = list(dict.fromkeys(b for b in block_ids if b != NULL_BLOCK))
-        plan = self.planner.plan_reused(ids)
-        if plan.empty:
-            self.planner.complete(plan.failed())       # nothing to run: book it now
-        else:
-            self._reused.append(plan)
 
     def _plan_saves(self, r: _Req, computed_tokens: int, saves: list[Plan]) -> None:
         if not r.cacheable:
@@ -286,9 +247,6 @@ class SchedulerSide:
             _held_runs(ids, r.saved)    # pages outside the window are not held: not saved
         r.saved = full
         for first, run in runs:
-            if self.on_evict:            # backed up when vLLM hands the blocks out again
-                self.planner.defer_save(keys, run, first)
-                continue
             plan = self.planner.plan_save(keys, run, first)
             if plan.empty:
                 self.planner.complete(plan.failed())       # nothing to run: book it now

@@ -95,11 +95,6 @@ class WorkerSide:
         self._finish_backups()
         if not isinstance(meta, KVTierMetadata) or ex is None:
             return
-        if meta.reused:
-            # pages whose blocks this step's loads and forward write again: copied first
-            for plan in meta.reused:
-                self._save(plan)
-            self._finish_backups()
         for order in meta.loads:
             self._load_errors.update(order.failed_blocks)
             if order.plan.empty:
