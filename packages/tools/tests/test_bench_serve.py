@@ -20,6 +20,8 @@ from kvtier_tools.bench import serve
     (["--rate", "inf"], "rates must be finite numbers > 0"),
     (["--setups", "vllm,sglang"], "unknown setup(s) ['sglang']"),
     (["--repeat", "0"], "must be an int >= 1"),
+    (["--warmup", "-1"], "must be an int >= 0"),
+    (["--warmup", "one"], "must be an int >= 0"),
     (["--shm-gib", "0"], "must be a finite number of GiB > 0"),
     (["--shm-gib", "nan"], "must be a finite number of GiB > 0"),
 ])
@@ -68,6 +70,28 @@ def test_each_shm_server_starts_on_an_empty_arena_removed_after(tmp_path, monkey
     assert os.listdir(shm_dir) == []
     serve._serve("vllm+kvtier-l3", "m", str(tmp_path), 0, [], [], args, None)
     assert roots[-1] == ""                       # other setups get none
+
+
+def test_each_round_starts_with_another_setup(tmp_path, monkeypatch):
+    """The first server of a run pays the machine's warm-up: rounds rotate which setup goes
+    first (a setup that did not start is tried once); rows keep the setups' order."""
+    import argparse
+    order = []
+
+    def fake(name, model, work, rnd, levels, workloads, args, file):
+        order.append((rnd, name))
+        return {"error": "not started"} if name == "vllm+offload" else \
+            {"start_s": 1.0, "levels": []}
+    monkeypatch.setattr(serve, "_serve", fake)
+    monkeypatch.setattr(serve, "make_llama", lambda path, **kw: path)
+    p = argparse.ArgumentParser()
+    serve.add_arguments(p)
+    args = p.parse_args(["--setups", "vllm+null-connector,vllm+kvtier-l2,vllm+offload",
+                         "--repeat", "3", "--out", str(tmp_path)])
+    out = serve.bench(args)
+    null, l2, off = args.setups
+    assert order == [(0, null), (0, l2), (0, off), (1, l2), (1, null), (2, null), (2, l2)]
+    assert [r["setup"] for r in out["rounds"][1]] == [off]      # its error row, every round
 
 
 def test_a_pool_smaller_than_one_request_is_refused_before_anything_starts(tmp_path):

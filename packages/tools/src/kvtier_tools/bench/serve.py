@@ -394,6 +394,9 @@ def _serve_in(name: str, model: str, work: str, tag: str, rnd: int,
               levels: list[tuple[str, float]], workloads: list[Any],
               args: argparse.Namespace, file: dict[str, Any] | None, shm_root: str
               ) -> dict[str, Any]:
+    warmup = multiturn(args.warmup, args.turns, system_tokens=args.system_tokens,
+                       user_tokens=args.user_tokens, seed=args.seed + 99_991) \
+        if args.warmup else []
     sargs = _setup_args(name, model, os.path.join(work, tag), args, file, shm_root)
     assert sargs is not None
     server = Server(name, sargs, os.path.join(work, f"{tag}.log"))
@@ -402,6 +405,8 @@ def _serve_in(name: str, model: str, work: str, tag: str, rnd: int,
         print(f"{name}: did not start: {why}", file=sys.stderr, flush=True)
         return {"error": why}
     try:
+        if warmup:       # untimed: the first requests of a fresh server pay its warm-up
+            asyncio.run(_level(server, model, warmup, "concurrency", 1.0, args))
         runs = []
         for (kind, value), convs in zip(levels, workloads):
             runs.append(asyncio.run(_level(server, model, convs, kind, value, args)))
@@ -471,7 +476,9 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     rounds: list[dict[str, Any]] = []
     for rnd in range(args.repeat):        # interleaved: machine load hits every setup alike
         results: dict[str, Any] = {}
-        for name in args.setups:
+        # each round starts with another setup: none is always the run's first
+        k = rnd % len(args.setups)
+        for name in args.setups[k:] + args.setups[:k]:
             if rnd and "error" in rounds[0].get(name, {}):
                 results[name] = rounds[0][name]        # did not start: once is enough
                 continue
@@ -483,7 +490,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         null = results.get("vllm+null-connector", {}).get("levels")
         ideal = results.get("vllm+null-all-cached", {}).get("levels")
         rows = []
-        for name, res in results.items():
+        for name in args.setups:
+            res = results[name]
             if "error" in res:
                 rows.append({"setup": name, "error": res["error"]})
                 continue
@@ -606,6 +614,16 @@ def _gib(text: str) -> float:
     return g
 
 
+def _count(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be an int >= 0, got {text!r}")
+    return n
+
+
 def _setups(text: str) -> list[str]:
     out = [s.strip() for s in text.split(",") if s.strip()]
     bad = [s for s in out if s not in SETUPS]
@@ -645,6 +663,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the shm L3's arena (vllm+kvtier-shm), GiB (default 1)")
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--request-timeout", type=float, default=300.0)
+    p.add_argument("--warmup", type=_count, default=1,
+                   help="untimed conversations each server serves first (its own prompts; "
+                   "0: none)")
     p.add_argument("--repeat", type=_positive, default=1,
                    help="rounds of every setup, interleaved; figures are their medians")
     p.add_argument("--seed", type=int, default=0)
