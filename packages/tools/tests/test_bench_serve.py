@@ -4,6 +4,7 @@ that read vLLM's logs and /metrics (the runs themselves are in tests_vllm)."""
 from __future__ import annotations
 
 import os
+import random
 import subprocess
 import sys
 
@@ -77,11 +78,17 @@ def test_each_round_starts_with_another_setup(tmp_path, monkeypatch):
     first (a setup that did not start is tried once); rows keep the setups' order."""
     import argparse
     order = []
+    rng = random.Random(3)
 
     def fake(name, model, work, rnd, levels, workloads, args, file):
         order.append((rnd, name))
-        return {"error": "not started"} if name == "vllm+offload" else \
-            {"start_s": 1.0, "levels": []}
+        if name == "vllm+offload":
+            return {"error": "not started"}
+        reqs = [{"conv": c, "turn": 0, "prompt_len": 100, "cached": 0, "output": [c],
+                 "ttft_s": rng.uniform(0.05, 0.2)} for c in range(4)]
+        return {"start_s": 1.0, "levels": [
+            {"kind": kind, "value": value, "requests": reqs, "counters": {}, "samples": [],
+             "wall_s": 1.0, "conversations_per_s": value} for kind, value in levels]}
     monkeypatch.setattr(serve, "_serve", fake)
     monkeypatch.setattr(serve, "make_llama", lambda path, **kw: path)
     p = argparse.ArgumentParser()
@@ -91,7 +98,9 @@ def test_each_round_starts_with_another_setup(tmp_path, monkeypatch):
     out = serve.bench(args)
     null, l2, off = args.setups
     assert order == [(0, null), (0, l2), (0, off), (1, l2), (1, null), (2, null), (2, l2)]
-    assert [r["setup"] for r in out["rounds"][1]] == [off]      # its error row, every round
+    n = len(serve._levels(args))
+    for rows in out["rounds"]:               # the setups' order, whichever served first
+        assert [r["setup"] for r in rows] == [null] * n + [l2] * n + [off], rows
 
 
 def test_a_pool_smaller_than_one_request_is_refused_before_anything_starts(tmp_path):

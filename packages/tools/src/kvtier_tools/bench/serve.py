@@ -55,7 +55,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .vllm import _kvtier_config, _pct, _positive, make_llama, multiturn
+from .vllm import _int_at_least, _kvtier_config, _pct, _positive, make_llama, multiturn
 
 SETUPS = ("vllm", "vllm-rerun", "vllm+null-connector", "vllm+null-all-cached",
           "vllm+kvtier-l2", "vllm+kvtier-l3", "vllm+kvtier-shm", "vllm+offload",
@@ -614,16 +614,6 @@ def _gib(text: str) -> float:
     return g
 
 
-def _count(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = -1
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must be an int >= 0, got {text!r}")
-    return n
-
-
 def _setups(text: str) -> list[str]:
     out = [s.strip() for s in text.split(",") if s.strip()]
     bad = [s for s in out if s not in SETUPS]
@@ -663,7 +653,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the shm L3's arena (vllm+kvtier-shm), GiB (default 1)")
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--request-timeout", type=float, default=300.0)
-    p.add_argument("--warmup", type=_count, default=1,
+    p.add_argument("--warmup", type=_int_at_least(0), default=1,
                    help="untimed conversations each server serves first (its own prompts; "
                    "0: none)")
     p.add_argument("--repeat", type=_positive, default=1,

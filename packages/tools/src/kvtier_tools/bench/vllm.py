@@ -46,7 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 # --------------------------------------------------------------------------------------------
 # Model and workload
@@ -497,14 +497,20 @@ def _table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _positive(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text!r}")
-    return n
+def _int_at_least(least: int) -> Callable[[str], int]:
+    """An argparse type: an int >= ``least``, else a one-line error."""
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            n = least - 1
+        if n < least:
+            raise argparse.ArgumentTypeError(f"must be an int >= {least}, got {text!r}")
+        return n
+    return parse
+
+
+_positive = _int_at_least(1)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
