@@ -518,6 +518,37 @@ def test_other_processes_pages_found_without_a_rescan(tmp_path):
     pool.close()
 
 
+def test_existence_checks_stat_quiet_logs_and_still_see_new_writes(tmp_path, pool,
+                                                                   monkeypatch):
+    """Every existence check catches up with other writers' logs: one that was not written
+    since it was read costs a stat, not a read; one written after that is read again."""
+    a, b = open_store(tmp_path), open_store(tmp_path)
+    a.attach(pool)
+    b.attach(pool)
+    k = keys(6)
+    assert a.batch_set(k[:2], [0, 1]) == [True] * 2
+    assert b.batch_exists(k[:2]) == 2            # b reads a's log
+    time.sleep(seg_mod._QUIET_NS / 1e9 + 0.05)
+    assert b.batch_exists(k[:2]) == 2            # read once more: the write was recent
+    opened: list[str] = []
+    real_open = os.open
+
+    def counting_open(path, *args, **kwargs):
+        opened.append(str(path))
+        return real_open(path, *args, **kwargs)
+    monkeypatch.setattr(os, "open", counting_open)
+    for _ in range(3):
+        assert b.batch_exists(k[:2]) == 2 and b.batch_exists(k[2:]) == 0
+    assert not [p for p in opened if p.endswith(seg_mod.LOG_SUFFIX)], opened
+    for i in range(2, 6):                        # each write right after b's last look
+        assert a.batch_set(k[i:i + 1], [i]) == [True]
+        assert b.batch_exists(k[:i + 1]) == i + 1
+    fill_random(pool.raw)
+    assert b.batch_get(k, [10, 11, 12, 13, 14, 15]) == [True] * 6
+    a.close()
+    b.close()
+
+
 def test_dead_writers_orphans_are_cleaned_at_open(tmp_path, pool):
     s = open_store(tmp_path)
     s.attach(pool)

@@ -41,6 +41,9 @@ _TOUCH_NS = 1_000_000_000
 _ZERO_TRAILER = bytes(TRAILER_BYTES)
 _ZERO_REC = bytes(REC_BYTES)
 _TAIL_CHUNK = 1 << 20
+#: a log is read again unless a read began this long after its last write: well over the
+#: coarse clock's tick that stamps mtimes (a jiffy, 1-10 ms)
+_QUIET_NS = 50_000_000
 _FD_CACHE = 64                      # idle segment descriptors kept open
 
 
@@ -87,6 +90,9 @@ class _Log:
     opened only while being read, so a store of many segments holds few descriptors)."""
     offset: int = 0
     done: bool = False
+    checked: float = 0.0            # when `_finished` last looked (monotonic s)
+    seen: tuple[int, int] = (-1, -1)    # (size, mtime) before the last read
+    read_ns: int = 0                # when that read began (wall clock, as mtimes)
 
 
 def _log_segment(log: str) -> str:
@@ -248,22 +254,44 @@ class SegmentIndex:
             self.tail()
 
     def tail(self) -> None:
-        """Read the records other writers appended since the last look."""
+        """Read the records other writers appended since the last look. Every existence
+        check catches up, and a store written by a chain's helper processes has a log per
+        helper lane: a log not written since a read that began at least `_QUIET_NS` after
+        its last write (its size and mtime unchanged: logs are preallocated, and a write
+        after that read would give it a later mtime even on a coarse clock) costs one
+        ``stat``, and whether it has ended is asked at most once a second."""
         with self._lock:
             logs = [(n, lg) for n, lg in self._logs.items() if not lg.done]
+        now = time.monotonic()
         for name, lg in logs:
-            fd = self._open_entry(name, os.O_RDONLY)
+            try:
+                st = os.stat(name, dir_fd=self._sfd, follow_symlinks=False)
+            except OSError:
+                st = None
+            if st is not None and stat.S_ISREG(st.st_mode) \
+                    and lg.seen == (st.st_size, st.st_mtime_ns) \
+                    and lg.read_ns - st.st_mtime_ns > _QUIET_NS:
+                if now - lg.checked >= 1.0:
+                    lg.checked = now
+                    lg.done = self._finished(name, st.st_mtime_ns)
+                continue
+            fd = self._open_entry(name, os.O_RDONLY)   # (counts what is not a regular file)
             if fd < 0:
                 lg.done = True              # gone, or not a regular file (counted)
                 continue
+            if st is not None:
+                lg.seen, lg.read_ns = (st.st_size, st.st_mtime_ns), time.time_ns()
             try:
                 self._tail_one(name, lg, fd)
                 if not lg.done:
-                    lg.done = self._finished(name, fd)
+                    lg.checked = now
+                    lg.done = self._finished(name, os.fstat(fd).st_mtime_ns)
+            except OSError:
+                pass
             finally:
                 os.close(fd)
 
-    def _finished(self, name: str, fd: int) -> bool:
+    def _finished(self, name: str, mtime_ns: int) -> bool:
         """A log that cannot grow any more: its writer is dead or sealed, or it has moved on
         two segments and the log has been still for a while (a batch may span segments)."""
         m = _LOG_RE.match(name)
@@ -273,11 +301,7 @@ class SegmentIndex:
         seq = int(m.group(4))
         with self._lock:
             newest = max((i.seq for i in self._segs.values() if i.writer == writer), default=0)
-        try:
-            still = time.time_ns() - os.fstat(fd).st_mtime_ns > 5 * _TOUCH_NS
-        except OSError:
-            return False
-        return seq < newest - 1 and still
+        return seq < newest - 1 and time.time_ns() - mtime_ns > 5 * _TOUCH_NS
 
     def _tail_one(self, name: str, lg: _Log, fd: int) -> None:
         writer = name.split(".")[0]
@@ -444,11 +468,12 @@ class SegmentIndex:
         once if any key misses, if ``fresh``, or if it has not for a second (segments
         evicted by others are forgotten and their descriptors closed)."""
         digests = [hashlib.sha256(k).digest() for k in keys]
-        if fresh or time.monotonic() - self._last_catch_up > 1.0:
+        caught = fresh or time.monotonic() - self._last_catch_up > 1.0
+        if caught:
             self._catch_up()
         with self._lock:
             found = [self._index.get(d) for d in digests]
-        if None in found:
+        if None in found and not caught:
             self._catch_up()
             with self._lock:
                 found = [self._index.get(d) for d in digests]
