@@ -11,6 +11,7 @@ from __future__ import annotations
 import glob
 import os
 import random
+import shutil
 import signal
 import time
 
@@ -346,6 +347,34 @@ def test_writes_reach_the_file_through_the_helpers_bitwise(tmp_path, shm_name, p
         assert c.members[1].batch_get(keys, dst) == [True] * 11
         for i, p in enumerate(dst):
             assert_bitwise_equal(pool.view[p], want[i], f"key {i}")
+
+
+def test_each_helper_writes_the_file_as_one_writer_even_in_memory(shm_name, pool):
+    """On tmpfs a file store writes through a lane per I/O thread; a helper uses one, so
+    every existence check has one log per helper to look at, not one per helper lane."""
+    root = os.path.join(shm_mod.DEFAULT_ROOT, f"kvtier-test-files-{os.urandom(4).hex()}")
+    cfg = chain_config(shm_name, root, processes=2, slots=256)
+    cfg["stores"][1]["config"]["io_threads"] = 4
+    try:
+        with ChainStore(cfg, spec=ODD_SPEC) as c:
+            c.attach(pool)
+            if c.members[1].stats()["medium"] != "memory":
+                pytest.skip("the arena's directory is not in memory here")
+            assert c.members[1].stats()["write_lanes"] == 4     # the engine's own store
+            fill_random(pool.raw)
+            keys = [os.urandom(32) for _ in range(48)]
+            for n in range(3):              # batches: each to one helper of the two
+                assert c.batch_set(keys[16 * n:16 * n + 16],
+                                   random.Random(n).sample(range(40), 16)) == [True] * 16
+            deadline = time.monotonic() + 60
+            while c.members[1].batch_exists(keys) < 48:     # written behind the arena
+                assert time.monotonic() < deadline, c.stats()
+                time.sleep(0.02)
+            assert c.stats()["demoted_pages"] > 0, "the helpers wrote some"
+            # writers: this process's four lanes and one per helper that wrote
+            assert c.stats()["members"][1]["writers"] <= 4 + 2, "one writer per helper"
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.mark.parametrize("config", [{"stage_max_queued_pages": 3}, {"slots": 12},

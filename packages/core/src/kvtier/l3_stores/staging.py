@@ -10,6 +10,9 @@ reads on 8 threads, 0.96x beside the same reads from 8 processes). So the chain 
 same member stores (same configs, so the same arena and directory), and for every key it is
 given that the arena lacks, reads the page from the first slower member that has it into a
 private host page and writes it into the arena. The engine only sends keys and gets counts.
+A helper writes a ``file`` member through one lane (``write_lanes`` 1, unless the config
+names it): its writes come one batch at a time, and every other process's existence check
+reads each writer's log, so eight helpers with a lane per I/O thread made 64 logs to look at.
 
 `Stager.stage` splits a batch of keys over the helpers and returns a `StageTicket` at once;
 `StageTicket.wait` waits for the parts, with a timeout. Nothing here can hand out wrong data:
@@ -432,6 +435,8 @@ def _serve(fd_in: int, fd_out: int) -> int:
                 # the engine removes the arena, never a helper: a helper that closes first
                 # (its engine gone) would remove it under another still opening it
                 cfg = {**cfg, "remove_when_unused": False}
+            if name == "file" and isinstance(cfg, dict) and "write_lanes" not in cfg:
+                cfg = {**cfg, "write_lanes": 1}      # one writer's log per helper
             stores.append(create_l3_store(name, cfg, spec=spec))
         pool = HostKVPool(spec, pages, allocator=create_host_allocator("mmap", {}),
                           layout=PAGE_FIRST)
