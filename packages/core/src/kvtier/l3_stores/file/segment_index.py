@@ -41,8 +41,9 @@ _TOUCH_NS = 1_000_000_000
 _ZERO_TRAILER = bytes(TRAILER_BYTES)
 _ZERO_REC = bytes(REC_BYTES)
 _TAIL_CHUNK = 1 << 20
-#: a log is read again unless a read began this long after its last write: well over the
-#: coarse clock's tick that stamps mtimes (a jiffy, 1-10 ms)
+#: in memory (tmpfs, ramfs: this host's clock stamps mtimes), a log is read again unless a
+#: read began this long after its last write: well over the coarse clock's tick (a jiffy,
+#: 1-10 ms); elsewhere (a network filesystem's server may stamp them, coarsely) `_TOUCH_NS`
 _QUIET_NS = 50_000_000
 _FD_CACHE = 64                      # idle segment descriptors kept open
 
@@ -256,13 +257,13 @@ class SegmentIndex:
     def tail(self) -> None:
         """Read the records other writers appended since the last look. Every existence
         check catches up, and a store written by a chain's helper processes has a log per
-        helper lane: a log not written since a read that began at least `_QUIET_NS` after
+        helper lane: a log not written since a read that began at least `quiet_ns` after
         its last write (its size and mtime unchanged: logs are preallocated, and a write
         after that read would give it a later mtime even on a coarse clock) costs one
         ``stat``, and whether it has ended is asked at most once a second."""
         with self._lock:
             logs = [(n, lg) for n, lg in self._logs.items() if not lg.done]
-        now = time.monotonic()
+        now, quiet = time.monotonic(), self.quiet_ns()
         for name, lg in logs:
             try:
                 st = os.stat(name, dir_fd=self._sfd, follow_symlinks=False)
@@ -270,7 +271,7 @@ class SegmentIndex:
                 st = None
             if st is not None and stat.S_ISREG(st.st_mode) \
                     and lg.seen == (st.st_size, st.st_mtime_ns) \
-                    and lg.read_ns - st.st_mtime_ns > _QUIET_NS:
+                    and lg.read_ns - st.st_mtime_ns > quiet:
                 if now - lg.checked >= 1.0:
                     lg.checked = now
                     lg.done = self._finished(name, st.st_mtime_ns)
@@ -290,6 +291,11 @@ class SegmentIndex:
                 pass
             finally:
                 os.close(fd)
+
+    def quiet_ns(self) -> int:
+        """How long after a log's last write a read must begin for an unchanged size and
+        mtime to say that nothing was written since."""
+        return _QUIET_NS if self.medium == "memory" else _TOUCH_NS
 
     def _finished(self, name: str, mtime_ns: int) -> bool:
         """A log that cannot grow any more: its writer is dead or sealed, or it has moved on
