@@ -84,7 +84,9 @@ class ChainStore(L3Store):
         #: member's shared-memory arena when the cache asks (``stage``: at a request's
         #: prefetch, while it waits for its turn), so the engine loads them in place
         #: without reading them on its own interpreter (`kvtier.l3_stores.staging`). 0: off;
-        #: a chain loads in place only with staging on and an ``shm`` first member.
+        #: a chain loads in place only with staging on and an ``shm`` first member. A
+        #: helper writes a ``file`` member through one lane (``write_lanes`` 1) unless the
+        #: member's config names ``write_lanes``.
         stage_processes: int = 0
         #: Pages a helper copies per step (its private host pages).
         stage_batch_pages: int = 32
