@@ -38,7 +38,10 @@ class FixedEngine:
         self.waits[request.index] = expected_wait_s
         return None
 
-    def serve(self, request, check=False, *, queued=None):
+    def drop(self, queued):
+        assert queued is None
+
+    def serve(self, request, check=False, *, queued=None, ahead=None):
         self.served.append(request.index)
         return RequestResult(index=request.index, round=request.round,
                              tokens=request.num_tokens, l1_tokens=0, l2_tokens=0, l3_tokens=0,
@@ -287,5 +290,125 @@ def test_a_serial_request_streams_its_l3_pages_and_a_failed_stream_is_recomputed
         assert res.load_failed and res.l3_tokens == 0 and res.l2_tokens == 0
         assert res.computed_tokens == res.tokens - res.l1_tokens
         assert res.check is not None and res.check.passed
+    finally:
+        eng.close()
+
+
+def _two_turns(model):
+    w = multiturn(1, 2, first_tokens=128, turn_tokens=32, answer_tokens=16, seed=0,
+                  vocab_size=model.vocab_size)
+    return w.requests
+
+
+@pytest.mark.parametrize("where", ["l2", "l3"])
+def test_a_preloaded_request_is_served_on_the_hits_loaded_ahead_bit_for_bit(tmp_path, where):
+    """`DemoEngine.preload` loads a queued request's hits (L2, or the L3 run its arrival read
+    landed) while another prefills; `serve` then uses that match and load as they are: no
+    second match, every restored page its committed digest, the logits a full recompute's."""
+    model, eng = _tiered_engine(tmp_path)
+    try:
+        eng.warm_up(model.vocab_size)
+        first, second = _two_turns(model)
+        eng.serve(first)
+        eng.cache.wait_idle(timeout=60)
+        eng.cache.evict(1000, "l1")
+        if where == "l3":
+            eng.cache.evict(1000, "l2")
+        m = eng.arrive(second)
+        if where == "l3":
+            assert m is not None and m.read is not None
+            deadline = time.monotonic() + 30
+            while not m.read.settled and time.monotonic() < deadline:
+                time.sleep(0.005)
+        else:
+            assert m is None                        # nothing to read: no match is kept
+        free = len(eng._free)
+        p = eng.preload(m, second)
+        assert type(p).__name__ == "Preloaded" and len(eng._free) < free
+        res = eng.serve(second, True, queued=p)
+        assert res.preloaded and res.l1_tokens == 0
+        got = res.l2_tokens if where == "l2" else res.l3_tokens
+        assert got > 0 and res.hit_tokens == got
+        assert res.l3_prefetched_tokens == (got if where == "l3" else 0)
+        assert res.restored_bad == 0 and res.restored_checked * 16 == got
+        assert res.check is not None and res.check.passed
+    finally:
+        eng.close()
+
+
+def test_no_preload_where_the_request_ahead_extends_the_hit_or_l1_is_full(tmp_path):
+    """Nothing is loaded ahead where the request in front will commit the page after the
+    hit (dispatch matches afresh and gets it), nor where L1 has no free or evictable page;
+    either way nothing stays pinned and the request is served in full at dispatch."""
+    model, eng = _tiered_engine(tmp_path)
+    try:
+        eng.warm_up(model.vocab_size)
+        first, second = _two_turns(model)
+        # the request ahead is the first turn, not yet committed: it extends second's hit
+        keys = eng.cache.keys(np.asarray(first.tokens))
+        assert eng.preload(None, second, after=keys) is None
+        eng.serve(first)
+        eng.cache.wait_idle(timeout=60)
+        eng.cache.evict(1000, "l1")
+        held = eng._take(len(eng._free))            # L1 full of pages the engine holds
+        assert eng.preload(None, second) is None
+        eng._give(held)
+        res = eng.serve(second, True)
+        assert not res.preloaded and res.l2_tokens > 0 and res.check.passed
+        eng.cache.wait_idle(timeout=60)
+        eng.cache.evict(1000, "l1")                # nothing pinned: every page comes back
+        assert len(eng._free) == eng.pool.num_pages
+    finally:
+        eng.close()
+
+
+def test_a_dropped_preload_gives_its_pages_back(tmp_path):
+    model, eng = _tiered_engine(tmp_path)
+    try:
+        eng.warm_up(model.vocab_size)
+        first, second = _two_turns(model)
+        eng.serve(first)
+        eng.cache.wait_idle(timeout=60)
+        eng.cache.evict(1000, "l1")
+        p = eng.preload(None, second)
+        assert type(p).__name__ == "Preloaded"
+        eng.drop(p)
+        eng.cache.wait_idle(timeout=60)
+        eng.cache.evict(1000, "l1")
+        assert len(eng._free) == eng.pool.num_pages
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("l2_pages", [200, 20])
+def test_a_queue_preloads_the_next_request_and_every_restore_checks(tmp_path, l2_pages):
+    """Every request queued at once: while one prefills, the next one's hits load (200 L2
+    pages: from L2; 20: most prefixes are in L3 only, written after the arrivals' matches,
+    and their reads start at the preload); the digests and a recompute of every request say
+    the KV served is the committed KV (the cost-aware split is off: the tiny model on a CPU
+    recomputes faster than it loads)."""
+    model, eng = _tiered_engine(tmp_path, cache={"host_pool_pages": l2_pages},
+                                cost_aware=False)
+    try:
+        eng.warm_up(model.vocab_size)
+        w = multiturn(6, 3, first_tokens=96, turn_tokens=32, answer_tokens=16, seed=1,
+                      vocab_size=model.vocab_size)
+        bad = []
+        run = serve_queue(eng, w, Level("open", rate=1000.0), True,
+                          arrivals=[0.0] * len(w), real_time_admission=False,
+                          on_result=lambda q, r: bad.append(r.restored_bad))
+        res = [s.result for s in run.served]
+        assert len(res) == len(w) and sum(bad) == 0
+        assert all(r.check is not None and r.check.passed for r in res)
+        assert run.summary()["preloaded_pct"] > 0
+        if l2_pages == 200:
+            assert sum(r.restored_checked for r in res if r.preloaded) > 0
+        else:
+            assert sum(r.l3_tokens for r in res) > 0
+        assert sum(r.restored_checked for r in res) * 16 == sum(r.l2_tokens + r.l3_tokens
+                                                                 for r in res)
+        off = serve_queue(eng, w, Level("open", rate=1000.0), False, arrivals=[0.0] * len(w),
+                          real_time_admission=False, preload=False)
+        assert not any(s.result.preloaded for s in off.served)
     finally:
         eng.close()

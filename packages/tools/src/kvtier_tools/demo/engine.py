@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from kvtier.cache import TieredKVCache
-from kvtier.errors import PoolExhaustedError, TransferError
+from kvtier.errors import KVTierError, PoolExhaustedError, TransferError
 from .digest import PageDigests
 from .model import CheckResult, DemoModel
 from .workload import Request
@@ -52,10 +52,25 @@ class RequestResult:
     #: the fetch failed after the prefill started on it (a streamed L3 read missed): the
     #: prefill ran again on the L1 hit alone, and its tokens count as computed
     load_failed: bool = False
+    #: under load: served on the match and load `DemoEngine.preload` started while the
+    #: request ahead prefilled (no match or load in front of its own prefill)
+    preloaded: bool = False
 
     @property
     def hit_tokens(self) -> int:
         return self.l1_tokens + self.l2_tokens + self.l3_tokens
+
+
+@dataclass
+class Preloaded:
+    """A queued request whose hits `DemoEngine.preload` is loading into L1 (or has loaded):
+    its match and fetch, and what the arrival's L3 read or staging put within reach."""
+
+    match: Any
+    handle: Any
+    skipped: int             # hit pages the cost-aware split left to recompute
+    prefetched: set[bytes]   # keys the arrival's L3 read landed in L2
+    staged: bool             # an in-place L3 run the store staged while the request waited
 
 
 class DemoEngine:
@@ -88,6 +103,8 @@ class DemoEngine:
         #: requests pinned at arrival (their prefetch stops) and says whether it freed any
         self.make_room: Callable[[], bool] | None = None
         self.digests = PageDigests(self.pool, known=digests)
+        #: preloads whose fetch the cache refused (the request was matched at dispatch)
+        self.preload_failed = 0
 
     # ----- the device page allocator ------------------------------------------------------
     def _take(self, n: int) -> list[int] | None:
@@ -148,15 +165,100 @@ class DemoEngine:
             return None
         return m
 
+    def preload(self, queued: Any, request: Request | None = None, *,
+                after: list[bytes] | None = None) -> Any:
+        """Load a queued request's hits into L1 while the engine serves the request ahead of
+        it: the L2 hit, and the L3 run once the read `arrive` started has landed in L2 (or
+        the store has staged it where loads read in place). ``queued``: what `arrive`
+        returned (None: the request is matched now, from ``request``). Returns a `Preloaded`
+        to hand to `serve` in its place -- the request is then served on this match, with
+        no second match and no load in front of its prefill -- or ``queued`` unchanged where
+        a load now would have to wait (a read in flight, or L1 without free or evictable
+        pages for it). Where the copies are asynchronous (an accelerator), call it once the
+        request ahead's prefill is launched: its loads go first and these run under it.
+        ``after``: the keys of the request ahead; where its commit will extend this one's hit
+        (they share the page after the hit), nothing is preloaded: dispatch matches afresh."""
+        if not self.lower_tiers or isinstance(queued, Preloaded):
+            return queued
+        m = queued
+        if m is None:
+            if request is None:
+                return None
+            tokens_np = np.asarray(request.tokens)
+            m = self.cache.match(tokens_np[:int(tokens_np.shape[0]) - 1])
+        hit = m.total_pages
+        if after is not None and hit < min(len(m.keys), len(after)) and m.keys[hit] == after[hit]:
+            n3: int | None = None        # (keys are chained: one equal key, equal prefixes)
+        else:
+            n3 = 0
+        prefetched: set[bytes] = set()
+        task = m.read
+        staged = m.stage is not None and m.stage.done()
+        if n3 is None:
+            pass
+        elif queued is None and m.l3_count and task is None and m.stage is None:
+            # an L3 run written since the arrival's match: its read starts now, and dispatch
+            # waits for what has not landed (as for a read started at arrival)
+            self.cache.prefetch(m)
+            if m.read is not None or m.stage is not None:
+                return m
+        elif m.l3_count and task is not None:
+            with task.cv:
+                if task.settled or task.n_landed >= task.num_pages:
+                    n3 = task.n_landed
+                    prefetched = set(task.keys[:task.n_landed])
+                else:
+                    n3 = None                      # in flight: dispatch waits for it
+        elif m.l3_count and m.stage is not None:
+            n3 = m.l3_count if staged else None
+        # (an L3 hit with neither: the queue-aware split chose to recompute it)
+        want = m.l2_count + (n3 or 0)
+        pages = None
+        if n3 is not None:
+            pages = self._take(want)
+            if pages is None:
+                self.cache.evict(want - len(self._free))
+                pages = self._take(want)
+        if pages is None:
+            if queued is None:
+                self.cache.release(m)
+            return queued
+        reg = self.cache.metrics_registry
+        skipped0 = reg.get("cost_skipped_pages_l2") + reg.get("cost_skipped_pages_l3")
+        try:
+            fh = self.cache.fetch(m, pages)
+        except BaseException as e:
+            # the request is matched afresh at dispatch; the pages were never loaded
+            self.cache.release(m)
+            self._give(pages)
+            if isinstance(e, KVTierError):
+                self.preload_failed += 1
+                return None
+            raise
+        skipped = reg.get("cost_skipped_pages_l2") + reg.get("cost_skipped_pages_l3") - skipped0
+        return Preloaded(m, fh, skipped, prefetched, staged)
+
+    def drop(self, queued: Any) -> None:
+        """A queued request leaves (or L1 needs its pins back): release what `arrive` or
+        `preload` holds for it (a load in flight is waited for; its pages come back)."""
+        if isinstance(queued, Preloaded):
+            self._give(self.cache.release(queued.match))
+        elif queued is not None:
+            self._give(self.cache.release(queued))
+
     def serve(self, request: Request,
               check: Callable[[int, int], bool] | bool = False, *,
-              queued: Any = None) -> RequestResult:
+              queued: Any = None,
+              ahead: Callable[[list[bytes]], None] | None = None) -> RequestResult:
         """Prefill one request on whatever prefix the tiers hold. ``check`` (or
         ``check(l1_pages_hit, pages_loaded)``, asked once the hits are known) compares the
         result with a full recompute; the comparison is not part of the timings.
         ``queued``: the match `arrive` returned. Its L3 read is waited for (the part that has
         not landed is the request's L3 wait), then the request is matched afresh -- pages
-        committed while it waited count -- and the pages the read put in L2 load from there."""
+        committed while it waited count -- and the pages the read put in L2 load from there.
+        A `Preloaded` (from `preload`) is served on its match and load as they are.
+        ``ahead``: called with the request's keys once its prefill is launched (before
+        waiting for it) -- where to `preload` the next request."""
         model, cache, ps = self.model, self.cache, self.model.spec.page_size
         tokens_np = np.asarray(request.tokens)
         n = int(tokens_np.shape[0])
@@ -165,34 +267,40 @@ class DemoEngine:
         _sync(model.device)
         t0 = time.perf_counter()
         l3_wait = 0.0
-        prefetched: set[bytes] = set()
-        task = queued.read if queued is not None else None
-        # an in-place L3 staged while the request waited: its pages count as prefetched
-        staged = queued is not None and queued.stage is not None and queued.stage.done()
-        if task is not None:
-            done = lambda: task.settled or task.n_landed >= task.num_pages  # noqa: E731
-            with task.cv:
-                if not done():
-                    task.cv.wait_for(done, timeout=600)
-                    l3_wait = time.perf_counter() - t0
-                prefetched = set(task.keys[:task.n_landed])
-        # At most n - 1 tokens may come from the cache: the last one must be computed to
-        # produce the logits of the first output token.
-        m = cache.match(tokens_np[:n - 1])
-        if queued is not None:
-            # the staging of an in-place L3 goes on for the new match (its fetch waits)
-            m.stage, queued.stage = queued.stage, None
-            cache.release(queued)      # the new match holds what landed
-        if self.lower_tiers and m.l3_count and not cache.streams_l3:
-            cache.prefetch(m)                 # L3 -> L2 starts as early as the match
-            # (where the fetch streams its L3 pages, it reads them itself, layer by layer)
-        t1 = time.perf_counter()
-        want = m.l2_count + m.l3_count if self.lower_tiers else 0
-        load_pages = self.allocate(want)
         reg = cache.metrics_registry
-        skipped0 = reg.get("cost_skipped_pages_l2") + reg.get("cost_skipped_pages_l3")
-        fh = cache.fetch(m, load_pages)
-        skipped = reg.get("cost_skipped_pages_l2") + reg.get("cost_skipped_pages_l3") - skipped0
+        if isinstance(queued, Preloaded):
+            m, fh, skipped = queued.match, queued.handle, queued.skipped
+            prefetched, staged = queued.prefetched, queued.staged
+            t1 = time.perf_counter()
+        else:
+            prefetched = set()
+            task = queued.read if queued is not None else None
+            # an in-place L3 staged while the request waited: its pages count as prefetched
+            staged = queued is not None and queued.stage is not None and queued.stage.done()
+            if task is not None:
+                done = lambda: task.settled or task.n_landed >= task.num_pages  # noqa: E731
+                with task.cv:
+                    if not done():
+                        task.cv.wait_for(done, timeout=600)
+                        l3_wait = time.perf_counter() - t0
+                    prefetched = set(task.keys[:task.n_landed])
+            # At most n - 1 tokens may come from the cache: the last one must be computed to
+            # produce the logits of the first output token.
+            m = cache.match(tokens_np[:n - 1])
+            if queued is not None:
+                # the staging of an in-place L3 goes on for the new match (its fetch waits)
+                m.stage, queued.stage = queued.stage, None
+                cache.release(queued)      # the new match holds what landed
+            if self.lower_tiers and m.l3_count and not cache.streams_l3:
+                cache.prefetch(m)                 # L3 -> L2 starts as early as the match
+                # (where the fetch streams its L3 pages, it reads them itself, layer by layer)
+            t1 = time.perf_counter()
+            want = m.l2_count + m.l3_count if self.lower_tiers else 0
+            load_pages = self.allocate(want)
+            skipped0 = reg.get("cost_skipped_pages_l2") + reg.get("cost_skipped_pages_l3")
+            fh = cache.fetch(m, load_pages)
+            skipped = reg.get("cost_skipped_pages_l2") + reg.get("cost_skipped_pages_l3") \
+                - skipped0
         loaded = fh.pages_loaded
         prefix = list(m.l1_pages) + list(fh.device_pages[:loaded])
         # Pages given to fetch but not loaded (the cost model skipped them, or an L3 miss cut
@@ -223,6 +331,8 @@ class DemoEngine:
             logits = model.prefill(tokens, self.pool, prefix, new_pages,
                                    wait_layer=wait_layer if loaded else None,
                                    mode=self.prefill_mode)
+            if ahead is not None:
+                ahead(m.keys)
             _sync(model.device)
             if not waited:
                 fh.wait()
@@ -263,7 +373,8 @@ class DemoEngine:
                                  else self._key(tokens_np, where[d]) for d in taken], taken)
         l2 = min(loaded, m.l2_count)
         pre = sum(1 for k in m.keys[m.l1_count:m.l1_count + l2] if k in prefetched)
-        pre_l3 = loaded - l2 if staged else 0
+        # (a preloaded match is the arrival's: the pages its read landed are its L3 run)
+        pre_l3 = loaded - l2 if staged or (prefetched and isinstance(queued, Preloaded)) else 0
         return RequestResult(
             index=request.index, round=request.round, tokens=n,
             l1_tokens=m.l1_count * ps, l2_tokens=(l2 - pre) * ps,
@@ -275,7 +386,8 @@ class DemoEngine:
             l3_hit_tokens=m.l3_count * ps if self.lower_tiers else 0,
             skipped_tokens=skipped * ps,
             restored_checked=loaded - len(bad), restored_bad=len(bad),
-            l3_prefetched_tokens=(pre + pre_l3) * ps, l3_wait_s=l3_wait, load_failed=failed)
+            l3_prefetched_tokens=(pre + pre_l3) * ps, l3_wait_s=l3_wait, load_failed=failed,
+            preloaded=isinstance(queued, Preloaded))
 
     def _key(self, tokens_np: np.ndarray, j: int) -> bytes:
         """The key of full page ``j`` of ``tokens`` (the match covers n - 1 tokens, so the

@@ -15,8 +15,12 @@ prefetch (`TieredKVCache.prefetch`) are made when it arrives -- while the engine
 request in front, a thread admits each arrival at its instant, real time since the service
 began standing for simulated time -- and at dispatch the part of the read that has not landed
 is the request's L3 wait, counted in its TTFT; a read that landed costs nothing. L2 -> L1
-loads run at dispatch, layer by layer, as in the serial replay. The setups run one after the
-other (not interleaved: another setup's request would give the reads in flight free time).
+loads run layer by layer, as in the serial replay: at dispatch, or -- for the request next in
+the queue, once its L3 run has landed -- while the request ahead prefills
+(`DemoEngine.preload`), as an engine with asynchronous KV loads lets a waiting request's KV
+land while others compute. Such a request is then served on the match made for that load.
+The setups run one after the other (not interleaved: another setup's request would give the
+reads in flight free time).
 
 The demo's model prefills one sequence per forward (its attention runs on one request's
 paged prefix), so prefills of different lengths are not batched: the engine serves the queue
@@ -136,6 +140,7 @@ class LoadRun:
             "requests_per_s": len(s) / span if span > 0 else 0.0,
             "tokens_per_s": tokens / span if span > 0 else 0.0,
             "l3_wait_mean_ms": mean_ms(res, "l3_wait_s"),
+            "preloaded_pct": 100.0 * sum(r.preloaded for r in res) / len(res) if res else 0.0,
             **_service_parts(res),
             "computed_tokens": sum(r.computed_tokens for r in res),
             "restored_pages_checked": sum(r.restored_checked for r in res),
@@ -174,10 +179,11 @@ def serve_queue(engine: Any, workload: Workload, level: Level,
                 check: Callable[[int, int], bool] | bool = False, *, seed: int = 0,
                 name: str = "", arrivals: list[float] | None = None,
                 on_result: Callable[[Request, RequestResult], None] | None = None,
-                real_time_admission: bool = True) -> LoadRun:
+                real_time_admission: bool = True, preload: bool = True) -> LoadRun:
     """Serve ``workload`` on ``engine`` (a `DemoEngine`) under ``level``'s arrivals, FIFO,
     one request at a time (see the module docstring). ``arrivals``: open loop, the arrival
-    instants (seconds) instead of Poisson ones at ``level.rate``."""
+    instants (seconds) instead of Poisson ones at ``level.rate``. ``preload``: load the next
+    queued request's hits while the request ahead prefills (False: all at dispatch)."""
     pending: list[_Entry] = []
     seq = 0
     users: list[list[Request]] = []
@@ -225,9 +231,15 @@ def serve_queue(engine: Any, workload: Workload, level: Level,
             return False
         e = held[-1]
         m, e.match = e.match, None
-        engine.cache.release(m)
+        engine.drop(m)
         run.released_for_room += 1
         return True
+
+    def load_ahead(e: _Entry, keys: list[bytes]) -> None:
+        # while the request ahead prefills: load this one's hits into L1
+        got = engine.preload(e.match, e.request, after=keys)
+        with lock:
+            e.match = got
 
     engine.make_room = make_room
     t_free = 0.0
@@ -248,6 +260,10 @@ def serve_queue(engine: Any, workload: Workload, level: Level,
                 busy["until"] = start + (busy["service"] / busy["served"]
                                          if busy["served"] else 0.0)
             run.max_queue = max(run.max_queue, len(queue) + 1)
+            # the next request, queued before this one's dispatch, has its hits loaded while
+            # this one prefills (on an accelerator: its loads run under the prefill)
+            nxt = queue[0] if preload and queue and queue[0].admitted else None
+            ahead = (lambda keys, e=nxt: load_ahead(e, keys)) if nxt is not None else None
             stop = threading.Event()
             admitter = None
             if real_time_admission and pending:
@@ -256,7 +272,7 @@ def serve_queue(engine: Any, workload: Workload, level: Level,
                                             daemon=True, name="kvtier-demo-arrivals")
                 admitter.start()
             try:
-                res = engine.serve(head.request, check, queued=head.match)
+                res = engine.serve(head.request, check, queued=head.match, ahead=ahead)
             finally:
                 stop.set()
                 if admitter is not None:
@@ -272,7 +288,8 @@ def serve_queue(engine: Any, workload: Workload, level: Level,
                 busy["served"] += 1
                 busy["until"] = t_free
             run.served.append(Served(head.arrival, start, first, t_free, res,
-                                     head.match is not None))
+                                     head.match is not None and not res.preloaded
+                                     or res.l3_prefetched_tokens > 0))
             if level.kind == "closed" and users[head.user]:
                 heapq.heappush(pending, _Entry(first + level.think_s, seq,
                                                users[head.user].pop(0), head.user))
@@ -280,8 +297,7 @@ def serve_queue(engine: Any, workload: Workload, level: Level,
     finally:
         engine.make_room = None
         for e in queue:
-            if e.match is not None:
-                engine.cache.release(e.match)
+            engine.drop(e.match)
     return run
 
 

@@ -137,17 +137,19 @@ def load_table(report: DemoReport) -> str:
           f"{r['l3_wait_mean_ms']:.1f}", _ratio(r["ttft_speedup"]), _ratio(r["p99_speedup"]),
           "" if r["of_ideal_pct"] is None else f"{r['of_ideal_pct']:.0f}%"] for r in rows])
     parts = table(
-        ["load", "setup", "match ms", "load ms", "prefill ms", "commit ms"],
+        ["load", "setup", "match ms", "load ms", "prefill ms", "commit ms", "preloaded %"],
         [[r["level"], r["setup"]] + [f"{r[k]:.1f}" for k in
                                      ("match_mean_ms", "load_mean_ms", "prefill_mean_ms",
-                                      "commit_mean_ms")] for r in rows])
+                                      "commit_mean_ms")]
+         + [f"{r.get('preloaded_pct', 0.0):.0f}"] for r in rows])
     cap = "" if sweep.capacity_per_s is None else (
         f"L1-only capacity {sweep.capacity_per_s:.2f} requests/s (saturated: every "
         "conversation at once); ")
     return (f"Under load ({cap}FIFO, one request at a time; util = arrival rate x mean "
             f"service, >= 1 is overloaded: the queue grows without bound):\n\n" + body +
             "\n\nWhere a request's service went (mean per request; loads: what the prefill "
-            "waited for):\n\n" + parts)
+            "waited for; preloaded: requests whose hits were loaded while the request ahead "
+            "prefilled):\n\n" + parts)
 
 
 def write_outputs(report: DemoReport, out_dir: str) -> dict[str, str]:

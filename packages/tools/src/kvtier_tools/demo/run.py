@@ -117,6 +117,9 @@ class DemoConfig:
     rates: tuple[float, ...] = ()
     concurrency: tuple[int, ...] = ()
     think_ms: float = 0.0
+    #: Under load: load the next queued request's hits into L1 while the request ahead
+    #: prefills (`DemoEngine.preload`); False: every request's loads run at its dispatch.
+    preload: bool = True
 
     def __post_init__(self) -> None:
         from .load import check_positive
@@ -862,7 +865,7 @@ def run_loads(cfg: DemoConfig, names: list[str], model: DemoModel, workload: Wor
                     raise _check_failed(where, req, res)
 
             run = serve_queue(eng, workload, lv, check, seed=seed, name=name,
-                              on_result=verify)
+                              on_result=verify, preload=cfg.preload)
             stats = getattr(eng.cache.engine, "stats", None)
             run.engine_stats = dict(stats()) if callable(stats) else {}
             return run
