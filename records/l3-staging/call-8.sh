@@ -9,6 +9,7 @@ LOAD="--clients 16 --rounds 12 --rate 12.3 --l3-store chain --l3-config $C --tra
 run preload 300 $LOAD --setups 'L1 only,L1+L2+L3,ideal (all in L1)'
 grep -E "^\| (serial|12.3 req/s) " $R/preload.log | cut -d'|' -f1-6,9,14-18
 grep -A9 "Where a request" $R/preload.log
+python3 -c "import json,sys; [print(r['level'], r['setup'], r.get('preloaded_pct'), r.get('preload_skips')) for r in json.load(open(sys.argv[1]))['load']['table'] if r['kind'] != 'serial']" $R/preload/results.json
 run at-dispatch 250 $LOAD --setups 'L1+L2+L3,ideal (all in L1)' --no-preload
 grep -E "^\| (serial|12.3 req/s) " $R/at-dispatch.log | cut -d'|' -f1-6,9,14-18
 grep -A8 "Where a request" $R/at-dispatch.log

@@ -59,9 +59,14 @@ try:
           "--l1-pages", "144", "--l2-pages", "479", "--setups", sys.argv[1],
           "--l3-store", "chain", "--l3-config", chain, "--recompute-tokens-per-s", "20000",
           *sys.argv[2:], "--no-plot",
-          "--no-progress", "--check", "none", "--out", os.path.join(root + "-out")])
+          "--no-progress", "--check", "none", "--out", root + "-out"])
 except SystemExit:
     pass
 finally:
+    import json
+    for r in json.load(open(root + "-out/results.json"))["load"]["table"]:
+        if r["kind"] != "serial" and r.get("preload_skips") is not None:
+            print(r["level"], r["setup"], f"preloaded {r['preloaded_pct']:.0f}%",
+                  r["preload_skips"])
     shutil.rmtree(root, ignore_errors=True)
     shutil.rmtree(root + "-out", ignore_errors=True)

@@ -8,6 +8,7 @@ checked against the digest recorded when it was committed (`kvtier_tools.demo.di
 
 from __future__ import annotations
 
+import collections
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
@@ -105,6 +106,8 @@ class DemoEngine:
         self.digests = PageDigests(self.pool, known=digests)
         #: preloads whose fetch the cache refused (the request was matched at dispatch)
         self.preload_failed = 0
+        #: why a queued request was not preloaded, and how often
+        self.preload_skips: collections.Counter[str] = collections.Counter()
 
     # ----- the device page allocator ------------------------------------------------------
     def _take(self, n: int) -> list[int] | None:
@@ -187,20 +190,20 @@ class DemoEngine:
             tokens_np = np.asarray(request.tokens)
             m = self.cache.match(tokens_np[:int(tokens_np.shape[0]) - 1])
         hit = m.total_pages
-        if after is not None and hit < min(len(m.keys), len(after)) and m.keys[hit] == after[hit]:
-            n3: int | None = None        # (keys are chained: one equal key, equal prefixes)
-        else:
-            n3 = 0
+        why = ""
+        n3 = 0
         prefetched: set[bytes] = set()
         task = m.read
         staged = m.stage is not None and m.stage.done()
-        if n3 is None:
-            pass
+        if after is not None and hit < min(len(m.keys), len(after)) and m.keys[hit] == after[hit]:
+            why = "the request ahead extends its hit"   # (keys are chained: one equal key,
+            #                                             equal prefixes)
         elif queued is None and m.l3_count and task is None and m.stage is None:
             # an L3 run written since the arrival's match: its read starts now, and dispatch
             # waits for what has not landed (as for a read started at arrival)
             self.cache.prefetch(m)
             if m.read is not None or m.stage is not None:
+                self.preload_skips["its L3 read started at the preload"] += 1
                 return m
         elif m.l3_count and task is not None:
             with task.cv:
@@ -208,18 +211,23 @@ class DemoEngine:
                     n3 = task.n_landed
                     prefetched = set(task.keys[:task.n_landed])
                 else:
-                    n3 = None                      # in flight: dispatch waits for it
+                    why = "its L3 read in flight"
         elif m.l3_count and m.stage is not None:
-            n3 = m.l3_count if staged else None
+            n3 = m.l3_count
+            if not staged:
+                why = "its L3 staging in flight"
         # (an L3 hit with neither: the queue-aware split chose to recompute it)
-        want = m.l2_count + (n3 or 0)
+        want = m.l2_count + n3
         pages = None
-        if n3 is not None:
+        if not why:
             pages = self._take(want)
             if pages is None:
                 self.cache.evict(want - len(self._free))
                 pages = self._take(want)
+                if pages is None:
+                    why = "no free or evictable L1 page"
         if pages is None:
+            self.preload_skips[why] += 1
             if queued is None:
                 self.cache.release(m)
             return queued

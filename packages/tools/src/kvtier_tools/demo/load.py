@@ -117,6 +117,8 @@ class LoadRun:
     #: The transfer engine's own ``stats()`` at the end of the run, where it has them (the
     #: router's paths and in-use checks): recorded, not tabled.
     engine_stats: dict[str, Any] = field(default_factory=dict)
+    #: why a queued request was not preloaded (`DemoEngine.preload_skips`), and how often
+    preload_skips: dict[str, int] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
         s = self.served
@@ -145,6 +147,7 @@ class LoadRun:
             "computed_tokens": sum(r.computed_tokens for r in res),
             "restored_pages_checked": sum(r.restored_checked for r in res),
             "checks_passed": self.checks, "released_for_room": self.released_for_room,
+            "preload_skips": dict(self.preload_skips),
         }
 
 
@@ -298,6 +301,7 @@ def serve_queue(engine: Any, workload: Workload, level: Level,
         engine.make_room = None
         for e in queue:
             engine.drop(e.match)
+        run.preload_skips = dict(getattr(engine, "preload_skips", {}))
     return run
 
 
