@@ -9,7 +9,6 @@ time (of the thread that runs them) of the file member's existence checks.
 """
 import atexit
 import collections
-import os
 import shutil
 import sys
 import time
