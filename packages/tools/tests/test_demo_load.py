@@ -300,18 +300,25 @@ def _two_turns(model):
     return w.requests
 
 
+def _second_turn_behind_l1(tmp_path):
+    """An engine that served a conversation's first turn, now out of L1 (in L2 and L3),
+    and the second turn."""
+    model, eng = _tiered_engine(tmp_path)
+    eng.warm_up(model.vocab_size)
+    first, second = _two_turns(model)
+    eng.serve(first)
+    eng.cache.wait_idle(timeout=60)
+    eng.cache.evict(1000, "l1")
+    return eng, second
+
+
 @pytest.mark.parametrize("where", ["l2", "l3"])
 def test_a_preloaded_request_is_served_on_the_hits_loaded_ahead_bit_for_bit(tmp_path, where):
     """`DemoEngine.preload` loads a queued request's hits (L2, or the L3 run its arrival read
     landed) while another prefills; `serve` then uses that match and load as they are: no
     second match, every restored page its committed digest, the logits a full recompute's."""
-    model, eng = _tiered_engine(tmp_path)
+    eng, second = _second_turn_behind_l1(tmp_path)
     try:
-        eng.warm_up(model.vocab_size)
-        first, second = _two_turns(model)
-        eng.serve(first)
-        eng.cache.wait_idle(timeout=60)
-        eng.cache.evict(1000, "l1")
         if where == "l3":
             eng.cache.evict(1000, "l2")
         m = eng.arrive(second)
@@ -363,13 +370,8 @@ def test_no_preload_where_the_request_ahead_extends_the_hit_or_l1_is_full(tmp_pa
 
 
 def test_a_dropped_preload_gives_its_pages_back(tmp_path):
-    model, eng = _tiered_engine(tmp_path)
+    eng, second = _second_turn_behind_l1(tmp_path)
     try:
-        eng.warm_up(model.vocab_size)
-        first, second = _two_turns(model)
-        eng.serve(first)
-        eng.cache.wait_idle(timeout=60)
-        eng.cache.evict(1000, "l1")
         p = eng.preload(None, second)
         assert type(p).__name__ == "Preloaded"
         eng.drop(p)
