@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 import time
 
 import numpy as np
@@ -48,6 +49,51 @@ class FixedEngine:
                              computed_tokens=request.num_tokens, ttft_s=self.ttft_s,
                              match_s=0.0, load_s=0.0, prefill_s=self.ttft_s,
                              commit_s=self.commit_s)
+
+
+class PreloadingEngine(FixedEngine):
+    """A FixedEngine whose prefill launches at once and takes ``ttft_s`` of real time; it
+    records which requests were preloaded, from which thread, and what `serve` got."""
+
+    def __init__(self, ttft_s: float):
+        super().__init__(ttft_s)
+        self.preloads: list[tuple[int, str]] = []
+        self.queued: dict[int, object] = {}
+
+    def arrive(self, request, expected_wait_s=0.0):
+        return ("arrived", request.index)
+
+    def preload(self, queued, request, *, after=None):
+        assert after == [b"keys of the request ahead"]
+        self.preloads.append((request.index, threading.current_thread().name))
+        return ("preloaded", request.index)
+
+    def drop(self, queued):
+        pass
+
+    def serve(self, request, check=False, *, queued=None, ahead=None):
+        self.queued[request.index] = queued
+        if ahead is not None:
+            ahead([b"keys of the request ahead"])
+        time.sleep(self.ttft_s)
+        return super().serve(request, check, queued=queued)
+
+
+@pytest.mark.parametrize("arrivals,thread", [([0.0, 0.0], "MainThread"),
+                                             ([0.0, 0.05], "kvtier-demo-arrivals")])
+def test_the_next_request_is_preloaded_once_whether_queued_or_arriving_mid_prefill(
+        arrivals, thread):
+    """Queued at the dispatch of the request ahead: preloaded when that prefill launches;
+    arriving while it runs (nothing else queued): preloaded at its arrival. Once, and
+    served on what the preload returned."""
+    eng = PreloadingEngine(ttft_s=0.2)
+    serve_queue(eng, _workload(2), Level("open", rate=100.0), arrivals=arrivals)
+    assert eng.preloads == [(1, thread)]
+    assert eng.queued == {0: ("arrived", 0), 1: ("preloaded", 1)}
+    eng = PreloadingEngine(ttft_s=0.05)
+    serve_queue(eng, _workload(2), Level("open", rate=100.0), arrivals=arrivals,
+                preload=False)
+    assert eng.preloads == [] and eng.queued[1] == ("arrived", 1)
 
 
 def _workload(n: int, clients: int = 1) -> Workload:

@@ -9,6 +9,7 @@ checked against the digest recorded when it was committed (`kvtier_tools.demo.di
 from __future__ import annotations
 
 import collections
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
@@ -91,6 +92,7 @@ class DemoEngine:
         self.lower_tiers = lower_tiers
         self.pool = model.new_pool(l1_pages)
         self._free: list[int] = list(range(l1_pages - 1, -1, -1))
+        self._free_lock = threading.Lock()
         self.cache = TieredKVCache.from_config(
             dict(cache_config), device_pool=self.pool,
             allocate_device_pages=self._take, free_device_pages=self._give)
@@ -111,14 +113,16 @@ class DemoEngine:
 
     # ----- the device page allocator ------------------------------------------------------
     def _take(self, n: int) -> list[int] | None:
-        if n > len(self._free):
-            return None
-        pages = self._free[len(self._free) - n:]
-        del self._free[len(self._free) - n:]
-        return pages
+        with self._free_lock:     # (under load a preload runs on the arrivals' thread)
+            if n > len(self._free):
+                return None
+            pages = self._free[len(self._free) - n:]
+            del self._free[len(self._free) - n:]
+            return pages
 
     def _give(self, pages: list[int]) -> None:
-        self._free.extend(pages)
+        with self._free_lock:
+            self._free.extend(pages)
 
     def allocate(self, n: int) -> list[int]:
         """``n`` free device pages, evicting L1 pages if needed."""

@@ -176,6 +176,7 @@ class _Entry:
     user: int = field(compare=False, default=-1)
     match: Any = field(compare=False, default=None)
     admitted: bool = field(compare=False, default=False)
+    preload_tried: bool = field(compare=False, default=False)
 
 
 def serve_queue(engine: Any, workload: Workload, level: Level,
@@ -221,10 +222,17 @@ def serve_queue(engine: Any, workload: Workload, level: Level,
             mean = busy["service"] / busy["served"] if busy["served"] else 0.0
             return max(0.0, busy["until"] - e.arrival) + ahead * mean
 
+    # the keys of the request being served, once its prefill is launched (None before):
+    # from then on, the request next in the queue has its hits loaded under that prefill
+    launched: dict[str, list[bytes] | None] = {"keys": None}
+
     def admit(e: _Entry) -> None:
         e.match = engine.arrive(e.request, expected_wait_s=expected_wait(e))
         with lock:
             e.admitted = True
+            keys = launched["keys"] if preload and queue and queue[0] is e else None
+        if keys is not None:           # it arrived during a prefill, with nothing ahead
+            load_ahead(e, keys)
 
     def make_room() -> bool:
         # L1 is short: drop the pins (and the reads) of the requests queued last
@@ -239,10 +247,22 @@ def serve_queue(engine: Any, workload: Workload, level: Level,
         return True
 
     def load_ahead(e: _Entry, keys: list[bytes]) -> None:
-        # while the request ahead prefills: load this one's hits into L1
+        # while the request ahead prefills: load this one's hits into L1 (once: from the
+        # serving thread at the launch, or from the arrivals' thread at its arrival)
+        with lock:
+            if e.preload_tried:
+                return
+            e.preload_tried = True
         got = engine.preload(e.match, e.request, after=keys)
         with lock:
             e.match = got
+
+    def launch(keys: list[bytes]) -> None:
+        with lock:
+            launched["keys"] = keys
+            e = queue[0] if queue and queue[0].admitted else None
+        if e is not None:
+            load_ahead(e, keys)
 
     engine.make_room = make_room
     t_free = 0.0
@@ -263,10 +283,8 @@ def serve_queue(engine: Any, workload: Workload, level: Level,
                 busy["until"] = start + (busy["service"] / busy["served"]
                                          if busy["served"] else 0.0)
             run.max_queue = max(run.max_queue, len(queue) + 1)
-            # the next request, queued before this one's dispatch, has its hits loaded while
-            # this one prefills (on an accelerator: its loads run under the prefill)
-            nxt = queue[0] if preload and queue and queue[0].admitted else None
-            ahead = (lambda keys, e=nxt: load_ahead(e, keys)) if nxt is not None else None
+            # the next request (queued now, or arriving while this one prefills) has its hits
+            # loaded while this one prefills (on an accelerator: its loads run under it)
             stop = threading.Event()
             admitter = None
             if real_time_admission and pending:
@@ -275,11 +293,13 @@ def serve_queue(engine: Any, workload: Workload, level: Level,
                                             daemon=True, name="kvtier-demo-arrivals")
                 admitter.start()
             try:
-                res = engine.serve(head.request, check, queued=head.match, ahead=ahead)
+                res = engine.serve(head.request, check, queued=head.match,
+                                   ahead=launch if preload else None)
             finally:
                 stop.set()
                 if admitter is not None:
                     admitter.join()
+                launched["keys"] = None
             if on_result is not None:
                 on_result(head.request, res)
             if res.check is not None and res.check.passed:
