@@ -5,6 +5,7 @@
 # copy-engine run: L1+L2+L3 and the ideal at 12.3 requests/s (105% of call 6's L1-only
 # capacity, 11.73/s; L1 only in the first run for the speedups).
 # From the repository root with the wheels in .whl: B=420 bash records/l3-staging/call-9.sh
+# (Preload was the default then; on later code the first run needs --preload.)
 rm -rf /tmp/res; . records/l3-staging/lib.sh
 C="$(chain 17179869184 8)"
 LOAD="--clients 16 --rounds 12 --rate 12.3 --l3-store chain --l3-config $C --transfer-engine nvidia-copy-engine"

@@ -87,12 +87,12 @@ def test_the_next_request_is_preloaded_once_whether_queued_or_arriving_mid_prefi
     arriving while it runs (nothing else queued): preloaded at its arrival. Once, and
     served on what the preload returned."""
     eng = PreloadingEngine(ttft_s=0.2)
-    serve_queue(eng, _workload(2), Level("open", rate=100.0), arrivals=arrivals)
+    serve_queue(eng, _workload(2), Level("open", rate=100.0), arrivals=arrivals,
+                preload=True)
     assert eng.preloads == [(1, thread)]
     assert eng.queued == {0: ("arrived", 0), 1: ("preloaded", 1)}
     eng = PreloadingEngine(ttft_s=0.05)
-    serve_queue(eng, _workload(2), Level("open", rate=100.0), arrivals=arrivals,
-                preload=False)
+    serve_queue(eng, _workload(2), Level("open", rate=100.0), arrivals=arrivals)
     assert eng.preloads == [] and eng.queued[1] == ("arrived", 1)
 
 
@@ -442,7 +442,7 @@ def test_a_queue_preloads_the_next_request_and_every_restore_checks(tmp_path, l2
         w = multiturn(6, 3, first_tokens=96, turn_tokens=32, answer_tokens=16, seed=1,
                       vocab_size=model.vocab_size)
         bad = []
-        run = serve_queue(eng, w, Level("open", rate=1000.0), True,
+        run = serve_queue(eng, w, Level("open", rate=1000.0), True, preload=True,
                           arrivals=[0.0] * len(w), real_time_admission=False,
                           on_result=lambda q, r: bad.append(r.restored_bad))
         res = [s.result for s in run.served]
@@ -456,7 +456,7 @@ def test_a_queue_preloads_the_next_request_and_every_restore_checks(tmp_path, l2
         assert sum(r.restored_checked for r in res) * 16 == sum(r.l2_tokens + r.l3_tokens
                                                                  for r in res)
         off = serve_queue(eng, w, Level("open", rate=1000.0), False, arrivals=[0.0] * len(w),
-                          real_time_admission=False, preload=False)
+                          real_time_admission=False)
         assert not any(s.result.preloaded for s in off.served)
     finally:
         eng.close()

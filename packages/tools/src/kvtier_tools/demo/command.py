@@ -151,9 +151,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "conversations' turns one after another")
     g.add_argument("--think-ms", type=_think, default=0.0,
                    help="closed loop: a user's think time after a first token (default 0)")
-    g.add_argument("--no-preload", action="store_true",
-                   help="load every request's hits at its dispatch (default: the next queued "
-                   "request's hits load into L1 while the request ahead prefills)")
+    g.add_argument("--preload", action=argparse.BooleanOptionalAction, default=False,
+                   help="load the next queued request's hits into L1 while the request ahead "
+                   "prefills (default: every request's loads at its dispatch; on an H100 "
+                   "this gained nothing, see docs/demo.md)")
     g = p.add_argument_group("run")
     g.add_argument("--seed", type=int, default=0, help="weights, workload and check sampling")
     g.add_argument("--check", choices=["all", "sample", "none"], default="sample",
@@ -226,7 +227,7 @@ def config_from_args(args: argparse.Namespace):
         "metrics_port": args.metrics_port, "metrics_host": args.metrics_host,
         "loads": tuple(args.loads), "rates": tuple(args.rate),
         "concurrency": tuple(args.concurrency), "think_ms": args.think_ms,
-        "digests": args.digests, "preload": not args.no_preload,
+        "digests": args.digests, "preload": args.preload,
     }
     return DemoConfig.from_dict(data)
 

@@ -15,10 +15,10 @@ prefetch (`TieredKVCache.prefetch`) are made when it arrives -- while the engine
 request in front, a thread admits each arrival at its instant, real time since the service
 began standing for simulated time -- and at dispatch the part of the read that has not landed
 is the request's L3 wait, counted in its TTFT; a read that landed costs nothing. L2 -> L1
-loads run layer by layer, as in the serial replay: at dispatch, or -- for the request next in
-the queue, once its L3 run has landed -- while the request ahead prefills
-(`DemoEngine.preload`), as an engine with asynchronous KV loads lets a waiting request's KV
-land while others compute. Such a request is then served on the match made for that load.
+loads run layer by layer at dispatch, as in the serial replay. With ``preload`` the request
+next in the queue (queued, or arriving during the prefill ahead with nothing queued) has its
+hits loaded while the request ahead prefills, once its L3 run has landed
+(`DemoEngine.preload`), and is served on the match made for that load.
 The setups run one after the other (not interleaved: another setup's request would give the
 reads in flight free time).
 
@@ -183,7 +183,7 @@ def serve_queue(engine: Any, workload: Workload, level: Level,
                 check: Callable[[int, int], bool] | bool = False, *, seed: int = 0,
                 name: str = "", arrivals: list[float] | None = None,
                 on_result: Callable[[Request, RequestResult], None] | None = None,
-                real_time_admission: bool = True, preload: bool = True) -> LoadRun:
+                real_time_admission: bool = True, preload: bool = False) -> LoadRun:
     """Serve ``workload`` on ``engine`` (a `DemoEngine`) under ``level``'s arrivals, FIFO,
     one request at a time (see the module docstring). ``arrivals``: open loop, the arrival
     instants (seconds) instead of Poisson ones at ``level.rate``. ``preload``: load the next

@@ -119,7 +119,8 @@ class DemoConfig:
     think_ms: float = 0.0
     #: Under load: load the next queued request's hits into L1 while the request ahead
     #: prefills (`DemoEngine.preload`); False: every request's loads run at its dispatch.
-    preload: bool = True
+    #: Off by default: on an H100 it gained nothing (records/l3-staging.md, calls 8-9).
+    preload: bool = False
 
     def __post_init__(self) -> None:
         from .load import check_positive
