@@ -400,11 +400,13 @@ def test_no_preload_where_the_request_ahead_extends_the_hit_or_l1_is_full(tmp_pa
         # the request ahead is the first turn, not yet committed: it extends second's hit
         keys = eng.cache.keys(np.asarray(first.tokens))
         assert eng.preload(None, second, after=keys) is None
+        assert eng.preload_skips == {"the request ahead extends its hit": 1}
         eng.serve(first)
         eng.cache.wait_idle(timeout=60)
         eng.cache.evict(1000, "l1")
         held = eng._take(len(eng._free))            # L1 full of pages the engine holds
         assert eng.preload(None, second) is None
+        assert eng.preload_skips["no free or evictable L1 page"] == 1
         eng._give(held)
         res = eng.serve(second, True)
         assert not res.preloaded and res.l2_tokens > 0 and res.check.passed
