@@ -242,7 +242,7 @@ class TieredKVCache:
         if task is None:                       # fetch would start the read and wait for it
             return self.prefetch_policy.wait_budget_s(self.spec.page_size) == 0
         with task.cv:
-            if task.settled or task.n_landed >= task.num_pages:
+            if task.complete:
                 return True
         budget = self.prefetch_policy.wait_budget_s(task.num_pages * self.spec.page_size)
         return time.perf_counter() - task.t0 >= budget

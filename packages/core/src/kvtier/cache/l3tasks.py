@@ -57,6 +57,11 @@ class ReadTask:
         deadline ends the plan at once)."""
         return self.finished
 
+    @property
+    def complete(self) -> bool:
+        """Every page landed, or nothing more will (read it under ``cv``)."""
+        return self.finished or self.n_landed >= self.num_pages
+
     def batch(self, first: int, count: int, got: list[bool] | None) -> None:
         """A batch of the plan's reads came back (`CacheExecutor.submit`'s ``on_read``)."""
         lead = first_miss(got, count)

@@ -106,9 +106,8 @@ class DemoEngine:
         #: requests pinned at arrival (their prefetch stops) and says whether it freed any
         self.make_room: Callable[[], bool] | None = None
         self.digests = PageDigests(self.pool, known=digests)
-        #: preloads whose fetch the cache refused (the request was matched at dispatch)
-        self.preload_failed = 0
-        #: why a queued request was not preloaded, and how often
+        #: why a queued request was not preloaded (or its fetch refused: it is matched at
+        #: dispatch), and how often
         self.preload_skips: collections.Counter[str] = collections.Counter()
 
     # ----- the device page allocator ------------------------------------------------------
@@ -211,7 +210,7 @@ class DemoEngine:
                 return m
         elif m.l3_count and task is not None:
             with task.cv:
-                if task.settled or task.n_landed >= task.num_pages:
+                if task.complete:
                     n3 = task.n_landed
                     prefetched = set(task.keys[:task.n_landed])
                 else:
@@ -235,20 +234,25 @@ class DemoEngine:
             if queued is None:
                 self.cache.release(m)
             return queued
-        reg = self.cache.metrics_registry
-        skipped0 = reg.get("cost_skipped_pages_l2") + reg.get("cost_skipped_pages_l3")
         try:
-            fh = self.cache.fetch(m, pages)
+            fh, skipped = self._fetch(m, pages)
         except BaseException as e:
             # the request is matched afresh at dispatch; the pages were never loaded
             self.cache.release(m)
             self._give(pages)
             if isinstance(e, KVTierError):
-                self.preload_failed += 1
+                self.preload_skips["the cache refused its fetch"] += 1
                 return None
             raise
-        skipped = reg.get("cost_skipped_pages_l2") + reg.get("cost_skipped_pages_l3") - skipped0
         return Preloaded(m, fh, skipped, prefetched, staged)
+
+    def _fetch(self, m: Any, pages: list[int]) -> tuple[Any, int]:
+        """`TieredKVCache.fetch` of ``m`` into ``pages``, and how many hit pages the
+        cost-aware split left to recompute."""
+        reg = self.cache.metrics_registry
+        before = reg.get("cost_skipped_pages_l2") + reg.get("cost_skipped_pages_l3")
+        fh = self.cache.fetch(m, pages)
+        return fh, reg.get("cost_skipped_pages_l2") + reg.get("cost_skipped_pages_l3") - before
 
     def drop(self, queued: Any) -> None:
         """A queued request leaves (or L1 needs its pins back): release what `arrive` or
@@ -279,7 +283,6 @@ class DemoEngine:
         _sync(model.device)
         t0 = time.perf_counter()
         l3_wait = 0.0
-        reg = cache.metrics_registry
         if isinstance(queued, Preloaded):
             m, fh, skipped = queued.match, queued.handle, queued.skipped
             prefetched, staged = queued.prefetched, queued.staged
@@ -290,10 +293,9 @@ class DemoEngine:
             # an in-place L3 staged while the request waited: its pages count as prefetched
             staged = queued is not None and queued.stage is not None and queued.stage.done()
             if task is not None:
-                done = lambda: task.settled or task.n_landed >= task.num_pages  # noqa: E731
                 with task.cv:
-                    if not done():
-                        task.cv.wait_for(done, timeout=600)
+                    if not task.complete:
+                        task.cv.wait_for(lambda: task.complete, timeout=600)
                         l3_wait = time.perf_counter() - t0
                     prefetched = set(task.keys[:task.n_landed])
             # At most n - 1 tokens may come from the cache: the last one must be computed to
@@ -308,11 +310,7 @@ class DemoEngine:
                 # (where the fetch streams its L3 pages, it reads them itself, layer by layer)
             t1 = time.perf_counter()
             want = m.l2_count + m.l3_count if self.lower_tiers else 0
-            load_pages = self.allocate(want)
-            skipped0 = reg.get("cost_skipped_pages_l2") + reg.get("cost_skipped_pages_l3")
-            fh = cache.fetch(m, load_pages)
-            skipped = reg.get("cost_skipped_pages_l2") + reg.get("cost_skipped_pages_l3") \
-                - skipped0
+            fh, skipped = self._fetch(m, self.allocate(want))
         loaded = fh.pages_loaded
         prefix = list(m.l1_pages) + list(fh.device_pages[:loaded])
         # Pages given to fetch but not loaded (the cost model skipped them, or an L3 miss cut

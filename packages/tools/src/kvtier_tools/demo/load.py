@@ -311,8 +311,8 @@ def serve_queue(engine: Any, workload: Workload, level: Level,
                 busy["served"] += 1
                 busy["until"] = t_free
             run.served.append(Served(head.arrival, start, first, t_free, res,
-                                     head.match is not None and not res.preloaded
-                                     or res.l3_prefetched_tokens > 0))
+                                     res.l3_prefetched_tokens > 0
+                                     or (head.match is not None and not res.preloaded)))
             if level.kind == "closed" and users[head.user]:
                 heapq.heappush(pending, _Entry(first + level.think_s, seq,
                                                users[head.user].pop(0), head.user))
