@@ -42,11 +42,37 @@ def test_defaults_and_typed_fields():
     ({"model_id": "m", "l3_config": [1, 2]}, "l3_config"),
     ({"model_id": "m", "close_policy": "abandon"}, "close_policy"),
     ({"model_id": "m", "selective_threshold": 0}, "selective_threshold"),
+    ({"model_id": "m", "switch_interval_s": 0}, "switch_interval_s"),
+    ({"model_id": "m", "switch_interval_s": -1e-4}, "switch_interval_s"),
+    ({"model_id": "m", "switch_interval_s": float("nan")}, "switch_interval_s"),
+    ({"model_id": "m", "switch_interval_s": 5.0}, "switch_interval_s"),
+    ({"model_id": "m", "switch_interval_s": "fast"}, "switch_interval_s"),
 ])
 def test_bad_config_is_a_config_error_naming_the_key(data, key):
     with pytest.raises(ConfigError) as ei:
         CacheConfig.from_dict(data)
     assert key in str(ei.value) and key in (ei.value.key or "")
+
+
+@pytest.mark.parametrize("how", ["cache", "executor"])
+def test_switch_interval_is_set_for_the_process_where_given(how):
+    import sys
+
+    from kvtier.cache import CacheExecutor
+    before = sys.getswitchinterval()
+    want = 0.00037 if abs(before - 0.00037) > 1e-6 else 0.00041
+    try:
+        if how == "cache":
+            build({"model_id": "m"}).close()          # unset: left as it was
+            assert sys.getswitchinterval() == before
+            c = build({"model_id": "m", "switch_interval_s": want})
+        else:
+            c = CacheExecutor.from_config({"model_id": "m", "switch_interval_s": want},
+                                          device_pool=DeviceKVPool.empty(SPEC, 8))
+        c.close()
+        assert abs(sys.getswitchinterval() - want) < 1e-6
+    finally:
+        sys.setswitchinterval(before)
 
 
 def test_missing_model_id_is_a_config_error():

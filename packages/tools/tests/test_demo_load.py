@@ -205,7 +205,10 @@ def test_prefetch_starts_at_arrival_and_a_landed_read_costs_nothing(tmp_path):
                                         ("--loads", "nan"), ("--load", "inf"),
                                         ("--rate", "0"), ("--rate", "inf"),
                                         ("--concurrency", "0"), ("--concurrency", "-2"),
-                                        ("--loads", "0.5,nan"), ("--think-ms", "nan")])
+                                        ("--loads", "0.5,nan"), ("--think-ms", "nan"),
+                                        ("--switch-interval-ms", "-1"),
+                                        ("--switch-interval-ms", "nan"),
+                                        ("--switch-interval-ms", "2000")])
 def test_a_bad_rate_load_or_concurrency_is_a_one_line_error(flag, value, capsys, monkeypatch,
                                                             tmp_path):
     built = []
@@ -220,6 +223,8 @@ def test_a_bad_rate_load_or_concurrency_is_a_one_line_error(flag, value, capsys,
 @pytest.mark.parametrize("data", [{"loads": (0.0,)}, {"loads": (math.nan,)},
                                   {"rates": (math.inf,)}, {"concurrency": (0,)},
                                   {"concurrency": (1.5,)}, {"think_ms": -1.0},
+                                  {"switch_interval_ms": -0.1},
+                                  {"switch_interval_ms": math.inf},
                                   {"loads": (0.5,), "setups": ("L1+L2",)}])
 def test_bad_load_config_is_a_typed_error(data):
     with pytest.raises(ConfigError):
@@ -462,3 +467,38 @@ def test_a_queue_preloads_the_next_request_and_every_restore_checks(tmp_path, l2
         assert not any(s.result.preloaded for s in off.served)
     finally:
         eng.close()
+
+
+def test_every_setup_serves_at_the_switch_interval_and_the_caller_gets_its_own_back(
+        tmp_path, monkeypatch):
+    """``switch_interval_ms``: every setup's cache (the ideal's and L1 only's too, so the
+    ratios compare like with like) runs at it, under load as served one at a time; the
+    interval the caller had is back after the run. 0 leaves it."""
+    pytest.importorskip("transformers")
+    import sys
+
+    from kvtier_tools.demo.run import run_demo
+    seen: list[tuple[str, float]] = []
+    real = demo_run.DemoEngine
+
+    class Engine(real):     # type: ignore[misc,valid-type]
+        def serve(self, *a, **k):
+            seen.append((self.cache.config.model_id, sys.getswitchinterval()))
+            return super().serve(*a, **k)
+
+    monkeypatch.setattr(demo_run, "DemoEngine", Engine)
+    before = sys.getswitchinterval()
+    try:
+        for ms in (0.25, 0.0):
+            seen.clear()
+            cfg = DemoConfig.from_dict(SMALL | {"check": "none", "out": str(tmp_path),
+                                                "rates": (50.0,), "switch_interval_ms": ms})
+            run_demo(cfg, log=lambda *a: None)
+            assert len(seen) > 3 * 4 and sys.getswitchinterval() == before
+            want = 0.00025 if ms else before
+            assert {round(s, 7) for _, s in seen} == {round(want, 7)}
+            keyed = demo_run.cache_config(cfg, "L1+L2+L3", demo_run.DemoModel(
+                "tiny", page_size=16), 20, None)
+            assert keyed.get("switch_interval_s") == (0.00025 if ms else None)
+    finally:
+        sys.setswitchinterval(before)

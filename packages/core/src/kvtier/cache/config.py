@@ -129,6 +129,15 @@ class CacheConfig:
     #: reads, and streaming lost 1.7x -> 1.4x on multi-turn (whole reads of ~7 ms) while it
     #: won 1.13x -> 1.4-1.5x on long context (reads of hundreds of ms).
     l3_stream_min_read_s: float = 0.1
+    #: The interpreter's thread switch interval in seconds (``sys.setswitchinterval``), set
+    #: for the whole process when the data path is built; None (the default) leaves it.
+    #: kvtier's threads run Python beside the engine's, and where the engine launches its
+    #: forward pass from Python, a thread waiting for the interpreter lock can hold that
+    #: launch back for up to this long (CPython's default is 0.005). On an H100 (8B, bf16,
+    #: at 60% load) the demo's L1+L2+L3 prefills took 42.3 ms at 0.005 and 29.6 ms at
+    #: 0.0001 (the every-page-in-L1 ideal's: 29.8 and 26.1): records/l3-staging.md,
+    #: call 11. At most 1.
+    switch_interval_s: float | None = None
 
     def __post_init__(self) -> None:
         for name in _DICT_FIELDS:
@@ -173,6 +182,10 @@ class CacheConfig:
             raise ConfigError(f"cost_ewma_alpha must be in (0, 1], got "
                               f"{self.cost_ewma_alpha!r}", key="cost_ewma_alpha",
                               value=self.cost_ewma_alpha)
+        v = self.switch_interval_s
+        if v is not None and not (0 < v <= 1):
+            raise ConfigError(f"switch_interval_s must be in (0, 1] seconds or unset, got "
+                              f"{v!r}", key="switch_interval_s", value=v)
         if self.l3_store == "":
             object.__setattr__(self, "l3_store", None)
 

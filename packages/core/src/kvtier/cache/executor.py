@@ -43,6 +43,7 @@ from .config import CacheConfig
 from .cost import CostModel, TimedStore, load_seconds
 from .inplace import InPlace, wait_staged
 from .keying import make_keyer
+from .lifecycle import set_switch_interval
 from .parts import Parts, build_parts
 from .l3io import L3IO
 from .plans import Plan, PlanResult
@@ -135,7 +136,8 @@ class CacheExecutor:
     def over_parts(cls, cfg: CacheConfig, parts: Parts, **kwargs: Any) -> "CacheExecutor":
         """The executor of ``cfg`` over ``parts`` (`build_parts`, closed with it); ``kwargs``:
         the constructor's other arguments. `from_config` and `TieredKVCache` build theirs
-        here."""
+        here. Sets the interpreter's switch interval where ``cfg`` gives one."""
+        set_switch_interval(cfg.switch_interval_s)
         return cls(host_pool=parts.host_pool, engine=parts.engine, store=parts.store,
                    l3_io_threads=cfg.l3_io_threads, l3_batch_pages=cfg.l3_batch_pages,
                    l3_error_limit=cfg.l3_error_limit, l3_call_timeout_s=cfg.l3_call_timeout_s,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import sys
 import threading
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -25,12 +26,24 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvtier.cache")
 
-__all__ = ["check", "tier_failed", "close", "close_on_exit",
+__all__ = ["check", "tier_failed", "close", "close_on_exit", "set_switch_interval",
            "EXIT_CLOSE_TIMEOUT_S"]
 
 #: At interpreter exit an unclosed cache is closed within this many seconds at most.
 EXIT_CLOSE_TIMEOUT_S = 10.0
 _live: "weakref.WeakSet[TieredKVCache]" = weakref.WeakSet()
+
+
+def set_switch_interval(seconds: float | None) -> None:
+    """Set the interpreter's thread switch interval (``switch_interval_s``) for the whole
+    process; None leaves it. Logged where it changes."""
+    if seconds is None:
+        return
+    before = sys.getswitchinterval()
+    if abs(before - seconds) > 1e-7:
+        sys.setswitchinterval(seconds)
+        log.info("interpreter switch interval %g s (was %g s): switch_interval_s", seconds,
+                 before)
 
 
 # ----- health ---------------------------------------------------------------------------------

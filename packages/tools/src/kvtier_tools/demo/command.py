@@ -57,6 +57,16 @@ def _think(text: str) -> float:
     return v
 
 
+def _switch_ms(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 <= v <= 1000:
+        raise argparse.ArgumentTypeError(f"a switch interval is 0 to 1000 ms, got {text}")
+    return v
+
+
 #: `kvtier_tools.demo.run.SETUPS` (spelled here: the flags are built without importing the run)
 SETUPS = ("L1 only", "L1+L2", "L1+L2+L3", "L1+L2+L3 load all", "ideal (all in L1)")
 
@@ -155,6 +165,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="load the next queued request's hits into L1 while the request ahead "
                    "prefills (default: every request's loads at its dispatch; on an H100 "
                    "this gained nothing, see docs/demo.md)")
+    g.add_argument("--switch-interval-ms", type=_switch_ms, default=0.1,
+                   help="the interpreter's thread switch interval for every setup (kvtier's "
+                   "threads run Python beside the prefill's launch; 0: CPython's 5 ms)")
     g = p.add_argument_group("run")
     g.add_argument("--seed", type=int, default=0, help="weights, workload and check sampling")
     g.add_argument("--check", choices=["all", "sample", "none"], default="sample",
@@ -228,6 +241,7 @@ def config_from_args(args: argparse.Namespace):
         "loads": tuple(args.loads), "rates": tuple(args.rate),
         "concurrency": tuple(args.concurrency), "think_ms": args.think_ms,
         "digests": args.digests, "preload": args.preload,
+        "switch_interval_ms": args.switch_interval_ms,
     }
     return DemoConfig.from_dict(data)
 

@@ -121,6 +121,12 @@ class DemoConfig:
     #: prefills (`DemoEngine.preload`); False: every request's loads run at its dispatch.
     #: Off by default: on an H100 it gained nothing (records/l3-staging.md, calls 8-9).
     preload: bool = False
+    #: The interpreter's thread switch interval for every setup's cache (milliseconds; the
+    #: cache's ``switch_interval_s``): the demo's prefill is launched from Python, and
+    #: kvtier's threads run Python beside it. 0: leave CPython's (5 ms). On an H100 the
+    #: default 0.1 ms took 13 ms off L1+L2+L3's prefill under load (records/l3-staging.md,
+    #: call 11).
+    switch_interval_ms: float = 0.1
 
     def __post_init__(self) -> None:
         from .load import check_positive
@@ -132,6 +138,11 @@ class DemoConfig:
             for v in values:
                 check_positive(name, v, integer=name == "concurrency")
         check_positive("think_ms", self.think_ms, zero=True)
+        check_positive("switch_interval_ms", self.switch_interval_ms, zero=True)
+        if self.switch_interval_ms > 1000:
+            raise ConfigError(f"switch_interval_ms must be <= 1000, got "
+                              f"{self.switch_interval_ms!r}", key="switch_interval_ms",
+                              value=self.switch_interval_ms)
         if self.loads and "L1 only" not in self.setups:
             raise ConfigError("loads are fractions of the L1-only capacity: keep 'L1 only' in "
                               "setups, or give rates in requests/s", key="loads",
@@ -531,6 +542,8 @@ def cache_config(cfg: DemoConfig, setup: str, model: DemoModel, l2_pages: int,
     }
     if cfg.recompute_tokens_per_s is not None:
         base["recompute_tokens_per_s"] = cfg.recompute_tokens_per_s
+    if cfg.switch_interval_ms:
+        base["switch_interval_s"] = cfg.switch_interval_ms / 1e3
     # `kvtier --config FILE demo` (or $KVTIER_CONFIG): the file's [cache] table over the
     # flags; what defines each setup (its tiers and sizes, the model's identity) stays.
     path = os.environ.get("KVTIER_CONFIG")
@@ -750,10 +763,14 @@ def run_demo(cfg: DemoConfig, *, corrupt_restore: bool = False,
     # Bound first: a port in use is a one-line error now, not after the model is built.
     exporter = (SetupExporter(names, cfg.metrics_port, cfg.metrics_host)
                 if cfg.metrics_port is not None else None)
+    # every setup's cache sets the switch interval (``switch_interval_s``): the caller's
+    # comes back after the run
+    switch = sys.getswitchinterval()
     try:
         return _run_demo(cfg, names, exporter, corrupt_restore=corrupt_restore, log=log,
                          on_metrics=on_metrics)
     finally:
+        sys.setswitchinterval(switch)
         if exporter is not None:
             exporter.close()
 
