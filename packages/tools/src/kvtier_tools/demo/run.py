@@ -797,11 +797,13 @@ def _run_demo(cfg: DemoConfig, names: list[str], exporter: SetupExporter | None,
     minfo = {**model.describe(),
              "dtype": str(model.dtype).removeprefix("torch."), "device": str(model.device),
              "page_size": model.spec.page_size, "page_bytes": model.spec.page_bytes,
-             "threads": torch.get_num_threads()}
+             "threads": torch.get_num_threads(),
+             "switch_interval_ms": cfg.switch_interval_ms or 1e3 * sys.getswitchinterval()}
     kv = f", KV {model.spec.page_bytes // model.spec.page_size} B per token" + \
         (f" (MLA latent {model.spec.dim} per layer)" if model.mla else "")
     log(f"kvtier demo: {model.label} ({minfo['params_m']}M params, random weights{kv}) "
-        f"on {model.device} {minfo['dtype']}, {minfo['threads']} threads; {workload.description}"
+        f"on {model.device} {minfo['dtype']}, {minfo['threads']} threads, thread switch interval "
+        f"{minfo['switch_interval_ms']:g} ms; {workload.description}"
         f"; {len(workload)} requests, {workload.total_tokens} prompt tokens, {distinct} "
         f"distinct pages of {model.spec.page_size} tokens ({model.spec.page_bytes} B each); "
         f"L1 {l1} pages, L2 {l2} pages ({host_allocator(cfg)}), L3 {cfg.l3_store} "
