@@ -47,24 +47,18 @@ def _numbers(kind: type, name: str):
     return parse
 
 
-def _think(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not math.isfinite(v) or v < 0:
-        raise argparse.ArgumentTypeError(f"think time must be finite and >= 0, got {text}")
-    return v
-
-
-def _switch_ms(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0 <= v <= 1000:
-        raise argparse.ArgumentTypeError(f"a switch interval is 0 to 1000 ms, got {text}")
-    return v
+def _millis(what: str, top: float | None = None):
+    """An argparse type: milliseconds, finite and >= 0 (and <= ``top``)."""
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not (math.isfinite(v) and v >= 0 and (top is None or v <= top)):
+            bound = "finite and >= 0" if top is None else f"0 to {top:g} ms"
+            raise argparse.ArgumentTypeError(f"{what} must be {bound}, got {text}")
+        return v
+    return parse
 
 
 #: `kvtier_tools.demo.run.SETUPS` (spelled here: the flags are built without importing the run)
@@ -159,13 +153,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--concurrency", type=_numbers(int, "--concurrency"), default=(),
                    metavar="N[,N...]", help="closed loop: N users, each sending its "
                    "conversations' turns one after another")
-    g.add_argument("--think-ms", type=_think, default=0.0,
+    g.add_argument("--think-ms", type=_millis("think time"), default=0.0,
                    help="closed loop: a user's think time after a first token (default 0)")
     g.add_argument("--preload", action=argparse.BooleanOptionalAction, default=False,
                    help="load the next queued request's hits into L1 while the request ahead "
                    "prefills (default: every request's loads at its dispatch; on an H100 "
                    "this gained nothing, see docs/demo.md)")
-    g.add_argument("--switch-interval-ms", type=_switch_ms, default=0.1,
+    g.add_argument("--switch-interval-ms", type=_millis("the switch interval", 1000), default=0.1,
                    help="the interpreter's thread switch interval for every setup (kvtier's "
                    "threads run Python beside the prefill's launch; 0: CPython's 5 ms)")
     g = p.add_argument_group("run")
