@@ -11,6 +11,8 @@ import collections
 import re
 import sys
 
+from spyraw import samples, where
+
 path = sys.argv[1]
 rate = float(sys.argv[2]) if len(sys.argv) > 2 else 0.0
 groups: collections.Counter = collections.Counter()
@@ -20,19 +22,9 @@ selfs: dict[str, collections.Counter] = collections.defaultdict(collections.Coun
 PLUMBING = ("threading.py", "concurrent/futures/thread.py", "<frozen runpy>")
 
 
-def where(frame: str) -> str:
-    return re.sub(r":\d+\)$", ")", frame)
-
-
 total = 0
-for line in open(path):
-    line = line.rstrip("\n")
-    if not line:
-        continue
-    stack, count = line.rsplit(" ", 1)
-    n = int(count)
+for frames, n in samples(path):
     total += n
-    frames = stack.split(";")
     m = re.match(r"thread \(\d+\)(?:: (.*))?$", frames[0])
     name = (m.group(1) if m and m.group(1) else "unnamed") if m else frames[0]
     group = re.sub(r"[-_]?\d+$", "", name)

@@ -8,6 +8,8 @@ import collections
 import re
 import sys
 
+from spyraw import samples, where as bare
+
 path = sys.argv[1]
 func, where = (sys.argv[2], sys.argv[3]) if len(sys.argv) > 3 else ("serve", "demo/engine.py")
 threads: collections.Counter = collections.Counter()
@@ -17,33 +19,23 @@ child: collections.Counter = collections.Counter()
 total = 0
 
 
-def name(frame: str) -> str:
-    return re.sub(r":\d+\)$", ")", frame)
-
-
 def focus(frame: str) -> bool:
     m = re.match(r"(\S+) \((.*):\d+\)$", frame)
     return m is not None and m.group(1).split(".")[-1] == func and m.group(2).endswith(where)
 
 
-for line in open(path):
-    line = line.rstrip("\n")
-    if not line:
-        continue
-    stack, count = line.rsplit(" ", 1)
-    n = int(count)
-    frames = stack.split(";")
+for frames, n in samples(path):
     threads[frames[0]] += n
     at = next((i for i, f in enumerate(frames) if focus(f)), None)
     if at is None:
         continue
     total += n
-    below = [name(f) for f in frames[at + 1:]]
+    below = [bare(f) for f in frames[at + 1:]]
     for key in set(below):
         incl[key] += n
     if below:
         child[below[0]] += n
-    self_[below[-1] if below else name(frames[at])] += n
+    self_[below[-1] if below else bare(frames[at])] += n
 
 
 def show(title: str, counts: collections.Counter, top: int) -> None:
