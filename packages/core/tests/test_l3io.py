@@ -84,3 +84,38 @@ def test_a_write_stuck_past_its_deadline_gives_its_writer_place_back():
     hang.set()
     assert stuck.done.wait(5)
     io.stop(5)
+
+
+def test_the_watchdog_wakes_for_deadlines_not_for_every_call():
+    """A store call whose deadline is not earlier than the one the watchdog sleeps until
+    does not wake it (a wake-up per call is one more thread taking the interpreter lock
+    beside the engine's)."""
+    io = _io(1)
+    for _ in range(200):
+        assert io.call("batch_exists", lambda: 0) == 0
+    assert io._watch_wakes <= 3
+    io.stop(5)
+
+
+def test_overlapping_stuck_calls_each_time_out_at_their_own_deadline():
+    io = _io(3, timeout_s=0.3)
+    hang = threading.Event()
+    t0 = time.monotonic()
+    threads = []
+    for _ in range(2):
+        t = threading.Thread(target=io.call, args=("batch_set", lambda: hang.wait(10)))
+        t.start()
+        threads.append(t)
+        time.sleep(0.15)
+    seen = []
+    while time.monotonic() - t0 < 5 and len(seen) < 2:
+        n = io.metrics.get("l3_timeouts")
+        if n > len(seen):
+            seen.append(time.monotonic() - t0)
+        time.sleep(0.01)
+    hang.set()
+    for t in threads:
+        t.join(5)
+    io.stop(5)
+    assert len(seen) == 2
+    assert 0.25 < seen[0] < 0.9 and 0.4 < seen[1] < 1.2     # 0.3 s and 0.45 s, not later

@@ -218,6 +218,11 @@ class L3IO:
         self._calls: dict[int, _Call] = {}              # thread ident -> call in progress
         self._watch_cv = threading.Condition(self._lock)
         self._watchdog: threading.Thread | None = None
+        #: The deadline the watchdog sleeps until (None: until told). A call whose deadline
+        #: is not earlier does not wake it: every call's thread would otherwise take the
+        #: interpreter lock once more per store call, beside the engine's.
+        self._watch_until: float | None = None
+        self._watch_wakes = 0
         self._streak = 0
         self._read_streak = 0            # reads in a row that returned none of their pages
         self._logged_state = "ok"
@@ -373,7 +378,8 @@ class L3IO:
         with self._lock:
             self._calls[me.ident or 0] = c
             self._ensure_watchdog()
-            self._watch_cv.notify()
+            if self._watch_until is None or c.deadline < self._watch_until:
+                self._watch_cv.notify()
         t0 = time.perf_counter()
         try:
             result = fn(*args)
@@ -454,7 +460,9 @@ class L3IO:
                     finally:
                         self._lock.acquire()
                     continue
+                self._watch_until = min(pending) if pending else None
                 self._watch_cv.wait(None if not pending else max(0.0, min(pending) - now))
+                self._watch_wakes += 1
 
     def _timed_out(self, calls: list[_Call]) -> None:
         for c in calls:
