@@ -478,27 +478,38 @@ def test_every_setup_serves_at_the_switch_interval_and_the_caller_gets_its_own_b
     import sys
 
     from kvtier_tools.demo.run import run_demo
-    seen: list[tuple[str, float]] = []
+    seen: list[float] = []
     real = demo_run.DemoEngine
 
     class Engine(real):     # type: ignore[misc,valid-type]
         def serve(self, *a, **k):
-            seen.append((self.cache.config.model_id, sys.getswitchinterval()))
+            seen.append(sys.getswitchinterval())
             return super().serve(*a, **k)
 
     monkeypatch.setattr(demo_run, "DemoEngine", Engine)
-    before = sys.getswitchinterval()
-    try:
-        for ms in (0.25, 0.0):
-            seen.clear()
-            cfg = DemoConfig.from_dict(SMALL | {"check": "none", "out": str(tmp_path),
-                                                "rates": (50.0,), "switch_interval_ms": ms})
-            run_demo(cfg, log=lambda *a: None)
-            assert len(seen) > 3 * 4 and abs(sys.getswitchinterval() - before) < 2e-6
-            want = 0.00025 if ms else before
-            assert all(abs(s - want) < 2e-6 for _, s in seen), (want, seen)
-            keyed = demo_run.cache_config(cfg, "L1+L2+L3", demo_run.DemoModel(
-                "tiny", page_size=16), 20, None)
-            assert keyed.get("switch_interval_s") == (0.00025 if ms else None)
-    finally:
-        sys.setswitchinterval(before)
+    before = sys.getswitchinterval()      # (conftest hands it back after the test)
+    logged: list[str] = []
+
+    def log(*a: object) -> None:
+        logged.append(" ".join(map(str, a)))
+    for ms in (0.25, 0.0):
+        seen.clear()
+        logged.clear()
+        cfg = DemoConfig.from_dict(SMALL | {"check": "none", "out": str(tmp_path),
+                                            "rates": (50.0,), "switch_interval_ms": ms})
+        run_demo(cfg, log=log)
+        assert len(seen) > 3 * 4 and abs(sys.getswitchinterval() - before) < 2e-6
+        want = 0.00025 if ms else before
+        assert all(abs(s - want) < 2e-6 for s in seen), (want, seen)
+        assert f"thread switch interval {1e3 * want:g} ms;" in logged[0]
+        keyed = demo_run.cache_config(cfg, "L1+L2+L3", demo_run.DemoModel(
+            "tiny", page_size=16), 20, None)
+        assert keyed.get("switch_interval_s") == (0.00025 if ms else None)
+    # a config file's [cache] table wins over the flag, in the caches and in the header
+    (tmp_path / "kvtier.toml").write_text("[cache]\nswitch_interval_s = 0.0003\n")
+    monkeypatch.setenv("KVTIER_CONFIG", str(tmp_path / "kvtier.toml"))
+    seen.clear()
+    logged.clear()
+    run_demo(cfg, log=log)
+    assert seen and all(abs(s - 0.0003) < 2e-6 for s in seen), seen
+    assert "thread switch interval 0.3 ms;" in logged[0]

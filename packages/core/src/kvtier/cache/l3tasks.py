@@ -60,7 +60,7 @@ class ReadTask:
     @property
     def complete(self) -> bool:
         """Every page landed, or nothing more will (read it under ``cv``)."""
-        return self.finished or self.n_landed >= self.num_pages
+        return self.settled or self.n_landed >= self.num_pages
 
     def batch(self, first: int, count: int, got: list[bool] | None) -> None:
         """A batch of the plan's reads came back (`CacheExecutor.submit`'s ``on_read``)."""

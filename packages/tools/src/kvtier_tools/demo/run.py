@@ -798,7 +798,9 @@ def _run_demo(cfg: DemoConfig, names: list[str], exporter: SetupExporter | None,
              "dtype": str(model.dtype).removeprefix("torch."), "device": str(model.device),
              "page_size": model.spec.page_size, "page_bytes": model.spec.page_bytes,
              "threads": torch.get_num_threads(),
-             "switch_interval_ms": cfg.switch_interval_ms or 1e3 * sys.getswitchinterval()}
+             # what every setup's cache will set (a config file's [cache] over the flag)
+             "switch_interval_ms": 1e3 * (cache_config(cfg, names[0], model, l2, None).get(
+                 "switch_interval_s") or sys.getswitchinterval())}
     kv = f", KV {model.spec.page_bytes // model.spec.page_size} B per token" + \
         (f" (MLA latent {model.spec.dim} per layer)" if model.mla else "")
     log(f"kvtier demo: {model.label} ({minfo['params_m']}M params, random weights{kv}) "
