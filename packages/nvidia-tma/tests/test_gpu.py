@@ -375,6 +375,48 @@ def test_copy_engine_copies_follow_the_callers_work_at_the_call_only(issue_threa
         hpool.close()
 
 
+def test_copy_engine_issue_thread_hands_each_layer_over_as_it_is_queued(monkeypatch):
+    """With the issue thread a per-layer load's layer 0 can be waited for while its later
+    layers are still being queued (a prefill launches layer 0 beside the queueing), and every
+    layer lands bitwise."""
+    import threading
+    _available("nvidia-copy-engine")
+    from kvtier_nvidia_tma import _driver
+    spec = KVSpec.mha(num_layers=6, num_kv_heads=2, head_dim=64, page_size=4)
+    dpool = DeviceKVPool.empty(spec, 48, "cuda")
+    hpool = HostKVPool(spec, 48, allocator=TorchPinnedAllocator())
+    fill_random(hpool.raw)
+    _poison(dpool)
+    eng = _engine("nvidia-copy-engine", dpool, hpool, issue_thread=True)
+    gate = threading.Event()
+    real = _driver.BatchCopier.queue_layers
+
+    calls = []
+
+    def held(self, dst, src, sizes, bounds, stream, max_batch=0, first=0, after=None):
+        calls.append(len(bounds) - 1)
+
+        def after_held(layer):
+            after(layer)
+            if layer == 0:
+                assert gate.wait(10), "layer 0 was not waited for while layer 1 was held"
+        return real(self, dst, src, sizes, bounds, stream, max_batch, first, after_held)
+    monkeypatch.setattr(_driver.BatchCopier, "queue_layers", held)
+    rng = random.Random(11)
+    dev, host = rng.sample(range(48), 19), rng.sample(range(48), 19)
+    try:
+        handle = eng.load(host, dev)
+        handle.wait_layer(0)            # returns while layers 1.. are held back unqueued
+        gate.set()
+        handle.synchronize()
+        assert calls == [spec.num_layers], calls    # the per-layer path was the one taken
+        assert_device_has(dpool, hpool, host, dev)
+    finally:
+        gate.set()
+        eng.close()
+        hpool.close()
+
+
 @pytest.mark.parametrize("key", ["issue_thread", "strided"])
 def test_copy_engine_switches_are_checked(key):
     _available("nvidia-copy-engine")

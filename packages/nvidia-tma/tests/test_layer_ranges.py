@@ -107,9 +107,13 @@ def _engine(cls, launches, **config):
         launches.append("signalled")
         return CudaEventHandle([_Event()] * L, eng.device)
 
-    def per_layer(h, d, d2h, stream):
+    def per_layer(h, d, d2h, stream, land=None):
         launches.append("per-layer batch")
-        return [_Event() for _ in range(L)]
+        events = [_Event() for _ in range(L)]
+        for layer, ev in enumerate(events):
+            if land is not None:
+                land(layer, 1, ev)
+        return events
     eng._launch_signalled = signalled
     eng._launch_per_layer = per_layer if cls is CopyEngineTransferEngine else lambda *a: None
     return eng

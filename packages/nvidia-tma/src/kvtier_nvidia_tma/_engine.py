@@ -3,7 +3,7 @@ handle, the issuing thread and `_NvidiaEngine` (pools, registration, index check
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from kvtier import Capabilities, TransferEngine
 from kvtier.errors import (BackendUnavailableError, ConfigError, InvalidArgumentError,
@@ -295,13 +295,16 @@ class _NvidiaEngine(TransferEngine):
         return CudaEventHandle(events, self.device, keep=(h, d), layers=layers, num_layers=L)
 
     def _queue(self, h, d, d2h: bool, layerwise: bool, stream,
-               layers: tuple[int, int] | None = None) -> list[tuple[int, int, Any]]:
+               layers: tuple[int, int] | None = None,
+               land: Callable[[int, int, Any], None] | None = None
+               ) -> list[tuple[int, int, Any]]:
         """Queue a transfer's copies on ``stream`` (from the caller's thread or an issue
-        thread): (first layer, layers, the event after them) per launch. Per-layer transfers
-        of every layer go in one go where the engine can (:meth:`_launch_per_layer`), else
-        (and ranged loads: ``layers``) launch by launch."""
+        thread): (first layer, layers, the event after them) per launch, each also given to
+        ``land`` as soon as it is queued. Per-layer transfers of every layer go in one go
+        where the engine can (:meth:`_launch_per_layer`), else (and ranged loads:
+        ``layers``) launch by launch."""
         if layers is None and layerwise and self.spec.num_layers > 1:
-            per_layer = self._launch_per_layer(h, d, d2h, stream)
+            per_layer = self._launch_per_layer(h, d, d2h, stream, land)
             if per_layer is not None:
                 return [(layer, 1, ev) for layer, ev in enumerate(per_layer)]
         out = []
@@ -310,6 +313,8 @@ class _NvidiaEngine(TransferEngine):
             ev = self._torch.cuda.Event()
             ev.record(stream)
             out.append((layer0, n, ev))
+            if land is not None:
+                land(layer0, n, ev)
         return out
 
     def _ranges(self, layerwise: bool, layers: tuple[int, int] | None = None
@@ -335,6 +340,8 @@ class _NvidiaEngine(TransferEngine):
     def _launch_signalled(self, h, d, d2h: bool, stream) -> TransferHandle:
         raise NotImplementedError
 
-    def _launch_per_layer(self, h, d, d2h: bool, stream) -> list[Any] | None:
+    def _launch_per_layer(self, h, d, d2h: bool, stream,
+                          land: Callable[[int, int, Any], None] | None = None
+                          ) -> list[Any] | None:
         """Queue a per-layer transfer in one go, an event per layer; None: launch by launch."""
         return None

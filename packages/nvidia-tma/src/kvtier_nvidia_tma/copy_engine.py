@@ -7,7 +7,7 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from kvtier import Availability
 from kvtier.errors import TransferError
@@ -46,12 +46,10 @@ class _Issuer:
             try:
                 eng._dev.make_current()
                 self.stream.wait_event(start)         # after the caller's work at the call
-                events = eng._queue(h, d, d2h, layerwise, self.stream, layers)
-                # the caller wakes once, when the whole transfer is queued (a wake-up per
-                # layer made it and this thread take turns at the interpreter); the device
-                # still orders each layer's readers after that layer's copies only
-                for layer0, layers, ev in events:
-                    handle._land(layer0, layers, ev)
+                # each layer is handed over as soon as its copies are queued: a caller
+                # launching layer by layer (a prefill waiting for layer i) goes on while the
+                # later layers are queued here, in the driver, without the interpreter's lock
+                eng._queue(h, d, d2h, layerwise, self.stream, layers, handle._land)
             except BaseException as exc:   # raised to the caller by the handle's waits
                 handle._fail(exc)
 
@@ -106,8 +104,11 @@ class CopyEngineTransferEngine(_NvidiaEngine):
         #: beside all-layer backups at 72-128 KiB ran at 75-83% of the ceiling with it and
         #: 55-63% without (a per-layer load holds the caller's thread for ~55% of its transfer
         #: time), but it cost one direction alone 0.5-6 points
-        #: (records/nvidia-h200-transfer-both-default.md), so it is off by default. False:
-        #: queued on the caller's thread.
+        #: (records/nvidia-h200-transfer-both-default.md), so it is off by default. A
+        #: per-layer load hands each layer over as soon as its copies are queued. Beside a
+        #: prefill launched from Python it took the load's queueing off the serving thread
+        #: (1.6 against 3.4 ms a request) but the prefill ran 6-8 ms longer
+        #: (records/l3-staging.md, call 17). False: queued on the caller's thread.
         issue_thread: bool = False
 
     @classmethod
@@ -194,7 +195,9 @@ class CopyEngineTransferEngine(_NvidiaEngine):
             pages = pages.to("cpu")          # a host sync: addresses are built on the host
         return check_page_indices(pages, limit, what)
 
-    def _launch_per_layer(self, h, d, d2h: bool, stream) -> list[Any] | None:
+    def _launch_per_layer(self, h, d, d2h: bool, stream,
+                          land: Callable[[int, int, Any], None] | None = None
+                          ) -> list[Any] | None:
         """Every layer's copies built in one NumPy pass, then one batch call and one event per
         layer: per-layer loads spend their host time queueing copies, not building them."""
         c = self.config
@@ -210,6 +213,8 @@ class CopyEngineTransferEngine(_NvidiaEngine):
             ev = Event()
             ev.record(stream)
             events.append(ev)
+            if land is not None:
+                land(layer, 1, ev)
         self._copier.queue_layers(dst, src, sizes, bounds.tolist(), stream.cuda_stream,
                                   c.max_batch, c.first_batch, after)
         return events
