@@ -736,3 +736,37 @@ def test_a_reader_during_a_refit_gets_the_last_fit_not_none(monkeypatch):
     m.rates()
     assert seen == [before]
     assert m.rates() != before
+
+
+@pytest.mark.parametrize("probe_due", [False, True])
+@pytest.mark.parametrize("prefetched", [False, True])
+def test_a_split_that_loads_part_of_the_l3_hit_loads_that_part(probe_due, prefetched):
+    """The split keeps the first 4 of 6 L3 pages: the fetch loads those 4 (bitwise, from the
+    read it waited for), the last 2 are recomputed. Before, any skipped L3 page made the fetch
+    load none of them after waiting for their read; and where a probe read was due it read the
+    first pages in place of the fetch's read, so a streamed fetch loaded nothing."""
+    r = Rig(l3_store="memory", prefetch_policy="wait_complete", recompute_tokens_per_s=1e6)
+    try:
+        a = toks(6 * SPEC.page_size, seed=31)
+        _to_l3(r, a)
+        cost = r.cache.cost
+        cost.split = lambda *, l2_pages, l3_pages, **kw: (l2_pages, min(l3_pages, 4))
+        cost.wants_l3_probe = lambda: probe_due
+        m = r.cache.match(a)
+        assert m.l3_count == 6
+        if prefetched:
+            r.cache.prefetch(m)
+        h = r.cache.fetch(m, r.take(m.pages_to_load))
+        h.wait()
+        assert h.pages_loaded == 4
+        r.verify(m.keys[:4], h.device_pages[:4])
+        new = r.take(2)
+        r.prefill(m.keys[4:], new)
+        r.cache.commit(a, list(h.device_pages[:4]) + new, match=m)
+        r.alloc.free(r.cache.release(m))
+        met = r.cache.metrics()
+        assert met["cost_skipped_pages_l3"] == 2 and met["l3_hit_pages"] >= 4
+        r.cache.wait_idle()
+        r.cache.check_invariants(idle=True)
+    finally:
+        r.close()

@@ -281,8 +281,11 @@ class TieredKVCache:
                                  streamed=streams)
             skip2, skip3 = n2 - k2, n3_want - k3
             n2, n3_want = k2, k3
-            if skip3 and direct is None and match.read is None and self.cost.wants_l3_probe():
-                l3tasks.start_read(self, match, self.cost.L3_PROBE_PAGES)  # keeps it measured
+            # no L3 page read by this fetch: a probe read keeps the rate measured (where some
+            # are, that read is the fetch's own: a probe of the first pages would replace it)
+            if skip3 and not n3_want and direct is None and match.read is None and \
+                    self.cost.wants_l3_probe():
+                l3tasks.start_read(self, match, self.cost.L3_PROBE_PAGES)
         if direct is not None and n3_want:
             self._stage(match)
             self._wait_stage(match, n3_want)
@@ -302,7 +305,8 @@ class TieredKVCache:
             task = match.read
             landed: list[Node] = []
             rest: list[Node] = []
-            if task is not None and not skip3 and not n_direct and stream is None:
+            # (all skipped: a probe or prefetch reads on for later requests, not cancelled)
+            if task is not None and (n3_want or not skip3) and not n_direct and stream is None:
                 task.cancelled = True             # later pages land unpinned, for others
                 landed, rest = task.landed[:n3_want], task.landed[n3_want:]
             nodes = match.hand_over_l2(n2, landed, rest)

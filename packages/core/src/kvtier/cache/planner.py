@@ -193,8 +193,9 @@ class CachePlanner:
         loading beats recomputing them at the measured rates (`CostModel.pages_to_load`);
         the engine computes the rest and the request's ``num_tokens`` (default: its full
         pages) after them. Before the L3 rate is known, at most `CostModel.L3_PROBE_PAGES`
-        L3 pages are offered (a first read measures it); while the split skips L3 pages, a
-        probe of as many pages is planned into L2 every `CostModel.L3_PROBE_INTERVAL_S`
+        L3 pages are offered (a first read measures it); while the split skips every L3 page
+        (where it loads some, their read measures the rate), a probe of as many pages is
+        planned into L2 every `CostModel.L3_PROBE_INTERVAL_S`
         (``Offer.probe``), so a store that was slow and recovers is used again."""
         hit = self.lookup(keys, start)
         cost = self.cost
@@ -211,7 +212,7 @@ class CachePlanner:
                             page_size=ps, page_bytes=self.spec.page_bytes,
                             layers=self.spec.num_layers, context=total)
         probe = None
-        if k3 < l3 and not direct and cost.wants_l3_probe():
+        if k3 == 0 < l3 and not direct and cost.wants_l3_probe():
             probe = self.plan_prefetch(keys, start + l2, cost.L3_PROBE_PAGES)
             if probe.empty:
                 self.complete(probe.failed())
