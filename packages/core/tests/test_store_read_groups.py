@@ -309,6 +309,56 @@ def test_corrupted_group_is_a_counted_miss_the_others_read(opened, kind, layout)
     assert store.batch_get(keys[::2], free[-3:-1]) == [True, True]
 
 
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+@pytest.mark.parametrize("kind", FILE_KINDS)
+def test_a_span_of_groups_is_one_range_checked_as_one(opened, kind, layout):
+    """``through``: groups 2-3 and 4-7 read as one range each (the streamed reads' doubling
+    spans of 8 groups), bitwise into those layers only, one ranged read per key and span; a
+    byte flipped in group 5 makes the 4-7 span a counted miss (its other groups are not
+    reported True), the same object's groups 0-3 still read; a span continuing a page whose
+    key was rewritten since its earlier groups is a version change, never a mix."""
+    store, pool = opened(kind, SPEC13, layout, remove_corrupted=False)
+    rng = random.Random(23)
+    keys, want, free = write_random(store, pool, 3, rng, "span")
+    groups = store.read_groups()
+    dst = rng.sample(free, 3)
+    before = store.stats()
+    for g, h in ((0, 0), (1, 1), (2, 3), (4, 7)):
+        a, b = byte_range(SPEC13, (groups[g][0], groups[h][1]))
+        old = [page(pool, p) for p in dst]
+        assert store.batch_get_layers(keys, dst, g, through=h) == [True] * 3
+        for j, p in enumerate(dst):
+            now = page(pool, p)
+            assert torch.equal(now[a:b], want[j][a:b])
+            assert torch.equal(now[:a], old[j][:a]) and torch.equal(now[b:], old[j][b:])
+    for j, p in enumerate(dst):
+        assert torch.equal(page(pool, p), want[j])
+    after = store.stats()
+    assert after["ranged_reads"] - before["ranged_reads"] == 3 * 4
+    assert after["get_hits"] - before["get_hits"] == 3
+    assert after["bytes_read"] - before["bytes_read"] == 3 * SPEC13.page_bytes
+
+    path, off = locate(store, keys[1])
+    a, b = byte_range(SPEC13, groups[5])
+    at = off + rng.randrange(a, b)
+    write_at(path, at, bytes([read_at(path, at, 1)[0] ^ 0x04]))
+    fill_random(pool.raw)
+    before = store.stats()
+    assert store.batch_get_layers(keys, dst, 0, through=3) == [True] * 3
+    assert store.batch_get_layers(keys, dst, 4, through=7) == [True, False, True]
+    assert store.stats()["corrupted"] - before["corrupted"] == 1
+    for j in (0, 2):
+        assert torch.equal(page(pool, dst[j]), want[j])
+
+    # rewritten between two spans: the second span continuing the page is a miss
+    read_group_checked(store, pool, keys[:1], dst[:1], 0, want[:1], [True])
+    assert store.batch_get_layers(keys[:1], dst[:1], 1, through=1) == [True]
+    assert store.batch_set(keys[:1], [free[-1]]) == [True]
+    changes = store.stats()["ranged_version_changes"]
+    assert store.batch_get_layers(keys[:1], dst[:1], 2, through=7) == [False]
+    assert store.stats()["ranged_version_changes"] == changes + 1
+
+
 @pytest.mark.parametrize("kind", FILE_KINDS)
 def test_corrupted_group_removes_the_object_when_asked(opened, kind):
     """remove_corrupted (the default): the damaged object is gone after its bad group, so

@@ -51,18 +51,20 @@ class GatedStore(MemoryStore):
     def read_groups(self):
         return self.groups
 
-    def batch_get_layers(self, keys, host_pages, group):
+    def batch_get_layers(self, keys, host_pages, group, through=None):
         pages = self._check_batch(keys, host_pages, distinct_pages=True)
-        self.calls.append((group, len(keys)))
+        last = group if through is None else through
+        self.calls.append((group if through is None else (group, through), len(keys)))
         if group and self.hang.is_set():
             threading.Event().wait(30)
-        self.gates[group].wait(10)
-        lo, hi = self.groups[group]
+        for g in range(group, last + 1):
+            self.gates[g].wait(10)
+        lo, hi = self.groups[group][0], self.groups[last][1]
         out = []
         for key, hp in zip(keys, pages):
             with self._lock:
                 obj = self._objects.get(key)
-            if obj is None or (key, group) in self.fail:
+            if obj is None or any((key, g) in self.fail for g in range(group, last + 1)):
                 out.append(False)
                 continue
             dst = self.host_pool.page_bytes_view(hp)
@@ -126,6 +128,83 @@ def test_the_first_group_loads_while_later_groups_are_still_read():
     # group-major: every batch of group 0, then of group 1, then of group 2
     assert [g for g, _ in r.store.calls] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
     assert r.ex.metrics()["l3_streamed_pages"] == 5
+    r.ex.close()
+
+
+GROUPS4 = ((0, 1), (1, 2), (2, 3), (3, 5))
+
+
+class OneGroupAtATimeStore(GatedStore):
+    """A store written before spans: its ``batch_get_layers`` takes no ``through``."""
+
+    def batch_get_layers(self, keys, host_pages, group):
+        return super().batch_get_layers(keys, host_pages, group)
+
+
+def test_read_spans_double_and_cover_every_group_once():
+    from kvtier.cache.stream import read_spans
+    assert read_spans(8) == [(0, 0), (1, 1), (2, 3), (4, 7)]
+    assert read_spans(4) == [(0, 0), (1, 1), (2, 3)]
+    assert read_spans(8, doubling=False) == [(g, g) for g in range(8)]
+    for n in range(1, 40):
+        spans = read_spans(n)
+        assert spans[0] == (0, 0)
+        assert [g for a, b in spans for g in range(a, b + 1)] == list(range(n))
+        for (a, b), (c, _) in zip(spans, spans[1:]):
+            assert c == b + 1 and b - a + 1 <= max(1, a)
+
+
+@pytest.mark.parametrize("how", ["spans", "one group a call", "a store without through"])
+def test_spans_read_and_load_the_later_groups_in_fewer_calls_bitwise(how):
+    """Four groups: with spans the reads are group 0, group 1, then groups 2-3 as one call per
+    batch (one load each), and the first group still loads while the rest are read; one group
+    a call with ``l3_stream_spans = False`` or a store whose ``batch_get_layers`` takes no
+    ``through``. Every page lands bitwise either way."""
+    cls = OneGroupAtATimeStore if how == "a store without through" else GatedStore
+    r = Rig(11, store=cls(spec=SPEC, groups=GROUPS4), l3_batch_pages=3,
+            l3_stream_spans=how != "one group a call")
+    assert r.ex.stream_spans == (how == "spans")
+    objs = r.put(5)
+    plan, dev = r.plan(7, objs)
+    before = [r.dpool.page_bytes(d).clone() for d in dev]
+    r.store.gates[1].clear()                               # group 1 waits
+    h = r.ex.submit(plan)
+    assert r.ex.wait_layer(7, 0, timeout=5) is None         # group 0: layer 0 loaded
+    for (_, want), d, old in zip(objs, dev, before):
+        got = r.dpool.page_bytes(d)
+        assert torch.equal(layers(got, 0, 1), layers(want, 0, 1))
+        assert torch.equal(layers(got, 1, 5), layers(old, 1, 5))
+    r.store.gates[1].set()
+    h.synchronize()
+    res = r.ex.poll()[0]
+    assert res.ok and res.l3_reads == (True,) * 5 and res.loads == (True,) * 5
+    for (_, want), d in zip(objs, dev):
+        assert torch.equal(r.dpool.page_bytes(d), want)
+    want_calls = [0, 0, 1, 1] + ([(2, 3)] * 2 if how == "spans" else [2, 2, 3, 3])
+    assert [g for g, _ in r.store.calls] == want_calls
+    assert r.ex.metrics()["l3_streamed_pages"] == 5
+    r.ex.close()
+
+
+def test_a_miss_inside_a_span_fails_that_page_never_wrong_data():
+    """A page whose group 3 misses, read in the span 2-3: that page's load fails (its first
+    groups loaded, it is not booked), the pages before it land bitwise."""
+    r = Rig(12, store=GatedStore(spec=SPEC, groups=GROUPS4), l3_batch_pages=8)
+    objs = r.put(4)
+    r.store.fail.add((objs[2][0], 3))
+    plan, dev = r.plan(8, objs)
+    hold, got = threading.Event(), []
+    h = r.ex.submit(plan, on_done=lambda res: (got.append(res), hold.wait(5)))
+    err = r.ex.wait_layer(8, None, timeout=5)      # a waiter for every layer is told
+    assert isinstance(err, TransferError) and "2 of its pages" in str(err)
+    hold.set()
+    h.synchronize()
+    res = got[0]
+    assert res.l3_reads == (True, True, False, True)
+    assert res.loads == (True, True, False, False)
+    for (_, want), d in zip(objs[:2], dev[:2]):
+        assert torch.equal(r.dpool.page_bytes(d), want)
+    assert ((2, 3), 4) in r.store.calls
     r.ex.close()
 
 

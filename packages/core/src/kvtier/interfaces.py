@@ -265,15 +265,33 @@ class L3Store(Backend):
         return ()
 
     def batch_get_layers(self, keys: Sequence[bytes], host_pages: Sequence[int],
-                         group: int) -> list[bool]:
+                         group: int, through: int | None = None) -> list[bool]:
         """Read layer range ``read_groups()[group]`` of each key into its host page (the
         pool's other bytes of the page are not touched): True where those layers now hold
         the key's bytes, verified against that range's own checksum (an object without one is
-        read and verified whole). A page is the key's only once every group came back True
-        for it. Stores with no `read_groups` do not implement it."""
+        read and verified whole). With ``through`` (a group after ``group``), groups
+        ``group`` through ``through`` are read as one range, verified as one: fewer, larger
+        calls where the reader needs those layers at once. A page is the key's only once every
+        group came back True for it. Stores with no `read_groups` do not implement it."""
         from .errors import InvalidArgumentError
         raise InvalidArgumentError(f"{self.name}: this store reads whole pages only "
                                    "(read_groups() is empty)", argument="group", value=group)
+
+    def _check_span(self, group: Any, through: Any, n: int) -> int:
+        """Validate `batch_get_layers`'s ``group`` and ``through`` against ``n`` groups;
+        returns ``through`` (``group`` where None)."""
+        from .errors import InvalidArgumentError
+        if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < n:
+            raise InvalidArgumentError(f"{self.name}: group must be an int in [0, {n}), got "
+                                       f"{group!r}", argument="group", value=group)
+        if through is None:
+            return group
+        if isinstance(through, bool) or not isinstance(through, int) \
+                or not group <= through < n:
+            raise InvalidArgumentError(f"{self.name}: through must be an int in [{group}, "
+                                       f"{n}), got {through!r}", argument="through",
+                                       value=through)
+        return through
 
     def in_place_reads(self) -> "InPlaceReads | None":
         """Where the store's objects sit in host memory that a transfer engine can read

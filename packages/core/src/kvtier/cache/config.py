@@ -129,6 +129,11 @@ class CacheConfig:
     #: reads, and streaming lost 1.7x -> 1.4x on multi-turn (whole reads of ~7 ms) while it
     #: won 1.13x -> 1.4-1.5x on long context (reads of hundreds of ms).
     l3_stream_min_read_s: float = 0.1
+    #: Streamed reads: read a page's layer groups in doubling spans, the first group alone and
+    #: then each span as many groups as came before it (of 8 groups: 1, 1, 2, 4), one ranged
+    #: read and one load per span, so the prefill still waits for one group at first while a
+    #: page costs 4 reads instead of 8. False: one read and one load per group.
+    l3_stream_spans: bool = True
     #: The interpreter's thread switch interval in seconds (``sys.setswitchinterval``), set
     #: for the whole process when the data path is built; None (the default) leaves it.
     #: kvtier's threads run Python beside the engine's, and where the engine launches its

@@ -664,12 +664,20 @@ class TimedStore:
         return self._timed(self._page_bytes, True, "batch_get", keys, host_pages, *args,
                            **kwargs)
 
-    def batch_get_layers(self, keys, host_pages, group: int):
-        """A streamed read of one layer group, timed like ``batch_get`` for its bytes (into
-        the L3 rate only while none is measured: `CostModel.l3_call_ended`)."""
-        nbytes = group_bytes(self._page_bytes, self._num_layers, self._groups[group], 1) \
-            if 0 <= group < len(self._groups) else 0
-        return self._timed(nbytes, False, "batch_get_layers", keys, host_pages, group)
+    def batch_get_layers(self, keys, host_pages, group: int, through: int | None = None):
+        """A streamed read of layer groups ``group`` through ``through``, timed like
+        ``batch_get`` for its bytes (into the L3 rate only while none is measured:
+        `CostModel.l3_call_ended`)."""
+        last = group if through is None else through
+        n = len(self._groups)
+        ok = all(isinstance(g, int) and not isinstance(g, bool) for g in (group, last)) \
+            and 0 <= group <= last < n
+        nbytes = group_bytes(self._page_bytes, self._num_layers,
+                             (self._groups[group][0], self._groups[last][1]), 1) if ok else 0
+        if through is None:
+            return self._timed(nbytes, False, "batch_get_layers", keys, host_pages, group)
+        return self._timed(nbytes, False, "batch_get_layers", keys, host_pages, group,
+                           through)
 
     def _timed(self, page_bytes: int, whole: bool, op: str, keys, *args: Any, **kwargs: Any):
         """The store's ``op`` of ``keys``, its bytes read (``page_bytes`` per page that came

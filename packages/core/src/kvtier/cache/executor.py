@@ -48,7 +48,7 @@ from .parts import Parts, build_parts
 from .l3io import L3IO
 from .plans import Plan, PlanResult
 from .runs import PlanHandle, PlanIds, Run, StoreTask, close_one
-from .stream import Stream, StreamTask, handles_for, stream_groups, wait_started
+from .stream import Stream, StreamTask, handles_for, stream_groups, takes_through, wait_started
 from .transfers import Completer
 
 log = logging.getLogger("kvtier.cache")
@@ -70,7 +70,7 @@ class CacheExecutor:
                  in_place_why_not: str = "", l3_max_queued_pages: int | None = None,
                  metrics: Metrics | None = None, l3_name: str = "kvtier-executor-l3",
                  on_failure: Callable[[str, str, BaseException | None], None] | None = None,
-                 l3_stream_layers: bool = False):
+                 l3_stream_layers: bool = False, l3_stream_spans: bool = True):
         self.host_pool = host_pool
         #: The store's memory seen as a host pool, for plans' ``l3_loads`` (None: those fail,
         #: and ``in_place_why_not`` says why).
@@ -89,6 +89,9 @@ class CacheExecutor:
         if l3_stream_layers:
             self.read_groups, self.stream_why_not = stream_groups(
                 store, engine, host_pool.spec.num_layers)
+        #: Whether those groups are read in doubling spans (`kvtier.cache.stream.read_spans`):
+        #: asked, and the store's ``batch_get_layers`` takes ``through``.
+        self.stream_spans = l3_stream_spans and takes_through(store)
         self.batch_pages = l3_batch_pages
         #: L3 writes beyond this many queued pages are dropped (counted in
         #: ``l3_writes_dropped``): a store slower than the saves never grows a backlog.
@@ -144,7 +147,8 @@ class CacheExecutor:
                    owned=tuple(parts.owned), in_place=parts.in_place,
                    in_place_why_not=parts.in_place_why_not,
                    l3_max_queued_pages=cfg.l3_max_queued_pages,
-                   l3_stream_layers=cfg.l3_stream_layers, **kwargs)
+                   l3_stream_layers=cfg.l3_stream_layers,
+                   l3_stream_spans=cfg.l3_stream_spans, **kwargs)
 
     @property
     def l3_state(self) -> str:
@@ -174,7 +178,7 @@ class CacheExecutor:
         self._validate(plan)
         run = Run(plan, on_done, on_read, stop, two_part)
         if self.read_groups and run.late_loads:
-            run.stream = Stream(run, self.read_groups)
+            run.stream = Stream(run, self.read_groups, self.stream_spans)
         handle = PlanHandle(self, run)
         run.handle = handle
         with self._lock:

@@ -8,6 +8,12 @@ by the store on its own checksum. Once group ``g`` is back for the leading pages
 their loads of that group's layers start, and ``wait_layer(i)`` on the plan waits for the
 group of layer ``i`` only: the prefill's first layers run while later ones are still read.
 
+The groups are read in spans (`read_spans`): the first group alone, then each span as many
+groups as were read before it (of 8 groups: 1, 1, 2, 4), each span one ranged read of each
+page and one load, so the prefill's first layers wait for one group while the reads and loads
+number a few per page instead of one per group (with ``spans=False``, or a store whose
+``batch_get_layers`` takes no ``through``: one span per group).
+
 A page is read only once every group of it came back. The first group is read as a whole
 read is (batches in order until one with a miss); later groups read the pages still good.
 Only the leading run of good pages is loaded. A page whose later group missed has had its
@@ -20,6 +26,7 @@ hangs on them.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 import time
@@ -36,9 +43,36 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvtier.cache")
 
-__all__ = ["stream_groups", "Stream", "StreamTask"]
+__all__ = ["stream_groups", "read_spans", "takes_through", "Stream", "StreamTask"]
 
 Groups = tuple[tuple[int, int], ...]
+
+
+def takes_through(store: L3Store | None) -> bool:
+    """Whether ``store.batch_get_layers`` takes ``through`` (reads a span of groups as one
+    range): declared by its signature; a store written before spans reads one group a call."""
+    fn = getattr(store, "batch_get_layers", None)
+    if fn is None:
+        return False
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return "through" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def read_spans(n: int, doubling: bool = True) -> list[tuple[int, int]]:
+    """The spans ``(first, last)`` (inclusive) that ``n`` groups are read in: doubling, the
+    first group alone and then each span as many groups as came before it; else one span per
+    group."""
+    if not doubling:
+        return [(g, g) for g in range(n)]
+    spans, at = [], 0
+    while at < n:
+        last = min(n, at + max(1, at)) - 1
+        spans.append((at, last))
+        at = last + 1
+    return spans
 
 
 def stream_groups(store: L3Store | None, engine: TransferEngine, num_layers: int
@@ -71,8 +105,10 @@ def stream_groups(store: L3Store | None, engine: TransferEngine, num_layers: int
 class Stream:
     """A streamed plan's state on its `Run`: each group's loads and whether they started."""
 
-    def __init__(self, run: "Run", groups: Groups):
+    def __init__(self, run: "Run", groups: Groups, spans: bool = True):
         self.groups = groups
+        #: The spans the groups are read and loaded in (`read_spans`).
+        self.spans = read_spans(len(groups), spans)
         p = run.plan
         read_of = {hp: j for j, (_, hp) in enumerate(p.l3_reads)}
         #: The read feeding each of the plan's loads from L3 (`Run.late_loads`).
@@ -131,9 +167,9 @@ class StreamTask(StoreTask):
         complete = False
         failed_calls = 0
         try:
-            for g in range(len(st.groups)):
-                # group 0 as a whole read: batches in order until one with a miss; later
-                # groups: the pages still alive among those
+            for g, h in st.spans:
+                # the first span as a whole read: batches in order until one with a miss;
+                # later spans: the pages still alive among those
                 cand = list(range(n)) if g == 0 else [j for j in range(tried) if alive[j]]
                 cut = False
                 for s in range(0, len(cand), batch):
@@ -143,7 +179,8 @@ class StreamTask(StoreTask):
                     js = cand[s:s + batch]
                     kb, pb = [keys[j] for j in js], [pages[j] for j in js]
                     self._calling(pb)
-                    ok = io.call("batch_get_layers", fn, kb, pb, g, task=self,
+                    args = (kb, pb, g) if g == h else (kb, pb, g, h)
+                    ok = io.call("batch_get_layers", fn, *args, task=self,
                                  check=lambda r, c=len(kb): isinstance(r, list) and len(r) == c)
                     self._calling([])
                     if self._stop():
@@ -164,7 +201,7 @@ class StreamTask(StoreTask):
                 if cut:
                     break
                 good = first_miss(alive, n)       # the leading run: only it is loaded
-                start_group(ex, run, g, good)
+                start_group(ex, run, (g, h), good)
                 if not any(alive):
                     break
             else:
@@ -191,45 +228,53 @@ class StreamTask(StoreTask):
         super().abort(cancelled)
 
 
-def start_group(ex: "CacheExecutor", run: "Run", g: int, good: int) -> None:
-    """Group ``g`` of a streamed plan's L3 reads came back for its leading ``good`` pages:
-    start those pages' loads of the group's layers (on the reading thread)."""
+def start_group(ex: "CacheExecutor", run: "Run", span: tuple[int, int], good: int) -> None:
+    """Groups ``span[0]`` through ``span[1]`` of a streamed plan's L3 reads came back for
+    its leading ``good`` pages: start those pages' loads of the span's layers (on the reading
+    thread)."""
     st = run.stream
     assert st is not None
-    st.good_at[g] = good
+    g, h = span
+    for k in range(g, h + 1):
+        st.good_at[k] = good
     idx = [i for i, j in st.read_of.items() if j < good]
     if not idx:
-        st.started[g].set()
+        for k in range(g, h + 1):
+            st.started[k].set()
         return
     p = run.plan
     with ex._lock:
         run.parts += 1
     t0 = time.perf_counter()
+    layers = (st.groups[g][0], st.groups[h][1])
     try:
-        h = ex.engine.load([p.loads[i][0] for i in idx], [p.loads[i][1] for i in idx],
-                           layers=st.groups[g])
+        hd = ex.engine.load([p.loads[i][0] for i in idx], [p.loads[i][1] for i in idx],
+                            layers=layers)
     except Exception as exc:
         log.warning("kvtier executor: a streamed load failed to start: %s", exc)
-        st.started[g].set()
-        group_loaded(ex, run, g, idx, exc)
+        for k in range(g, h + 1):
+            st.started[k].set()
+        group_loaded(ex, run, span, idx, exc)
         return
-    st.handles[g].append(h)
-    st.started[g].set()
-    ex._completer.submit(h, lambda err: group_loaded(ex, run, g, idx, err, h, t0))
+    for k in range(g, h + 1):
+        st.handles[k].append(hd)
+        st.started[k].set()
+    ex._completer.submit(hd, lambda err: group_loaded(ex, run, span, idx, err, hd, t0))
 
 
-def group_loaded(ex: "CacheExecutor", run: "Run", g: int, idx: list[int],
+def group_loaded(ex: "CacheExecutor", run: "Run", span: tuple[int, int], idx: list[int],
                  err: BaseException | None, handle: TransferHandle | None = None,
                  t0: float = 0.0) -> None:
-    """A group's loads landed: a load is done once every group of it has."""
+    """A span's loads landed: a load is done once every group of it has."""
     st = run.stream
     assert st is not None
+    g, h = span
     try:
         if err is None:
             whole = []
             with st.lock:
                 for i in idx:
-                    st.loaded[i] += 1
+                    st.loaded[i] += h - g + 1
                     if st.loaded[i] == len(st.groups):
                         whole.append(i)
             for i in whole:
@@ -238,7 +283,8 @@ def group_loaded(ex: "CacheExecutor", run: "Run", g: int, idx: list[int],
             if handle is not None:
                 spec = ex.host_pool.spec
                 ex.cost.observe_load(
-                    group_bytes(spec.page_bytes, spec.num_layers, st.groups[g], len(idx)),
+                    group_bytes(spec.page_bytes, spec.num_layers,
+                                (st.groups[g][0], st.groups[h][1]), len(idx)),
                     load_seconds(handle, t0))
         else:
             ex.metrics_registry.add("transfer_errors")

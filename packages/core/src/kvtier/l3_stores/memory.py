@@ -90,25 +90,19 @@ class MemoryStore(L3Store):
         return self._groups
 
     def batch_get_layers(self, keys: Sequence[bytes], host_pages: Sequence[int],
-                         group: int) -> list[bool]:
-        """Copy layer group ``group`` of each key into its host page (the page's other bytes
-        untouched). Objects are held in this process and never change once stored, so no
-        checksum is needed; a page read group by group is one version of the key: a group
-        continuing a page whose earlier groups came from an object since replaced is a miss
-        (counted ``ranged_version_changes``)."""
+                         group: int, through: int | None = None) -> list[bool]:
+        """Copy layer groups ``group`` through ``through`` (default: ``group`` alone) of each
+        key into its host page (the page's other bytes untouched). Objects are held in this
+        process and never change once stored, so no checksum is needed; a page read group by
+        group is one version of the key: a range continuing a page whose earlier groups came
+        from an object since replaced is a miss (counted ``ranged_version_changes``)."""
         pages = self._check_batch(keys, host_pages, distinct_pages=True)
         groups = self.read_groups()
-        if isinstance(group, bool) or not isinstance(group, int) \
-                or not 0 <= group < len(groups):
-            from ..errors import InvalidArgumentError
-            raise InvalidArgumentError(f"memory: group must be an int in [0, "
-                                       f"{len(groups)}), got {group!r}",
-                                       argument="group", value=group)
+        through = self._check_span(group, through, len(groups))
         self._live()
         per_layer = self.spec.page_bytes // self.spec.num_layers
-        lo, hi = groups[group]
-        a, b = lo * per_layer, hi * per_layer
-        last = group == len(groups) - 1
+        a, b = groups[group][0] * per_layer, groups[through][1] * per_layer
+        last = through == len(groups) - 1
         out = []
         changed = 0
         for k, p in zip(keys, pages):
@@ -124,7 +118,7 @@ class MemoryStore(L3Store):
                     if last:
                         self._objects.move_to_end(k)
                     else:
-                        self._reading[p] = (k, group, version)
+                        self._reading[p] = (k, through, version)
             if obj is None:
                 out.append(False)
                 continue

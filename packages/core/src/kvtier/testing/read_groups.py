@@ -5,7 +5,8 @@ A store whose ``read_groups()`` is empty reads whole pages only: ``batch_get_lay
 typed refusal. A store with groups reads each group into the host page's bytes of those
 layers, bitwise, leaving the page's other bytes alone; a miss leaves the page alone; bad
 arguments are typed errors before anything is touched; a page read group by group while
-another thread overwrites the key is one version written, never a mix.
+another thread overwrites the key is one version written, never a mix. Consecutive groups
+read as one range (``through``) are the same bytes, verified as one.
 """
 
 from __future__ import annotations
@@ -112,6 +113,60 @@ class ReadGroupsContract:
                 store.batch_get_layers(keys, [2, 3], bad)
             assert torch.equal(pool.raw, raw), f"a ranged read of group {bad!r} touched the pool"
 
+    def test_spans_of_groups_read_back_bitwise_as_one_range(self, store, pool, spec):
+        """``through``: groups ``group`` through ``through`` read as one range, into those
+        layers' bytes only, counted as their bytes; the doubling spans of a streamed read and
+        a random span each give the page back bitwise."""
+        groups = _groups_or_refusal(store, pool)
+        if len(groups) < 2:
+            return
+        rng = random.Random(17)
+        n = 4
+        src = rng.sample(range(pool.num_pages), n)
+        dst = rng.sample([p for p in range(pool.num_pages) if p not in src], n)
+        keys = _keys(n, "span")
+        want = [_page(pool, p) for p in src]
+        assert store.batch_set(keys, src) == [True] * n
+        g0 = rng.randrange(len(groups) - 1)
+        g1 = rng.randrange(g0 + 1, len(groups))
+        doubling, at = [], 0
+        while at < len(groups):
+            doubling.append((at, min(len(groups), at + max(1, at)) - 1))
+            at = doubling[-1][1] + 1
+        for spans in (doubling, [(0, g0 - 1)] * (g0 > 0) + [(g0, g1)]
+                      + [(g1 + 1, len(groups) - 1)] * (g1 + 1 < len(groups))):
+            fill_random(pool.raw)
+            before = store.stats()
+            for g, h in spans:
+                a, b = _byte_range(spec, (groups[g][0], groups[h][1]))
+                old = [_page(pool, p) for p in dst]
+                got = store.batch_get_layers(keys, dst, g, through=h)
+                assert got == [True] * n, f"span {g}-{h}: {got}"
+                for j, p in enumerate(dst):
+                    now = _page(pool, p)
+                    assert torch.equal(now[a:b], want[j][a:b]), f"span {g}-{h}: wrong bytes"
+                    assert torch.equal(now[:a], old[j][:a]) and \
+                        torch.equal(now[b:], old[j][b:]), \
+                        f"span {g}-{h}: bytes of host page {p} outside its layers changed"
+            for j, p in enumerate(dst):
+                assert torch.equal(_page(pool, p), want[j]), f"pages read in {spans} differ"
+            assert store.stats()["bytes_read"] - before["bytes_read"] == n * spec.page_bytes
+
+    def test_bad_through_is_a_typed_error_before_anything(self, store, pool) -> None:
+        """``through`` before ``group``, out of range or not an int: InvalidArgumentError,
+        nothing touched."""
+        groups = _groups_or_refusal(store, pool)
+        if len(groups) < 2:
+            return
+        keys = _keys(2)
+        assert store.batch_set(keys, [0, 1]) == [True, True]
+        fill_random(pool.raw)
+        raw = pool.raw.clone()
+        for group, bad in ((1, 0), (0, len(groups)), (0, -1), (0, True), (0, 1.0), (0, "1")):
+            with pytest.raises(InvalidArgumentError):
+                store.batch_get_layers(keys, [2, 3], group, through=bad)
+            assert torch.equal(pool.raw, raw), f"a ranged read through {bad!r} touched the pool"
+
     def test_bad_keys_and_pages_of_a_ranged_read_are_typed_errors(self, store, pool) -> None:
         if not _groups_or_refusal(store, pool):
             return
@@ -136,8 +191,9 @@ class ReadGroupsContract:
 
     def test_group_reads_during_overwrite_are_one_version(self, store, pool, spec) -> None:
         """A thread overwrites a key from pages of random bytes while another reads it group
-        by group into its own page: every group that comes back True holds that range of a
-        version written, and a page whose every group came back True is one version."""
+        by group (every other turn: group 0, then the rest as one range) into its own page:
+        every range that comes back True holds those bytes of a version written, and a page
+        whose every range came back True is one version."""
         groups = _groups_or_refusal(store, pool)
         if not groups:
             return
@@ -150,6 +206,7 @@ class ReadGroupsContract:
         stop = threading.Event()
         errors: list[str] = []
         pages = [0]
+        spans = [(0, 0)] + [(1, len(groups) - 1)] * (len(groups) > 1)   # a page in two reads
 
         def writer() -> None:
             i = 1
@@ -163,16 +220,20 @@ class ReadGroupsContract:
         def reader() -> None:
             try:
                 end = time.monotonic() + 0.5
+                turn = 0
                 while time.monotonic() < end and not errors:
                     whole = True
-                    for g, group in enumerate(groups):
-                        a, b = _byte_range(spec, group)
-                        if store.batch_get_layers([key], [dst], g) != [True]:
+                    turn += 1
+                    for g, h in (spans if turn % 2 else [(g, g) for g in range(len(groups))]):
+                        a, b = _byte_range(spec, (groups[g][0], groups[h][1]))
+                        got_ok = store.batch_get_layers([key], [dst], g) if g == h else \
+                            store.batch_get_layers([key], [dst], g, through=h)
+                        if got_ok != [True]:
                             whole = False
                             break
                         got = _page(pool, dst)[a:b]
                         if not any(torch.equal(got, w[a:b]) for w in want):
-                            errors.append(f"group {g} holds bytes of no version written")
+                            errors.append(f"groups {g}-{h} hold bytes of no version written")
                             return
                     if whole:
                         pages[0] += 1

@@ -319,11 +319,12 @@ class _ObjectFormat(_StoreDirectory):
         finally:
             os.close(fd)
 
-    def _get_group_one(self, item: tuple[bytes, int], group: int, a: int, b: int,
+    def _get_group_one(self, item: tuple[bytes, int], span: tuple[int, int], a: int, b: int,
                        last: bool) -> Marks | None:
-        """Ranged read of layer group ``group`` (payload bytes ``[a, b)``) of one object
-        (``kvtier.l3_stores.file.ranged``): its marks, or None for a miss. A hit of the last
-        group refreshes the object's LRU position as a whole-page hit does."""
+        """Ranged read of layer groups ``span[0]`` through ``span[1]`` (payload bytes
+        ``[a, b)``) of one object (``kvtier.l3_stores.file.ranged``): its marks, or None for
+        a miss. A hit of the last group refreshes the object's LRU position as a whole-page
+        hit does."""
         key, page = item
         sfd, name, rel = self._object_dir(key)
         if sfd < 0:
@@ -342,7 +343,7 @@ class _ObjectFormat(_StoreDirectory):
                     return parse_trailer(raw, self.spec.fingerprint, key, plen,
                                          self._identities, groups=len(self._group_ends))
                 dst, raw = read_group(fd, 0, plen, self._views(page), a, b, direct)
-                marks = check_group(fd, 0, plen, parse(raw), group, dst, a, b, direct, parse)
+                marks = check_group(fd, 0, plen, parse(raw), span, dst, a, b, direct, parse)
                 if last:
                     self._used(fd, rel, st)
                 return marks

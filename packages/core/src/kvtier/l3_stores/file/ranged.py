@@ -13,12 +13,15 @@ and the range copied from there.
 With ``O_DIRECT`` a range whose ends are not 4 KiB aligned is read through an aligned scratch
 block covering it (the page cache is bypassed all the same) and copied into the page.
 
+A read may span several consecutive groups (``batch_get_layers(..., through=h)``): one
+range, checked from the running checksum before its first group to its last group's entry.
+
 One version per page (``PageChains``): a page read group by group is one version of the
-key's object even if another process rewrites the key between two groups. Each group read
+key's object even if another process rewrites the key between two groups. Each range read
 into a host page leaves a mark of the object version it came from (the running checksum at
-the group's end); a group that continues the page (the next group of the same key) counts only
-if its object's running checksum where the group starts equals the mark, so the page's
-earlier groups are that object's bytes too. Otherwise it is a miss (counted
+its last group's end); a range that continues the page (from the next group of the same key)
+counts only if its object's running checksum where the range starts equals the mark, so the
+page's earlier groups are that object's bytes too. Otherwise it is a miss (counted
 ``ranged_version_changes``; not an error).
 """
 
@@ -100,19 +103,23 @@ def read_group(fd: int, base: int, plen: int, views: Sequence[memoryview], a: in
     return dst, bytes(tail[:TRAILER_BYTES])
 
 
-def check_group(fd: int, base: int, plen: int, trailer: Trailer, group: int,
+def check_group(fd: int, base: int, plen: int, trailer: Trailer, span: tuple[int, int],
                 dst: Sequence[memoryview], a: int, b: int, direct: bool,
                 parse: Callable[[bytes], Trailer]) -> Marks:
-    """Verify the range ``read_group`` put in ``dst`` against ``trailer`` (read after it);
-    an object without group checksums is read again whole (``parse`` checks the trailer of
-    that read), verified whole and the range copied into ``dst``. Returns the marks of the
-    object version; raises _Bad or OSError."""
+    """Verify the range ``read_group`` put in ``dst`` (layer groups ``span[0]`` through
+    ``span[1]``) against ``trailer`` (read after it): the running checksum continued from the
+    entry before the first group over the range must give the last group's entry. An object
+    without group checksums is read again whole (``parse`` checks the trailer of that read),
+    verified whole and the range copied into ``dst``. Returns the marks of the object
+    version; raises _Bad or OSError."""
+    first, through = span
     if trailer.group_sums:
         sums = trailer.group_sums
-        start = sums[group - 1] if group else _CHECKSUM_START[trailer.kind_id]
-        if _continue(trailer.kind_id, dst, start) != sums[group]:
-            raise BadRange("corrupted", f"checksum mismatch in layer group {group}")
-        return ("g", start), ("g", sums[group])
+        start = sums[first - 1] if first else _CHECKSUM_START[trailer.kind_id]
+        if _continue(trailer.kind_id, dst, start) != sums[through]:
+            where = f"{first}" if first == through else f"{first}-{through}"
+            raise BadRange("corrupted", f"checksum mismatch in layer group {where}")
+        return ("g", start), ("g", sums[through])
     want = plen + (DIRECT_ALIGN if direct else TRAILER_BYTES)
     buf = _scratch(want, "whole")
     got = _files._pread_all(fd, [buf[:want]], base)
@@ -138,19 +145,20 @@ class PageChains:
         self._lock = threading.Lock()
         self._at: dict[int, tuple[bytes, int, tuple[str, int]]] = {}
 
-    def settle(self, page: int, key: bytes, group: int, last: bool,
+    def settle(self, page: int, key: bytes, span: tuple[int, int], last: bool,
                marks: Marks | None) -> bool | None:
-        """After a ranged read of ``group`` of ``key`` into ``page`` (``marks``: None for a
-        miss): True where it counts, None where it continued the page from another version
-        of the object (a miss), False for a miss."""
+        """After a ranged read of groups ``span[0]`` through ``span[1]`` of ``key`` into
+        ``page`` (``marks``: None for a miss): True where it counts, None where it continued
+        the page from another version of the object (a miss), False for a miss."""
+        first, through = span
         with self._lock:
             prev = self._at.pop(page, None)
             if marks is None:
                 return False
             before, after = marks
-            if group and prev is not None and prev[1] == group - 1 and prev[0] == key \
+            if first and prev is not None and prev[1] == first - 1 and prev[0] == key \
                     and prev[2] != before:
                 return None
             if not last:
-                self._at[page] = (key, group, after)
+                self._at[page] = (key, through, after)
             return True

@@ -218,13 +218,14 @@ class SegmentReads(SegmentCapacity):
             del bufs
             self._release(e)
 
-    def get_group(self, keys: Sequence[bytes], pages: list[int], group: int, a: int, b: int,
-                  last: bool) -> list[Marks | None]:
-        """Ranged reads of layer group ``group`` (payload bytes ``[a, b)``) of each key
-        (``kvtier.l3_stores.file.ranged``): each key's marks, or None for a miss. Runs as
-        ``get``'s (threads, calls in flight); a hit of the last group touches its segment."""
+    def get_group(self, keys: Sequence[bytes], pages: list[int], span: tuple[int, int],
+                  a: int, b: int, last: bool) -> list[Marks | None]:
+        """Ranged reads of layer groups ``span[0]`` through ``span[1]`` (payload bytes
+        ``[a, b)``) of each key (``kvtier.l3_stores.file.ranged``): each key's marks, or None
+        for a miss. Runs as ``get``'s (threads, calls in flight); a hit of the last group
+        touches its segment."""
         out: list[Marks | None] = [None] * len(keys)
-        part = (group, a, b, last)
+        part = (span, a, b, last)
         for done in self.s._map(lambda w: self._read_run_group(w, *part),
                                 self._runs(keys, pages)):
             for i, marks in done:
@@ -232,7 +233,7 @@ class SegmentReads(SegmentCapacity):
         return out
 
     def _read_run_group(self, item: tuple[str, list[tuple[int, int, bytes, int]]],
-                        group: int, a: int, b: int, last: bool
+                        span: tuple[int, int], a: int, b: int, last: bool
                         ) -> list[tuple[int, Marks]]:
         seg, run = item
         s = self.s
@@ -266,7 +267,7 @@ class SegmentReads(SegmentCapacity):
                         with self._lock:
                             self._forget_if(digest, seg, slot)
                         continue
-                    marks = check_group(fd, slot * self.slot_bytes, plen, parse(raw), group,
+                    marks = check_group(fd, slot * self.slot_bytes, plen, parse(raw), span,
                                         dst, a, b, direct, parse)
                 except _Bad as bad:
                     # a damaged range: the slot's other groups may still read, unless it is

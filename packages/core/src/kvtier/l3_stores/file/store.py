@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal, Sequence
 
-from ...errors import ConfigError, InvalidArgumentError, StoreError
+from ...errors import ConfigError, StoreError
 from ...interfaces import INTERFACE_VERSION, Availability
 from ...layout import PAGE_FIRST, page_ranges
 from . import _files
@@ -358,30 +358,30 @@ class FileStore(_ObjectFormat):
 
     @_in_use
     def batch_get_layers(self, keys: Sequence[bytes], host_pages: Sequence[int],
-                         group: int) -> list[bool]:
-        """Read layer group ``group`` of each key into its host page, verified on the group's
-        own checksum (``kvtier.l3_stores.file.ranged``); counted ``ranged_reads`` and
-        ``ranged_hits`` (key-groups), in ``bytes_read``, and as a page's ``gets`` (its first
-        group) and ``get_hits`` (a hit of its last group); the last group of a hit
-        refreshing the object's LRU position as ``batch_get`` does."""
+                         group: int, through: int | None = None) -> list[bool]:
+        """Read layer groups ``group`` through ``through`` (default: ``group`` alone) of each
+        key into its host page as one range, verified on the groups' running checksum
+        (``kvtier.l3_stores.file.ranged``); counted ``ranged_reads`` and ``ranged_hits``
+        (key-ranges), in ``bytes_read``, and as a page's ``gets`` (its first group) and
+        ``get_hits`` (a hit of its last group); the last group of a hit refreshing the
+        object's LRU position as ``batch_get`` does."""
         self._check_open()
         pages = self._check_batch(keys, host_pages, distinct_pages=True)
         n = len(self.read_groups())
-        if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < n:
-            raise InvalidArgumentError(f"file: group must be an int in [0, {n}), got "
-                                       f"{group!r}", argument="group", value=group)
+        through = self._check_span(group, through, n)
         a = self._group_ends[group - 1] if group else 0
-        b = self._group_ends[group]
-        last = group == n - 1
+        b = self._group_ends[through]
+        last = through == n - 1
+        span = (group, through)
         if self._seg is not None:
-            marks = self._seg.get_group(keys, pages, group, a, b, last)
+            marks = self._seg.get_group(keys, pages, span, a, b, last)
         else:
-            marks = self._map(functools.partial(self._get_group_one, group=group, a=a, b=b,
+            marks = self._map(functools.partial(self._get_group_one, span=span, a=a, b=b,
                                                 last=last), list(zip(keys, pages)))
         out = []
         changed = 0
         for key, page, m in zip(keys, pages, marks):
-            ok = self._chains.settle(page, key, group, last, m)
+            ok = self._chains.settle(page, key, span, last, m)
             changed += ok is None
             out.append(bool(ok))
         if last and self._seg is None:
