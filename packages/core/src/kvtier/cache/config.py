@@ -117,17 +117,17 @@ class CacheConfig:
     #: as it lands, so a prefill's first layers start before the whole read is done, where
     #: the store reads layer ranges (`L3Store.read_groups`) and the transfer engine loads
     #: them (``layer_ranges``). False (the default): a load waits for its pages' whole L3
-    #: read. Off by default: on an H100 and an H200 (8B, bf16) it won on long context with a
-    #: tmpfs L3 (1.13x -> 1.5x over L1 only) but lost on multi-turn (1.7-1.8x -> 1.4-1.5x)
-    #: and made a disk L3 slower than none (0.98-1.25x against L1+L2's 1.56-1.59x):
-    #: records/demo-stream.md.
+    #: read. Off by default: on an H100 (8B, bf16, file L3 on tmpfs, 0.1 ms switch interval)
+    #: streamed reads ran beside the prefill at 11-13 GB/s against whole reads' 19-21 before
+    #: it, tying them on long context (2.13-2.14x over L1 only) and trailing on multi-turn
+    #: (2.10-2.15x against 2.23-2.29x); at 5 ms a disk L3 streamed was slower than none
+    #: (0.98-1.25x against L1+L2's 1.56-1.59x): records/demo-stream.md.
     l3_stream_layers: bool = False
     #: Stream a fetch's L3 pages only when their whole read would take at least this long
     #: at the measured L3 rate of whole reads (0: always; rate not measured yet: read
     #: whole). A streamed prefill waits layer group by layer group, and its reads run beside
-    #: it: on an H100 (8B, bf16, file L3 on tmpfs) the groups came 3x slower than whole
-    #: reads, and streaming lost 1.7x -> 1.4x on multi-turn (whole reads of ~7 ms) while it
-    #: won 1.13x -> 1.4-1.5x on long context (reads of hundreds of ms).
+    #: it: on an H100 (8B, bf16, file L3 on tmpfs) they ran at 55-65% of the rate of whole
+    #: reads, so a short read (multi-turn: ~8 ms) gains less from the overlap than it loses.
     l3_stream_min_read_s: float = 0.1
     #: Streamed reads: read a page's layer groups in doubling spans, the first group alone and
     #: then each span as many groups as came before it (of 8 groups: 1, 1, 2, 4), one ranged
