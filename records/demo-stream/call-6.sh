@@ -14,15 +14,9 @@ el store
 for N in 28 112; do echo "== $N pages"; N=$N T=8 timeout $(lim 60) python3 records/demo-stream/groups_bench.py; done 2>&1 | tee $R/store.txt
 printf '[cache]\nl3_stream_layers = true\nl3_stream_min_read_s = 0\n' > /tmp/stream.toml
 printf '[cache]\nl3_stream_layers = true\nl3_stream_min_read_s = 0\nl3_stream_spans = false\n' > /tmp/groups.toml
-case_(){ # name, workload args, default|stream|groups, seconds
-  el $1
-  case $3 in stream) export KVTIER_CONFIG=/tmp/stream.toml;; groups) export KVTIER_CONFIG=/tmp/groups.toml;; *) unset KVTIER_CONFIG;; esac
-  rm -rf /dev/shm/kvf; timeout $(lim $4) $D $2 --setups "$S" --l3-config "$FT" --out $R/$1 > $R/$1.log 2>&1; echo rc=$?
-  rm -rf /dev/shm/kvf; unset KVTIER_CONFIG; tab $R/$1.log
-}
-case_ mt-whole "" default 60
-case_ mt-spans "" stream 60
-case_ long-whole "$L" default 90
-case_ long-spans "$L" stream 90
-case_ mt-groups "" groups 60
+run_ mt-whole "" "" 60
+run_ mt-spans "" /tmp/stream.toml 60
+run_ long-whole "$L" "" 90
+run_ long-spans "$L" /tmp/stream.toml 90
+run_ mt-groups "" /tmp/groups.toml 60
 el done

@@ -9,16 +9,10 @@
 # From the repository root with the wheels in .whl: B=330 bash records/demo-stream/call-7.sh
 rm -rf /tmp/res; . records/demo-stream/common.sh
 printf '[cache]\nl3_stream_layers = true\nl3_stream_min_read_s = 0\n' > /tmp/stream.toml
-case_(){ # name, workload args, default|stream, seconds
-  el $1
-  if [ "$3" = stream ]; then export KVTIER_CONFIG=/tmp/stream.toml; else unset KVTIER_CONFIG; fi
-  rm -rf /dev/shm/kvf; timeout $(lim $4) $D $2 --setups "$S" --l3-config "$FT" --out $R/$1 > $R/$1.log 2>&1; echo rc=$?
-  rm -rf /dev/shm/kvf; unset KVTIER_CONFIG; tab $R/$1.log
-}
-case_ long-spans "$L" stream 90
-case_ long-whole "$L" default 90
-case_ mt-spans "" stream 60
-case_ mt-whole "" default 60
+run_ long-spans "$L" /tmp/stream.toml 90
+run_ long-whole "$L" "" 90
+run_ mt-spans "" /tmp/stream.toml 60
+run_ mt-whole "" "" 60
 el transfer
 timeout $(lim 120) $K bench transfer --mib 256 --repeat 5 --engines nvidia-routed,nvidia-copy-engine,nvidia-tma --cases mla-p16,mha-32k --modes layer --directions h2d,d2h --json $R/transfer.json > $R/transfer.log 2>&1; echo rc=$?
 grep -v "^\s*$" $R/transfer.log | tail -30

@@ -21,3 +21,9 @@ one(){ # name, workload args, default|whole|always, setups, l3 config, seconds
   rm -rf /dev/shm/kvf /tmp/kvd; timeout $(lim $6) $D $2 --setups "$4" --l3-config "$5" --out $R/$1 > $R/$1.log 2>&1; echo rc=$?
   rm -rf /dev/shm/kvf /tmp/kvd; unset KVTIER_CONFIG; tab $R/$1.log
 }
+run_(){ # name, workload args, config file (or "" for the defaults), seconds: one demo run
+  el $1
+  if [ -n "$3" ]; then export KVTIER_CONFIG=$3; else unset KVTIER_CONFIG; fi
+  rm -rf /dev/shm/kvf; timeout $(lim $4) $D $2 --setups "$S" --l3-config "$FT" --out $R/$1 > $R/$1.log 2>&1; echo rc=$?
+  rm -rf /dev/shm/kvf; unset KVTIER_CONFIG; tab $R/$1.log
+}

@@ -98,6 +98,37 @@ class Rig:
             out.append((key, self.host.page_bytes_view(hp).clone()))
         return out
 
+    def first_group_then_rest(self, plan, objs, dev, hi: int) -> None:
+        """With group 1 held back, the plan's layers below ``hi`` (group 0) load and the rest
+        stay as they were; released, every page lands bitwise and the result is good."""
+        before = [self.dpool.page_bytes(d).clone() for d in dev]
+        self.store.gates[1].clear()
+        h = self.ex.submit(plan)
+        assert self.ex.wait_layer(plan.plan_id, hi - 1, timeout=5) is None
+        for (_, want), d, old in zip(objs, dev, before):
+            got = self.dpool.page_bytes(d)
+            assert torch.equal(layers(got, 0, hi), layers(want, 0, hi))
+            assert torch.equal(layers(got, hi, 5), layers(old, hi, 5))   # not yet
+        assert not h.done()
+        self.store.gates[1].set()
+        h.synchronize()
+        res = self.ex.poll()[0]
+        n = len(objs)
+        assert res.ok and res.l3_reads == (True,) * n and res.loads == (True,) * n
+        for (_, want), d in zip(objs, dev):
+            assert torch.equal(self.dpool.page_bytes(d), want)
+
+    def failing(self, plan, why: str):
+        """Submit ``plan``, whose loads fail for ``why``: a waiter for every layer is told
+        (while the result is held back), then the plan's result."""
+        hold, got = threading.Event(), []
+        h = self.ex.submit(plan, on_done=lambda res: (got.append(res), hold.wait(5)))
+        err = self.ex.wait_layer(plan.plan_id, None, timeout=5)
+        assert isinstance(err, TransferError) and why in str(err)
+        hold.set()
+        h.synchronize()
+        return got[0]
+
     def plan(self, pid: int, objs, n_dev: int | None = None):
         hps = self.rng.sample(range(19), len(objs))
         dev = self.rng.sample(range(17), len(objs) if n_dev is None else n_dev)
@@ -110,21 +141,7 @@ def test_the_first_group_loads_while_later_groups_are_still_read():
     assert r.ex.read_groups == GROUPS and r.ex.stream_why_not == ""
     objs = r.put(5)
     plan, dev = r.plan(3, objs)
-    before = [r.dpool.page_bytes(d).clone() for d in dev]
-    r.store.gates[1].clear()                       # group 1 waits
-    h = r.ex.submit(plan)
-    assert r.ex.wait_layer(3, 1, timeout=5) is None   # layers 0-1 are group 0: loaded
-    for (_, want), d, old in zip(objs, dev, before):
-        got = r.dpool.page_bytes(d)
-        assert torch.equal(layers(got, 0, 2), layers(want, 0, 2))
-        assert torch.equal(layers(got, 2, 5), layers(old, 2, 5))   # not yet
-    assert not h.done()
-    r.store.gates[1].set()
-    h.synchronize()
-    res = r.ex.poll()[0]
-    assert res.ok and res.l3_reads == (True,) * 5 and res.loads == (True,) * 5
-    for (_, want), d in zip(objs, dev):
-        assert torch.equal(r.dpool.page_bytes(d), want)
+    r.first_group_then_rest(plan, objs, dev, 2)      # layers 0-1 are group 0
     # group-major: every batch of group 0, then of group 1, then of group 2
     assert [g for g, _ in r.store.calls] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
     assert r.ex.metrics()["l3_streamed_pages"] == 5
@@ -166,20 +183,7 @@ def test_spans_read_and_load_the_later_groups_in_fewer_calls_bitwise(how):
     assert r.ex.stream_spans == (how == "spans")
     objs = r.put(5)
     plan, dev = r.plan(7, objs)
-    before = [r.dpool.page_bytes(d).clone() for d in dev]
-    r.store.gates[1].clear()                               # group 1 waits
-    h = r.ex.submit(plan)
-    assert r.ex.wait_layer(7, 0, timeout=5) is None         # group 0: layer 0 loaded
-    for (_, want), d, old in zip(objs, dev, before):
-        got = r.dpool.page_bytes(d)
-        assert torch.equal(layers(got, 0, 1), layers(want, 0, 1))
-        assert torch.equal(layers(got, 1, 5), layers(old, 1, 5))
-    r.store.gates[1].set()
-    h.synchronize()
-    res = r.ex.poll()[0]
-    assert res.ok and res.l3_reads == (True,) * 5 and res.loads == (True,) * 5
-    for (_, want), d in zip(objs, dev):
-        assert torch.equal(r.dpool.page_bytes(d), want)
+    r.first_group_then_rest(plan, objs, dev, 1)      # layer 0 is group 0
     want_calls = [0, 0, 1, 1] + ([(2, 3)] * 2 if how == "spans" else [2, 2, 3, 3])
     assert [g for g, _ in r.store.calls] == want_calls
     assert r.ex.metrics()["l3_streamed_pages"] == 5
@@ -193,13 +197,7 @@ def test_a_miss_inside_a_span_fails_that_page_never_wrong_data():
     objs = r.put(4)
     r.store.fail.add((objs[2][0], 3))
     plan, dev = r.plan(8, objs)
-    hold, got = threading.Event(), []
-    h = r.ex.submit(plan, on_done=lambda res: (got.append(res), hold.wait(5)))
-    err = r.ex.wait_layer(8, None, timeout=5)      # a waiter for every layer is told
-    assert isinstance(err, TransferError) and "2 of its pages" in str(err)
-    hold.set()
-    h.synchronize()
-    res = got[0]
+    res = r.failing(plan, "2 of its pages")
     assert res.l3_reads == (True, True, False, True)
     assert res.loads == (True, True, False, False)
     for (_, want), d in zip(objs[:2], dev[:2]):
@@ -213,13 +211,7 @@ def test_a_miss_in_a_later_group_fails_that_page_and_the_rest_never_wrong_data()
     objs = r.put(6)
     plan, dev = r.plan(4, objs)
     r.store.fail.add((objs[3][0], 1))              # page 3's middle group is bad
-    hold, got = threading.Event(), []
-    h = r.ex.submit(plan, on_done=lambda res: (got.append(res), hold.wait(5)))
-    err = r.ex.wait_layer(4, None, timeout=5)      # a waiter for every layer is told
-    assert isinstance(err, TransferError) and "3 of its pages" in str(err)
-    hold.set()
-    h.synchronize()
-    res = got[0]
+    res = r.failing(plan, "3 of its pages")
     # the pages after the miss are read on (as a whole read's batch would) but only the
     # leading run is loaded: a prefix cannot use the rest
     assert res.l3_reads == (True,) * 3 + (False, True, True)
