@@ -120,6 +120,10 @@ class Stream:
         self.loaded = {i: 0 for i in run.late_loads}   # groups of each load that landed
         self.lock = threading.Lock()
 
+    def span_layers(self, span: tuple[int, int]) -> tuple[int, int]:
+        """The layers ``(lo, hi)`` of groups ``span[0]`` through ``span[1]``."""
+        return self.groups[span[0]][0], self.groups[span[1]][1]
+
     def group_of(self, layer: int) -> int:
         for g, (lo, hi) in enumerate(self.groups):
             if lo <= layer < hi:
@@ -246,10 +250,9 @@ def start_group(ex: "CacheExecutor", run: "Run", span: tuple[int, int], good: in
     with ex._lock:
         run.parts += 1
     t0 = time.perf_counter()
-    layers = (st.groups[g][0], st.groups[h][1])
     try:
         hd = ex.engine.load([p.loads[i][0] for i in idx], [p.loads[i][1] for i in idx],
-                            layers=layers)
+                            layers=st.span_layers(span))
     except Exception as exc:
         log.warning("kvtier executor: a streamed load failed to start: %s", exc)
         for k in range(g, h + 1):
@@ -283,8 +286,8 @@ def group_loaded(ex: "CacheExecutor", run: "Run", span: tuple[int, int], idx: li
             if handle is not None:
                 spec = ex.host_pool.spec
                 ex.cost.observe_load(
-                    group_bytes(spec.page_bytes, spec.num_layers,
-                                (st.groups[g][0], st.groups[h][1]), len(idx)),
+                    group_bytes(spec.page_bytes, spec.num_layers, st.span_layers(span),
+                                len(idx)),
                     load_seconds(handle, t0))
         else:
             ex.metrics_registry.add("transfer_errors")

@@ -20,6 +20,7 @@ from typing import Any, Callable
 import pytest
 import torch
 
+from ..cache.stream import read_spans
 from ..errors import InvalidArgumentError, PageIndexError
 from .data import fill_random
 
@@ -129,11 +130,7 @@ class ReadGroupsContract:
         assert store.batch_set(keys, src) == [True] * n
         g0 = rng.randrange(len(groups) - 1)
         g1 = rng.randrange(g0 + 1, len(groups))
-        doubling, at = [], 0
-        while at < len(groups):
-            doubling.append((at, min(len(groups), at + max(1, at)) - 1))
-            at = doubling[-1][1] + 1
-        for spans in (doubling, [(0, g0 - 1)] * (g0 > 0) + [(g0, g1)]
+        for spans in (read_spans(len(groups)), [(0, g0 - 1)] * (g0 > 0) + [(g0, g1)]
                       + [(g1 + 1, len(groups) - 1)] * (g1 + 1 < len(groups))):
             fill_random(pool.raw)
             before = store.stats()
