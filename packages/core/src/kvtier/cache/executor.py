@@ -45,7 +45,7 @@ from .inplace import InPlace, wait_staged
 from .keying import make_keyer
 from .lifecycle import set_switch_interval
 from .parts import Parts, build_parts
-from .l3io import L3IO
+from .l3io import L3IO, first_miss
 from .plans import Plan, PlanResult
 from .runs import PlanHandle, PlanIds, Run, StoreTask, close_one
 from .stream import Stream, StreamTask, handles_for, stream_groups, takes_through, wait_started
@@ -157,7 +157,8 @@ class CacheExecutor:
     # ----- plans ------------------------------------------------------------------------------
     def submit(self, plan: Plan, *, on_done: Callable[[PlanResult], None] | None = None,
                on_read: Callable[[int, int, list[bool] | None], None] | None = None,
-               stop: Callable[[], bool] | None = None, two_part: bool = False) -> PlanHandle:
+               stop: Callable[[], bool] | None = None, two_part: bool = False,
+               whole_reads: bool = False) -> PlanHandle:
         """Start ``plan``; a malformed plan, or one whose id was submitted before (running,
         finished or polled long ago), raises before anything starts.
 
@@ -174,10 +175,13 @@ class CacheExecutor:
         as `PlanResult` describes (``writes_pending``): the first as soon as everything but
         the writes is done (its backed-up pages can serve hits; `wait_backups` waits for
         it), the second with the writes. A plan whose writes do not outlast the rest is
-        reported in one result."""
+        reported in one result.
+
+        ``whole_reads``: the plan's L3 reads feeding loads are read whole even where this
+        executor streams them, each batch's loads starting as it lands."""
         self._validate(plan)
         run = Run(plan, on_done, on_read, stop, two_part)
-        if self.read_groups and run.late_loads:
+        if self.read_groups and run.late_loads and not whole_reads:
             run.stream = Stream(run, self.read_groups, self.stream_spans)
         handle = PlanHandle(self, run)
         run.handle = handle
@@ -390,6 +394,26 @@ class CacheExecutor:
         run.handles.append(h)      # loads_started is set once every load has its handle
         self._completer.submit(h, lambda err: self._loads_done(run, idx, err, h, t0))
 
+    def _start_late_loads(self, run: Run, *, final: bool = False) -> None:
+        """Start the loads of the plan's leading run of L3 reads that came back, where not
+        started yet: each batch's loads start as it lands, beside the next batch's read, so
+        a load waits for little more than its last batch (a stream starts its loads group by
+        group instead). A read after a miss feeds no load: the device pages past a prefix
+        stay the engine's, and nothing may still be writing into them. ``final``: the reads
+        are over; none start after this."""
+        if run.stream is not None:
+            return
+        with run.late_lock:
+            if run.late_closed:
+                return
+            lead = first_miss(run.reads, len(run.reads))
+            idx = [run.load_of_read[j] for j in range(run.late_started, lead)
+                   if j in run.load_of_read]
+            run.late_started = max(run.late_started, lead)
+            run.late_closed = final
+            if idx:
+                self._start_loads(run, idx)
+
     def _loads_done(self, run: Run, idx: list[int], err: BaseException | None,
                     handle: TransferHandle | None = None, t0: float = 0.0) -> None:
         try:
@@ -492,10 +516,7 @@ class CacheExecutor:
 
     def _part_done(self, run: Run, part: str) -> None:
         if part == "reads" and run.late_loads and run.stream is None:
-            ok_hp = {hp for (_, hp), ok in zip(run.plan.l3_reads, run.reads) if ok}
-            idx = [i for i in run.late_loads if run.plan.loads[i][0] in ok_hp]
-            if idx:
-                self._start_loads(run, idx)
+            self._start_late_loads(run, final=True)
             run.load_group_started()
         interim = None
         with self._cv:

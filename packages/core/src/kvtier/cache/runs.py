@@ -99,6 +99,14 @@ class Run:
         backup_hp = {hp for _, hp in plan.backups}
         self.late_loads = [i for i, (hp, _) in enumerate(plan.loads) if hp in read_hp]
         self.now_loads = [i for i, (hp, _) in enumerate(plan.loads) if hp not in read_hp]
+        #: Outside a stream, the loads L3 reads feed start batch by batch as the reads land
+        #: (`CacheExecutor._start_late_loads`): the load fed by each read, how many leading
+        #: reads have their loads started, and whether the reads are over (none start then).
+        read_at = {hp: j for j, (_, hp) in enumerate(plan.l3_reads)}
+        self.load_of_read = {read_at[plan.loads[i][0]]: i for i in self.late_loads}
+        self.late_started = 0
+        self.late_closed = False
+        self.late_lock = threading.Lock()
         #: Groups of loads still to start (the ones from L2 at once, the ones L3 reads feed
         #: after them): `wait_layer` waits until every load has its handle.
         self._to_start = 1 + bool(self.late_loads)
@@ -193,6 +201,8 @@ class StoreTask:
                           count - sum(got))
                 if self.is_read and self.run_.on_read is not None:
                     self.run_.on_read(self.idx[start], count, got)
+                if self.is_read and self.run_.late_loads:
+                    self.ex._start_late_loads(self.run_)     # this batch's loads start now
             if self.is_read and not self._gave_up and tried < len(keys):
                 m.add("l3_read_skipped_pages", len(keys) - tried)   # after a miss, or L3 off
         finally:
@@ -245,6 +255,13 @@ class PlanHandle(TransferHandle):
         #: Its L3 reads' streaming state (`kvtier.cache.stream.Stream`), or None.
         self.stream = run.stream
         self.result: PlanResult | None = None
+        self._run = run
+
+    def read_lead(self, timeout: float | None = None) -> int:
+        """Wait until the plan's L3 reads are over and every load they feed has started
+        (outside a stream); how many leading reads came back, each feeding its load."""
+        self._run.loads_started.wait(timeout)
+        return self._run.late_started
 
     def wait_layer(self, layer: int) -> None:
         self._ex.wait_layer(self.plan_id, layer)
