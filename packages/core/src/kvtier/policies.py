@@ -111,6 +111,8 @@ class PrefetchPolicy:
     """How long a fetch waits for pages still coming from L3, and when L3 is consulted."""
 
     name: ClassVar[str] = ""
+    #: A fetch waits for every page still coming from L3 (no budget).
+    waits_for_all: ClassVar[bool] = False
     min_tokens: int = 0
 
     def __post_init__(self) -> None:
@@ -140,6 +142,7 @@ class BestEffort(PrefetchPolicy):
 @dataclass(frozen=True)
 class WaitComplete(PrefetchPolicy):
     name: ClassVar[str] = "wait_complete"
+    waits_for_all: ClassVar[bool] = True
 
     def wait_budget_s(self, num_tokens: int) -> float:
         return math.inf

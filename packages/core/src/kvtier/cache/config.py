@@ -134,6 +134,19 @@ class CacheConfig:
     #: read and one load per span, so the prefill still waits for one group at first while a
     #: page costs 4 reads instead of 8. False: one read and one load per group.
     l3_stream_spans: bool = True
+    #: A fetch that reads its L3 pages whole (not streamed, not in place) reads them in the
+    #: plan that loads them: the L2 hit's load starts at once, and each batch of
+    #: ``l3_batch_pages`` L3 pages is loaded (every layer) as it lands, while the next batch
+    #: is read, so the prefill starts with most of its pages in place instead of loading
+    #: them beside it. Only under the ``wait_complete`` prefetch policy, and where no earlier
+    #: `prefetch` started the read (the fetch then waits for it and loads after). False (the
+    #: default): the fetch waits for the whole read, then loads layer by layer beside the
+    #: prefill. Off by default: on an H100 and an H200 (8B, bf16, file L3 on tmpfs) the
+    #: prefill of a long-context request fell to within a few ms of the ideal's, but the
+    #: fetch grew by as much (each batch's loads are queued between two store calls, and the
+    #: last batch's is waited for): 68-73% of the measured ideal either way on long context,
+    #: 70-72% against 72-74% on multi-turn (records/demo-load-while-reading.md).
+    l3_load_while_reading: bool = False
     #: The interpreter's thread switch interval in seconds (``sys.setswitchinterval``), set
     #: for the whole process when the data path is built; None (the default) leaves it.
     #: kvtier's threads run Python beside the engine's, and where the engine launches its

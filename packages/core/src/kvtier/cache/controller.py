@@ -291,10 +291,14 @@ class TieredKVCache:
             self._wait_stage(match, n3_want)
         n_direct = n3_want if direct is not None else 0
         stream = None
-        if n3_want and streams and match.read is None:
-            # the read runs in the load's own plan, layer group by layer group
+        chained = False
+        if n3_want and direct is None and match.read is None and (streams or self._chains):
+            # the read runs in the load's own plan: layer group by layer group (streamed), or
+            # batch by batch, each batch's load starting as it lands while the next is read
             stream = l3tasks.stream_task(self, match,
-                                         self.cost.first_read_cap(n3_want, self.spec.page_bytes))
+                                         self.cost.first_read_cap(n3_want, self.spec.page_bytes),
+                                         wait_room=not streams)
+            chained = stream is not None and not streams
         elif n3_want and direct is None:
             l3tasks.start_read(self, match, self.cost.first_read_cap(n3_want, self.spec.page_bytes))
             l3tasks.wait_read(self, match, n3_want)
@@ -325,7 +329,7 @@ class TieredKVCache:
                 booked = (lambda res: self._fetch_booked(box, res)) if stream is None else \
                     (lambda res: self._stream_booked(stream, box, res))
                 try:
-                    ph = self._ex.submit(plan, on_done=booked,
+                    ph = self._ex.submit(plan, on_done=booked, whole_reads=chained,
                                          stop=None if stream is None else lambda: stream.cancelled)
                 except BaseException:
                     match.take_back_l2(nodes)
@@ -336,7 +340,9 @@ class TieredKVCache:
         # a streamed read: how many leading L3 pages load is known once the first layer
         # group is back (the prefill could not start before it anyway); waited for unlocked
         n_stream = 0
-        if ph is not None and ph.stream is not None:
+        if ph is not None and chained:
+            n_stream = ph.read_lead()     # its loads have started (most have landed)
+        elif ph is not None and ph.stream is not None:
             n_stream = ph.stream.first_group()
             if n_stream:          # what the wait cost beyond the first group's bytes
                 st = ph.stream
@@ -392,6 +398,21 @@ class TieredKVCache:
         task.done(res)
         if not res.released_host_pages:
             self._fetch_booked(box, res)
+
+    @property
+    def reads_in_fetch(self) -> bool:
+        """Does a fetch read its L3 pages itself, in the plan that loads them, so each
+        batch's load starts as it lands (`CacheConfig.l3_load_while_reading`)? Where an
+        earlier `prefetch` started the read, the fetch waits for it and loads after; an
+        engine that would call `prefetch` just before `fetch` leaves it to the fetch. Only
+        under a prefetch policy that waits for every page (a fetch that stopped waiting
+        would hand back device pages a late batch could still load into)."""
+        return self.streams_l3 or self._chains
+
+    @property
+    def _chains(self) -> bool:
+        return self.config.l3_load_while_reading and self._in_place is None and \
+            self._l3 is not None and self.prefetch_policy.waits_for_all
 
     @property
     def streams_l3(self) -> bool:

@@ -220,6 +220,31 @@ def probe_read(c: "TieredKVCache", keys: list[bytes]) -> None:
             c.host_pool.free(pages)
 
 
+def _new_task(c: "TieredKVCache", match: "Match", want: int, *, wait_room: bool
+              ) -> ReadTask | None:
+    """A `ReadTask` for the match's first ``want`` L3 pages, attached to it, into new host
+    pages: fewer where L2 has no room (counted; none: the task is finished), room L2 is
+    writing back to L3 waited for with ``wait_room``. None where another read started or
+    the match was released meanwhile."""
+    with c._lock:
+        pages = eviction.alloc_host(c, want)
+        wait = wait_room and len(pages) < want and eviction.writes_back(c)
+    if wait:
+        eviction.wait_writebacks(c)
+    with c._lock:
+        if wait:
+            pages += eviction.alloc_host(c, want - len(pages))
+        if match.read is not None or match.released:      # raced with another prefetch
+            c.host_pool.free(pages)
+            return None
+        if len(pages) < want:
+            c.metrics_registry.add("prefetch_no_space_pages", want - len(pages))
+        task = ReadTask(c, match, pages)
+        match.attach_read(task)
+        task.finished = not pages
+        return task
+
+
 def start_read(c: "TieredKVCache", match: "Match", limit: int | None = None) -> None:
     """Start reading the match's L3 run (its first ``limit`` pages) into new host pages
     (idempotent). Room that L2 is writing back to L3 (write_back) is waited for, not
@@ -230,24 +255,10 @@ def start_read(c: "TieredKVCache", match: "Match", limit: int | None = None) -> 
         want = match.l3_count if limit is None else min(limit, match.l3_count)
         if want <= 0:
             return
-        pages = eviction.alloc_host(c, want)
-        wait = len(pages) < want and eviction.writes_back(c)
-    if wait:
-        eviction.wait_writebacks(c)
-    with c._lock:
-        if wait:
-            pages += eviction.alloc_host(c, want - len(pages))
-        if match.read is not None or match.released:      # raced with another prefetch
-            c.host_pool.free(pages)
-            return
-        if len(pages) < want:
-            c.metrics_registry.add("prefetch_no_space_pages", want - len(pages))
-        task = ReadTask(c, match, pages)
-        match.attach_read(task)
-        if not pages:
-            task.finished = True
-            return
-    plan = Plan(c._new_plan_id(), l3_reads=tuple(zip(task.keys, pages)))
+    task = _new_task(c, match, want, wait_room=True)
+    if task is None or task.finished:
+        return
+    plan = Plan(c._new_plan_id(), l3_reads=tuple(zip(task.keys, task.host_pages)))
     try:
         c._ex.submit(plan, on_read=task.batch, on_done=task.done,
                      stop=lambda: task.cancelled)
@@ -255,19 +266,15 @@ def start_read(c: "TieredKVCache", match: "Match", limit: int | None = None) -> 
         task.done(plan.failed())
 
 
-def stream_task(c: "TieredKVCache", match: "Match", want: int) -> ReadTask | None:
-    """Host pages for a fetch that reads the match's first ``want`` L3 pages in its own plan,
-    streamed (`kvtier.cache.stream`); fewer where L2 has no room, None if it has none. The
-    fetch's plan result is booked through the task (`TieredKVCache._stream_booked`)."""
-    with c._lock:
-        pages = eviction.alloc_host(c, want)
-        if len(pages) < want:
-            c.metrics_registry.add("prefetch_no_space_pages", want - len(pages))
-        if not pages:
-            return None
-        task = ReadTask(c, match, pages)
-        match.attach_read(task)
-        return task
+def stream_task(c: "TieredKVCache", match: "Match", want: int, *, wait_room: bool = False
+                ) -> ReadTask | None:
+    """Host pages for a fetch that reads the match's first ``want`` L3 pages in its own plan
+    (streamed, `kvtier.cache.stream`, or each batch loaded as it lands); fewer where L2 has
+    no room, None if it has none. ``wait_room``: room L2 is writing back to L3 is waited for,
+    as `start_read` does. The fetch's plan result is booked through the task
+    (`TieredKVCache._stream_booked`)."""
+    task = _new_task(c, match, want, wait_room=wait_room)
+    return task if task is not None and task.host_pages else None
 
 
 def wait_read(c: "TieredKVCache", match: "Match", want: int) -> None:

@@ -305,9 +305,10 @@ class DemoEngine:
                 # the staging of an in-place L3 goes on for the new match (its fetch waits)
                 m.stage, queued.stage = queued.stage, None
                 cache.release(queued)      # the new match holds what landed
-            if self.lower_tiers and m.l3_count and not cache.streams_l3:
+            if self.lower_tiers and m.l3_count and not cache.reads_in_fetch:
                 cache.prefetch(m)                 # L3 -> L2 starts as early as the match
-                # (where the fetch streams its L3 pages, it reads them itself, layer by layer)
+                # (where the fetch reads its L3 pages in the plan that loads them -- each
+                # batch loaded as it lands, or streamed layer by layer -- it starts them)
             t1 = time.perf_counter()
             want = m.l2_count + m.l3_count if self.lower_tiers else 0
             fh, skipped = self._fetch(m, self.allocate(want))
