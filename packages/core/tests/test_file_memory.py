@@ -107,6 +107,30 @@ def test_the_medium_is_said_and_shapes_the_store(root, tmp_path):
         open_store(root, write_lanes=-1)
 
 
+def test_io_threads_follow_the_medium_and_the_cpus_unless_set(root, tmp_path, monkeypatch):
+    """``io_threads`` 0 (the default): one per CPU this process may use, 4 to 16, in memory
+    (each thread's copy runs at about one core's rate there); 4 on a disk; a set value stays.
+    Bad values are typed errors before the directory is touched."""
+    for cpus, want in ((2, 4), (9, 9), (64, 16)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cpus: set(range(n)))
+        s = FileStore({"root": str(root), "format": "segments"}, spec=ODD)
+        assert s.config.io_threads == want and s.stats()["write_lanes"] == want
+        s.close()
+    s = open_store(root, io_threads=6)
+    assert s.config.io_threads == 6
+    s.close()
+    monkeypatch.undo()
+    disk = tmp_path / "disk"
+    s = FileStore({"root": str(disk)}, spec=ODD)
+    if s.stats()["medium"] != "memory":
+        assert s.config.io_threads == 4
+    s.close()
+    for bad in (-1, True, 2.5, "8"):
+        with pytest.raises(Exception, match="io_threads"):
+            FileStore({"root": str(tmp_path / "bad"), "io_threads": bad}, spec=ODD)
+    assert not (tmp_path / "bad").exists()
+
+
 def test_a_disk_keeps_one_lane_and_preallocation(tmp_path):
     s = open_store(tmp_path / "disk", fsync=True, io_threads=4)
     st = s.stats()

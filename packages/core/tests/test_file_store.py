@@ -415,7 +415,7 @@ def test_unattached_and_closed(tmp_path, pool):
             call()
 
 
-@pytest.mark.parametrize("config", [{}, {"root": ""}, {"root": "x", "io_threads": 0},
+@pytest.mark.parametrize("config", [{}, {"root": ""}, {"root": "x", "io_threads": -1},
                                     {"root": "x", "capacity_bytes": 100},
                                     {"root": "x", "o_direct": "maybe"},
                                     {"root": "x", "checksum": "md5"},
