@@ -131,3 +131,21 @@ def test_bench_store_measures_the_shm_store_against_memcpy(tmp_path, capsys):
         assert r["get_ratio"] == r["get"] / max(r["memcpy_r_calls"], r["memcpy_r_one"])
         assert r["set_ratio"] == r["set"] / max(r["memcpy_w_calls"], r["memcpy_w_one"])
     assert sorted(os.listdir(tmp_path)) == ["shm.json"], "the arena and raw file are gone"
+
+
+def test_bench_store_threads_default_to_the_stores_own_for_the_directory(tmp_path,
+                                                                         monkeypatch):
+    """Without ``--threads`` the store runs its own default for the directory's medium (one
+    I/O thread per CPU in memory, 4 to 16; 4 on a disk), and the raw modes match it."""
+    from kvtier.l3_stores.file import _files
+    out = tmp_path / "store.json"
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(6)))
+    for medium, want in (("memory", 6), ("disk", 4)):
+        monkeypatch.setattr(_files, "medium", lambda fd, m=medium: m)
+        monkeypatch.setattr("kvtier_tools.bench.store.medium", lambda fd, m=medium: m)
+        assert main(["bench", "store", "--dir", str(tmp_path / medium), "--total", "1M",
+                     "--page-sizes", "256K", "--batch", "4", "--callers", "1", "--repeat",
+                     "1", "--cache", "fadvise", "--json", str(out)]) == 0
+        data = json.loads(out.read_text())
+        assert data["threads"] == want and data["failures"] == 0
+        assert f"{want} files" in data["raw_modes"]

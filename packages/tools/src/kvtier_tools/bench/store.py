@@ -56,6 +56,7 @@ from kvtier.host_allocators.mmap import MmapAllocator
 from kvtier.host_pool import HostKVPool
 from kvtier.l3_stores.file import _CHECKSUMS, DIRECT_ALIGN, TRAILER_BYTES, FileStore, checksum_impl
 from kvtier.l3_stores.file._files import medium
+from kvtier.l3_stores.file.store import auto_io_threads
 from kvtier.report import parse_size, progress, table
 from kvtier.spec import KVSpec
 
@@ -75,7 +76,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--callers", type=int, default=None,
                    help="threads calling the store at once (default: the controller's "
                         f"l3_io_threads: the config file's, else {_CALLERS})")
-    p.add_argument("--threads", type=int, default=4, help="file store io_threads")
+    p.add_argument("--threads", type=int, default=None,
+                   help="file store io_threads (default: the store's for the directory: one "
+                        "per CPU in memory, 4 to 16; 4 on a disk)")
     p.add_argument("--io-depth", type=int, default=0,
                    help="file store io_depth: read/write calls in flight in the store "
                         "(0: one per I/O thread)")
@@ -467,7 +470,7 @@ def run(args: argparse.Namespace) -> int:
     _controller_defaults(args)
     for flag, low in (("batch", 1), ("callers", 1), ("threads", 1), ("repeat", 1),
                       ("io_depth", 0)):
-        if getattr(args, flag) < low:
+        if getattr(args, flag) is not None and getattr(args, flag) < low:
             raise ConfigError(f"--{flag.replace('_', '-')} must be >= {low}, got "
                               f"{getattr(args, flag)}", key=flag, value=getattr(args, flag))
     sizes = [parse_size(s, "--page-sizes") for s in args.page_sizes.split(",") if s.strip()]
@@ -486,6 +489,12 @@ def run(args: argparse.Namespace) -> int:
     base = tempfile.mkdtemp(prefix="kvtier-bench-store-") if own_dir else args.dir
     os.makedirs(base, exist_ok=True)
     work = tempfile.mkdtemp(prefix="run-", dir=base)
+    if args.threads is None:              # the store's own default for this directory
+        fd = os.open(work, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            args.threads = auto_io_threads(medium(fd))
+        finally:
+            os.close(fd)
     # raw ceilings: one stream; N streams over one file; N streams, a file each. Every mode
     # moves the data from/to memory as large as the data, as the store does; "1 hot" reuses
     # one 8 MiB buffer (cache-resident) and is shown, not counted in the ceiling.
