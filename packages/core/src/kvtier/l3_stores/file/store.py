@@ -90,7 +90,8 @@ class FileStore(_ObjectFormat):
         #: use, 4 to 16: there each thread's copy runs at about one core's rate, and on an
         #: H100 host (16 cores) 16 threads read 22.7-23.0 GB/s against 8's 16.5-17.9
         #: (records/file-store-threads.md); a file L3 on tmpfs read that way took `kvtier demo`
-        #: from 68-74% to 73-77% of the measured ideal (records/demo-load-while-reading.md).
+        #: from 67-74% to 72-77% of the measured ideal, its long-context mean TTFT 6.7% lower
+        #: in a same-run pair (records/demo-load-while-reading.md).
         io_threads: int = 0
         #: ``segments`` format: read and write calls in flight at once in this store, over
         #: all its threads and callers (0: one per I/O thread). With fewer than
