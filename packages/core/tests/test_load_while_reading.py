@@ -10,6 +10,7 @@ import random
 import threading
 import time
 
+import pytest
 import torch
 
 from kvtier import KVSpec
@@ -110,39 +111,27 @@ def test_each_batch_loads_as_it_lands_while_the_next_is_read():
     r.ex.close()
 
 
-def test_a_read_after_a_miss_feeds_no_load_even_in_the_same_batch():
-    """Reads [ok, ok, ok | ok, miss, ok]: the pages after the miss are recomputed by the
-    engine, which may write them at once, so nothing may still load into them."""
-    r = Rig(2, batch=3)
-    plan, dev, want, keys = r.plan(1, 6)
+@pytest.mark.parametrize("seed, batch, n2, n3, miss", [
+    (2, 3, 1, 6, 4),      # reads [ok, ok, ok | ok, miss, ok]: read 5 came back after the miss
+    (3, 2, 2, 3, 0),      # the first batch fails at its first page: only the L2 hit loads
+])
+def test_a_read_after_a_miss_feeds_no_load_even_in_the_same_batch(seed, batch, n2, n3, miss):
+    """The pages after a miss are recomputed by the engine, which may write them at once, so
+    nothing may still load into them; the pages before it load bitwise."""
+    r = Rig(seed, batch=batch)
+    plan, dev, want, keys = r.plan(n2, n3)
     before = [r.dpool.page_bytes(d).clone() for d in dev]
-    r.store.fail.add(keys[4])
+    r.store.fail.add(keys[miss])
     h = r.ex.submit(plan)
-    assert h.read_lead(5) == 4
+    assert h.read_lead(5) == miss
     h.synchronize()
     res = r.ex.poll()[0]
-    assert res.l3_reads == (True, True, True, True, False, True)
-    assert res.loads == (True,) * 5 + (False, False)
-    for d, w in zip(dev[:5], want[:5]):
+    assert res.l3_reads[:miss + 1] == (True,) * miss + (False,)
+    n = n2 + miss
+    assert res.loads == (True,) * n + (False,) * (n3 - miss)
+    for d, w in zip(dev[:n], want[:n]):
         assert torch.equal(r.dpool.page_bytes(d), w)
-    for d, old in zip(dev[5:], before[5:]):     # read 5 came back, but follows the miss
-        assert torch.equal(r.dpool.page_bytes(d), old)
-    r.ex.close()
-
-
-def test_a_failed_first_batch_loads_only_the_l2_hit():
-    r = Rig(3, batch=2)
-    plan, dev, want, keys = r.plan(2, 3)
-    before = [r.dpool.page_bytes(d).clone() for d in dev]
-    r.store.fail.add(keys[0])
-    h = r.ex.submit(plan)
-    assert h.read_lead(5) == 0
-    h.synchronize()
-    res = r.ex.poll()[0]
-    assert res.loads == (True, True, False, False, False)
-    for d, w in zip(dev[:2], want[:2]):
-        assert torch.equal(r.dpool.page_bytes(d), w)
-    for d, old in zip(dev[2:], before[2:]):
+    for d, old in zip(dev[n:], before[n:]):
         assert torch.equal(r.dpool.page_bytes(d), old)
     r.ex.close()
 
