@@ -218,6 +218,35 @@ def test_a_fetch_whose_read_misses_leaves_the_pages_after_it_untouched():
     cache.close()
 
 
+def test_a_fetch_whose_store_call_passes_its_deadline_loads_what_landed_and_goes_on():
+    """The second L3 batch's call hangs past ``l3_call_timeout_s``: the fetch returns with the
+    L2 hit and the first batch loaded, bitwise, the rest left to the engine and untouched; the
+    host pages the stuck call may still write into are held until it returns, then freed."""
+    store, cache, dpool, m, want, dev = _seven_pages(6, l3_call_timeout_s=0.3,
+                                                     l3_error_limit=100)
+    store.gates[store.calls + 1] = gate = threading.Event()
+    before = [dpool.page_bytes(d).clone() for d in dev]
+    free_before = cache.host_pool.free_count
+    t0 = time.monotonic()
+    fh = cache.fetch(m, dev)
+    fh.wait()
+    assert time.monotonic() - t0 < 5
+    assert fh.pages_loaded == 4 and fh.unused_pages == dev[4:]
+    for d, w in zip(dev[:4], want[:4]):
+        assert torch.equal(dpool.page_bytes(d), w)
+    for d, old in zip(dev[4:], before[4:]):
+        assert torch.equal(dpool.page_bytes(d), old)
+    cache.release(m)
+    gate.set()                                   # the stuck call returns: its pages go back
+    assert _until(lambda: cache.host_pool.free_count >= free_before - 2)
+    assert cache.wait_idle(5)
+    for d, old in zip(dev[4:], before[4:]):      # the late call loaded nothing
+        assert torch.equal(dpool.page_bytes(d), old)
+    assert cache.metrics()["l3_state"] == "ok"
+    cache.check_invariants(idle=True)
+    cache.close()
+
+
 def test_which_fetches_read_in_their_load_plan():
     for cfg, want in (({}, True), ({"l3_load_while_reading": False}, False),
                       ({"prefetch_policy": "timeout"}, False),
