@@ -247,6 +247,31 @@ def test_a_fetch_whose_store_call_passes_its_deadline_loads_what_landed_and_goes
     cache.close()
 
 
+def test_a_fetch_whose_match_a_prefetch_began_reading_meanwhile_waits_for_that_read(
+        monkeypatch):
+    """Another thread's `prefetch` starts the match's read just before the fetch takes it on:
+    the fetch waits for that read (not only what has landed so far) and loads every page."""
+    from kvtier.cache import l3tasks
+    store, cache, dpool, m, want, dev = _seven_pages(7)
+    store.gates[store.calls] = gate = threading.Event()     # the prefetch's first call
+    own = l3tasks.stream_task
+
+    def raced(c, match, want_pages, **kw):
+        l3tasks.start_read(c, match)              # as if a prefetch had just begun
+        threading.Timer(0.2, gate.set).start()
+        return own(c, match, want_pages, **kw)
+    monkeypatch.setattr(l3tasks, "stream_task", raced)
+    fh = cache.fetch(m, dev)
+    fh.wait()
+    assert fh.pages_loaded == 7
+    for d, w in zip(dev, want):
+        assert torch.equal(dpool.page_bytes(d), w)
+    cache.release(m)
+    assert cache.wait_idle(5)
+    cache.check_invariants(idle=True)
+    cache.close()
+
+
 def test_which_fetches_read_in_their_load_plan():
     for cfg, want in (({}, True), ({"l3_load_while_reading": False}, False),
                       ({"prefetch_policy": "timeout"}, False),

@@ -299,6 +299,8 @@ class TieredKVCache:
                                          self.cost.first_read_cap(n3_want, self.spec.page_bytes),
                                          wait_room=not streams)
             chained = stream is not None and not streams
+            if stream is None:                # no room, or a prefetch began meanwhile
+                l3tasks.wait_read(self, match, n3_want)
         elif n3_want and direct is None:
             l3tasks.start_read(self, match, self.cost.first_read_cap(n3_want, self.spec.page_bytes))
             l3tasks.wait_read(self, match, n3_want)
