@@ -397,12 +397,10 @@ class CacheExecutor:
     def _start_late_loads(self, run: Run, *, final: bool = False) -> None:
         """Start the loads of the plan's leading run of L3 reads that came back, where not
         started yet: each batch's loads start as it lands, beside the next batch's read, so
-        a load waits for little more than its last batch (a stream starts its loads group by
-        group instead). A read after a miss feeds no load: the device pages past a prefix
-        stay the engine's, and nothing may still be writing into them. ``final``: the reads
-        are over; none start after this."""
-        if run.stream is not None:
-            return
+        a load waits for little more than its last batch (a streamed plan's reads run as a
+        `StreamTask`, which starts its loads group by group instead). A read after a miss
+        feeds no load: the device pages past a prefix stay the engine's, and nothing may
+        still be writing into them. ``final``: the reads are over; none start after this."""
         with run.late_lock:
             if run.late_closed:
                 return

@@ -114,16 +114,20 @@ def _syncfs(path: str) -> None:
         os.close(fd)
 
 
+def _medium_of(directory: str) -> str:
+    """What ``directory`` lives on, as the file store sees it ("memory", "disk", ...)."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        return medium(fd)
+    finally:
+        os.close(fd)
+
+
 def _pause(where: str) -> None:
     """The same untimed pause between every write phase and the read after it (the disk
     behind a VM may still be flushing what was just written). None on a filesystem in memory
     (tmpfs, ramfs), which has nothing to flush."""
-    fd = os.open(where, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        in_memory = medium(fd) == "memory"
-    finally:
-        os.close(fd)
-    if not in_memory:
+    if _medium_of(where) != "memory":
         _syncfs(where)
         time.sleep(1.0)
 
@@ -490,11 +494,7 @@ def run(args: argparse.Namespace) -> int:
     os.makedirs(base, exist_ok=True)
     work = tempfile.mkdtemp(prefix="run-", dir=base)
     if args.threads is None:              # the store's own default for this directory
-        fd = os.open(work, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            args.threads = auto_io_threads(medium(fd))
-        finally:
-            os.close(fd)
+        args.threads = auto_io_threads(_medium_of(work))
     # raw ceilings: one stream; N streams over one file; N streams, a file each. Every mode
     # moves the data from/to memory as large as the data, as the store does; "1 hot" reuses
     # one 8 MiB buffer (cache-resident) and is shown, not counted in the ceiling.

@@ -21,8 +21,7 @@ import stat
 import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal, Sequence
 
 from ...errors import ConfigError, StoreError
@@ -51,7 +50,6 @@ def _in_use(fn):
     return wrapper
 
 
-
 def auto_io_threads(medium: str) -> int:
     """``io_threads`` 0: 4 on a disk; in memory (tmpfs, ramfs), where each thread's copy runs
     at about one core's rate, one per CPU this process may use, 4 to 16."""
@@ -62,6 +60,7 @@ def auto_io_threads(medium: str) -> int:
     except (AttributeError, OSError):
         cpus = os.cpu_count() or 1
     return max(4, min(16, cpus))
+
 
 class FileStore(_ObjectFormat):
     """KV pages on local disk (segment files, or one file per page); checksummed,
@@ -219,7 +218,7 @@ class FileStore(_ObjectFormat):
         #: skipped (stats say so)
         self.medium = _files.medium(self._dfd)
         if not c.io_threads:
-            self.config = c = dataclasses.replace(c, io_threads=auto_io_threads(self.medium))
+            self.config = c = replace(c, io_threads=auto_io_threads(self.medium))
         self._sync = c.fsync and self.medium != "memory"
         self._manifest_state = self._check_manifest()
         self.object_bytes = spec.page_bytes + TRAILER_BYTES
