@@ -25,14 +25,54 @@ from kvtier_tools.bench import serve
     (["--warmup", "one"], "must be an int >= 0"),
     (["--shm-gib", "0"], "must be a finite number of GiB > 0"),
     (["--shm-gib", "nan"], "must be a finite number of GiB > 0"),
+    (["--offload-gib", "0"], "must be a finite number of GiB > 0"),
+    (["--offload-gib", "inf"], "must be a finite number of GiB > 0"),
+    (["--think-ms", "nan"], "must be a finite number >= 0"),
+    (["--think-ms", "inf"], "must be a finite number >= 0"),
+    (["--think-ms", "-1"], "must be a finite number >= 0"),
+    (["--conversations", "0"], "must be an int >= 1"),
+    (["--conversations", "-2"], "must be an int >= 1"),
+    (["--conversations", "1.5"], "must be an int >= 1"),
+    (["--turns", "0"], "must be an int >= 1"),
+    (["--turns", "two"], "must be an int >= 1"),
+    (["--system-tokens", "-1"], "must be an int >= 0"),
+    (["--user-tokens", "0"], "must be an int >= 1"),
+    (["--max-tokens", "0"], "must be an int >= 1"),
+    (["--layers", "0"], "must be an int >= 1"),
+    (["--hidden", "0"], "must be a multiple of 64 >= 64"),
+    (["--hidden", "96"], "must be a multiple of 64 >= 64"),
+    (["--block-size", "0"], "must be an int >= 1"),
+    (["--device-blocks", "0"], "must be an int >= 1"),
+    (["--host-pages", "0"], "must be an int >= 1"),
+    (["--l3-host-pages", "-1"], "must be an int >= 1"),
+    (["--max-model-len", "0"], "must be an int >= 1"),
+    (["--memory-utilization", "0"], "must be a finite number > 0 and <= 1"),
+    (["--memory-utilization", "1.5"], "must be a finite number > 0 and <= 1"),
+    (["--memory-utilization", "nan"], "must be a finite number > 0 and <= 1"),
+    (["--start-timeout", "0"], "must be a finite number > 0"),
+    (["--request-timeout", "nan"], "must be a finite number > 0"),
+    (["--request-timeout", "-5"], "must be a finite number > 0"),
 ])
-def test_bad_flags_are_one_line_errors(flags, says):
-    p = subprocess.run([sys.executable, "-m", "kvtier_tools.bench.serve", *flags],
+def test_bad_flags_are_one_line_errors(flags, says, tmp_path):
+    p = subprocess.run([sys.executable, "-m", "kvtier_tools.bench.serve", *flags,
+                        "--out", str(tmp_path / "work")],
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2
     err = p.stderr.strip().splitlines()
-    assert says in err[-1], p.stderr
+    assert says in err[-1] and flags[0] in err[-1], p.stderr
     assert "Traceback" not in p.stderr
+    assert not (tmp_path / "work").exists()          # no model made, no server started
+
+
+def test_zero_is_legal_where_it_means_none():
+    """No think time, no shared system prompt, no warm-up: each a run that makes sense."""
+    import argparse
+    p = argparse.ArgumentParser()
+    serve.add_arguments(p)
+    a = p.parse_args(["--think-ms", "0", "--system-tokens", "0", "--warmup", "0",
+                      "--hidden", "64", "--memory-utilization", "1"])
+    assert (a.think_ms, a.system_tokens, a.warmup, a.hidden, a.memory_utilization) == \
+        (0.0, 0, 0, 64, 1.0)
 
 
 def test_the_shm_setup_gets_an_arena_of_its_own(tmp_path):
@@ -175,3 +215,55 @@ def test_rounds_give_medians_any_overload_and_the_fewest_identical():
     assert got[0]["outputs_identical"] == 7 and got[0]["rounds"] == 3
     err = serve._median_rows([[{"setup": "vllm+offload", "error": "no"}]] * 2)
     assert err == [{"setup": "vllm+offload", "error": "no"}]
+
+
+def _rate_rows(over_mine=False, over_base=False):
+    """Rows of one rate level: vLLM alone, the ideal and kvtier, either maybe overloaded."""
+    def lv(ttft, over):
+        return _level("rate", 4.0, [ttft] * 4, [[1]] * 4,
+                      convs_per_s=1.5 if over else 4.0)
+    base, mine = lv(0.4, over_base), lv(0.2, over_mine)
+    ideal = lv(0.1, False)
+    return [serve._row("vllm", base, base, None, ideal),
+            serve._row("vllm+kvtier-l2", mine, base, None, ideal)]
+
+
+def test_an_overloaded_level_gets_no_ratios_for_it_or_against_it():
+    """A queue that grew has a mean that only says how long this finite run was: no ratio
+    is taken for an overloaded row, nor for another row against it."""
+    ratios = ("ttft_mean_ratio", "ttft_p99_ratio", "throughput_ratio", "of_ideal_pct")
+    base, mine = _rate_rows()
+    assert mine["ttft_mean_ratio"] == pytest.approx(2.0) and mine["of_ideal_pct"] == 50
+    base, mine = _rate_rows(over_mine=True)
+    assert mine["overloaded"] and all(mine[k] is None for k in ratios), mine
+    assert mine["ttft_mean_ms"] == pytest.approx(200)            # measured, kept in JSON
+    assert mine["conversations_per_s"] == 1.5
+    assert base["ttft_mean_ratio"] == 1.0                        # vllm itself: not overloaded
+    base, mine = _rate_rows(over_base=True)
+    assert not mine["overloaded"] and base["overloaded"]
+    assert all(mine[k] is None for k in ratios[:3]), mine        # vllm alone overloaded
+    assert mine["of_ideal_pct"] == pytest.approx(50)             # the ideal was not
+    # a round overloaded makes the median row overloaded, with no ratio
+    good, bad = _rate_rows()[1], _rate_rows(over_mine=True)[1]
+    got = serve._median_rows([[good], [bad], [good]])[0]
+    assert got["overloaded"] and all(got[k] is None for k in ratios), got
+
+
+def test_the_table_says_overloaded_instead_of_ttft_and_ratios():
+    base, mine = _rate_rows(over_mine=True)
+    lines = serve.table([base, mine]).splitlines()
+    over = next(ln for ln in lines if "| vllm+kvtier-l2 |" in ln)
+    assert "**overloaded**: 1.50 of 4 conversations/s" in over, over
+    assert "200.0" not in over and "x)" not in over, over       # no TTFT, no ratio
+    ok = next(ln for ln in lines if "| vllm |" in ln)
+    assert "400.0 (1.00x)" in ok and "overloaded" not in ok, ok
+
+
+def test_the_plot_draws_no_ttft_point_for_an_overloaded_level(tmp_path):
+    rows = _rate_rows(over_mine=True)
+    ok, over = serve._plot_points(rows, "vllm+kvtier-l2", "rate")
+    assert ok == [] and over == [4.0]
+    ok, over = serve._plot_points(rows, "vllm", "rate")
+    assert ok == [(4.0, pytest.approx(400), pytest.approx(400))] and over == []
+    pytest.importorskip("matplotlib")
+    assert serve.plot(rows, str(tmp_path / "serve.png")) == str(tmp_path / "serve.png")

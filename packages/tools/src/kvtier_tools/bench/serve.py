@@ -10,7 +10,10 @@ token ids, greedy) at each load level in turn:
 * ``--rate R``: an open loop, conversations arriving at R per second (Poisson), each sending
   its turns one after the other; TTFT runs from the moment a turn is sent, so the server's
   queue counts. A level whose conversations finish at under 80% of the rate they arrive at
-  is reported as overloaded (the queue grew), not averaged.
+  is reported as overloaded (the queue grew, so its TTFT only says how long this finite run
+  was), not averaged: its table row gives the conversations per second finished against
+  those arriving instead of TTFT figures, no ratio is taken for it or against it (null in
+  the JSON, which keeps its measured figures) and the plot marks it with an x at the top.
 
 Setups: ``vllm`` (its own prefix cache alone), ``vllm-rerun`` (the same again: vLLM's own
 run-to-run spread of TTFT and outputs), ``vllm+null-connector`` (a KV connector that does
@@ -53,7 +56,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from .vllm import _int_at_least, _kvtier_config, _pct, _positive, make_llama, multiturn
 
@@ -64,6 +67,10 @@ SETUPS = ("vllm", "vllm-rerun", "vllm+null-connector", "vllm+null-all-cached",
 SHM_DIR = "/dev/shm"
 #: The ideal's device pool, as a multiple of ``--device-blocks``.
 ALL_CACHED_FACTOR = 10
+#: A level that finished conversations at under this share of their arrival rate.
+OVERLOAD_SHARE = 0.8
+#: A row's ratios to vLLM alone and to the ideal: None where either side is overloaded.
+RATIOS = ("ttft_mean_ratio", "ttft_p99_ratio", "throughput_ratio", "of_ideal_pct")
 
 
 # --------------------------------------------------------------------------------------------
@@ -332,6 +339,11 @@ def _same(reqs: list[dict[str, Any]], ref: dict[str, Any] | None) -> int | None:
     return sum(1 for r in reqs if b.get((r["conv"], r["turn"])) == r["output"])
 
 
+def _overloaded(lv: dict[str, Any]) -> bool:
+    """An open-loop level whose queue grew: conversations finished well below their rate."""
+    return lv["kind"] == "rate" and lv["conversations_per_s"] < OVERLOAD_SHARE * lv["value"]
+
+
 def _row(name: str, lv: dict[str, Any], base: dict[str, Any] | None,
          null: dict[str, Any] | None = None, ideal: dict[str, Any] | None = None
          ) -> dict[str, Any]:
@@ -351,7 +363,10 @@ def _row(name: str, lv: dict[str, Any], base: dict[str, Any] | None,
         "external_hit_tokens": int(c.get("vllm:external_prefix_cache_hits_total", 0)),
         "kv_fetch_waiting_max": int(max(fetch, default=0)),
         "kv_fetch_samples_with_others_running": overlap,
-        "overloaded": lv["kind"] == "rate" and lv["conversations_per_s"] < 0.8 * lv["value"]}
+        "conversations_per_s": lv["conversations_per_s"], "overloaded": _overloaded(lv)}
+    # an overloaded level's mean only says how long this finite run was: no ratio for it,
+    # nor for another row against it
+    row.update(dict.fromkeys(RATIOS))
     if base is not None:
         b = {(r["conv"], r["turn"]): r["output"] for r in base["requests"]}
         row["outputs_identical"] = _same(reqs, base)
@@ -361,12 +376,13 @@ def _row(name: str, lv: dict[str, Any], base: dict[str, Any] | None,
         row["differing_with_same_cached"] = sum(
             1 for r in reqs if b.get((r["conv"], r["turn"])) != r["output"]
             and bc.get((r["conv"], r["turn"])) == r["cached"])
+    if base is not None and not row["overloaded"] and not _overloaded(base):
         bt = [r["ttft_s"] for r in base["requests"]]
         row["ttft_mean_ratio"] = statistics.mean(bt) / statistics.mean(tt)
         row["ttft_p99_ratio"] = _pct(bt, 0.99) / _pct(tt, 0.99)
         row["throughput_ratio"] = row["requests_per_s"] / (len(bt) / base["wall_s"])
     row["outputs_identical_null_connector"] = _same(reqs, null)
-    if ideal is not None:
+    if ideal is not None and not row["overloaded"] and not _overloaded(ideal):
         # the ideal's mean TTFT over this setup's: 100% is every page kept
         row["of_ideal_pct"] = 100 * statistics.mean(r["ttft_s"] for r in ideal["requests"]) \
             / statistics.mean(tt)
@@ -423,7 +439,8 @@ def _serve_in(name: str, model: str, work: str, tag: str, rnd: int,
 
 def _median_rows(per_round: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """One row per (setup, level): the median of each figure over the rounds; overloaded if
-    any round was; the fewest identical outputs of any round."""
+    any round was, and no ratio if any round has none; the fewest identical outputs of any
+    round."""
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for rows in per_round:
         for r in rows:
@@ -441,6 +458,8 @@ def _median_rows(per_round: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
             vals: list[Any] = [r.get(k) for r in rs]
             if isinstance(v, bool):
                 row[k] = any(vals)
+            elif k in RATIOS:
+                row[k] = None if any(x is None for x in vals) else statistics.median(vals)
             elif k.startswith("outputs_identical") or k == "differing_with_same_cached":
                 row[k] = None if any(x is None for x in vals) else min(vals)
             elif isinstance(v, int):
@@ -520,27 +539,47 @@ def table(rows: list[dict[str, Any]]) -> str:
         if "error" in r:
             lines.append(f"| | {r['setup']} | did not run: {r['error']} |" + " |" * 10)
             continue
-        over = " **overloaded**" if r["overloaded"] else ""
+        if r["overloaded"]:       # the queue grew: its TTFT says nothing, no mean of it
+            ttft = (f"**overloaded**: {r['conversations_per_s']:.2f} of "
+                    f"{r['load'].split()[1]} conversations/s | - | - | -")
+        else:
+            ttft = (f"{r['ttft_mean_ms']:.1f}{_x(r.get('ttft_mean_ratio'))} | "
+                    f"{r['ttft_p50_ms']:.1f} | {r['ttft_p90_ms']:.1f} | "
+                    f"{r['ttft_p99_ms']:.1f}{_x(r.get('ttft_p99_ratio'))}")
+        ideal = r.get("of_ideal_pct")
         lines.append(
-            f"| {r['load']}{over} | {r['setup']} | {r['ttft_mean_ms']:.1f} "
-            f"({r.get('ttft_mean_ratio', 1.0):.2f}x) | {r['ttft_p50_ms']:.1f} | "
-            f"{r['ttft_p90_ms']:.1f} | {r['ttft_p99_ms']:.1f} ({r.get('ttft_p99_ratio', 1.0):.2f}x)"
-            f" | {r['requests_per_s']:.2f} ({r.get('throughput_ratio', 1.0):.2f}x) | "
+            f"| {r['load']} | {r['setup']} | {ttft} | "
+            f"{r['requests_per_s']:.2f}{_x(r.get('throughput_ratio'))} | "
             f"{r['prompt_tokens_per_s']:.0f} | {r['vllm_hit_tokens']} / "
             f"{r['external_hit_tokens']} | {r['kv_fetch_waiting_max']} "
             f"({r['kv_fetch_samples_with_others_running']}) | "
             f"{_of(r.get('outputs_identical'), r['requests'])} / "
             f"{_of(r.get('outputs_identical_null_connector'), r['requests'])} | "
-            + (f"{r['of_ideal_pct']:.0f}% |" if "of_ideal_pct" in r else "- |"))
+            + ("- |" if ideal is None else f"{ideal:.0f}% |"))
     return "\n".join(lines)
+
+
+def _x(ratio: float | None) -> str:
+    return "" if ratio is None else f" ({ratio:.2f}x)"
 
 
 def _of(n: int | None, total: int) -> str:
     return "-" if n is None else f"{n}/{total}"
 
 
+def _plot_points(rows: list[dict[str, Any]], setup: str, kind: str
+                 ) -> tuple[list[tuple[float, float, float]], list[float]]:
+    """A setup's points of one kind of load: (load, TTFT mean, p99) where not overloaded, and
+    the loads where it was."""
+    mine = [r for r in rows if r["setup"] == setup and r["load"].split()[0] == kind]
+    ok = sorted((float(r["load"].split()[1]), r["ttft_mean_ms"], r["ttft_p99_ms"])
+                for r in mine if not r["overloaded"])
+    return ok, sorted(float(r["load"].split()[1]) for r in mine if r["overloaded"])
+
+
 def plot(rows: list[dict[str, Any]], path: str) -> str | None:
-    """TTFT mean and p99 against load, one line per setup, one panel per kind of load."""
+    """TTFT mean and p99 against load, one line per setup, one panel per kind of load. An
+    overloaded level is not drawn as a point: it is marked with an x at the top."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -552,20 +591,28 @@ def plot(rows: list[dict[str, Any]], path: str) -> str | None:
     if not kinds:
         return None
     fig, axes = plt.subplots(1, len(kinds), figsize=(6.5 * len(kinds), 4.5), squeeze=False)
+    setups = [s for s in SETUPS if any(r["setup"] == s for r in good)]
     for ax, kind in zip(axes[0], kinds):
-        for setup in [s for s in SETUPS if any(r["setup"] == s for r in good)]:
-            pts = sorted((float(r["load"].split()[1]), r["ttft_mean_ms"], r["ttft_p99_ms"])
-                         for r in good if r["setup"] == setup and r["load"].startswith(kind))
-            if not pts:
-                continue
-            xs = [p[0] for p in pts]
-            line, = ax.plot(xs, [p[1] for p in pts], marker="o", label=f"{setup} mean")
-            ax.plot(xs, [p[2] for p in pts], marker="x", linestyle="--",
-                    color=line.get_color(), label=f"{setup} p99")
+        points = {s: _plot_points(good, s, kind) for s in setups}
+        top = 1.15 * max((p[2] for ok, _ in points.values() for p in ok), default=1.0)
+        for setup, (ok, over) in points.items():
+            color = None
+            if ok:
+                xs = [p[0] for p in ok]
+                line, = ax.plot(xs, [p[1] for p in ok], marker="o", label=f"{setup} mean")
+                color = line.get_color()
+                ax.plot(xs, [p[2] for p in ok], marker="x", linestyle="--", color=color,
+                        label=f"{setup} p99")
+            if over:
+                ax.plot(over, [top] * len(over), "x", color=color, markersize=10,
+                        label=None if ok else f"{setup} overloaded")
+        ax.set_ylim(0, top * 1.05)
         ax.set_xlabel("concurrent conversations" if kind == "concurrency"
                       else "conversations arriving per second")
         ax.set_ylabel("TTFT (ms)")
-        ax.set_title(f"vLLM serve under load: {kind}")
+        over_any = any(over for _, over in points.values())
+        ax.set_title(f"vLLM serve under load: {kind}"
+                     + (" (x at the top: overloaded)" if over_any else ""))
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
@@ -577,41 +624,52 @@ def plot(rows: list[dict[str, Any]], path: str) -> str | None:
 # --------------------------------------------------------------------------------------------
 # Command line
 # --------------------------------------------------------------------------------------------
-def _counts(text: str) -> list[int]:
-    out = []
-    for part in text.split(","):
+def _number(low: float, *, above: bool = True, high: float | None = None, unit: str = ""
+            ) -> Callable[[str], float]:
+    """An argparse type: a finite number > ``low`` (``above``; else >= ``low``), <= ``high``
+    where given, else a one-line error."""
+    want = f"{'>' if above else '>='} {low:g}" + ("" if high is None else f" and <= {high:g}")
+
+    def parse(text: str) -> float:
         try:
-            n = int(part)
+            x = float(text)
+        except ValueError:
+            x = math.nan
+        if not (math.isfinite(x) and (x > low if above else x >= low)
+                and (high is None or x <= high)):
+            raise argparse.ArgumentTypeError(f"must be a finite number{unit} {want}, "
+                                             f"got {text!r}")
+        return x
+    return parse
+
+
+def _multiple_of(step: int) -> Callable[[str], int]:
+    """An argparse type: a positive multiple of ``step``, else a one-line error."""
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
         except ValueError:
             n = 0
-        if n < 1:
-            raise argparse.ArgumentTypeError(f"concurrency must be ints >= 1, got {text!r}")
-        out.append(n)
-    return out
+        if n < step or n % step:
+            raise argparse.ArgumentTypeError(f"must be a multiple of {step} >= {step}, "
+                                             f"got {text!r}")
+        return n
+    return parse
 
 
-def _rates(text: str) -> list[float]:
-    out = []
-    for part in text.split(","):
+def _each(parse: Callable[[str], Any], says: str) -> Callable[[str], list[Any]]:
+    """An argparse type: a comma-separated list, each part read by ``parse``."""
+    def parse_list(text: str) -> list[Any]:
         try:
-            r = float(part)
-        except ValueError:
-            r = float("nan")
-        if not (r > 0 and math.isfinite(r)):
-            raise argparse.ArgumentTypeError(f"rates must be finite numbers > 0 "
-                                             f"(conversations per second), got {text!r}")
-        out.append(r)
-    return out
+            return [parse(part) for part in text.split(",")]
+        except argparse.ArgumentTypeError:
+            raise argparse.ArgumentTypeError(f"{says}, got {text!r}") from None
+    return parse_list
 
 
-def _gib(text: str) -> float:
-    try:
-        g = float(text)
-    except ValueError:
-        g = float("nan")
-    if not (g > 0 and math.isfinite(g)):
-        raise argparse.ArgumentTypeError(f"must be a finite number of GiB > 0, got {text!r}")
-    return g
+_counts = _each(_positive, "concurrency must be ints >= 1")
+_rates = _each(_number(0), "rates must be finite numbers > 0 (conversations per second)")
+_gib = _number(0, unit=" of GiB")
 
 
 def _setups(text: str) -> list[str]:
@@ -630,29 +688,42 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="open-loop levels: conversations arriving per second (Poisson)")
     p.add_argument("--setups", type=_setups, default=list(SETUPS),
                    help=f"comma-separated, from {', '.join(SETUPS)}")
-    p.add_argument("--conversations", type=int, default=8)
-    p.add_argument("--turns", type=int, default=3)
-    p.add_argument("--think-ms", type=float, default=0.0)
-    p.add_argument("--system-tokens", type=int, default=512)
-    p.add_argument("--user-tokens", type=int, default=200)
-    p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--block-size", type=int, default=32)
-    p.add_argument("--device-blocks", type=int, default=96,
+    p.add_argument("--conversations", type=_positive, default=8,
+                   help="conversations per level (>= 1)")
+    p.add_argument("--turns", type=_positive, default=3, help="turns per conversation (>= 1)")
+    p.add_argument("--think-ms", type=_number(0, above=False), default=0.0,
+                   help="pause after each answer before the next turn, ms (>= 0; 0: none)")
+    p.add_argument("--system-tokens", type=_int_at_least(0), default=512,
+                   help="the system prompt opening every conversation of a level (>= 0; 0: "
+                   "none, conversations share no prefix)")
+    p.add_argument("--user-tokens", type=_positive, default=200,
+                   help="tokens of each user turn (>= 1)")
+    p.add_argument("--max-tokens", type=_positive, default=16,
+                   help="tokens of each answer (>= 1: TTFT needs one)")
+    p.add_argument("--layers", type=_positive, default=8, help="the model's layers (>= 1)")
+    # heads of 32 dimensions, a KV head per two of them
+    p.add_argument("--hidden", type=_multiple_of(64), default=1024,
+                   help="the model's hidden size (a multiple of 64)")
+    p.add_argument("--block-size", type=_positive, default=32,
+                   help="vLLM's KV block in tokens (>= 1)")
+    p.add_argument("--device-blocks", type=_positive, default=96,
                    help="vLLM's device KV pool in blocks (small: its prefix cache evicts)")
-    p.add_argument("--host-pages", type=int, default=512,
+    p.add_argument("--host-pages", type=_positive, default=512,
                    help="kvtier's host pool in pages, L2 setup (holds the workload)")
-    p.add_argument("--l3-host-pages", type=int, default=64,
+    p.add_argument("--l3-host-pages", type=_positive, default=64,
                    help="kvtier's host pool in pages, L3 setup (smaller: L3 serves the rest)")
-    p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--memory-utilization", type=float, default=0.1,
-                   help="vLLM's --gpu-memory-utilization (on the CPU: of host memory)")
-    p.add_argument("--offload-gib", type=float, default=1.0)
+    p.add_argument("--max-model-len", type=_positive, default=2048)
+    p.add_argument("--memory-utilization", type=_number(0, high=1), default=0.1,
+                   help="vLLM's --gpu-memory-utilization, > 0 and <= 1 (on the CPU: of host "
+                   "memory)")
+    p.add_argument("--offload-gib", type=_gib, default=1.0,
+                   help="vLLM's native CPU offloading (vllm+offload), GiB (default 1)")
     p.add_argument("--shm-gib", type=_gib, default=1.0,
                    help="the shm L3's arena (vllm+kvtier-shm), GiB (default 1)")
-    p.add_argument("--start-timeout", type=float, default=300.0)
-    p.add_argument("--request-timeout", type=float, default=300.0)
+    p.add_argument("--start-timeout", type=_number(0), default=300.0,
+                   help="seconds a server may take to answer /health (> 0)")
+    p.add_argument("--request-timeout", type=_number(0), default=300.0,
+                   help="seconds a request may take (> 0)")
     p.add_argument("--warmup", type=_int_at_least(0), default=1,
                    help="untimed conversations each server serves first (its own prompts; "
                    "0: none)")
