@@ -153,6 +153,61 @@ def test_a_queued_request_reads_what_lands_before_its_turn():
         r.close()
 
 
+def test_a_queued_request_counts_the_reads_ahead_of_it():
+    """Reads share the store's rate: a wait that lands a request's L3 pages on an idle store
+    lands none of them behind the reads of the requests queued ahead, so the split (L3
+    slower than recompute) reads none; once those are done, the same wait reads them all.
+    The reads held behind the store's gate land bitwise."""
+    store = SlowStore(spec=SPEC, delay=0.05)
+    r = Rig(store=store, prefetch_policy="wait_complete", recompute_tokens_per_s=2000)
+    try:
+        a, b, c, d = (toks(6 * SPEC.page_size, seed=s) for s in (21, 22, 23, 24))
+        for t in (a, b, c, d):
+            _to_l3(r, t)
+        r.request(a)                              # measures the L3 rate
+        cost = r.cache.cost
+        cost._last_l3 = time.perf_counter()       # no probe read due in this test
+        pb = SPEC.page_bytes
+        wait = cost.l3_fixed_s + 8.5 * pb / cost.l3_bytes_per_s   # 8 pages' read: all 6
+        assert cost.pages_readable_in(wait, pb, 6) == 6
+        assert cost.pages_readable_in(wait, pb, 6, behind=3) == 5
+        assert cost.pages_readable_in(wait, pb, 6, behind=12) == 0
+        store.gate = threading.Event()            # the reads ahead run, held at the store
+        ahead = [r.cache.match(t) for t in (b, c)]
+        for m in ahead:
+            r.cache.prefetch(m, expected_wait_s=30.0)
+            assert m.read is not None and m.read.num_pages == 6
+        assert r.cache._l3.read_backlog() == 12
+        m = r.cache.match(d)
+        r.cache.prefetch(m, expected_wait_s=wait)   # behind 12 pages: none lands in time
+        assert m.read is None
+        store.gate.set()
+        for x in ahead:
+            read = x.read
+            with read.cv:
+                assert read.cv.wait_for(lambda: read.settled, 10)  # noqa: B023 (used here)
+            h = r.cache.fetch(x, r.take(x.pages_to_load))
+            h.wait()
+            assert h.pages_loaded == 6
+            r.verify(x.keys, h.device_pages)
+            r.alloc.free(r.cache.release(x))
+        r.cache.wait_idle()
+        assert r.cache._l3.read_backlog() == 0
+        cost._last_l3 = time.perf_counter()
+        r.cache.prefetch(m, expected_wait_s=wait)   # nothing ahead now: all read
+        assert m.read is not None and m.read.num_pages == 6
+        with m.read.cv:
+            assert m.read.cv.wait_for(lambda: m.read.settled, 10)
+        h = r.cache.fetch(m, r.take(m.pages_to_load))
+        h.wait()
+        assert h.pages_loaded == 6
+        r.verify(m.keys, h.device_pages)
+        r.alloc.free(r.cache.release(m))
+        r.cache.check_invariants(idle=True)
+    finally:
+        r.close()
+
+
 class CountingStore(SlowStore):
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)

@@ -193,8 +193,9 @@ class TieredKVCache:
         rest are recomputed, and the engine's commit puts them in L1 and L2): reading them
         anyway would spend the disk and push useful pages out of L2. ``expected_wait_s``:
         how long the request is expected to wait for its turn (a serving engine's queue);
-        the pages a read lands within it cost the request nothing, so the split counts them
-        as already in L2. The pages not read are counted in ``cost_skipped_prefetch_pages``;
+        the pages a read lands within it, behind the reads already queued or running (those
+        of the requests ahead), cost the request nothing, so the split counts them as
+        already in L2. The pages not read are counted in ``cost_skipped_prefetch_pages``;
         every `CostModel.L3_PROBE_INTERVAL_S` a read of `CostModel.L3_PROBE_PAGES` of them is
         made anyway, so the L3 rate stays measured. Before the L3 rate is known, only such a
         probe is read."""
@@ -212,8 +213,9 @@ class TieredKVCache:
             return
         limit = self.cost.first_read_cap(match.l3_count, self.spec.page_bytes)
         if self.cost.enabled and limit == match.l3_count:
+            behind = self._l3.read_backlog() if self._l3 is not None else 0
             ready = self.cost.pages_readable_in(expected_wait_s, self.spec.page_bytes,
-                                                match.l3_count)
+                                                match.l3_count, behind)
             _, limit = self._split(match, match.l2_count, match.l3_count, l3_ready=ready)
             if limit < match.l3_count and self.cost.wants_l3_probe():
                 limit = max(limit, min(match.l3_count, self.cost.L3_PROBE_PAGES))

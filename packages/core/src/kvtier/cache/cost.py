@@ -490,14 +490,17 @@ class CostModel:
             self._last_l3 = now
             return True
 
-    def pages_readable_in(self, seconds: float, page_bytes: int, limit: int) -> int:
+    def pages_readable_in(self, seconds: float, page_bytes: int, limit: int,
+                          behind: int = 0) -> int:
         """How many pages (at most ``limit``) an L3 read started now lands within ``seconds``
-        at the measured rate (0 while the rate is unknown): a request that waits that long
-        for its turn gets them for nothing."""
+        at the measured rate (0 while the rate is unknown), behind ``behind`` pages of reads
+        already queued or running (they share the store's rate): a request that waits that
+        long for its turn gets them for nothing."""
         bw = self.l3_bytes_per_s
         if not bw or seconds <= 0 or page_bytes <= 0:
             return 0
-        return max(0, min(limit, int((seconds - self.l3_fixed_s) * bw // page_bytes)))
+        n = int((seconds - self.l3_fixed_s) * bw // page_bytes) - max(0, behind)
+        return max(0, min(limit, n))
 
     # ----- the decision ---------------------------------------------------------------------
     def split(self, *, l2_pages: int, l3_pages: int, in_place: bool = False, l3_ready: int = 0,

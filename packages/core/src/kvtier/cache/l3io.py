@@ -111,6 +111,7 @@ class TaskQueue:
         self.writes: deque = deque()
         self.inflight = 0
         self.queued_write_pages = 0
+        self.reading: dict[int, int] = {}     # id() of the reads running: their pages
         self.stopping = False
         self.max_writers = max_writers
         self.writing: set[int] = set()        # id() of the writes running
@@ -136,6 +137,7 @@ class TaskQueue:
                 return None
             if self.reads:
                 task = self.reads.popleft()
+                self.reading[id(task)] = task.num_pages
             else:
                 task = self.writes.popleft()
                 self.queued_write_pages -= task.num_pages
@@ -146,13 +148,15 @@ class TaskQueue:
     def task_done(self, task: Any = None) -> None:
         with self.cv:
             self.inflight -= 1
+            self.reading.pop(id(task), None)
             self.writing.discard(id(task))
             self.cv.notify_all()
 
     def release(self, task: Any) -> None:
-        """A write whose call is stuck past its deadline no longer holds a writer's place
-        (its worker is replaced)."""
+        """A task whose call is stuck past its deadline no longer holds a writer's place nor
+        counts in the read backlog (its worker is replaced)."""
         with self.cv:
+            self.reading.pop(id(task), None)
             if id(task) in self.writing:
                 self.writing.discard(id(task))
                 self.cv.notify_all()
@@ -176,6 +180,11 @@ class TaskQueue:
     def depths(self) -> tuple[int, int]:
         with self.cv:
             return (sum(t.num_pages for t in self.reads), self.queued_write_pages)
+
+    def read_backlog(self) -> int:
+        """Pages of the reads queued or running: what a read started now lands behind."""
+        with self.cv:
+            return sum(t.num_pages for t in self.reads) + sum(self.reading.values())
 
 
 class _ExistsJob:
@@ -501,6 +510,9 @@ class L3IO:
 
     def depths(self) -> tuple[int, int]:
         return self.queue.depths()
+
+    def read_backlog(self) -> int:
+        return self.queue.read_backlog()
 
     def stuck_calls(self) -> int:
         """Store calls past their deadline that have not returned yet."""
