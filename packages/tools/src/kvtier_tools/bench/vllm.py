@@ -243,6 +243,9 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
             res["wall_s"] = time.perf_counter() - t_phase
         if "abort" in ph:
             res.update(_abort(llm, ph["abort"], int(ph.get("steps", 1)), sp, len(phases)))
+        if "beside" in ph:
+            res.update(_beside(llm, ph["beside"]["hits"], ph["beside"]["fresh"], sp,
+                               len(phases)))
         phases.append(res)
     out: dict[str, Any] = {"start_s": start_s, "phases": phases}
     core = getattr(llm.llm_engine.engine_core, "engine_core", None)
@@ -260,6 +263,46 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     except Exception as exc:   # reporting only
         out["worker_error"] = repr(exc)
     return out
+
+
+def _beside(llm: Any, hits: list[list[int]], fresh: list[list[int]], sp: Any, phase: int
+            ) -> dict[str, Any]:
+    """Requests whose prefix loads from kvtier (``hits``) added before others (``fresh``),
+    the engine stepped until both are done; after each step, vLLM's own accounting of the
+    requests waiting for an asynchronous KV fetch (its scheduler's counts by fetch stage,
+    what its ``num_requests_kv_fetch_by_stage`` gauge reports) beside the tokens the fresh
+    requests computed in that step: ``steps_fetching_while_others_ran`` counts the steps in
+    which a fetch was pending while a fresh request advanced."""
+    from vllm.inputs import TokensPrompt
+    eng = llm.llm_engine
+    sched = eng.engine_core.engine_core.scheduler
+    hit_ids = [f"beside-{phase}-hit-{i}" for i in range(len(hits))]
+    fresh_ids = [f"beside-{phase}-fresh-{i}" for i in range(len(fresh))]
+    inner = {}                  # the engine's own ids (vLLM suffixes the ones it is given)
+    for rid, p in zip(hit_ids + fresh_ids, hits + fresh):
+        inner[rid] = eng.add_request(rid, TokensPrompt(prompt_token_ids=p), sp) or rid
+
+    def advanced() -> int:
+        reqs = sched.requests
+        return sum(reqs[inner[r]].num_computed_tokens for r in fresh_ids if inner[r] in reqs)
+
+    steps: list[dict[str, int]] = []
+    outputs: dict[str, list[int]] = {}
+    done_fresh = 0
+    while eng.has_unfinished_requests() and len(steps) < 500:
+        before = advanced() + done_fresh
+        for o in eng.step():
+            if o.finished:
+                outputs[o.request_id] = list(o.outputs[0].token_ids)
+                if o.request_id in fresh_ids:
+                    done_fresh += len(o.prompt_token_ids or []) + len(o.outputs[0].token_ids)
+        fetching = sum(sched._kv_fetch_counts.values())
+        steps.append({"fetching": fetching, "fresh_tokens": advanced() + done_fresh - before})
+    return {"steps": len(steps), "fetching_max": max((x["fetching"] for x in steps), default=0),
+            "steps_fetching_while_others_ran": sum(
+                1 for x in steps if x["fetching"] and x["fresh_tokens"] > 0),
+            "unfinished": eng.has_unfinished_requests(), "trace": steps,
+            "hit_outputs": [outputs.get(r) for r in hit_ids]}
 
 
 def _abort(llm: Any, prompts: list[list[int]], steps: int, sp: Any, phase: int
