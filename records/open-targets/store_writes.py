@@ -25,7 +25,7 @@ pool = HostKVPool(spec, 2 * n, allocator=MmapAllocator())
 pool.raw[: n * spec.page_bytes].copy_(
     torch.randint(0, 256, (n * spec.page_bytes,), dtype=torch.uint8))
 keys = [os.urandom(32) for _ in range(n)]
-for rep in range(3):
+for _rep in range(3):
     shutil.rmtree(root, ignore_errors=True)
     st = FileStore({"root": root, "io_threads": threads}, spec=spec)
     st.attach(pool)
