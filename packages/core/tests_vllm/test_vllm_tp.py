@@ -43,9 +43,9 @@ def _bind_one_core_per_rank():
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = old
 
 
-def _run(model, ktc, phases, **engine):
+def _run(model, ktc, phases, max_tokens=16, **engine):
     res = run_in_subprocess({"model": model, "engine": engine, "kv_transfer_config": ktc,
-                             "phases": phases}, timeout=400)
+                             "phases": phases, "max_tokens": max_tokens}, timeout=400)
     assert "start_error" not in res, res["start_error"]
     return res
 
@@ -117,11 +117,14 @@ def test_a_tp_engine_loads_the_latent_a_single_rank_engine_stored_once(deepseek_
     deepseek = deepseek_v2
     prompt = [rng.randrange(1, 500) for _ in range(5 * mla_block + 7)]
     root = str(tmp_path / "store")
-    ref = _run(deepseek, None, [{"prompts": [prompt, prompt]}], block_size=mla_block, **TP2)
-    one = _run(deepseek, _ktc(root), [{"prompts": [prompt]}], block_size=mla_block)
+    # answers short enough that no block fills during decode (a finished request's full
+    # blocks are stored, the answer's too): the prompt's 5 pages, at 16- and 32-token blocks
+    n = 8
+    ref = _run(deepseek, None, [{"prompts": [prompt, prompt]}], n, block_size=mla_block, **TP2)
+    one = _run(deepseek, _ktc(root), [{"prompts": [prompt]}], n, block_size=mla_block)
     assert _cached(one) == [0]
     assert len(_objects(root)) == 5                       # one object per page
-    res = _run(deepseek, _ktc(root), [{"prompts": [prompt, prompt]}], block_size=mla_block,
+    res = _run(deepseek, _ktc(root), [{"prompts": [prompt, prompt]}], n, block_size=mla_block,
                **TP2)
     k = res["kvtier"]
     assert _cached(res) == [5 * mla_block, 5 * mla_block], k
