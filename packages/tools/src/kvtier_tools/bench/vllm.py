@@ -270,9 +270,9 @@ def _beside(llm: Any, hits: list[list[int]], fresh: list[list[int]], sp: Any, ph
     """Requests whose prefix loads from kvtier (``hits``) added before others (``fresh``),
     the engine stepped until both are done; after each step, vLLM's own accounting of the
     requests waiting for an asynchronous KV fetch (its scheduler's counts by fetch stage,
-    what its ``num_requests_kv_fetch_by_stage`` gauge reports) beside the tokens the fresh
-    requests computed in that step: ``steps_fetching_while_others_ran`` counts the steps in
-    which a fetch was pending while a fresh request advanced."""
+    what its ``num_requests_kv_fetch_by_stage`` gauge reports) beside whether a fresh request
+    ran in that step (computed tokens or finished): ``steps_fetching_while_others_ran``
+    counts the steps in which a fetch was pending while a fresh request ran."""
     from vllm.inputs import TokensPrompt
     eng = llm.llm_engine
     sched = eng.engine_core.engine_core.scheduler
@@ -282,25 +282,26 @@ def _beside(llm: Any, hits: list[list[int]], fresh: list[list[int]], sp: Any, ph
     for rid, p in zip(hit_ids + fresh_ids, hits + fresh):
         inner[rid] = eng.add_request(rid, TokensPrompt(prompt_token_ids=p), sp) or rid
 
-    def advanced() -> int:
+    def computed() -> dict[str, int]:
         reqs = sched.requests
-        return sum(reqs[inner[r]].num_computed_tokens for r in fresh_ids if inner[r] in reqs)
+        return {r: reqs[inner[r]].num_computed_tokens for r in fresh_ids if inner[r] in reqs}
 
     steps: list[dict[str, int]] = []
     outputs: dict[str, list[int]] = {}
-    done_fresh = 0
     while eng.has_unfinished_requests() and len(steps) < 500:
-        before = advanced() + done_fresh
+        before = computed()
+        finished = set()
         for o in eng.step():
             if o.finished:
                 outputs[o.request_id] = list(o.outputs[0].token_ids)
-                if o.request_id in fresh_ids:
-                    done_fresh += len(o.prompt_token_ids or []) + len(o.outputs[0].token_ids)
-        fetching = sum(sched._kv_fetch_counts.values())
-        steps.append({"fetching": fetching, "fresh_tokens": advanced() + done_fresh - before})
+                finished.add(o.request_id)
+        after = computed()
+        ran = bool(finished & set(fresh_ids)) or any(after.get(r, 0) > n
+                                                     for r, n in before.items())
+        steps.append({"fetching": sum(sched._kv_fetch_counts.values()), "fresh_ran": int(ran)})
     return {"steps": len(steps), "fetching_max": max((x["fetching"] for x in steps), default=0),
             "steps_fetching_while_others_ran": sum(
-                1 for x in steps if x["fetching"] and x["fresh_tokens"] > 0),
+                1 for x in steps if x["fetching"] and x["fresh_ran"]),
             "unfinished": eng.has_unfinished_requests(), "trace": steps,
             "hit_outputs": [outputs.get(r) for r in hit_ids]}
 
