@@ -51,7 +51,8 @@ def generation_at(data: torch.Tensor, offset: int) -> tuple[int, int]:
 def open_store(root: str, fmt: str, layout: str = "page_first") -> tuple[FileStore, HostKVPool]:
     pool = HostKVPool(SPEC, 2 * NUM_KEYS, layout=layout, allocator=MmapAllocator())
     store = FileStore({"root": root, "format": fmt, "io_threads": 2,
-                       "capacity_bytes": CAPACITY, "remove_corrupted": False}, spec=SPEC)
+                       "capacity_bytes": CAPACITY, "remove_corrupted": False,
+                       "group_bytes": 0}, spec=SPEC)
     store.attach(pool)
     return store, pool
 

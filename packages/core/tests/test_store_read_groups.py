@@ -2,9 +2,11 @@
 formats) and the `memory` store, beyond the contract suite (kvtier.testing.read_groups).
 
 Random bytes (never zeros), random host pages, odd geometries (3, 5, 13 layers, odd page
-sizes), both host pool layouts. On disk: the format-3 trailer's group checksums against a
-reference computed here, a corrupted group (a miss, the others still read), objects of
-format 2 (trailer built here: read whole per group), unknown versions, O_DIRECT with aligned
+sizes), both host pool layouts. On disk: the format-4 trailer's group checksums and group
+count against a reference computed here, the split by ``group_bytes`` (stores of other splits
+sharing a directory), a corrupted group (a miss, the others still read), objects of formats 2
+and 3 (trailers built here: read whole per group, or by their group checksums where format
+3's split is the store's), unknown versions, O_DIRECT with aligned
 and unaligned groups, the LRU touch, and a writer process rewriting keys while groups are
 read (every group reported True is bitwise one generation, and so is every page whose groups
 all came back True).
@@ -26,7 +28,7 @@ import zlib
 import pytest
 import torch
 
-from kvtier.errors import InvalidArgumentError, PageIndexError
+from kvtier.errors import ConfigError, InvalidArgumentError, PageIndexError
 from kvtier.host_allocators.mmap import MmapAllocator
 from kvtier.host_pool import HostKVPool
 from kvtier.l3_stores.file import FileStore, key_filename
@@ -58,7 +60,9 @@ def spec_id(spec: KVSpec) -> str:
 def make_store(kind: str, root: str, spec: KVSpec, **config) -> FileStore | MemoryStore:
     if kind == "memory":
         return MemoryStore(spec=spec)
-    return FileStore({"root": root, "format": kind, "io_threads": 3, **config}, spec=spec)
+    # these pages are small: layer groups of any size (the default wants 1 MiB a group)
+    return FileStore({"root": root, "format": kind, "io_threads": 3, "group_bytes": 0,
+                      **config}, spec=spec)
 
 
 @pytest.fixture
@@ -241,6 +245,7 @@ def write_at(path: str, off: int, data: bytes) -> None:
 
 
 _FIELDS = struct.Struct("<8sHHI16s32sQI16s")      # the trailer's fields, as format 2 wrote them
+_FIELDS4 = struct.Struct("<8sHHHH16s32sQI16s")    # format 4: the kind's high half, the groups
 
 
 def identity_digest_v(spec: KVSpec, version: int, namespace: str = "") -> bytes:
@@ -251,13 +256,20 @@ def identity_digest_v(spec: KVSpec, version: int, namespace: str = "") -> bytes:
 
 def old_trailer(spec: KVSpec, key: bytes, payload: bytes, version: int = 2,
                 checksum: str = "crc32") -> bytes:
-    """A trailer as format 2 wrote it: reserved zeros where format 3 has group checksums."""
+    """A trailer as format 2 wrote it: reserved zeros where format 3 has group checksums;
+    as format 3 wrote it (``version=3``): the running checksums of ``min(8, num_layers)``
+    groups there, and no group count."""
     kind, fn = (1, zlib.crc32) if checksum == "crc32" else (2, zlib.adler32)
     head = _FIELDS.pack(b"KVTIERPG", version, TRAILER, kind,
                         spec.fingerprint.encode()[:16].ljust(16, b"\0"),
                         hashlib.sha256(key).digest(), len(payload), fn(payload) & 0xFFFFFFFF,
                         identity_digest_v(spec, version))
-    head += bytes(TRAILER - _FIELDS.size - 4)
+    if version == 3:
+        ends = [byte_range(spec, grp)[1] for grp in reference_groups(spec.num_layers)]
+        sums = [fn(payload[:e]) & 0xFFFFFFFF for e in ends]
+        head += struct.pack("<8I", *sums, *[0] * (8 - len(sums)))
+    else:
+        head += bytes(TRAILER - _FIELDS.size - 4)
     return head + struct.pack("<I", zlib.crc32(head) & 0xFFFFFFFF)
 
 
@@ -265,23 +277,25 @@ def old_trailer(spec: KVSpec, key: bytes, payload: bytes, version: int = 2,
 @pytest.mark.parametrize("spec", SPECS, ids=spec_id)
 @pytest.mark.parametrize("kind", FILE_KINDS)
 def test_trailer_carries_running_group_checksums(opened, kind, spec, checksum):
-    """Format 3 on disk: the version, and per group the payload checksum running up to the
-    group's end (computed here with zlib), the last equal to the payload checksum, unused
-    entries zero."""
+    """Format 4 on disk: the version, the checksum kind and the group count, and per group
+    the payload checksum running up to the group's end (computed here with zlib), the last
+    equal to the payload checksum, unused entries zero."""
     store, pool = opened(kind, spec, "layer_first", checksum=checksum)
     keys, want, _ = write_random(store, pool, 1, random.Random(9))
     path, off = locate(store, keys[0])
     payload = read_at(path, off, spec.page_bytes)
     assert payload == bytes(want[0].tolist())
     raw = read_at(path, off + spec.page_bytes, TRAILER)
-    fields = _FIELDS.unpack_from(raw)
-    assert fields[1] == 3, "objects are written in format 3"
+    fields = _FIELDS4.unpack_from(raw)
+    assert fields[1] == 4, "objects are written in format 4"
     fn = zlib.crc32 if checksum == "crc32" else zlib.adler32
+    assert fields[3] == (1 if checksum == "crc32" else 2)
     sums = struct.unpack_from("<8I", raw, _FIELDS.size)
     ends = [byte_range(spec, grp)[1] for grp in reference_groups(spec.num_layers)]
+    assert fields[4] == len(ends), "the trailer says how many groups it has checksums of"
     assert list(sums[:len(ends)]) == [fn(payload[:e]) & 0xFFFFFFFF for e in ends]
     assert all(s == 0 for s in sums[len(ends):])
-    assert fields[7] == sums[len(ends) - 1] == fn(payload) & 0xFFFFFFFF
+    assert fields[8] == sums[len(ends) - 1] == fn(payload) & 0xFFFFFFFF
     assert struct.unpack_from("<I", raw, TRAILER - 4)[0] == zlib.crc32(raw[:TRAILER - 4])
 
 
@@ -453,10 +467,146 @@ def test_format_2_directory_is_upgraded_and_its_objects_read(opened, tmp_path, k
     again, _ = opened(kind, SPEC13, root=root, pool=pool)
     assert again.stats()["manifest"] == "upgraded from format 2"
     with open(mpath) as f:
-        assert json.load(f)["identity"]["format"] == 3
+        assert json.load(f)["identity"]["format"] == 4
     assert again.batch_get(keys, free[:2]) == [True, True]
     for g in range(8):
         read_group_checked(again, pool, keys, free[2:4], g, want, [True, True])
+
+
+# --------------------------------------------------------------------------------------------
+# the split in layer groups (group_bytes), format 3's objects
+# --------------------------------------------------------------------------------------------
+def split_of(n: int, layers: int = 13) -> tuple[tuple[int, int], ...]:
+    return tuple((g * layers // n, (g + 1) * layers // n) for g in range(n))
+
+
+def flip_last_byte(store, key: bytes) -> None:
+    """Damage the last layer of ``key``'s object (its last group in any split)."""
+    path, off = locate(store, key)
+    at = off + store.spec.page_bytes - 1
+    write_at(path, at, bytes([read_at(path, at, 1)[0] ^ 0x04]))
+
+
+def test_group_bytes_default_is_one_mib_and_bad_values_are_config_errors(tmp_path):
+    spec = KVSpec.mha(num_layers=32, num_kv_heads=8, head_dim=128, page_size=8)  # 1 MiB pages
+    s = FileStore({"root": str(tmp_path / "d")}, spec=spec)
+    try:
+        assert s.config.group_bytes == 1 << 20 and s.read_groups() == ()
+    finally:
+        s.close()
+    for bad in (-1, 1.5, True, "4096", None):
+        with pytest.raises(ConfigError, match="group_bytes"):
+            FileStore({"root": str(tmp_path / "e"), "group_bytes": bad}, spec=spec)
+    assert not os.path.exists(tmp_path / "e")
+
+
+@pytest.mark.parametrize("kind", FILE_KINDS)
+def test_group_bytes_sets_the_split_and_the_trailer_says_it(opened, tmp_path, kind):
+    """Groups of at least ``group_bytes``: SPEC13's 10,192-byte pages (784 bytes a layer) in
+    min(8, 13, page // group_bytes) groups -- 8 at 0 and 1, 3 at 3,000 bytes, one at 6,000
+    (whole reads only: no read_groups, a ranged read refused); every object's trailer counts
+    its groups, and 3 groups read back bitwise into random pages."""
+    rng = random.Random(41)
+    for gb, n in ((0, 8), (1, 8), (3000, 3), (6000, 1)):
+        store, pool = opened(kind, SPEC13, root=str(tmp_path / f"gb{gb}"), group_bytes=gb)
+        assert store.read_groups() == (split_of(n) if n > 1 else ())
+        keys, want, free = write_random(store, pool, 3, rng, tag=str(gb))
+        for k in keys:
+            path, off = locate(store, k)
+            assert _FIELDS4.unpack_from(read_at(path, off + SPEC13.page_bytes, TRAILER))[4] == n
+        if n == 1:
+            with pytest.raises(InvalidArgumentError):
+                store.batch_get_layers(keys, free[:3], 0)
+        dst = rng.sample(free, 3)
+        for g in range(len(store.read_groups())):
+            read_group_checked(store, pool, keys, dst, g, want, [True] * 3)
+        if n > 1:
+            assert all(torch.equal(page(pool, p), w) for p, w in zip(dst, want))
+        assert store.batch_get(keys, free[-3:]) == [True] * 3
+        assert all(torch.equal(page(pool, p), w) for p, w in zip(free[-3:], want))
+
+
+@pytest.mark.parametrize("kind", FILE_KINDS)
+def test_stores_of_other_splits_read_each_others_objects(opened, tmp_path, kind):
+    """A store of 8 groups and one of 3 in one directory: each reads the other's objects
+    whole and by its own groups, bitwise. A group of its own objects is verified on the
+    group alone (damage in the last layer leaves group 0 a hit); a group of the other's
+    objects on the whole payload (the same damage makes it a counted miss)."""
+    root = str(tmp_path / "shared")
+    rng = random.Random(43)
+    eight, pool = opened(kind, SPEC13, root=root, remove_corrupted=False)
+    three, _ = opened(kind, SPEC13, root=root, pool=pool, remove_corrupted=False,
+                      group_bytes=3000)
+    keys8, want8, _ = write_random(eight, pool, 3, rng, tag="eight")
+    keys3, want3, _ = write_random(three, pool, 3, rng, tag="three")
+    free = [p for p in range(pool.num_pages)]
+    for reader, keys, want, n in ((three, keys8, want8, 3), (eight, keys3, want3, 8)):
+        dst = rng.sample(free, 3)
+        for g in range(n):
+            read_group_checked(reader, pool, keys, dst, g, want, [True] * 3)
+        assert all(torch.equal(page(pool, p), w) for p, w in zip(dst, want))
+        dst = rng.sample(free, 3)
+        assert reader.batch_get(keys, dst) == [True] * 3
+        assert all(torch.equal(page(pool, p), w) for p, w in zip(dst, want))
+    flip_last_byte(eight, keys8[0])
+    flip_last_byte(three, keys3[0])
+    dst = rng.sample(free, 3)
+    read_group_checked(eight, pool, keys8, dst, 0, want8, [True] * 3)
+    read_group_checked(three, pool, keys3, dst, 0, want3, [True] * 3)
+    before = three.stats()["corrupted"], eight.stats()["corrupted"]
+    read_group_checked(three, pool, keys8, dst, 0, want8, [False, True, True])
+    read_group_checked(eight, pool, keys3, dst, 0, want3, [False, True, True])
+    assert (three.stats()["corrupted"], eight.stats()["corrupted"]) == \
+        (before[0] + 1, before[1] + 1)
+
+
+@pytest.mark.parametrize("kind", FILE_KINDS)
+def test_format_3_objects_read_by_group_where_their_split_is_the_stores(opened, tmp_path,
+                                                                          kind):
+    """Objects with a format-3 trailer (built here: min(8, L) running checksums, no group
+    count): a store of that split reads their groups on the group checksums (damage in the
+    last layer leaves group 0 a hit); one of 3 groups verifies each on the whole payload (the
+    same damage: a miss); both read them whole, bitwise, until damaged."""
+    root = str(tmp_path / "v3")
+    rng = random.Random(47)
+    eight, pool = opened(kind, SPEC13, root=root, remove_corrupted=False)
+    three, _ = opened(kind, SPEC13, root=root, pool=pool, remove_corrupted=False,
+                      group_bytes=3000)
+    keys, want, free = write_random(eight, pool, 2, rng)
+    for k in keys:
+        path, off = locate(eight, k)
+        payload = read_at(path, off, SPEC13.page_bytes)
+        write_at(path, off + SPEC13.page_bytes, old_trailer(SPEC13, k, payload, version=3))
+    for reader, n in ((eight, 8), (three, 3)):
+        dst = rng.sample(free, 2)
+        for g in range(n):
+            read_group_checked(reader, pool, keys, dst, g, want, [True, True])
+        assert all(torch.equal(page(pool, p), w) for p, w in zip(dst, want))
+        assert reader.batch_get(keys, free[-2:]) == [True, True]
+    flip_last_byte(eight, keys[0])
+    dst = rng.sample(free, 2)
+    read_group_checked(eight, pool, keys, dst, 0, want, [True, True])
+    read_group_checked(three, pool, keys, dst, 0, want, [False, True])
+    assert eight.batch_get(keys, free[-2:]) == [False, True]
+
+
+@pytest.mark.parametrize("count", [0, 9, 3])
+@pytest.mark.parametrize("kind", FILE_KINDS)
+def test_a_wrong_group_count_in_the_trailer_is_a_miss(opened, kind, count):
+    """A format-4 trailer (its own CRC made right) whose group count is out of range or
+    disagrees with its checksums (3 where 8 are filled): every read of it is a counted
+    corruption, never a hit."""
+    store, pool = opened(kind, SPEC13, remove_corrupted=False)
+    keys, want, free = write_random(store, pool, 1, random.Random(53))
+    path, off = locate(store, keys[0])
+    raw = bytearray(read_at(path, off + SPEC13.page_bytes, TRAILER))
+    struct.pack_into("<H", raw, 14, count)
+    struct.pack_into("<I", raw, TRAILER - 4, zlib.crc32(bytes(raw[:TRAILER - 4])))
+    write_at(path, off + SPEC13.page_bytes, bytes(raw))
+    for g in (0, 7):
+        read_group_checked(store, pool, keys, free[:1], g, want, [False])
+    assert store.batch_get(keys, free[1:2]) == [False]
+    assert store.stats()["corrupted"] >= 1
 
 
 # --------------------------------------------------------------------------------------------

@@ -84,6 +84,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(0: one per I/O thread)")
     p.add_argument("--io-call", default="8M",
                    help="file store io_call_bytes (least bytes per I/O call)")
+    p.add_argument("--group-bytes", default=None,
+                   help="file store group_bytes: least bytes of a layer group, one checksum "
+                        "call per group and page written (default: the store's, 1M; 0: "
+                        "min(8, layers) groups whatever the page size)")
     p.add_argument("--raw-pieces", default="",
                    help="comma-separated call sizes of extra single-stream raw modes (the "
                         "ceiling is the best of every mode; a mode at the store's call size "
@@ -420,11 +424,13 @@ def _print(data: dict[str, Any], failures: int) -> None:
     calls = "" if data.get("io_call_bytes") is None else \
         f", calls of {data['io_call_bytes'] >> 10} KiB" + (
             " or more" if not data.get("io_depth") else f", io_depth={data['io_depth']}")
+    groups = "" if data.get("group_bytes") is None else \
+        f", group_bytes={data['group_bytes']}"
     print(f"file store ({data.get('format', 'objects')} format) vs raw sequential I/O in "
           f"{data['dir']} ({data['cache']}; "
           f"{data['total'] / 2**30:g} GiB per measurement, median of {data['repeat']}; "
           f"io_threads={data['threads']}, batch={data['batch']}, "
-          f"callers={data.get('callers', 1)}{calls}; GB/s = 1e9 bytes/s)")
+          f"callers={data.get('callers', 1)}{calls}{groups}; GB/s = 1e9 bytes/s)")
     print(table(["page", f"raw write ({how})", "batch_set", "set/raw", f"raw read ({how})",
                  "batch_get", "get/raw"], report(data)))
     ck = data["checksum"]
@@ -482,6 +488,9 @@ def run(args: argparse.Namespace) -> int:
     if args.store == "shm":
         return run_shm(args, sizes, total)
     io_call = parse_size(args.io_call, "--io-call")
+    group = {} if args.group_bytes is None else {
+        "group_bytes": 0 if str(args.group_bytes).strip() == "0"
+        else parse_size(args.group_bytes, "--group-bytes")}
     pieces = list(dict.fromkeys(parse_size(x, "--raw-pieces")
                                 for x in args.raw_pieces.split(",") if x.strip()))
     for piece in pieces:
@@ -548,7 +557,7 @@ def run(args: argparse.Namespace) -> int:
             store = FileStore({"root": root, "io_threads": args.threads,
                                "io_depth": args.io_depth, "io_call_bytes": io_call,
                                "o_direct": "on" if direct else "off",
-                               "checksum": args.checksum, "format": args.format},
+                               "checksum": args.checksum, "format": args.format, **group},
                               spec=spec)
             store.attach(pool)
             src, dst = list(range(n)), list(range(n, 2 * n))
@@ -586,6 +595,7 @@ def run(args: argparse.Namespace) -> int:
         "repeat": args.repeat,
         "threads": args.threads, "batch": args.batch, "callers": args.callers,
         "io_depth": args.io_depth, "io_call_bytes": io_call,
+        "group_bytes": group.get("group_bytes", FileStore.Config.group_bytes),
         "raw_modes": labels, "ceiling_modes": ceiling,
         "checksum": {"kind": args.checksum, "provider": provider, "gbps": speed},
         "env": _env(base), "failures": failures, "results": []}

@@ -50,8 +50,12 @@ class _FileStoreCore(L3Store):
     _identity: bytes
     #: identity digest of each readable object format version (the current one first)
     _identities: dict[int, bytes]
-    #: payload offset where each layer group ends (``format.group_ends``)
+    #: the layer groups of this store's objects, and the payload offset where each ends
+    #: (``format.layer_groups``, ``format.group_ends``)
+    _groups: tuple[tuple[int, int], ...]
     _group_ends: list[int]
+    #: the groups format 3 split these pages in (``format.group_count``)
+    _v3_groups: int
     _sync: bool
     _manifest_state: str
     _sizes: set[int]

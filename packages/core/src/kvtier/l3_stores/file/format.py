@@ -10,16 +10,24 @@ with ``O_DIRECT`` carry zeros after the trailer up to the next 4 KiB. A file tha
 truncated, corrupted, foreign (another spec, another key) or of an unknown format is a miss
 and a counted error, never wrong KV.
 
-Group checksums (format version 3): the payload is the page in logical order, layer-major
+Group checksums: the payload is the page in logical order, layer-major
 (``[layer][component][token][head][dim]``), so layers ``lo..hi-1`` are one contiguous byte
-range. The layers are split into ``G = min(8, num_layers)`` groups, group ``g`` = layers
-``[g*L//G, (g+1)*L//G)``, and the trailer's 32 formerly reserved bytes carry, per group, the
-payload checksum *running* up to the end of that group (the checksum, of the payload's kind,
-of bytes 0 .. end of group ``g``; unused entries zero). Group ``g`` alone is verified by
-continuing the checksum from entry ``g-1`` (from the checksum's start value for ``g = 0``)
-over its bytes; the last entry is the payload checksum; a writer takes all of them in its one
-pass over the page. Objects of version 2 (reserved zeros there) are still read: whole as
-before, and a ranged read of one reads and verifies its whole payload.
+range. The layers are split into ``G`` groups, group ``g`` = layers ``[g*L//G, (g+1)*L//G)``,
+and the trailer's 32 formerly reserved bytes carry, per group, the payload checksum *running*
+up to the end of that group (the checksum, of the payload's kind, of bytes 0 .. end of group
+``g``; unused entries zero). Group ``g`` alone is verified by continuing the checksum from
+entry ``g-1`` (from the checksum's start value for ``g = 0``) over its bytes; the last entry is
+the payload checksum; a writer takes all of them in its one pass over the page, one checksum
+call per group. Format version 4 records ``G`` in the trailer (the high half of the former
+32-bit checksum-kind field, zero in older versions) and the writer chooses it: up to
+``min(8, num_layers)`` groups of at least the store's ``group_bytes`` (one group, the whole
+page, for small pages: each group is a call through the interpreter lock per page written,
+and 8 of them per 1 MiB page halved a 16-thread store's write rate on tmpfs). Version 3 always
+had ``min(8, num_layers)`` groups. A ranged read uses an object's group checksums where its
+``G`` is the reading store's; otherwise (another writer's ``group_bytes``, version 3 objects
+of another split, version 2 objects, which have none) it reads and verifies the whole
+payload. Older versions are still read; an older reader takes version 4 objects for foreign
+ones (misses, left alone).
 
 Also here: the names of objects and fan-out directories (hex digits only), the checksum
 implementations (the fastest bit-compatible one importable), and the store's identity record
@@ -37,10 +45,11 @@ import zlib
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 MAGIC = b"KVTIERPG"
-#: 3: the trailer carries per-group checksums (ranged reads); 2: the store's identity digest.
-FORMAT_VERSION = 3
+#: 4: the trailer says how many layer groups it has checksums of; 3: per-group checksums of
+#: min(8, num_layers) groups (ranged reads); 2: the store's identity digest.
+FORMAT_VERSION = 4
 #: Older object formats still read (a trailer of version 2 has no group checksums).
-OLDER_VERSIONS = (2,)
+OLDER_VERSIONS = (3, 2)
 #: Layer groups of an object: at most this many (each with a checksum in the trailer).
 MAX_GROUPS = 8
 MANIFEST = "manifest.json"
@@ -50,10 +59,11 @@ TMP_SUFFIX = ".tmp"
 DIRECT_ALIGN = 4096
 MAX_HEX_KEY = 96           # longer keys are named by their SHA-256 (file names <= 255 bytes)
 
-# magic, version, trailer length, checksum kind, spec fingerprint, sha256(key), payload length,
-# payload checksum, identity digest -- then the group checksums (version 2: reserved zeros) and
-# a CRC-32 of everything before it.
-_FIELDS = struct.Struct("<8sHHI16s32sQI16s")
+# magic, version, trailer length, checksum kind, group count (version 4; older versions wrote
+# the kind as 32 bits, so zero here), spec fingerprint, sha256(key), payload length, payload
+# checksum, identity digest -- then the group checksums (version 2: reserved zeros) and a
+# CRC-32 of everything before it.
+_FIELDS = struct.Struct("<8sHHHH16s32sQI16s")
 TRAILER_BYTES = 128
 _RESERVED = TRAILER_BYTES - _FIELDS.size - 4
 _GROUP_SUMS = struct.Struct(f"<{MAX_GROUPS}I")
@@ -118,18 +128,28 @@ def _continue(kind_id: int, bufs: Sequence[memoryview], value: int) -> int:
     return value & 0xFFFFFFFF
 
 
-def layer_groups(num_layers: int) -> tuple[tuple[int, int], ...]:
-    """The layer groups of an object: ``min(MAX_GROUPS, num_layers)`` ranges ``(lo, hi)``,
-    group ``g`` = layers ``[g*L//G, (g+1)*L//G)``."""
+def group_count(num_layers: int, page_bytes: int = 0, group_bytes: int = 0) -> int:
+    """How many layer groups an object of ``page_bytes`` has: ``min(MAX_GROUPS, num_layers)``,
+    fewer where groups would hold under ``group_bytes`` each (at least one; ``group_bytes``
+    0: no such bound -- format 3's split)."""
     n = min(MAX_GROUPS, num_layers)
+    if group_bytes > 0:
+        n = max(1, min(n, page_bytes // group_bytes))
+    return n
+
+
+def layer_groups(num_layers: int, groups: int = 0) -> tuple[tuple[int, int], ...]:
+    """The layer groups of an object: ``groups`` (default ``min(MAX_GROUPS, num_layers)``)
+    ranges ``(lo, hi)``, group ``g`` = layers ``[g*L//G, (g+1)*L//G)``."""
+    n = groups or min(MAX_GROUPS, num_layers)
     return tuple((g * num_layers // n, (g + 1) * num_layers // n) for g in range(n))
 
 
-def group_ends(num_layers: int, page_bytes: int) -> list[int]:
+def group_ends(num_layers: int, page_bytes: int, groups: int = 0) -> list[int]:
     """The payload offset where each layer group ends (the last: ``page_bytes``); a layer is
     ``page_bytes // num_layers`` contiguous bytes of the payload (logical order)."""
     per_layer = page_bytes // num_layers
-    return [hi * per_layer for _, hi in layer_groups(num_layers)]
+    return [hi * per_layer for _, hi in layer_groups(num_layers, groups)]
 
 
 def running_checksums(kind_id: int, bufs: Sequence[memoryview], ends: Sequence[int]
@@ -189,7 +209,7 @@ def pack_trailer(fingerprint: str, key: bytes, payload_len: int, kind_id: int,
     if not 0 < len(group_sums) <= MAX_GROUPS or group_sums[-1] != payload_sum:
         raise ValueError(f"group checksums {list(group_sums)} do not end with the payload "
                          f"checksum {payload_sum}")
-    head = _FIELDS.pack(MAGIC, FORMAT_VERSION, TRAILER_BYTES, kind_id,
+    head = _FIELDS.pack(MAGIC, FORMAT_VERSION, TRAILER_BYTES, kind_id, len(group_sums),
                         fingerprint.encode("ascii")[:16].ljust(16, b"\0"),
                         hashlib.sha256(key).digest(), payload_len, payload_sum,
                         identity[:16].ljust(16, b"\0"))
@@ -207,7 +227,8 @@ class _Bad(Exception):
 
 class Trailer(NamedTuple):
     """A verified trailer: its format version, checksum kind, payload checksum and group
-    checksums (running, one per layer group; empty for a version without them)."""
+    checksums (running, one per layer group of the object's split; empty for a version
+    without them)."""
 
     version: int
     kind_id: int
@@ -220,13 +241,14 @@ def parse_trailer(raw: bytes, fingerprint: str, key: bytes, payload_len: int,
                   groups: int = 0) -> Trailer:
     """Validate a trailer (of ``key``, or of the key whose SHA-256 is ``key_digest``) of any
     readable format version, ``identities`` giving the identity digest each version's objects
-    carry; ``groups``: the layer groups of the store's pages (their checksums are checked
-    for consistency: the last is the payload checksum, unused entries are zero). Raises
-    _Bad."""
+    carry; ``groups``: how many layer groups format 3 split these pages in
+    (``min(MAX_GROUPS, num_layers)``; format 4 says it in the trailer). The group checksums
+    are checked for consistency: the last is the payload checksum, unused entries are zero.
+    Raises _Bad."""
     if len(raw) != TRAILER_BYTES:
         raise _Bad("truncated", f"trailer of {len(raw)} bytes")
     want_digest = key_digest
-    (magic, version, tlen, kind_id, fp, key_digest, plen, psum, ident) = \
+    (magic, version, tlen, kind_id, count, fp, key_digest, plen, psum, ident) = \
         _FIELDS.unpack_from(raw)
     if magic != MAGIC:
         raise _Bad("corrupted", "bad magic")
@@ -244,8 +266,14 @@ def parse_trailer(raw: bytes, fingerprint: str, key: bytes, payload_len: int,
         raise _Bad("foreign", f"payload of {plen} bytes, pages have {payload_len}")
     if ident != identities.get(version, b"")[:16].ljust(16, b"\0"):
         raise _Bad("foreign", "object of another store identity (namespace or format)")
-    if version in OLDER_VERSIONS:
+    if version == 2:
         return Trailer(version, kind_id, psum, ())
+    if version != 3:
+        if not 0 < count <= MAX_GROUPS:
+            raise _Bad("corrupted", f"trailer with {count} layer groups")
+        groups = count
+    elif count:
+        raise _Bad("corrupted", f"format 3 trailer with a group count ({count})")
     sums = _GROUP_SUMS.unpack_from(raw, _FIELDS.size)
     if groups and (not 0 < groups <= MAX_GROUPS or sums[groups - 1] != psum
                    or any(sums[groups:])):

@@ -7,8 +7,9 @@ object's trailer, and checks the range against the trailer read after it: the gr
 checksums are running checksums, so the range's bytes continued from entry ``g-1`` must give
 entry ``g``. Bytes that changed under the read (a slot rewritten in place, a trailer zeroed by
 a delete) disagree with the trailer read after them: a miss, never wrong bytes. An object
-without group checksums (format version 2) is read whole into scratch memory, verified whole,
-and the range copied from there.
+without group checksums (format version 2), or with those of another split into groups (a
+writer with another ``group_bytes``, format 3 where its split differs), is read whole into
+scratch memory, verified whole, and the range copied from there.
 
 With ``O_DIRECT`` a range whose ends are not 4 KiB aligned is read through an aligned scratch
 block covering it (the page cache is bypassed all the same) and copied into the page.
@@ -105,15 +106,16 @@ def read_group(fd: int, base: int, plen: int, views: Sequence[memoryview], a: in
 
 def check_group(fd: int, base: int, plen: int, trailer: Trailer, span: tuple[int, int],
                 dst: Sequence[memoryview], a: int, b: int, direct: bool,
-                parse: Callable[[bytes], Trailer]) -> Marks:
+                parse: Callable[[bytes], Trailer], groups: int) -> Marks:
     """Verify the range ``read_group`` put in ``dst`` (layer groups ``span[0]`` through
-    ``span[1]``) against ``trailer`` (read after it): the running checksum continued from the
-    entry before the first group over the range must give the last group's entry. An object
-    without group checksums is read again whole (``parse`` checks the trailer of that read),
-    verified whole and the range copied into ``dst``. Returns the marks of the object
-    version; raises _Bad or OSError."""
+    ``span[1]`` of the reading store's ``groups``) against ``trailer`` (read after it): the
+    running checksum continued from the entry before the first group over the range must
+    give the last group's entry. An object without group checksums, or with checksums of
+    another split (another number of groups), is read again whole (``parse`` checks the
+    trailer of that read), verified whole and the range copied into ``dst``. Returns the
+    marks of the object version; raises _Bad or OSError."""
     first, through = span
-    if trailer.group_sums:
+    if len(trailer.group_sums) == groups:
         sums = trailer.group_sums
         start = sums[first - 1] if first else _CHECKSUM_START[trailer.kind_id]
         if _continue(trailer.kind_id, dst, start) != sums[through]:

@@ -200,7 +200,7 @@ class SegmentReads(SegmentCapacity):
                     continue
                 try:
                     t = parse_trailer(raw, s.spec.fingerprint, b"", plen, s._identities,
-                                      key_digest=digest, groups=len(s._group_ends))
+                                      key_digest=digest, groups=s._v3_groups)
                     # the checksum of the bytes in the page now: taken as they arrived
                     # (hot), or over the page (another checksum kind, or not in memory)
                     have = sums[j] if sums and t.kind_id == s._kind_id else \
@@ -258,7 +258,7 @@ class SegmentReads(SegmentCapacity):
             for (slot, i, digest, _), res in zip(run, got):
                 def parse(raw: bytes, digest: bytes = digest) -> Trailer:
                     return parse_trailer(raw, s.spec.fingerprint, b"", plen, s._identities,
-                                         key_digest=digest, groups=len(s._group_ends))
+                                         key_digest=digest, groups=s._v3_groups)
                 try:
                     if isinstance(res, _Bad):
                         raise res
@@ -268,7 +268,7 @@ class SegmentReads(SegmentCapacity):
                             self._forget_if(digest, seg, slot)
                         continue
                     marks = check_group(fd, slot * self.slot_bytes, plen, parse(raw), span,
-                                        dst, a, b, direct, parse)
+                                        dst, a, b, direct, parse, len(s._groups))
                 except _Bad as bad:
                     # a damaged range: the slot's other groups may still read, unless it is
                     # removed (remove_corrupted)

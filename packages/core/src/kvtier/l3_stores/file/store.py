@@ -30,7 +30,7 @@ from ...layout import PAGE_FIRST, page_ranges
 from . import _files
 from .core import log
 from .format import (_CHECKSUMS, _NAMESPACE_RE, _OBJECT_RE, _TMP_RE, DIRECT_ALIGN,
-                     TRAILER_BYTES, checksum_impl, group_ends, identity_digest,
+                     TRAILER_BYTES, checksum_impl, group_count, group_ends, identity_digest,
                      identity_digests, identity_record, key_filename, layer_groups)
 from .objects import _ObjectFormat
 from .ranged import PageChains
@@ -109,6 +109,16 @@ class FileStore(_ObjectFormat):
         #: ``io_threads`` where the directory is in memory -- tmpfs, ramfs: they serialise
         #: writes to one file -- else 1: a disk takes concurrent writes to one file).
         write_lanes: int = 0
+        #: Least payload bytes of a layer group: the unit of a ranged (streamed) read, with
+        #: its own running checksum in the object's trailer. A page is split in up to
+        #: ``min(8, num_layers)`` groups of at least this many bytes; one under twice this is
+        #: one group, read whole only (``read_groups()`` is empty). Each group is one checksum
+        #: call per page written, a round trip through the interpreter lock: on a 16-core
+        #: H100 host 16 I/O threads wrote 1 MiB pages into tmpfs at 8.1-9.2 GB/s with 8
+        #: groups and 13.3-13.9 with one (records/open-targets.md, call 2). 0: always
+        #: ``min(8, num_layers)`` groups (format 3's split). Objects record their split, so
+        #: stores of different settings read each other's (whole where the splits differ).
+        group_bytes: int = 1 << 20
         #: fsync each object (and its directory) before it becomes visible: survives power
         #: loss. Off, a crash can lose recent objects (checksums turn them into misses).
         fsync: bool = False
@@ -170,7 +180,8 @@ class FileStore(_ObjectFormat):
                 or c.io_threads < 0:
             raise ConfigError(f"file.io_threads must be an integer >= 0 (0: by the medium), "
                               f"got {c.io_threads!r}", key="file.io_threads", value=c.io_threads)
-        for key, lo in (("io_depth", 0), ("io_call_bytes", DIRECT_ALIGN), ("write_lanes", 0)):
+        for key, lo in (("io_depth", 0), ("io_call_bytes", DIRECT_ALIGN), ("write_lanes", 0),
+                        ("group_bytes", 0)):
             v = getattr(c, key)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ConfigError(f"file.{key} must be an integer >= {lo}, got {v!r}",
@@ -211,8 +222,11 @@ class FileStore(_ObjectFormat):
         self.identity = identity_record(spec.fingerprint, c.namespace)
         self._identity = identity_digest(self.identity)
         self._identities = identity_digests(spec.fingerprint, c.namespace)
-        self._groups = layer_groups(spec.num_layers)
-        self._group_ends = group_ends(spec.num_layers, spec.page_bytes)
+        n = group_count(spec.num_layers, spec.page_bytes, c.group_bytes)
+        self._groups = layer_groups(spec.num_layers, n)
+        self._group_ends = group_ends(spec.num_layers, spec.page_bytes, n)
+        #: how many groups format 3 split these pages in (its trailers do not say)
+        self._v3_groups = group_count(spec.num_layers)
         self._chains = PageChains()
         #: "memory" (tmpfs, ramfs), "disk" or "unknown": in memory, fsync does nothing and is
         #: skipped (stats say so)
@@ -367,13 +381,14 @@ class FileStore(_ObjectFormat):
         return out
 
     def read_groups(self) -> tuple[tuple[int, int], ...]:
-        """``min(8, num_layers)`` layer groups, each with its own checksum in the object's
-        trailer (``kvtier.l3_stores.file.format``). A subclass that overrides ``batch_get``
-        and not ``batch_get_layers`` reads whole pages only: streamed reads must not go
-        around its ``batch_get``."""
+        """Up to ``min(8, num_layers)`` layer groups of at least ``group_bytes`` each, each
+        with its own checksum in the object's trailer (``kvtier.l3_stores.file.format``);
+        none where a page is one group. A subclass that overrides ``batch_get`` and not
+        ``batch_get_layers`` reads whole pages only: streamed reads must not go around its
+        ``batch_get``."""
         cls = type(self)
-        if cls.batch_get is not FileStore.batch_get \
-                and cls.batch_get_layers is FileStore.batch_get_layers:
+        if len(self._groups) < 2 or (cls.batch_get is not FileStore.batch_get
+                                     and cls.batch_get_layers is FileStore.batch_get_layers):
             return ()
         return self._groups
 
