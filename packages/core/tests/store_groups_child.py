@@ -5,7 +5,9 @@ Every page written is ``page_content(key_index, gen)``: random bytes from a seed
 zero), each layer starting with the generation and the key index, so a reader can tell which
 generation any layer range it got belongs to, and check it bitwise.
 
-    python store_groups_child.py ROOT FORMAT SECONDS
+    python store_groups_child.py ROOT FORMAT SECONDS [GROUP_BYTES]
+
+GROUP_BYTES (default 0: 8 groups) sets the writer's split in layer groups.
 """
 
 from __future__ import annotations
@@ -48,11 +50,12 @@ def generation_at(data: torch.Tensor, offset: int) -> tuple[int, int]:
     return int.from_bytes(head[:8], "little"), int.from_bytes(head[8:], "little")
 
 
-def open_store(root: str, fmt: str, layout: str = "page_first") -> tuple[FileStore, HostKVPool]:
+def open_store(root: str, fmt: str, layout: str = "page_first", group_bytes: int = 0
+               ) -> tuple[FileStore, HostKVPool]:
     pool = HostKVPool(SPEC, 2 * NUM_KEYS, layout=layout, allocator=MmapAllocator())
     store = FileStore({"root": root, "format": fmt, "io_threads": 2,
                        "capacity_bytes": CAPACITY, "remove_corrupted": False,
-                       "group_bytes": 0}, spec=SPEC)
+                       "group_bytes": group_bytes}, spec=SPEC)
     store.attach(pool)
     return store, pool
 
@@ -69,7 +72,7 @@ def write_gen(store: FileStore, pool: HostKVPool, gen: int) -> int:
 
 def main(argv: list[str]) -> None:
     root, fmt, seconds = argv[0], argv[1], float(argv[2])
-    store, pool = open_store(root, fmt)
+    store, pool = open_store(root, fmt, group_bytes=int(argv[3]) if len(argv) > 3 else 0)
     written = write_gen(store, pool, 0)
     print("ready", flush=True)
     gen = 1

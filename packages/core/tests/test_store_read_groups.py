@@ -717,16 +717,19 @@ def _check_groups_against_generations(store, pool, dst: list[int], seconds: floa
     return hits, pages, len(gens)
 
 
-@pytest.mark.parametrize("kind,layout,medium", [
-    ("segments", "page_first", "memory"), ("segments", "layer_first", "disk"),
-    ("objects", "page_first", "disk"), ("objects", "layer_first", "memory")])
-def test_groups_read_while_another_process_rewrites(tmp_path, kind, layout, medium):
+@pytest.mark.parametrize("kind,layout,medium,writer_split", [
+    ("segments", "page_first", "memory", 0), ("segments", "layer_first", "disk", 0),
+    ("objects", "page_first", "disk", 0), ("objects", "layer_first", "memory", 0),
+    # the writer's pages are one group: every range the reader gets is verified whole
+    ("segments", "layer_first", "memory", 1 << 20), ("objects", "page_first", "disk", 1 << 20)])
+def test_groups_read_while_another_process_rewrites(tmp_path, kind, layout, medium,
+                                                    writer_split):
     if medium == "memory" and not os.path.isdir("/dev/shm"):
         pytest.skip("no /dev/shm")
     base = tempfile.mkdtemp(dir="/dev/shm") if medium == "memory" else str(tmp_path)
     root = os.path.join(base, "store")
-    proc = subprocess.Popen([sys.executable, CHILD, root, kind, "4"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, CHILD, root, kind, "4", str(writer_split)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()
