@@ -446,26 +446,29 @@ def test_unknown_format_version_is_a_foreign_miss(opened, kind):
     assert store.stats()["foreign"] == (3 if kind == "objects" else 1)    # segments: forgotten
 
 
+@pytest.mark.parametrize("version", [2, 3])
 @pytest.mark.parametrize("kind", FILE_KINDS)
-def test_format_2_directory_is_upgraded_and_its_objects_read(opened, tmp_path, kind):
-    """A store directory whose manifest names format 2: opening it says so
-    (``upgraded from format 2``), its format-2 objects stay readable, whole and by group."""
+def test_older_format_directory_is_upgraded_and_its_objects_read(opened, tmp_path, kind,
+                                                                 version):
+    """A store directory whose manifest names format 2 (or 3): opening it says so
+    (``upgraded from format 2``), its objects of that format stay readable, whole and by
+    group."""
     root = str(tmp_path / "old")
     store, pool = opened(kind, SPEC13, root=root)
     keys, want, free = write_random(store, pool, 2, random.Random(23))
     for k in keys:
         path, off = locate(store, k)
         write_at(path, off + SPEC13.page_bytes,
-                 old_trailer(SPEC13, k, read_at(path, off, SPEC13.page_bytes)))
+                 old_trailer(SPEC13, k, read_at(path, off, SPEC13.page_bytes), version))
     mpath = os.path.join(store.dir, "manifest.json")
     with open(mpath) as f:
         rec = json.load(f)
-    rec["identity"]["format"] = 2
-    rec["identity_digest"] = identity_digest_v(SPEC13, 2).hex()
+    rec["identity"]["format"] = version
+    rec["identity_digest"] = identity_digest_v(SPEC13, version).hex()
     with open(mpath, "w") as f:
         json.dump(rec, f)
     again, _ = opened(kind, SPEC13, root=root, pool=pool)
-    assert again.stats()["manifest"] == "upgraded from format 2"
+    assert again.stats()["manifest"] == f"upgraded from format {version}"
     with open(mpath) as f:
         assert json.load(f)["identity"]["format"] == 4
     assert again.batch_get(keys, free[:2]) == [True, True]
