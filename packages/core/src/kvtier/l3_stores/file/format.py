@@ -27,7 +27,8 @@ had ``min(8, num_layers)`` groups. A ranged read uses an object's group checksum
 ``G`` is the reading store's; otherwise (another writer's ``group_bytes``, version 3 objects
 of another split, version 2 objects, which have none) it reads and verifies the whole
 payload. Older versions are still read; an older reader takes version 4 objects for foreign
-ones (misses, left alone).
+ones: misses, which with its ``remove_corrupted`` (the default) it removes as it reads them,
+as this version does with any unknown one.
 
 Also here: the names of objects and fan-out directories (hex digits only), the checksum
 implementations (the fastest bit-compatible one importable), and the store's identity record
