@@ -446,6 +446,29 @@ def test_unknown_format_version_is_a_foreign_miss(opened, kind):
     assert store.stats()["foreign"] == (3 if kind == "objects" else 1)    # segments: forgotten
 
 
+@pytest.mark.parametrize("version,kept", [(9, True), (1, False)])
+@pytest.mark.parametrize("kind", FILE_KINDS)
+def test_a_newer_format_version_is_left_alone_an_unknown_older_one_removed(opened, kind,
+                                                                          version, kept):
+    """With ``remove_corrupted`` (the default): an object of a newer format version (a newer
+    kvtier's, sharing the directory) is a counted foreign miss, whole and by group, and stays
+    on disk as it was; one of an unknown older version is removed (zeroed, for a slot)."""
+    store, pool = opened(kind, SPEC13)
+    keys, want, free = write_random(store, pool, 1, random.Random(59))
+    path, off = locate(store, keys[0])
+    payload = read_at(path, off, SPEC13.page_bytes)
+    planted = old_trailer(SPEC13, keys[0], payload, version=version)
+    write_at(path, off + SPEC13.page_bytes, planted)
+    assert store.batch_get(keys, free[:1]) == [False]
+    read_group_checked(store, pool, keys, free[1:2], 0, want, [False])
+    assert store.stats()["foreign"] >= 1
+    if kind == "objects" and not kept:
+        assert not os.path.exists(path)
+    else:
+        assert read_at(path, off, SPEC13.page_bytes) == payload
+        assert (read_at(path, off + SPEC13.page_bytes, TRAILER) == planted) == kept
+
+
 @pytest.mark.parametrize("version", [2, 3])
 @pytest.mark.parametrize("kind", FILE_KINDS)
 def test_older_format_directory_is_upgraded_and_its_objects_read(opened, tmp_path, kind,

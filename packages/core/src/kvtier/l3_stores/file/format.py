@@ -27,8 +27,9 @@ had ``min(8, num_layers)`` groups. A ranged read uses an object's group checksum
 ``G`` is the reading store's; otherwise (another writer's ``group_bytes``, version 3 objects
 of another split, version 2 objects, which have none) it reads and verifies the whole
 payload. Older versions are still read; an older reader takes version 4 objects for foreign
-ones: misses, which with its ``remove_corrupted`` (the default) it removes as it reads them,
-as this version does with any unknown one.
+ones: misses, which with its ``remove_corrupted`` (the default) it removes as it reads them.
+From version 4 on a reader leaves objects of a newer version alone (misses, counted
+``foreign``, never removed): a newer kvtier sharing the directory keeps its objects.
 
 Also here: the names of objects and fan-out directories (hex digits only), the checksum
 implementations (the fastest bit-compatible one importable), and the store's identity record
@@ -219,11 +220,14 @@ def pack_trailer(fingerprint: str, key: bytes, payload_len: int, kind_id: int,
 
 
 class _Bad(Exception):
-    """An object that must not be trusted; ``kind`` names the stats counter."""
+    """An object that must not be trusted; ``kind`` names the stats counter. ``keep``: not the
+    store's to remove even with ``remove_corrupted`` (an object of a newer format version: a
+    newer kvtier's, sharing the directory)."""
 
-    def __init__(self, kind: str, why: str):
+    def __init__(self, kind: str, why: str, keep: bool = False):
         super().__init__(why)
         self.kind = kind
+        self.keep = keep
 
 
 class Trailer(NamedTuple):
@@ -253,6 +257,9 @@ def parse_trailer(raw: bytes, fingerprint: str, key: bytes, payload_len: int,
         _FIELDS.unpack_from(raw)
     if magic != MAGIC:
         raise _Bad("corrupted", "bad magic")
+    if version > FORMAT_VERSION:      # before the trailer's own checksum: its layout may differ
+        raise _Bad("foreign", f"format version {version}, newer than this kvtier's "
+                   f"{FORMAT_VERSION}", keep=True)
     if struct.unpack_from("<I", raw, TRAILER_BYTES - 4)[0] != \
             zlib.crc32(raw[:TRAILER_BYTES - 4]) & 0xFFFFFFFF:
         raise _Bad("corrupted", "trailer checksum mismatch")

@@ -270,7 +270,7 @@ class _ObjectFormat(_StoreDirectory):
         self._bump(bad.kind)
         _warn_once(f"bad:{bad.kind}", f"file: untrusted object {os.path.join(self.dir, rel)} "
                    f"({bad}); treated as a miss (further ones are only counted in stats)")
-        if bad.kind != "not_regular":
+        if bad.kind != "not_regular" and not bad.keep:     # not ours to remove: kept
             self._remove_bad(sfd, name, st)
         self._forget(rel)
 

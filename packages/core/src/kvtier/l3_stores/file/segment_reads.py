@@ -303,7 +303,8 @@ class SegmentReads(SegmentCapacity):
         s._bump(bad.kind)
         _warn_once(f"bad:{bad.kind}", f"file: untrusted slot {slot} of {path} ({bad}); "
                       "treated as a miss (further ones are only counted in stats)")
-        remove = s.config.remove_corrupted and bad.kind != "truncated" and not s.read_only
+        remove = s.config.remove_corrupted and bad.kind != "truncated" and not s.read_only \
+            and not bad.keep
         if forget or remove:
             with self._lock:
                 self._forget_if(digest, seg, slot)
