@@ -243,10 +243,10 @@ class Trailer(NamedTuple):
 
 def parse_trailer(raw: bytes, fingerprint: str, key: bytes, payload_len: int,
                   identities: Mapping[int, bytes], key_digest: bytes | None = None,
-                  groups: int = 0) -> Trailer:
+                  v3_groups: int = 0) -> Trailer:
     """Validate a trailer (of ``key``, or of the key whose SHA-256 is ``key_digest``) of any
     readable format version, ``identities`` giving the identity digest each version's objects
-    carry; ``groups``: how many layer groups format 3 split these pages in
+    carry; ``v3_groups``: how many layer groups format 3 split these pages in
     (``min(MAX_GROUPS, num_layers)``; format 4 says it in the trailer). The group checksums
     are checked for consistency: the last is the payload checksum, unused entries are zero.
     Raises _Bad."""
@@ -276,12 +276,14 @@ def parse_trailer(raw: bytes, fingerprint: str, key: bytes, payload_len: int,
         raise _Bad("foreign", "object of another store identity (namespace or format)")
     if version == 2:
         return Trailer(version, kind_id, psum, ())
-    if version != 3:
-        if not 0 < count <= MAX_GROUPS:
-            raise _Bad("corrupted", f"trailer with {count} layer groups")
+    if version == 3:
+        if count:
+            raise _Bad("corrupted", f"format 3 trailer with a group count ({count})")
+        groups = v3_groups
+    elif not 0 < count <= MAX_GROUPS:
+        raise _Bad("corrupted", f"trailer with {count} layer groups")
+    else:
         groups = count
-    elif count:
-        raise _Bad("corrupted", f"format 3 trailer with a group count ({count})")
     sums = _GROUP_SUMS.unpack_from(raw, _FIELDS.size)
     if groups and (not 0 < groups <= MAX_GROUPS or sums[groups - 1] != psum
                    or any(sums[groups:])):

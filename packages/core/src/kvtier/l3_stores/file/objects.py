@@ -305,7 +305,7 @@ class _ObjectFormat(_StoreDirectory):
             if n != (min(st.st_size, plen + DIRECT_ALIGN) if direct else self.object_bytes):
                 raise _Bad("truncated", f"read {n} of {st.st_size} bytes")
             t = parse_trailer(bytes(blk[:TRAILER_BYTES]), self.spec.fingerprint, key, plen,
-                              self._identities, groups=self._v3_groups)
+                              self._identities, v3_groups=self._v3_groups)
             if _checksum(t.kind_id, views) != t.payload_sum:
                 raise _Bad("corrupted", "payload checksum mismatch")
             self._used(fd, rel, st)
@@ -341,7 +341,7 @@ class _ObjectFormat(_StoreDirectory):
 
                 def parse(raw: bytes):
                     return parse_trailer(raw, self.spec.fingerprint, key, plen,
-                                         self._identities, groups=self._v3_groups)
+                                         self._identities, v3_groups=self._v3_groups)
                 dst, raw = read_group(fd, 0, plen, self._views(page), a, b, direct)
                 marks = check_group(fd, 0, plen, parse(raw), span, dst, a, b, direct, parse,
                                     len(self._groups))

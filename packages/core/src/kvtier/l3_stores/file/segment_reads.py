@@ -200,7 +200,7 @@ class SegmentReads(SegmentCapacity):
                     continue
                 try:
                     t = parse_trailer(raw, s.spec.fingerprint, b"", plen, s._identities,
-                                      key_digest=digest, groups=s._v3_groups)
+                                      key_digest=digest, v3_groups=s._v3_groups)
                     # the checksum of the bytes in the page now: taken as they arrived
                     # (hot), or over the page (another checksum kind, or not in memory)
                     have = sums[j] if sums and t.kind_id == s._kind_id else \
@@ -258,7 +258,7 @@ class SegmentReads(SegmentCapacity):
             for (slot, i, digest, _), res in zip(run, got):
                 def parse(raw: bytes, digest: bytes = digest) -> Trailer:
                     return parse_trailer(raw, s.spec.fingerprint, b"", plen, s._identities,
-                                         key_digest=digest, groups=s._v3_groups)
+                                         key_digest=digest, v3_groups=s._v3_groups)
                 try:
                     if isinstance(res, _Bad):
                         raise res
